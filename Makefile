@@ -1,0 +1,42 @@
+# kvwire: the two commands a fresh machine needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch: on these machines it installs from local disk, never a CUDA download.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test lint unit e2e bench clean venv
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[engine,test,metrics,demo]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m kvwire.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvwire tests benchmarks examples
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q -ra
+
+unit: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not e2e"
+
+e2e: $(STAMP)
+	$(PY) -m pytest -q -ra -m e2e
+
+bench: $(STAMP)
+	$(PY) benchmarks/publisher_bench.py
+	$(PY) benchmarks/subscriber_bench.py
+	$(PY) benchmarks/index_bench.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

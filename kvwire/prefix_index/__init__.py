@@ -1,0 +1,1 @@
+"""kvwire.prefix_index."""

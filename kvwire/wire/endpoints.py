@@ -1,0 +1,121 @@
+"""Endpoint arithmetic and validation for per-rank sockets.
+
+Each data-parallel rank publishes on its own socket: ``base_port + rank`` for
+tcp, a ``_dp{rank}`` suffix for ipc/inproc, rank 0 unchanged. The replay
+endpoint is offset the same way.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EndpointError", "offset_endpoint", "validate_endpoint", "validate_endpoints"]
+
+_SCHEMES = ("tcp", "ipc", "inproc")
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]", "::"}
+
+
+class EndpointError(ValueError):
+    """An endpoint that cannot be bound or connected as configured."""
+
+
+def _split(endpoint: str) -> tuple[str, str]:
+    if not isinstance(endpoint, str) or not endpoint:
+        raise EndpointError(f"endpoint {endpoint!r} is empty")
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise EndpointError(
+            f"endpoint {endpoint!r} has an unknown scheme: expected one of "
+            + ", ".join(f"{s}://" for s in _SCHEMES)
+        )
+    if not rest:
+        raise EndpointError(f"endpoint {endpoint!r} has no address after the scheme")
+    return scheme, rest
+
+
+def _tcp_host_port(endpoint: str, rest: str) -> tuple[str, int]:
+    host, sep, port_s = rest.rpartition(":")
+    if not sep or not host or not port_s:
+        raise EndpointError(f"tcp endpoint {endpoint!r} needs host:port")
+    if not port_s.isdigit():
+        raise EndpointError(f"tcp endpoint {endpoint!r} has a non-numeric port {port_s!r}")
+    port = int(port_s)
+    if not 1 <= port <= 65535:
+        raise EndpointError(f"tcp endpoint {endpoint!r} has port {port} outside 1..65535")
+    return host, port
+
+
+def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
+    """Check that ``endpoint`` and its ``ranks`` offsets are all usable."""
+    if ranks < 1:
+        raise EndpointError(f"ranks must be >= 1 for endpoint {endpoint!r}, got {ranks}")
+    scheme, rest = _split(endpoint)
+    if scheme == "tcp":
+        _, port = _tcp_host_port(endpoint, rest)
+        if port + ranks - 1 > 65535:
+            raise EndpointError(
+                f"tcp endpoint {endpoint!r} with {ranks} ranks needs ports up to "
+                f"{port + ranks - 1}, beyond 65535"
+            )
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix."""
+    if rank < 0:
+        raise EndpointError(f"rank must be >= 0, got {rank} for endpoint {endpoint!r}")
+    validate_endpoint(endpoint, rank + 1)
+    if rank == 0:
+        return endpoint
+    scheme, rest = _split(endpoint)
+    if scheme == "tcp":
+        host, port = _tcp_host_port(endpoint, rest)
+        return f"tcp://{host}:{port + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def _addresses(endpoint: str, ranks: int) -> set[tuple[str, str]]:
+    """(host-or-kind, port-or-path) of every rank, wildcards folded to one host."""
+    out: set[tuple[str, str]] = set()
+    for rank in range(ranks):
+        scheme, rest = _split(offset_endpoint(endpoint, rank))
+        if scheme == "tcp":
+            host, port = _tcp_host_port(endpoint, rest)
+            out.add(("tcp", str(port)))
+        else:
+            out.add((scheme, rest))
+    return out
+
+
+def _hosts_may_clash(a: str, b: str) -> bool:
+    sa, ra = _split(a)
+    sb, rb = _split(b)
+    if sa != "tcp" or sb != "tcp":
+        return True
+    ha, _ = _tcp_host_port(a, ra)
+    hb, _ = _tcp_host_port(b, rb)
+    return ha == hb or ha in _WILDCARD_HOSTS or hb in _WILDCARD_HOSTS
+
+
+def validate_endpoints(
+    endpoint: str, replay_endpoint: str | None = None, ranks_per_host: int = 1
+) -> None:
+    """Validate a publish endpoint and optional replay endpoint for a host's ranks.
+
+    Rejects identical endpoints and publish/replay spans that overlap once
+    offset for ``ranks_per_host`` ranks (publish and replay base ports must be
+    at least that far apart).
+    """
+    validate_endpoint(endpoint, ranks_per_host)
+    if replay_endpoint is None:
+        return
+    validate_endpoint(replay_endpoint, ranks_per_host)
+    if replay_endpoint == endpoint:
+        raise EndpointError(f"publish and replay endpoints are both {endpoint!r}")
+    if not _hosts_may_clash(endpoint, replay_endpoint):
+        return
+    clash = _addresses(endpoint, ranks_per_host) & _addresses(replay_endpoint, ranks_per_host)
+    if clash:
+        raise EndpointError(
+            f"publish endpoint {endpoint!r} and replay endpoint {replay_endpoint!r} "
+            f"overlap for {ranks_per_host} ranks per host (shared: "
+            + ", ".join(sorted(v for _, v in clash))
+            + "); their base ports must be at least ranks_per_host apart"
+        )
