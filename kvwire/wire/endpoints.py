@@ -77,7 +77,7 @@ def _addresses(endpoint: str, ranks: int) -> set[tuple[str, str]]:
     for rank in range(ranks):
         scheme, rest = _split(offset_endpoint(endpoint, rank))
         if scheme == "tcp":
-            host, port = _tcp_host_port(endpoint, rest)
+            _, port = _tcp_host_port(endpoint, rest)
             out.add(("tcp", str(port)))
         else:
             out.add((scheme, rest))
