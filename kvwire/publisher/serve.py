@@ -1,0 +1,350 @@
+"""The reference engine server: N data-parallel ranks, each a paged KV cache publishing events.
+
+    python -m kvwire.publisher.serve --ranks 2 --port 5557 --replay-port 5657 --control-port 5757
+
+Each rank has its own :class:`PagedKVCache`, :class:`EventCollector` and
+:class:`EventPublisher` bound at ``port + rank`` (replay at ``replay_port +
+rank``), like vLLM's data-parallel ranks. One engine thread runs everything:
+it serves the control endpoint (see :mod:`kvwire.publisher.control`) and,
+when asked, drives itself with the seeded synthetic workload. Each command or
+workload step is one scheduler iteration: one flush, at most one batch per rank.
+
+Binds to 127.0.0.1 unless ``--host`` says otherwise; events carry users'
+prompt token ids, so binding beyond loopback is an explicit choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvwire.publisher.collector import EventCollector
+from kvwire.publisher.control import (
+    Admitted,
+    Command,
+    Drive,
+    Envelope,
+    Failed,
+    Ok,
+    Probe,
+    Probed,
+    RankStats,
+    Release,
+    Reply,
+    Reset,
+    SetPublisher,
+    Shutdown,
+    Stats,
+    StatsReply,
+    Submit,
+    Truth,
+    TruthReply,
+    encoder,
+    request_decoder,
+)
+from kvwire.publisher.paged_cache import CacheFullError, PagedKVCache
+from kvwire.publisher.publisher import EventPublisher
+from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
+
+__all__ = ["EngineConfig", "EngineServer", "main"]
+
+log = logging.getLogger("kvwire.serve")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine server is started with."""
+
+    ranks: int = 1
+    host: str = "127.0.0.1"
+    port: int = 5557
+    replay_port: int | None = 5657
+    control_port: int = 5757
+    num_blocks: int = 256
+    block_size: int = 16
+    buffer_steps: int = 10_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    device: str | None = None
+    hash_seed: int = 0
+
+    def endpoint(self, port: int) -> str:
+        return f"tcp://{self.host}:{port}"
+
+
+@dataclass
+class _Rank:
+    rank: int
+    cache: PagedKVCache
+    collector: EventCollector
+    publisher: EventPublisher
+    active: deque[str] = field(default_factory=deque)
+
+
+class EngineServer:
+    """The engine thread: control commands and the self-driven workload, one at a time."""
+
+    def __init__(self, config: EngineConfig, context: zmq.Context[Any] | None = None) -> None:
+        self.config = config
+        self._ctx = context or zmq.Context.instance()
+        self.ranks: list[_Rank] = []
+        replay = None if config.replay_port is None else config.endpoint(config.replay_port)
+        for r in range(config.ranks):
+            publisher = EventPublisher(
+                config.endpoint(config.port),
+                replay,
+                rank=r,
+                buffer_steps=config.buffer_steps,
+                max_queue_size=config.max_queue_size,
+                topic=config.topic,
+                ranks_per_host=config.ranks,
+                context=self._ctx,
+            )
+            collector = EventCollector(publisher, config.block_size)
+            cache = PagedKVCache(
+                config.num_blocks,
+                config.block_size,
+                collector,
+                device=config.device,
+                hash_seed=config.hash_seed,
+            )
+            self.ranks.append(_Rank(r, cache, collector, publisher))
+        self._control: zmq.Socket[bytes] | None = None
+        self._workload: SyntheticWorkload | None = None
+        self._drive_interval = 0.0
+        self._drive_hold = 8
+        self._next_drive = 0.0
+        self._drive_rank = 0
+        self._running = False
+
+    # --- commands ------------------------------------------------------------------
+
+    def _rank(self, rank: int) -> _Rank:
+        if not 0 <= rank < len(self.ranks):
+            raise ValueError(f"rank {rank} is outside 0..{len(self.ranks) - 1}")
+        return self.ranks[rank]
+
+    def admit(self, rank: int, request_id: str, token_ids: Sequence[int]) -> Admitted:
+        """Admit a request, releasing this rank's oldest requests while out of blocks."""
+        r = self._rank(rank)
+        while True:
+            try:
+                result = r.cache.admit(request_id, token_ids)
+                break
+            except CacheFullError:
+                if not r.active:
+                    raise
+                r.cache.release(r.active.popleft())
+        r.active.append(request_id)
+        r.collector.flush()
+        return Admitted(result.prompt_blocks, result.cached_blocks)
+
+    def release(self, rank: int, request_id: str) -> None:
+        r = self._rank(rank)
+        if request_id in r.active:
+            r.active.remove(request_id)
+            r.cache.release(request_id)
+            r.collector.flush()
+
+    def handle(self, command: Command) -> Reply:
+        """Execute one control command as one scheduler iteration."""
+        if isinstance(command, Submit):
+            return self.admit(command.rank, command.request_id, command.token_ids)
+        if isinstance(command, Release):
+            self.release(command.rank, command.request_id)
+            return Ok()
+        if isinstance(command, Probe):
+            return Probed(self._rank(command.rank).cache.probe(command.token_ids))
+        if isinstance(command, Reset):
+            r = self._rank(command.rank)
+            r.active.clear()
+            r.cache.reset()
+            r.collector.flush()
+            return Ok()
+        if isinstance(command, Truth):
+            r = self._rank(command.rank)
+            return TruthReply(sorted(r.cache.held_hashes()), r.publisher.last_seq)
+        if isinstance(command, SetPublisher):
+            self._rank(command.rank).publisher.max_queue_size = command.max_queue_size
+            return Ok()
+        if isinstance(command, Drive):
+            self.drive(command.rate, seed=command.seed, hold=command.hold)
+            return Ok()
+        if isinstance(command, Stats):
+            return StatsReply([self._stats(r) for r in self.ranks])
+        if isinstance(command, Shutdown):
+            self.stop()
+            return Ok()
+        raise ValueError(f"unknown command {type(command).__name__}")
+
+    def _stats(self, r: _Rank) -> RankStats:
+        return RankStats(
+            r.rank,
+            r.cache.held_blocks,
+            r.cache.free_blocks,
+            r.cache.active_requests,
+            r.publisher.stats().as_dict(),
+        )
+
+    # --- the self-driven workload ------------------------------------------------------
+
+    def drive(self, rate: float, *, seed: int = 0, hold: int = 8) -> None:
+        """Admit ``rate`` synthetic requests per second round-robin over ranks (0 stops).
+
+        Each rank keeps its ``hold`` most recent requests active; older ones
+        are released, so blocks become evictable and eviction happens.
+        """
+        if rate <= 0:
+            self._workload = None
+            return
+        cfg = WorkloadConfig(seed=seed, block_size=self.config.block_size)
+        self._workload = SyntheticWorkload(cfg)
+        self._drive_interval = 1.0 / rate
+        self._drive_hold = max(1, hold)
+        self._next_drive = time.monotonic()
+
+    def step(self) -> None:
+        """One self-driven iteration: admit the next request on the next rank."""
+        if self._workload is None:
+            return
+        request = self._workload.next_request()
+        r = self.ranks[self._drive_rank]
+        self._drive_rank = (self._drive_rank + 1) % len(self.ranks)
+        while len(r.active) >= self._drive_hold:
+            r.cache.release(r.active.popleft())
+        self.admit(r.rank, request.request_id, request.token_ids)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind every publisher and the control socket."""
+        for r in self.ranks:
+            r.publisher.start()
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.config.endpoint(self.config.control_port))
+        self._control = sock
+        self._running = True
+
+    def serve(self, until: float | None = None) -> None:
+        """Run the engine loop until a Shutdown command, a signal or ``until`` (monotonic)."""
+        sock = self._control
+        if sock is None:
+            raise RuntimeError("call start() first")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while self._running:
+            now = time.monotonic()
+            if until is not None and now >= until:
+                break
+            timeout = 200
+            if self._workload is not None:
+                timeout = max(0, int((self._next_drive - now) * 1000))
+            if poller.poll(timeout):
+                self._serve_one(sock)
+            if self._workload is not None and time.monotonic() >= self._next_drive:
+                self.step()
+                self._next_drive += self._drive_interval
+                # Fall behind gracefully instead of bursting to catch up.
+                self._next_drive = max(self._next_drive, time.monotonic() - self._drive_interval)
+
+    def _serve_one(self, sock: zmq.Socket[bytes]) -> None:
+        frames = sock.recv_multipart()
+        ident = 0
+        try:
+            ident, command = request_decoder.decode(frames[-1])
+            reply = self.handle(command)
+        except Exception as exc:  # a bad command is answered, never fatal
+            log.warning("control command failed: %s", exc)
+            reply = Failed(f"{type(exc).__name__}: {exc}")
+        sock.send_multipart([*frames[:-1], encoder.encode(Envelope(ident, reply))])
+
+    def stop(self) -> None:
+        """Make :meth:`serve` return after the current iteration (signal-safe)."""
+        self._running = False
+
+    def close(self) -> None:
+        """Flush and close every publisher, then the control socket."""
+        self._running = False
+        for r in self.ranks:
+            r.publisher.close()
+        if self._control is not None:
+            self._control.close(0)
+            self._control = None
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(
+        prog="python -m kvwire.publisher.serve", description="kvwire reference engine server"
+    )
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=5557, help="event PUB base port (rank r: port + r)")
+    p.add_argument("--replay-port", type=int, default=5657, help="replay ROUTER base port; 0: none")
+    p.add_argument("--control-port", type=int, default=5757)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--buffer-steps", type=int, default=10_000)
+    p.add_argument("--max-queue-size", type=int, default=100_000)
+    p.add_argument("--topic", default="")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
+    p.add_argument("--hash-seed", type=int, default=0)
+    p.add_argument("--drive-rate", type=float, default=0.0, help="self-driven requests per second")
+    p.add_argument("--drive-seed", type=int, default=0)
+    p.add_argument("--drive-hold", type=int, default=8)
+    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
+    args = p.parse_args(argv)
+    config = EngineConfig(
+        ranks=args.ranks,
+        host=args.host,
+        port=args.port,
+        replay_port=args.replay_port or None,
+        control_port=args.control_port,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        buffer_steps=args.buffer_steps,
+        max_queue_size=args.max_queue_size,
+        topic=args.topic,
+        device=args.device,
+        hash_seed=args.hash_seed,
+    )
+    return config, args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m kvwire.publisher.serve``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config, args = _parse(argv)
+    server = EngineServer(config)
+    def _on_signal(signum: int, _frame: object) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.start()
+    if args.drive_rate > 0:
+        server.drive(args.drive_rate, seed=args.drive_seed, hold=args.drive_hold)
+    log.info(
+        "engine up: %d ranks, events %s, replay %s, control %s",
+        config.ranks,
+        config.endpoint(config.port),
+        None if config.replay_port is None else config.endpoint(config.replay_port),
+        config.endpoint(config.control_port),
+    )
+    until = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        server.serve(until)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
