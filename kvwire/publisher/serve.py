@@ -71,6 +71,7 @@ class EngineConfig:
     num_blocks: int = 256
     block_size: int = 16
     buffer_steps: int = 10_000
+    hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
     device: str | None = None
@@ -103,6 +104,7 @@ class EngineServer:
                 replay,
                 rank=r,
                 buffer_steps=config.buffer_steps,
+                hwm=config.hwm,
                 max_queue_size=config.max_queue_size,
                 topic=config.topic,
                 ranks_per_host=config.ranks,
@@ -293,6 +295,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--buffer-steps", type=int, default=10_000)
+    p.add_argument("--hwm", type=int, default=100_000, help="PUB send high-water mark")
     p.add_argument("--max-queue-size", type=int, default=100_000)
     p.add_argument("--topic", default="")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
@@ -311,6 +314,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         buffer_steps=args.buffer_steps,
+        hwm=args.hwm,
         max_queue_size=args.max_queue_size,
         topic=args.topic,
         device=args.device,
@@ -324,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config, args = _parse(argv)
     server = EngineServer(config)
+
     def _on_signal(signum: int, _frame: object) -> None:
         server.stop()
 

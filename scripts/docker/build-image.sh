@@ -189,7 +189,7 @@ old=$(docker images --format '{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}' "$REPO" 
         | awk -F'\t' '$2 ~ /:w-[0-9a-f]+$/' | sort -r | cut -f2 | tail -n +"$((KEEP + 1))")
 for ref in $old; do
     [[ "$ref" == "$HASH_TAG" ]] && continue
-    docker rmi "$ref" >/dev/null 2>&1 && log "pruned old image $ref" || true
+    if docker rmi "$ref" >/dev/null 2>&1; then log "pruned old image $ref"; fi
 done
 
 log "done in $(elapsed "$T_ALL") s"

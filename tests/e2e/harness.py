@@ -1,0 +1,381 @@
+"""Fault scenarios shared by the loopback and the containerised end-to-end tests.
+
+An :class:`Engine` is a reference engine server (``python -m
+kvwire.publisher.serve``) that drives itself with the synthetic workload; a
+:class:`Router` follows every rank with a :class:`Subscriber` feeding a
+:class:`PrefixIndex`. After each fault the traffic stops, each rank publishes
+one more batch (so a lost tail shows up as a gap), and :func:`converge` polls
+until every rank is either SYNCED with exactly the engine's blocks, or
+PARTIAL with no block the engine does not hold.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvwire.prefix_index import PrefixIndex
+from kvwire.publisher.control import ControlClient, ControlError, Stats
+from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
+
+from .faultproxy import FaultProxy
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 16
+CONVERGE_TARGET_S = 2.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How an engine server is started for a scenario."""
+
+    worker_id: str
+    ranks: int = 2
+    num_blocks: int = 96
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    drive_rate: float = 60.0
+    drive_seed: int = 0
+    drive_hold: int = 3
+
+    def args(self, host: str, port: int, replay_port: int, control_port: int) -> list[str]:
+        return [
+            "-m", "kvwire.publisher.serve",
+            "--host", host,
+            "--ranks", str(self.ranks),
+            "--port", str(port),
+            "--replay-port", str(replay_port),
+            "--control-port", str(control_port),
+            "--num-blocks", str(self.num_blocks),
+            "--block-size", str(BLOCK_SIZE),
+            "--buffer-steps", str(self.buffer_steps),
+            "--hwm", str(self.hwm),
+            "--drive-rate", str(self.drive_rate),
+            "--drive-seed", str(self.drive_seed),
+            "--drive-hold", str(self.drive_hold),
+            "--device", "cpu",
+        ]  # fmt: skip
+
+
+class Engine(abc.ABC):
+    """One engine server and the faults that can be done to it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._client: ControlClient | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @abc.abstractmethod
+    def source(self) -> EngineSource:
+        """Where a router subscribes to this engine."""
+
+    @property
+    @abc.abstractmethod
+    def control_endpoint(self) -> str: ...
+
+    def client(self) -> ControlClient:
+        if self._client is None:
+            self._client = ControlClient(self.control_endpoint, timeout=5.0)
+        return self._client
+
+    def reset_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Poll the control endpoint until the engine answers."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.client().call(Stats(), timeout=1.0)
+                return
+            except ControlError as exc:
+                last = exc
+                self.reset_client()
+        raise RuntimeError(f"engine {self.worker_id} not ready after {timeout} s: {last}\n{self.logs()}")
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def kill(self) -> None: ...
+
+    @abc.abstractmethod
+    def restart(self) -> None:
+        """Start again after :meth:`kill` (same ports / address)."""
+
+    @abc.abstractmethod
+    def pause(self) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def disconnect(self) -> None: ...
+
+    @abc.abstractmethod
+    def reconnect(self) -> None: ...
+
+    @abc.abstractmethod
+    def logs(self) -> str: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+
+def _free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on loopback."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + n > 65000:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on loopback")
+
+
+class LocalEngine(Engine):
+    """An engine server as a local process; network faults cut a TCP proxy in front of it."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
+        super().__init__(spec)
+        r = spec.ranks
+        base = _free_port_block(4 * r + 1)
+        self.port, self.replay_port = base, base + r
+        self.proxy_port, self.proxy_replay_port = base + 2 * r, base + 3 * r
+        self.control_port = base + 4 * r
+        self.log_path = log_dir / f"{spec.worker_id}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.proxies = [
+            FaultProxy(self.proxy_port + i, self.port + i) for i in range(r)
+        ] + [FaultProxy(self.proxy_replay_port + i, self.replay_port + i) for i in range(r)]
+        for p in self.proxies:
+            p.start()
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.control_port}"
+
+    def source(self) -> EngineSource:
+        return EngineSource(
+            self.worker_id,
+            f"tcp://127.0.0.1:{self.proxy_port}",
+            f"tcp://127.0.0.1:{self.proxy_replay_port}",
+            ranks=self.spec.ranks,
+        )
+
+    def start(self) -> None:
+        args = self.spec.args("127.0.0.1", self.port, self.replay_port, self.control_port)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=log, env=env, cwd=REPO)
+        self.wait_ready()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.reset_client()
+
+    def restart(self) -> None:
+        self.start()
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def disconnect(self) -> None:
+        for p in self.proxies:
+            p.cut()
+
+    def reconnect(self) -> None:
+        for p in self.proxies:
+            p.restore()
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.reset_client()
+        for p in self.proxies:
+            p.close()
+
+
+@dataclass
+class Router:
+    """The router under test: a subscriber feeding a prefix index, on its own thread."""
+
+    engines: list[Engine]
+    config: StreamConfig = field(default_factory=StreamConfig)
+    index: PrefixIndex = field(init=False)
+    subscriber: Subscriber = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex(BLOCK_SIZE)
+        self.subscriber = Subscriber([e.source() for e in self.engines], self.index, config=self.config)
+
+    started: bool = field(init=False, default=False)
+
+    def start(self) -> Router:
+        self.subscriber.start()
+        self.started = True
+        return self
+
+    def stop(self) -> None:
+        if self.started:
+            self.subscriber.stop()
+            self.started = False
+
+    def status(self) -> dict[tuple[str, int], Any]:
+        return {(s.worker_id, s.rank): s for s in self.subscriber.status()}
+
+
+@dataclass
+class Convergence:
+    worker_id: str
+    rank: int
+    state: RankState
+    seconds: float
+    blocks: int
+
+
+def quiesce(engines: list[Engine]) -> None:
+    """Stop the traffic, then make every rank publish once more (a lost tail becomes a gap)."""
+    for e in engines:
+        e.client().drive(0)
+    for e in engines:
+        for rank in range(e.spec.ranks):
+            marker = [rank + 1] * BLOCK_SIZE
+            e.client().submit(rank, f"quiesce-{time.monotonic_ns()}", marker)
+
+
+def converge(router: Router, engines: list[Engine], since: float, timeout: float = 30.0) -> list[Convergence]:
+    """Poll until every rank agrees with its engine; returns how long each took from ``since``."""
+    done: dict[tuple[str, int], Convergence] = {}
+    deadline = time.monotonic() + timeout
+    problems: dict[tuple[str, int], str] = {}
+    while time.monotonic() < deadline:
+        status = router.status()
+        for e in engines:
+            for rank in range(e.spec.ranks):
+                key = (e.worker_id, rank)
+                if key in done:
+                    continue
+                truth = e.client().truth(rank)
+                st = status.get(key)
+                if st is None:
+                    problems[key] = "the router reports no such rank"
+                    continue
+                held = router.index.blocks(e.worker_id, rank)
+                engine_blocks = set(truth.hashes)
+                caught_up = st.expected_seq == truth.last_seq + 1 and not st.replay_pending
+                if caught_up and st.state is RankState.SYNCED and held == engine_blocks:
+                    ok = True
+                elif caught_up and st.state is RankState.PARTIAL and held <= engine_blocks:
+                    ok = True
+                else:
+                    ok = False
+                    problems[key] = (
+                        f"state={st.state.name} expected_seq={st.expected_seq} "
+                        f"engine_last_seq={truth.last_seq} index={len(held)} engine={len(engine_blocks)} "
+                        f"extra={len(held - engine_blocks)} missing={len(engine_blocks - held)} "
+                        f"reason={st.reason!r}"
+                    )
+                if ok:
+                    done[key] = Convergence(e.worker_id, rank, st.state, time.monotonic() - since, len(held))
+                    problems.pop(key, None)
+        if len(done) == sum(e.spec.ranks for e in engines):
+            return sorted(done.values(), key=lambda c: (c.worker_id, c.rank))
+        time.sleep(0.05)  # a poll interval under a deadline, not synchronisation
+    raise AssertionError(f"ranks did not converge within {timeout} s: {problems}")
+
+
+def report(name: str, results: list[Convergence]) -> None:
+    for c in results:
+        flag = "" if c.seconds <= CONVERGE_TARGET_S else f"  (over the {CONVERGE_TARGET_S} s target)"
+        print(
+            f"[{name}] {c.worker_id}/rank{c.rank}: {c.state.name} after {c.seconds:.2f} s, "
+            f"{c.blocks} blocks{flag}"
+        )
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def applied(router: Router, engine: Engine, batches: int) -> Callable[[], bool]:
+    """True once the router applied at least ``batches`` batches of every rank of ``engine``."""
+
+    def check() -> bool:
+        st = router.status()
+        return all(st[(engine.worker_id, r)].expected_seq >= batches for r in range(engine.spec.ranks))
+
+    return check
+
+
+@contextlib.contextmanager
+def cluster(make: Callable[[EngineSpec], Engine], specs: list[EngineSpec], *, start_router: bool = True) -> Iterator[tuple[list[Engine], Router]]:
+    engines: list[Engine] = []
+    router: Router | None = None
+    try:
+        for spec in specs:
+            engines.append(make(spec))
+        for e in engines:
+            e.start()
+        router = Router(engines)
+        if start_router:
+            router.start()
+        yield engines, router
+    except BaseException:
+        for e in engines:
+            print(f"----- logs of {e.worker_id} -----\n{e.logs()[-4000:]}")
+        raise
+    finally:
+        if router is not None:
+            router.stop()
+        for e in engines:
+            e.stop()
