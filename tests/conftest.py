@@ -11,12 +11,8 @@ import pytest
 FIXTURE_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "wire"
 
 
-def fixture_files() -> list[Path]:
-    """Every captured-traffic file; an empty list fails loudly rather than skipping."""
-    files = sorted(FIXTURE_DIR.glob("*.json"))
-    if not files:
-        raise RuntimeError(f"no wire fixtures found in {FIXTURE_DIR}")
-    return files
+FIXTURE_FILES = sorted(FIXTURE_DIR.glob("*.json"))
+"""Every captured-traffic file (tests/wire/test_fixtures.py fails when there are none)."""
 
 
 def load_fixture(path: Path) -> dict[str, Any]:
@@ -28,6 +24,6 @@ def hex_frames(message: list[str]) -> list[bytes]:
     return [bytes.fromhex(f) for f in message]
 
 
-@pytest.fixture(params=fixture_files(), ids=lambda p: p.stem)
+@pytest.fixture(params=FIXTURE_FILES, ids=lambda p: p.stem)
 def wire_fixture(request: pytest.FixtureRequest) -> dict[str, Any]:
     return load_fixture(request.param)

@@ -1,1 +1,38 @@
-"""kvwire.prefix_index."""
+"""Which worker holds the longest prefix of a prompt, and where to route it.
+
+- :class:`PrefixIndex`: the subscriber's sink; matches prompts against the
+  blocks each (worker, rank) reported.
+- :func:`block_keys`: the chained block keys the index uses, for routers that
+  compute them once per prompt.
+- :class:`KvRouter`: the routing decision from cache overlap and load.
+"""
+
+from kvwire.prefix_index.index import (
+    CPU,
+    GPU,
+    STORAGE,
+    IndexStats,
+    PrefixIndex,
+    RankKey,
+    TierDepths,
+    tier_of,
+)
+from kvwire.prefix_index.keys import as_token_array, block_keys
+from kvwire.prefix_index.router import Candidate, Decision, KvRouter, Load
+
+__all__ = [
+    "CPU",
+    "GPU",
+    "STORAGE",
+    "Candidate",
+    "Decision",
+    "IndexStats",
+    "KvRouter",
+    "Load",
+    "PrefixIndex",
+    "RankKey",
+    "TierDepths",
+    "as_token_array",
+    "block_keys",
+    "tier_of",
+]

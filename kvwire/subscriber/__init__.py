@@ -1,1 +1,41 @@
-"""kvwire.subscriber."""
+"""The router side: follow every rank of every engine, in order, or say what is missing.
+
+:class:`RankStream` is the sans-I/O core (one per engine rank);
+:class:`Subscriber` is the ZeroMQ transport around it, feeding an
+:class:`EventSink` (or an async iterator of :data:`SinkItem`).
+"""
+
+from kvwire.subscriber.actions import Action, Apply, ClearRank, RequestReplay, StateChanged
+from kvwire.subscriber.sink import Applied, BlockSetSink, Cleared, EventSink, SinkItem
+from kvwire.subscriber.source import EngineSource, RankEndpoints
+from kvwire.subscriber.state import (
+    LossPolicy,
+    RankCounters,
+    RankState,
+    RankStatus,
+    StreamConfig,
+)
+from kvwire.subscriber.stream import RankStream
+from kvwire.subscriber.transport import Subscriber
+
+__all__ = [
+    "Action",
+    "Applied",
+    "Apply",
+    "BlockSetSink",
+    "ClearRank",
+    "Cleared",
+    "EngineSource",
+    "EventSink",
+    "LossPolicy",
+    "RankCounters",
+    "RankEndpoints",
+    "RankState",
+    "RankStatus",
+    "RankStream",
+    "RequestReplay",
+    "SinkItem",
+    "StateChanged",
+    "StreamConfig",
+    "Subscriber",
+]

@@ -9,9 +9,12 @@ normalised to unsigned 64-bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from kvwire.wire.errors import WireError
 from kvwire.wire.events import (
@@ -22,22 +25,39 @@ from kvwire.wire.events import (
     KVEventBatch,
 )
 
-__all__ = ["Dialect", "decode_batch", "encode_batch", "normalise_hash"]
+__all__ = [
+    "Dialect",
+    "EventParts",
+    "IntArray",
+    "RemovedParts",
+    "StoredParts",
+    "concat_int_arrays",
+    "decode_batch",
+    "encode_batch",
+    "encode_parts",
+    "normalise_hash",
+    "pack_int_array",
+]
 
 Dialect: TypeAlias = Literal["map", "array"]
 
 U64_MASK = (1 << 64) - 1
 
+IntArray: TypeAlias = list[int] | tuple[int, ...] | msgspec.Raw
+"""Ints as a Python sequence, or an already packed msgpack array of them."""
+
 # --- encoding -----------------------------------------------------------------
 # vLLM 0.33 sends lora_id, medium and lora_name even when they are None, and
 # omits the optional fields after them. These mirrors make msgspec produce
 # exactly its bytes; the public structs keep defaults so any dialect decodes.
+# They hold only ints, strings and arrays, never a cycle, so the cyclic garbage
+# collector need not track a publisher's many short-lived instances (gc=False).
 
 
-class _MapBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    block_hashes: list[int]
+class _MapBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: IntArray
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: IntArray
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -53,18 +73,18 @@ class _MapBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     cache_salt: Any = None
 
 
-class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[int]
+class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: IntArray
     medium: str | None
     group_idx: int | None = None
     locality: Any = None
     ownership: Any = None
 
 
-class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int]
+class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: IntArray
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: IntArray
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -75,8 +95,8 @@ class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
     kv_cache_spec_sliding_window: int | None
 
 
-class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int]
+class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: IntArray
     medium: str | None
 
 
@@ -84,7 +104,7 @@ class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=
     pass
 
 
-class _Envelope(msgspec.Struct, array_like=True):
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None
@@ -136,6 +156,172 @@ def encode_batch(batch: KVEventBatch, *, dialect: Dialect = "map") -> bytes:
         raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
     events = [convert(e) for e in batch.events]
     return _encoder.encode(_Envelope(batch.ts, events, batch.data_parallel_rank))
+
+
+# --- publisher fast path ---------------------------------------------------------
+# A publisher holding token ids and hashes as numpy arrays can hand them over
+# already packed as msgpack (``msgspec.Raw``), skipping the conversion to Python
+# ints. ``encode_parts`` then produces the same bytes ``encode_batch`` would for
+# the equivalent batch: every int keeps msgspec's smallest encoding.
+
+StoredParts = _MapBlockStored
+"""A ``BlockStored`` exactly as the map dialect encodes it, int arrays possibly pre-packed.
+
+Positional: ``(block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+medium, lora_name, extra_keys=None, group_idx=None, ...)``.
+"""
+
+RemovedParts = _MapBlockRemoved
+"""A ``BlockRemoved`` as the map dialect encodes it: ``(block_hashes, medium, group_idx=None)``."""
+
+EventParts: TypeAlias = "_MapBlockStored | _MapBlockRemoved | AllBlocksCleared"
+
+
+def encode_parts(
+    ts: float,
+    events: list[EventParts],
+    data_parallel_rank: int | None,
+    *,
+    dialect: Dialect = "map",
+) -> bytes:
+    """Encode a batch given as parts; byte-identical to :func:`encode_batch`.
+
+    For publishers that build events straight in wire form (no conversion for
+    the map dialect) with int arrays from :func:`pack_int_array`.
+    """
+    if dialect == "map":
+        return _encoder.encode(_Envelope(ts, events, data_parallel_rank))
+    if dialect != "array":
+        raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
+    out: list[Any] = []
+    for e in events:
+        if type(e) is _MapBlockStored:
+            out.append(_ArrayBlockStored(
+                e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
+                e.medium, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind,
+                e.kv_cache_spec_sliding_window,
+            ))  # fmt: skip
+        elif type(e) is _MapBlockRemoved:
+            out.append(_ArrayBlockRemoved(e.block_hashes, e.medium))
+        else:
+            out.append(_ARRAY_CLEARED)
+    return _encoder.encode(_Envelope(ts, out, data_parallel_rank))
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _split_array(raw: msgspec.Raw) -> tuple[int, memoryview]:
+    """(length, body) of a packed msgpack array."""
+    view = memoryview(raw)
+    first = view[0]
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F, view[1:]
+    if first == 0xDC:
+        return int.from_bytes(view[1:3], "big"), view[3:]
+    if first == 0xDD:
+        return int.from_bytes(view[1:5], "big"), view[5:]
+    raise ValueError(f"packed value is not a msgpack array (first byte 0x{first:02x})")
+
+
+# One width per value range, as msgspec chooses it: (low, high, prefix, dtype).
+_WIDTHS: tuple[tuple[int, int, int | None, str], ...] = (
+    (0, 127, None, "u1"),
+    (128, 255, 0xCC, "u1"),
+    (256, (1 << 16) - 1, 0xCD, ">u2"),
+    (1 << 16, (1 << 32) - 1, 0xCE, ">u4"),
+    (1 << 32, (1 << 64) - 1, 0xCF, ">u8"),
+    (-32, -1, None, "i1"),
+    (-128, -33, 0xD0, "i1"),
+    (-(1 << 15), -129, 0xD1, ">i2"),
+    (-(1 << 31), -(1 << 15) - 1, 0xD2, ">i4"),
+    (-(1 << 63), -(1 << 31) - 1, 0xD3, ">i8"),
+)
+_SIGNED_WIDE = np.dtype([("p", "u1"), ("v", ">i8")])
+
+
+def _fixed(values: npt.NDArray[np.integer[Any]], prefix: int | None, dtype: str) -> bytes:
+    if prefix is None:
+        return values.astype(dtype).tobytes()
+    rec = np.empty(values.shape[0], dtype=[("p", "u1"), ("v", dtype)])
+    rec["p"] = prefix
+    rec["v"] = values
+    return rec.tobytes()
+
+
+def pack_int_array(
+    values: npt.NDArray[np.integer[Any]], *, minimal: bool = True
+) -> msgspec.Raw | None:
+    """Pack a 1-D int array as a msgpack array, without making Python ints.
+
+    With ``minimal`` (the default) the bytes are exactly what msgspec gives for
+    ``values.tolist()``: every int in its smallest encoding. That is only cheap
+    when all values share one width (random 64-bit hashes do, token ids mostly
+    do not), so ``None`` is returned otherwise and the caller falls back to a
+    list. ``minimal=False`` always packs, at the narrowest single width that
+    holds every value: valid msgpack that every decoder reads as the same ints,
+    but not byte-identical to msgspec's output.
+    """
+    n = values.shape[0]
+    if n == 0:
+        return msgspec.Raw(b"\x90")
+    lo = int(values.min())
+    hi = int(values.max())
+    for low, high, prefix, dtype in _WIDTHS:
+        if low <= lo and hi <= high:
+            return msgspec.Raw(_array_header(n) + _fixed(values, prefix, dtype))
+    if lo < -(1 << 31) and hi >= 1 << 32 and values.dtype == np.int64:
+        # Signed 64-bit hashes (TensorRT-LLM, SGLang): both signs, all wide.
+        wide = (values >= 1 << 32) | (values < -(1 << 31))
+        if bool(wide.all()):
+            rec = np.empty(n, dtype=_SIGNED_WIDE)
+            rec["p"] = np.where(values < 0, 0xD3, 0xCF)
+            rec["v"] = values
+            return msgspec.Raw(_array_header(n) + rec.tobytes())
+    if minimal:
+        return None
+    for low, high, prefix, dtype in _FIXED_WIDTHS:
+        if low <= lo and hi <= high:
+            return msgspec.Raw(_array_header(n) + _fixed(values, prefix, dtype))
+    raise ValueError(f"ints {lo}..{hi} do not fit one msgpack integer width")
+
+
+_FIXED_WIDTHS: tuple[tuple[int, int, int | None, str], ...] = (
+    (0, 255, 0xCC, "u1"),
+    (0, (1 << 16) - 1, 0xCD, ">u2"),
+    (0, (1 << 32) - 1, 0xCE, ">u4"),
+    (0, (1 << 64) - 1, 0xCF, ">u8"),
+    (-128, 127, 0xD0, "i1"),
+    (-(1 << 15), (1 << 15) - 1, 0xD1, ">i2"),
+    (-(1 << 31), (1 << 31) - 1, 0xD2, ">i4"),
+    (-(1 << 63), (1 << 63) - 1, 0xD3, ">i8"),
+)
+
+
+def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
+    """Join int arrays end to end, packed or not, into one array for the encoder."""
+    if len(parts) == 1:
+        return parts[0]
+    if not any(type(p) is msgspec.Raw for p in parts):
+        out: list[int] = []
+        for p in parts:
+            out.extend(p)
+        return out
+    total = 0
+    bodies: list[bytes | memoryview] = []
+    for p in parts:
+        if type(p) is msgspec.Raw:
+            n, body = _split_array(p)
+        else:
+            n, body = _split_array(msgspec.Raw(_encoder.encode(p)))
+        total += n
+        bodies.append(body)
+    return msgspec.Raw(_array_header(total) + b"".join(bodies))
 
 
 # --- decoding -----------------------------------------------------------------

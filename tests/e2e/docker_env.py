@@ -72,8 +72,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO_ROOT / "scripts" / "docker"
@@ -91,7 +92,7 @@ SUBNET_POOL = ipaddress.ip_network("172.30.0.0/15")
 _OWNER = f"{socket.gethostname()}:{os.getpid()}"
 _lock = threading.Lock()
 _client = None
-_live_networks: "set[ProjectNetwork]" = set()
+_live_networks: set[ProjectNetwork] = set()
 
 
 # --------------------------------------------------------------------------- engine / image
@@ -127,7 +128,7 @@ def ensure_engine(timeout: float = 300) -> None:
     _run_script([ENSURE_DOCKERD], timeout, "scripts/docker/ensure-dockerd.sh")
     try:
         client().ping()
-    except Exception as exc:  # noqa: BLE001 - report any SDK/transport error
+    except Exception as exc:
         raise RuntimeError(f"docker engine started but the Python SDK cannot talk to it: {exc}") from exc
 
 
@@ -232,7 +233,7 @@ def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condit
             value = pred()
             if value:
                 return value
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             last_exc = exc
         if time.monotonic() >= deadline:
             msg = f"timed out after {timeout}s waiting for {what}"
@@ -261,7 +262,7 @@ def wait_for_tcp(host: str, port: int, timeout: float = 30.0) -> float:
 class Node:
     """A container on a ProjectNetwork, with a static IP on that network."""
 
-    def __init__(self, net: "ProjectNetwork", name: str, container, ip: str):
+    def __init__(self, net: ProjectNetwork, name: str, container, ip: str):
         self.net = net
         self.name = name                # short name == DNS alias on the network
         self.container = container      # docker.models.containers.Container
@@ -299,7 +300,7 @@ class Node:
                           what=f"{self.name} status in {statuses}")
 
     # -- lifecycle
-    def start(self, timeout: float = 60.0, expect_running: bool = True) -> "Node":
+    def start(self, timeout: float = 60.0, expect_running: bool = True) -> Node:
         """(Re)start this same container (after kill/stop or when created).
 
         Raises RuntimeError (with the container's logs) when expect_running and
@@ -323,7 +324,7 @@ class Node:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
         self.container.stop(timeout=timeout)
 
-    def restart(self, timeout: float = 60.0) -> "Node":
+    def restart(self, timeout: float = 60.0) -> Node:
         if self.status in ("running", "paused", "restarting"):
             if self.status == "paused":
                 self.unpause()
@@ -388,7 +389,7 @@ class ProjectNetwork:
         self._next_host = 2
 
     # -- context
-    def __enter__(self) -> "ProjectNetwork":
+    def __enter__(self) -> ProjectNetwork:
         try:
             self.open()
         except BaseException:
@@ -479,26 +480,39 @@ class ProjectNetwork:
         assert self.subnet is not None
         ip = str(self.subnet.network_address + self._next_host)
         self._next_host += 1
+        # testcontainers creates and starts the container (its Ryuk reaper is
+        # off: it would pull an image; this module labels and sweeps instead).
+        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        from testcontainers.core.container import DockerContainer
+
         c = client()
         endpoint = c.api.create_endpoint_config(aliases=[name], ipv4_address=ip)
-        ctr = c.containers.create(
-            image or self.image,
-            command,
-            name=f"{self.name}-{name}",
+        tc = DockerContainer(image or self.image)
+        tc.with_name(f"{self.name}-{name}")
+        if command is not None:
+            tc.with_command(command)
+        for key, value in (env or {}).items():
+            tc.with_env(key, value)
+        tc.with_kwargs(
             hostname=name,
-            environment=dict(env or {}),
             labels={**self._labels(), f"{LABEL}.node": name},
             network=self.network.name,
             networking_config={self.network.name: endpoint},
-            volumes=dict(volumes or {}),
             working_dir=workdir,
             init=init,
-            detach=True,
             **create_kwargs,
         )
-        node = Node(self, name, ctr, ip)
+        for host_path, mount in (volumes or {}).items():
+            tc.with_volume_mapping(host_path, mount["bind"], mount.get("mode", "ro"))
+        tc.start()
+        node = Node(self, name, tc.get_wrapped_container(), ip)
         self.nodes[name] = node
-        node.start(expect_running=expect_running)
+        status = node.wait_status("running", "exited", "dead", timeout=60)
+        if status == "running":
+            self._harden(node)
+        elif expect_running:
+            raise RuntimeError(f"container {node.name} exited at once (code {node.exit_code}):\n"
+                               f"{node.logs(tail=50)}")
         if wait_port is not None:
             node.wait_for_tcp(wait_port, wait_timeout)
         return node
@@ -512,7 +526,7 @@ class ProjectNetwork:
         for name, node in self.nodes.items():
             try:
                 out[name] = node.logs()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out[name] = f"<no logs: {exc}>"
         return out
 
@@ -538,25 +552,23 @@ class ProjectNetwork:
 def _host_routes() -> list[ipaddress.IPv4Network]:
     """IPv4 destinations routed on the host (from /proc/net/route)."""
     nets = []
-    with contextlib.suppress(OSError):
-        with open("/proc/net/route") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                dest = socket.inet_ntoa(int(parts[1], 16).to_bytes(4, "little"))
-                mask = socket.inet_ntoa(int(parts[7], 16).to_bytes(4, "little"))
-                with contextlib.suppress(ValueError):
-                    nets.append(ipaddress.ip_network(f"{dest}/{mask}", strict=False))
+    with contextlib.suppress(OSError), open("/proc/net/route") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            dest = socket.inet_ntoa(int(parts[1], 16).to_bytes(4, "little"))
+            mask = socket.inet_ntoa(int(parts[7], 16).to_bytes(4, "little"))
+            with contextlib.suppress(ValueError):
+                nets.append(ipaddress.ip_network(f"{dest}/{mask}", strict=False))
     # plus the host's DNS servers (they may sit behind the default route)
-    with contextlib.suppress(OSError):
-        with open("/etc/resolv.conf") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 2 and parts[0] == "nameserver":
-                    with contextlib.suppress(ValueError):
-                        net = ipaddress.ip_network(parts[1])
-                        if net.version == 4:
-                            nets.append(net)
+    with contextlib.suppress(OSError), open("/etc/resolv.conf") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    net = ipaddress.ip_network(parts[1])
+                    if net.version == 4:
+                        nets.append(net)
     return nets
 
 

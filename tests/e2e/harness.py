@@ -308,12 +308,11 @@ def converge(router: Router, engines: list[Engine], since: float, timeout: float
                 held = router.index.blocks(e.worker_id, rank)
                 engine_blocks = set(truth.hashes)
                 caught_up = st.expected_seq == truth.last_seq + 1 and not st.replay_pending
-                if caught_up and st.state is RankState.SYNCED and held == engine_blocks:
-                    ok = True
-                elif caught_up and st.state is RankState.PARTIAL and held <= engine_blocks:
-                    ok = True
-                else:
-                    ok = False
+                agrees = (st.state is RankState.SYNCED and held == engine_blocks) or (
+                    st.state is RankState.PARTIAL and held <= engine_blocks
+                )
+                ok = caught_up and agrees
+                if not ok:
                     problems[key] = (
                         f"state={st.state.name} expected_seq={st.expected_seq} "
                         f"engine_last_seq={truth.last_seq} index={len(held)} engine={len(engine_blocks)} "

@@ -17,10 +17,21 @@ from kvwire.wire import (
     parse_live,
     parse_replay_reply,
 )
-from tests.conftest import FIXTURE_DIR, hex_frames, load_fixture
+from tests.conftest import FIXTURE_DIR, FIXTURE_FILES, hex_frames, load_fixture
 
 # The endpoint a capture came from is rank 0; legacy envelopes carry no rank.
 ENDPOINT_RANK = 0
+
+
+def test_every_captured_dialect_is_present() -> None:
+    names = {p.name for p in FIXTURE_FILES}
+    assert {
+        "vllm-0.33.0.json",
+        "vllm-0.33.0-bytes-hashes.json",
+        "sglang-0.5.23.json",
+        "trtllm-streaming.json",
+        "vllm-legacy-array.json",
+    } <= names, f"wire fixtures missing from {FIXTURE_DIR}"
 
 
 def _as_expected(seq: int, batch: Any, expected: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,205 @@
+"""The ``kvwire`` command line.
+
+``kvwire watch ENDPOINT``: a live per-rank view of an engine's KV-event
+stream (state, seq, events/s, gaps, replays, blocks held). ``kvwire dump
+ENDPOINT``: every decoded batch as a JSON line. Both work against any engine
+publishing KV events (vLLM, SGLang, TensorRT-LLM, kvwire's publisher): pass
+the engine's base endpoint, its replay endpoint if it has one, and its number
+of data-parallel ranks. Subcommands register themselves on the parser, so
+more can be added next to these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import BinaryIO, TextIO
+
+import msgspec
+
+from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber
+from kvwire.subscriber.view import BatchRecord, ClearRecord, WatchView
+from kvwire.wire import EndpointError
+
+__all__ = ["build_parser", "main"]
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "endpoint",
+        metavar="ENDPOINT",
+        help="the engine's base publish endpoint, e.g. tcp://host:5557",
+    )
+    parser.add_argument(
+        "--replay",
+        metavar="ENDPOINT",
+        help="the engine's base replay endpoint (lets gaps be repaired)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks: rank r is at port + r (default 1)",
+    )
+    parser.add_argument(
+        "--worker", default="engine", help="a name for the engine (default: engine)"
+    )
+    parser.add_argument("--topic", default="", help="subscription topic prefix (default: all)")
+    parser.add_argument(
+        "--duration", type=float, metavar="S", help="stop after S seconds (default: run until ^C)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log state changes to stderr")
+
+
+def _source(args: argparse.Namespace) -> EngineSource:
+    return EngineSource(args.worker, args.endpoint, args.replay, args.ranks, args.topic)
+
+
+# --- watch ---------------------------------------------------------------------------------
+
+
+def add_watch_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "watch",
+        help="live per-rank view of an engine's KV events",
+        description="Follow every rank of an engine and show, refreshed in place, each rank's "
+        "state, next seq, events/s, gaps, lost seqs, replays, restarts and blocks held.",
+    )
+    _add_source_arguments(p)
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="refresh every S s (default 1)"
+    )
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="print one table when --duration (default 2 s) ends, without refreshing",
+    )
+    p.set_defaults(func=_run_watch)
+
+
+def _run_watch(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise SystemExit("kvwire watch: --interval must be > 0")
+    if args.once and args.duration is None:
+        args.duration = 2.0
+    return asyncio.run(_watch(args, sys.stdout))
+
+
+async def _watch(args: argparse.Namespace, out: TextIO) -> int:
+    source = _source(args)
+    replay = f", replay {source.replay_endpoint}" if source.replay_endpoint else ", no replay"
+    view = WatchView(f"kvwire watch  {source.endpoint}{replay}  ranks {source.ranks}")
+    sink = BlockSetSink()
+    in_place = out.isatty() and not args.once
+    drawn = 0
+    loop = asyncio.get_running_loop()
+    end = None if args.duration is None else loop.time() + args.duration
+    async with Subscriber([source], sink) as sub:
+        view.render(sub.status(), sink)  # the baseline for events/s
+        while True:
+            wait = args.interval if end is None else min(args.interval, end - loop.time())
+            await asyncio.sleep(max(wait, 0.0))
+            done = end is not None and loop.time() >= end
+            if args.once and not done:
+                continue
+            lines = view.render(sub.status(), sink)
+            if in_place:
+                if drawn:
+                    out.write(f"\x1b[{drawn}F\x1b[J")  # back to the table's top, clear below
+                drawn = len(lines)
+                out.write("\n".join(lines) + "\n")
+            else:
+                out.write("\n".join(lines) + "\n\n")
+            out.flush()
+            if done:
+                return 0
+
+
+# --- dump ----------------------------------------------------------------------------------
+
+
+def add_dump_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "dump",
+        help="print an engine's decoded KV-event batches as JSON lines",
+        description="Print every batch, in order per rank, as one JSON object per line "
+        '({"type": "batch", "worker", "rank", "seq", "ts", "data_parallel_rank", "events"}), '
+        'and a {"type": "clear", ...} line where a rank\'s state had to be dropped. '
+        "With a replay endpoint the engine's buffered history comes first.",
+    )
+    _add_source_arguments(p)
+    p.add_argument("--count", type=int, metavar="N", help="stop after N batches")
+    p.set_defaults(func=_run_dump)
+
+
+def _run_dump(args: argparse.Namespace) -> int:
+    with contextlib.suppress(BrokenPipeError):
+        return asyncio.run(_dump(args, sys.stdout.buffer))
+    return 0  # the reader went away (kvwire dump ... | head)
+
+
+async def _dump(args: argparse.Namespace, out: BinaryIO) -> int:
+    encoder = msgspec.json.Encoder()
+    batches = 0
+    async with Subscriber([_source(args)]) as sub:
+
+        async def consume() -> None:
+            nonlocal batches
+            async for item in sub:
+                record: BatchRecord | ClearRecord
+                if isinstance(item, Applied):
+                    b = item.batch
+                    record = BatchRecord(
+                        item.worker_id, item.rank, item.seq, b.ts, b.data_parallel_rank, b.events
+                    )
+                    batches += 1
+                else:
+                    record = ClearRecord(item.worker_id, item.rank, item.reason)
+                out.write(encoder.encode(record) + b"\n")
+                out.flush()
+                if args.count is not None and batches >= args.count:
+                    return
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(), args.duration)
+    return 0
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvwire", description="KV-cache events from inference engines, over ZeroMQ."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_watch_command(commands)
+    add_dump_command(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    command: Command = args.func
+    try:
+        return command(args)
+    except (EndpointError, ValueError) as exc:
+        print(f"kvwire {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,644 @@
+"""The engine-side event publisher: a live PUB socket and an optional replay ROUTER.
+
+The engine thread only ever reserves a sequence number and appends to a bounded
+queue; a background thread encodes, sends, buffers batches for replay and
+serves replay requests. A full queue drops the batch (counted, logged at a
+bounded rate) instead of blocking the engine, and because the seq was reserved
+first the drop is a visible gap to every consumer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from kvwire.wire import (
+    Dialect,
+    KVEventBatch,
+    WireError,
+    encode_batch,
+    offset_endpoint,
+    pack_seq,
+    parse_replay_request,
+    replay_end_frames,
+    validate_endpoints,
+)
+
+__all__ = ["DEFAULT_ENDPOINT", "EventPublisher", "PendingBatch", "PublisherStats"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+"""Loopback only: events carry users' prompt token ids, so reaching them from
+other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+_LOG_INTERVAL_S = 10.0
+_CHUNK_BATCHES = 64  # batches encoded, then sent back to back, per pass
+_CHUNK_S = 0.0005  # or fewer, when encoding them takes longer than this
+_REPLAY_CHUNK = 32  # replay messages sent per pass, between live sends
+_MAX_REPLAY_JOBS = 64
+_REPLAY_STALL_S = 10.0
+_pack_seq = struct.Struct(">Q").pack
+
+
+class PendingBatch(Protocol):
+    """A batch whose encoding is deferred to the publisher's thread.
+
+    :class:`~kvwire.publisher.EventCollector` hands these over so that the
+    conversion and msgpack encoding stay off the engine thread.
+    """
+
+    def encode(self, dialect: Dialect) -> bytes:
+        """The batch's msgpack payload in ``dialect``."""
+        ...
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """A snapshot of a publisher's counters (batches unless named otherwise)."""
+
+    enqueued: int
+    published: int
+    dropped_queue_full: int
+    dropped_send_error: int
+    dropped_encode_error: int
+    dropped_closed: int
+    replay_served: int
+    replay_invalid: int
+    replay_dropped: int
+    queue_depth: int
+    last_seq: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name, e.g. for metrics or a control reply."""
+        return asdict(self)
+
+
+class _ReplayJob:
+    __slots__ = ("identity", "next_seq", "remaining", "stalled_since")
+
+    def __init__(self, identity: bytes, next_seq: int, remaining: int) -> None:
+        self.identity = identity
+        self.next_seq = next_seq
+        self.remaining = remaining
+        self.stalled_since: float | None = None
+
+
+def _seq_key(item: tuple[int, bytes]) -> int:
+    return item[0]
+
+
+class _Wakeup:
+    """A file descriptor the engine thread makes readable to wake the sender."""
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._write_fd = self.fd
+            self._eventfd = True
+        else:  # pragma: no cover - non-Linux
+            self.fd, self._write_fd = os.pipe()
+            os.set_blocking(self.fd, False)
+            os.set_blocking(self._write_fd, False)
+            self._eventfd = False
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            if self._eventfd:
+                os.eventfd_write(self.fd, 1)
+            else:  # pragma: no cover - non-Linux
+                os.write(self._write_fd, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            if self._eventfd:
+                os.eventfd_read(self.fd)
+            else:  # pragma: no cover - non-Linux
+                os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self._write_fd != self.fd:  # pragma: no cover - non-Linux
+            os.close(self._write_fd)
+
+
+def _fast_send(sock: zmq.Socket[bytes]) -> Callable[[bytes, int], Any]:
+    """``sock.send`` without the Python-level convenience layer (a third of the cost)."""
+    base = getattr(zmq.backend, "Socket", None)
+    if base is not None and isinstance(sock, base):
+        bound: Callable[[bytes, int], Any] = base.send.__get__(sock)
+        return bound
+    return sock.send
+
+
+def _is_loopback(endpoint: str) -> bool:
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return True
+    host = rest.rpartition(":")[0]
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class EventPublisher:
+    """Publishes KV-event batches on a ZeroMQ PUB socket, with optional replay.
+
+    ``endpoint`` and ``replay_endpoint`` are base endpoints: rank ``r`` binds
+    ``offset_endpoint(endpoint, r)`` (tcp port + r, ipc/inproc ``_dp{r}``).
+    The default binds loopback only; binding other interfaces (``tcp://*:5557``,
+    a host address) exposes prompt token ids to the network and must be asked
+    for explicitly. Live messages are ``[topic, seq, payload]``; replay follows
+    ``WIRE.md`` (DEALER and REQ clients).
+
+    ``publish()`` never blocks: at most ``max_queue_size`` batches wait for the
+    sender thread, beyond that a batch is dropped and counted. ``hwm`` is the
+    PUB socket's per-subscriber send high-water mark; a subscriber that falls
+    that far behind loses messages inside ZeroMQ and sees a seq gap.
+    ``buffer_steps`` batches are kept for replay; one replay request is answered
+    with at most ``max_replay_batches`` of them (the ROUTER's high-water mark is
+    sized for a full reply), served in chunks between live sends.
+
+    ``linger_s``: when a batch arrives at an idle sender, it waits this long
+    (not holding the GIL) before encoding and sending. The engine thread that
+    just published is then usually waiting on the GPU rather than launching
+    kernels, so the two threads do not fight over the GIL, and batches that
+    arrive meanwhile share one wake-up. It delays each batch by at most that
+    much; 0 sends at once. Under a backlog there is no lingering.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        replay_endpoint: str | None = None,
+        *,
+        rank: int = 0,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        max_replay_batches: int = 10_000,
+        dialect: Dialect = "map",
+        ranks_per_host: int | None = None,
+        linger_s: float = 0.001,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        for name, value in (
+            ("buffer_steps", buffer_steps),
+            ("hwm", hwm),
+            ("max_queue_size", max_queue_size),
+            ("max_replay_batches", max_replay_batches),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if dialect not in ("map", "array"):
+            raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
+        validate_endpoints(endpoint, replay_endpoint, ranks_per_host or rank + 1)
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.rank = rank
+        self.buffer_steps = buffer_steps
+        self.hwm = hwm
+        self.topic = topic
+        self.max_replay_batches = max_replay_batches
+        self.dialect: Dialect = dialect
+        if linger_s < 0:
+            raise ValueError(f"linger_s must be >= 0, got {linger_s}")
+        self.linger_s = linger_s
+        self._topic = topic.encode()
+        self._max_queue = max_queue_size
+        self._own_context = context is None
+        self._ctx = context
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._bound: str | None = None
+        self._bound_replay: str | None = None
+
+        self._queue: deque[tuple[int, KVEventBatch | PendingBatch]] = deque()
+        self._seqs = itertools.count()
+        self._wakeup: _Wakeup | None = None
+        self._idle = False  # True while the sender waits; the next publish wakes it
+        self._started = False
+        self._closed = False
+        self._stopping = False
+        self._flushed = True
+        self._thread: threading.Thread | None = None
+        self._lifecycle = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._jobs: deque[_ReplayJob] = deque()
+
+        self._last_seq = -1
+        self._dropped_queue_full = 0
+        self._dropped_closed = 0
+        self._published = 0
+        self._dropped_send_error = 0
+        self._dropped_encode_error = 0
+        self._replay_served = 0
+        self._replay_invalid = 0
+        self._replay_dropped = 0
+        self._problems = _RateLimitedLog(rank)
+        self._next_log = 0.0
+        self._logged_queue_full = 0
+        self._queue_full_logged_at = -_LOG_INTERVAL_S
+        self._deadline = 0.0
+
+    # --- engine-thread API -----------------------------------------------------
+
+    def publish(self, batch: KVEventBatch | PendingBatch) -> bool:
+        """Queue ``batch`` for sending; never blocks.
+
+        The seq is reserved first, so a batch dropped here (queue full, or the
+        publisher closed) leaves a gap consumers can see. Returns whether the
+        batch was queued. A batch whose ``data_parallel_rank`` is ``None`` is
+        sent with this publisher's rank. Safe to call from several threads.
+        """
+        seq = next(self._seqs)
+        self._last_seq = seq
+        if self._closed:
+            self._dropped_closed += 1
+            return False
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._dropped_queue_full += 1
+            return False
+        queue.append((seq, batch))
+        if self._idle:
+            self._idle = False
+            wakeup = self._wakeup
+            if wakeup is not None:
+                wakeup.set()
+        return True
+
+    @property
+    def max_queue_size(self) -> int:
+        """How many batches may wait for the sender before ``publish()`` drops."""
+        return self._max_queue
+
+    @max_queue_size.setter
+    def max_queue_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {value}")
+        self._max_queue = value
+
+    @property
+    def queue_depth(self) -> int:
+        """Batches waiting for the sender thread."""
+        return len(self._queue)
+
+    @property
+    def last_seq(self) -> int:
+        """The seq reserved by the latest ``publish()`` call; -1 before the first."""
+        return self._last_seq
+
+    def stats(self) -> PublisherStats:
+        """Current counters; cheap, callable from any thread at any time."""
+        depth = len(self._queue)
+        dropped = self._dropped_queue_full + self._dropped_closed
+        return PublisherStats(
+            enqueued=self._last_seq + 1 - dropped,
+            published=self._published,
+            dropped_queue_full=self._dropped_queue_full,
+            dropped_send_error=self._dropped_send_error,
+            dropped_encode_error=self._dropped_encode_error,
+            dropped_closed=self._dropped_closed,
+            replay_served=self._replay_served,
+            replay_invalid=self._replay_invalid,
+            replay_dropped=self._replay_dropped,
+            queue_depth=depth,
+            last_seq=self._last_seq,
+        )
+
+    @property
+    def bound_endpoint(self) -> str:
+        """The endpoint the PUB socket is bound to (resolved); requires ``start()``."""
+        if self._bound is None:
+            raise RuntimeError("publisher is not started")
+        return self._bound
+
+    @property
+    def bound_replay_endpoint(self) -> str | None:
+        """The replay ROUTER's bound endpoint, or ``None`` without replay."""
+        if not self._started:
+            raise RuntimeError("publisher is not started")
+        return self._bound_replay
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> EventPublisher:
+        """Bind the sockets and start the sender thread; raises if a bind fails."""
+        with self._lifecycle:
+            if self._closed:
+                raise RuntimeError("publisher is closed")
+            if self._started:
+                return self
+            ctx = self._ctx if self._ctx is not None else zmq.Context(io_threads=1)
+            pub: zmq.Socket[bytes] | None = None
+            router: zmq.Socket[bytes] | None = None
+            try:
+                pub = ctx.socket(zmq.PUB)
+                pub.setsockopt(zmq.SNDHWM, self.hwm)
+                pub.setsockopt(zmq.LINGER, 0)
+                address = offset_endpoint(self.endpoint, self.rank)
+                if not _is_loopback(address):
+                    log.warning(
+                        "publishing KV events on %s, reachable beyond this host: "
+                        "events carry prompt token ids",
+                        address,
+                    )
+                pub.bind(address)
+                self._bound = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                if self.replay_endpoint is not None:
+                    router = ctx.socket(zmq.ROUTER)
+                    router.setsockopt(zmq.SNDHWM, self.max_replay_batches + 2)
+                    router.setsockopt(zmq.RCVHWM, 1000)
+                    router.setsockopt(zmq.MAXMSGSIZE, 1024)
+                    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                    router.setsockopt(zmq.LINGER, 0)
+                    router.bind(offset_endpoint(self.replay_endpoint, self.rank))
+                    self._bound_replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            except BaseException:
+                for sock in (pub, router):
+                    if sock is not None:
+                        sock.close(linger=0)
+                if self._own_context:
+                    ctx.term()
+                raise
+            self._ctx = ctx
+            self._pub = pub
+            self._send = _fast_send(pub)
+            self._router = router
+            self._wakeup = _Wakeup()
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvwire-publisher-{self.rank}", daemon=True
+            )
+            self._started = True
+            self._thread.start()
+            return self
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop accepting batches, flush the queue and close, within ``timeout`` s.
+
+        Returns whether every queued batch was handed to ZeroMQ (and, within
+        the same deadline, to connected subscribers' sockets). Idempotent.
+        """
+        with self._lifecycle:
+            if self._closed:
+                return self._flushed
+            self._closed = True
+            if not self._started or self._thread is None:
+                self._flushed = not self._queue
+                self._queue.clear()
+                return self._flushed
+            self._deadline = time.monotonic() + max(0.0, timeout)
+            self._stopping = True
+            assert self._wakeup is not None
+            self._wakeup.set()
+            self._thread.join(max(0.0, timeout) + 1.0)
+            if self._thread.is_alive():  # pragma: no cover - a wedged libzmq
+                log.error("publisher thread for rank %d did not stop in time", self.rank)
+                self._flushed = False
+            return self._flushed
+
+    def __enter__(self) -> EventPublisher:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- sender thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        pub = self._pub
+        router = self._router
+        wakeup = self._wakeup
+        assert pub is not None and wakeup is not None
+        poller = zmq.Poller()
+        poller.register(wakeup.fd, zmq.POLLIN)
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
+        queue = self._queue
+        try:
+            while True:
+                busy = self._send_live()
+                if router is not None:
+                    busy = self._serve_replay(router) or busy
+                self._maybe_log()
+                if self._stopping and (not queue or time.monotonic() >= self._deadline):
+                    break
+                if busy:
+                    continue
+                self._idle = True
+                if queue or self._stopping:
+                    self._idle = False
+                    continue
+                poller.poll(1 if self._jobs else 500)
+                self._idle = False
+                wakeup.clear()
+                if self.linger_s and queue and not self._stopping:
+                    time.sleep(self.linger_s)
+        except Exception:  # pragma: no cover - a bug; keep the engine alive
+            log.exception("publisher thread for rank %d failed", self.rank)
+        finally:
+            self._idle = False
+            self._flushed = not queue
+            if queue:
+                self._dropped_closed += len(queue)
+                self._note_error("closed", f"{len(queue)} queued batches dropped at close")
+                queue.clear()
+            remaining = max(0.0, self._deadline - time.monotonic()) if self._stopping else 0.0
+            pub.close(linger=int(remaining * 1000))
+            if router is not None:
+                router.close(linger=0)
+            if self._own_context and self._ctx is not None:
+                self._ctx.term()
+            wakeup.close()
+            self._maybe_log(force=True)
+
+    def _send_live(self) -> bool:
+        """Encode, then send, up to one chunk of queued batches; returns whether more wait.
+
+        Sending a chunk back to back lets libzmq's I/O thread write many
+        messages per wake-up instead of one.
+        """
+        queue = self._queue
+        if not queue:
+            return False
+        dialect = self.dialect
+        rank = self.rank
+        ready: list[tuple[int, bytes]] = []
+        deadline = time.perf_counter() + _CHUNK_S
+        while queue and len(ready) < _CHUNK_BATCHES:
+            seq, item = queue.popleft()
+            try:
+                if type(item) is KVEventBatch:
+                    if item.data_parallel_rank is None:
+                        item = msgspec.structs.replace(item, data_parallel_rank=rank)
+                    payload = encode_batch(item, dialect=dialect)
+                else:
+                    payload = item.encode(dialect)  # type: ignore[union-attr]
+            except Exception as exc:
+                self._dropped_encode_error += 1
+                self._note_error("encode", f"batch seq {seq} could not be encoded: {exc}")
+                continue
+            ready.append((seq, payload))
+            if self._stopping and time.monotonic() >= self._deadline:
+                break
+            if not len(ready) & 7 and time.perf_counter() >= deadline:
+                break
+        topic = self._topic
+        more = zmq.SNDMORE | zmq.NOBLOCK
+        noblock = zmq.NOBLOCK
+        pack = _pack_seq
+        send = self._send
+        failed = 0
+        for seq, payload in ready:
+            try:
+                send(topic, more)
+                send(pack(seq), more)
+                send(payload, noblock)
+            except zmq.ZMQError as exc:
+                failed += 1
+                self._note_error("send", f"batch seq {seq} not sent: {exc}")
+        self._published += len(ready) - failed
+        self._dropped_send_error += failed
+        self._buffer.extend(ready)
+        return bool(queue)
+
+    # --- replay ----------------------------------------------------------------------
+
+    def _serve_replay(self, router: zmq.Socket[bytes]) -> bool:
+        readable = int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+        for _ in range(16 if readable else 0):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                identity, start = parse_replay_request(frames)
+            except WireError as exc:
+                self._replay_invalid += 1
+                self._note_error("replay_invalid", f"ignored replay request: {exc}")
+                continue
+            if len(self._jobs) >= _MAX_REPLAY_JOBS:
+                self._replay_dropped += 1
+                self._note_error("replay_busy", "replay request dropped: too many in progress")
+                continue
+            self._jobs.append(_ReplayJob(identity, start, self.max_replay_batches))
+        if not self._jobs:
+            return False
+        job = self._jobs[0]
+        if self._send_replay_chunk(router, job):
+            self._jobs.popleft()
+            if job.remaining >= 0:
+                self._replay_served += 1
+        else:
+            self._jobs.rotate(-1)
+        return bool(self._jobs)
+
+    def _send_replay_chunk(self, router: zmq.Socket[bytes], job: _ReplayJob) -> bool:
+        """Send up to one chunk of ``job``; returns whether the job is finished."""
+        buffer = self._buffer
+        topic = self._topic
+        idx = bisect_left(buffer, job.next_seq, key=_seq_key)
+        sent = 0
+        try:
+            while job.remaining > 0 and idx < len(buffer) and sent < _REPLAY_CHUNK:
+                seq, payload = buffer[idx]
+                router.send_multipart(
+                    [job.identity, b"", topic, pack_seq(seq), payload], zmq.NOBLOCK
+                )
+                job.next_seq = seq + 1
+                job.remaining -= 1
+                idx += 1
+                sent += 1
+            if job.remaining > 0 and idx < len(buffer):
+                job.stalled_since = None
+                return False
+            router.send_multipart([job.identity, *replay_end_frames()], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            now = time.monotonic()
+            if sent:
+                job.stalled_since = None
+            elif job.stalled_since is None:
+                job.stalled_since = now
+            elif now - job.stalled_since > _REPLAY_STALL_S:
+                return self._abandon(job, "its client stopped reading")
+            return False
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
+            return self._abandon(job, str(exc))
+
+    def _abandon(self, job: _ReplayJob, why: str) -> bool:
+        self._replay_dropped += 1
+        job.remaining = -1
+        self._note_error("replay_dropped", f"replay abandoned: {why}")
+        return True
+
+    # --- bounded-rate logging ------------------------------------------------------
+
+    def _note_error(self, kind: str, message: str) -> None:
+        self._problems.note(kind, message)
+
+    def _maybe_log(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_log:
+            return
+        self._next_log = now + 0.5
+        dropped = self._dropped_queue_full
+        if dropped != self._logged_queue_full and (
+            force or now - self._queue_full_logged_at >= _LOG_INTERVAL_S
+        ):
+            log.warning(
+                "rank %d: %d batches dropped because the queue was full "
+                "(max_queue_size=%d; %d since start)",
+                self.rank,
+                dropped - self._logged_queue_full,
+                self._max_queue,
+                dropped,
+            )
+            self._logged_queue_full = dropped
+            self._queue_full_logged_at = now
+        self._problems.emit(now, force)
+
+
+class _RateLimitedLog:
+    """Logs each kind of problem at most once per interval, with a count of repeats."""
+
+    def __init__(self, rank: int, interval: float = _LOG_INTERVAL_S) -> None:
+        self._rank = rank
+        self._interval = interval
+        self._pending: dict[str, tuple[str, int]] = {}
+        self._last: dict[str, float] = {}
+
+    def note(self, kind: str, message: str, count: int = 1) -> None:
+        _, seen = self._pending.get(kind, ("", 0))
+        self._pending[kind] = (message, seen + count)
+
+    def emit(self, now: float, force: bool = False) -> None:
+        for kind in list(self._pending):
+            if not force and now - self._last.get(kind, -self._interval) < self._interval:
+                continue
+            message, count = self._pending.pop(kind)
+            self._last[kind] = now
+            suffix = f" ({count} such problems since the last report)" if count > 1 else ""
+            log.warning("rank %d: %s%s", self._rank, message, suffix)

@@ -1,0 +1,56 @@
+"""What a :class:`~kvwire.subscriber.RankStream` asks its transport to do.
+
+Each input to a stream returns a list of these, in the order they must be
+carried out. They are plain tuples so the hot path costs one allocation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, TypeAlias
+
+from kvwire.subscriber.state import RankState
+from kvwire.wire import KVEventBatch
+
+__all__ = ["Action", "Apply", "ClearRank", "RequestReplay", "StateChanged"]
+
+
+class Apply(NamedTuple):
+    """Apply ``batch`` (the publisher's batch ``seq``) to the rank's state downstream.
+
+    Batches come in seq order. An ``AllBlocksCleared`` inside a batch clears
+    the rank at its place among the batch's events: sinks handle it in order.
+    """
+
+    seq: int
+    batch: KVEventBatch
+
+
+class ClearRank(NamedTuple):
+    """Drop everything known about the rank (a restart, or an unrecoverable loss)."""
+
+    reason: str
+
+
+class RequestReplay(NamedTuple):
+    """Ask the publisher's replay socket for every buffered batch from ``start_seq``.
+
+    A request supersedes every earlier one. With ``fresh`` the earlier one may
+    still be answered, so the transport must send this on a new replay socket
+    (closing the old one) so that no late reply can be read. Replies are fed
+    back with ``token``.
+    """
+
+    start_seq: int
+    token: int
+    fresh: bool
+
+
+class StateChanged(NamedTuple):
+    """The rank's state changed, and why."""
+
+    old: RankState
+    new: RankState
+    reason: str
+
+
+Action: TypeAlias = Apply | ClearRank | RequestReplay | StateChanged

@@ -1,0 +1,122 @@
+"""Prometheus exposition of a subscriber's per-rank state and counters.
+
+Needs the ``metrics`` extra (prometheus-client), imported only when used::
+
+    from kvwire.subscriber.metrics import register_metrics
+    register_metrics(subscriber)          # into prometheus_client's default registry
+
+Every counter of :class:`~kvwire.subscriber.RankCounters` becomes
+``kvwire_subscriber_<name>_total{worker, rank}``; the state is the gauge
+``kvwire_subscriber_rank_state{worker, rank, state}`` (1 for the current
+state, 0 for the others), plus ``kvwire_subscriber_expected_seq``,
+``kvwire_subscriber_held_batches`` and ``kvwire_subscriber_connected``.
+Values are read from :meth:`Subscriber.status` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvwire.subscriber.state import RankCounters, RankState, RankStatus
+
+__all__ = ["SubscriberCollector", "register_metrics"]
+
+_PREFIX = "kvwire_subscriber"
+
+_COUNTER_HELP = {
+    "batches": "Batches applied to the sink",
+    "replayed": "Batches applied from a replay",
+    "events": "Events in the batches applied",
+    "gaps": "Holes found in a rank's stream",
+    "seqs_lost": "Sequence numbers given up on",
+    "replays_requested": "Replay requests sent",
+    "replays_succeeded": "Replays that filled what they were asked for",
+    "replays_failed": "Replays given up on after their retries",
+    "replay_timeouts": "Replay requests that timed out",
+    "probes": "Replays asked while idle",
+    "resyncs": "Unrecoverable losses after which the rank went on",
+    "restarts": "Publisher restarts detected",
+    "reconnects": "Reconnections to the publisher",
+    "decode_errors": "Frames that could not be parsed or decoded",
+    "rank_mismatches": "Batches whose envelope names another rank",
+    "duplicates": "Live copies of batches already replayed",
+    "late": "Live batches that arrived after being given up on",
+    "stale_replies": "Replay frames of abandoned requests",
+    "held_overflows": "Times the held-batch buffer overflowed",
+    "sink_errors": "Times the sink raised",
+}
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client.core as core
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "Prometheus metrics need prometheus-client: pip install 'kvwire[metrics]'"
+        ) from exc
+    return core
+
+
+class SubscriberCollector:
+    """A prometheus-client collector reading ``status()`` at each scrape.
+
+    ``status`` is any callable returning :class:`RankStatus` values, usually
+    ``subscriber.status``.
+    """
+
+    def __init__(self, status: Callable[[], list[RankStatus]]) -> None:
+        self._status = status
+        self._core = _prometheus()
+
+    def describe(self) -> list[Any]:
+        return []  # collected lazily: the set of ranks changes at run time
+
+    def collect(self) -> Iterator[Any]:
+        core = self._core
+        statuses = self._status()
+        labels = ["worker", "rank"]
+        counters = {
+            name: core.CounterMetricFamily(f"{_PREFIX}_{name}", help_text, labels=labels)
+            for name, help_text in _COUNTER_HELP.items()
+        }
+        state = core.GaugeMetricFamily(
+            f"{_PREFIX}_rank_state",
+            "1 for the rank's current state (syncing, synced, partial), else 0",
+            labels=[*labels, "state"],
+        )
+        expected = core.GaugeMetricFamily(
+            f"{_PREFIX}_expected_seq", "The next sequence number a rank expects", labels=labels
+        )
+        held = core.GaugeMetricFamily(
+            f"{_PREFIX}_held_batches", "Later batches held while a gap is repaired", labels=labels
+        )
+        connected = core.GaugeMetricFamily(
+            f"{_PREFIX}_connected", "1 while the rank's SUB socket is connected", labels=labels
+        )
+        for st in statuses:
+            key = [st.worker_id, str(st.rank)]
+            for name, family in counters.items():
+                family.add_metric(key, float(getattr(st.counters, name)))
+            for s in RankState:
+                state.add_metric([*key, s.value], 1.0 if st.state is s else 0.0)
+            expected.add_metric(key, float(st.expected_seq))
+            held.add_metric(key, float(st.held))
+            connected.add_metric(key, 1.0 if st.connected else 0.0)
+        yield from counters.values()
+        yield from (state, expected, held, connected)
+
+
+def register_metrics(subscriber: Any, registry: Any = None) -> SubscriberCollector:
+    """Register a collector for ``subscriber`` (anything with ``status()``)."""
+    collector = SubscriberCollector(subscriber.status)
+    if registry is None:
+        import prometheus_client
+
+        registry = prometheus_client.REGISTRY
+    registry.register(collector)
+    return collector
+
+
+if set(_COUNTER_HELP) != set(RankCounters.__struct_fields__):  # pragma: no cover
+    raise RuntimeError("every RankCounters field needs help text in kvwire.subscriber.metrics")

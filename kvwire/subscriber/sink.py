@@ -1,0 +1,83 @@
+"""Where a subscriber's ordered stream goes: the sink contract and its item types."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
+
+from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+__all__ = ["Applied", "BlockSetSink", "Cleared", "EventSink", "SinkItem"]
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """Anything that keeps per-(worker, rank) cache state from the event stream.
+
+    ``apply`` receives each rank's batches in publisher order, exactly once,
+    and must honour an ``AllBlocksCleared`` at its place among the batch's
+    events. ``clear`` drops everything the sink holds for the rank (publisher
+    restart, unrecoverable loss, source removed). Both run on the subscriber's
+    event-loop thread; an exception is counted and logged, and the rank is
+    then cleared and marked PARTIAL since the sink's view of it is suspect.
+    """
+
+    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None: ...
+
+    def clear(self, worker_id: str, rank: int) -> None: ...
+
+
+class Applied(NamedTuple):
+    """An async-iterator item: apply ``batch`` (the publisher's ``seq``) to the rank."""
+
+    worker_id: str
+    rank: int
+    seq: int
+    batch: KVEventBatch
+
+
+class Cleared(NamedTuple):
+    """An async-iterator item: drop everything known about the rank."""
+
+    worker_id: str
+    rank: int
+    reason: str
+
+
+SinkItem: TypeAlias = Applied | Cleared
+
+
+class BlockSetSink:
+    """The smallest useful sink: the set of block hashes each rank holds.
+
+    Used by ``kvwire watch`` and by tests as the reference view; a router
+    wants the prefix index instead.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[str, int], set[int]] = {}
+
+    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+        held = self._blocks.get((worker_id, rank))
+        if held is None:
+            held = self._blocks[(worker_id, rank)] = set()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    def clear(self, worker_id: str, rank: int) -> None:
+        self._blocks.pop((worker_id, rank), None)
+
+    def blocks(self, worker_id: str, rank: int) -> frozenset[int]:
+        """The block hashes the rank is believed to hold."""
+        return frozenset(self._blocks.get((worker_id, rank), ()))
+
+    def count(self, worker_id: str, rank: int) -> int:
+        return len(self._blocks.get((worker_id, rank), ()))
+
+    def ranks(self) -> list[tuple[str, int]]:
+        """Every (worker, rank) that holds at least one block."""
+        return [key for key, held in self._blocks.items() if held]

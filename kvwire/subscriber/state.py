@@ -1,0 +1,136 @@
+"""What a rank's view is worth (its state), how it is tuned, and what it counted."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = ["LossPolicy", "RankCounters", "RankState", "RankStatus", "StreamConfig"]
+
+
+class RankState(enum.Enum):
+    """How far a router can trust what it was told about one rank.
+
+    ``SYNCED``: every batch of the publisher's current stream since the view
+    was last exact has been applied, in order. ``SYNCING``: the position is
+    being (re)established (first contact, a gap being replayed, a reconnect,
+    a disconnect). ``PARTIAL``: something was lost for good; by default the
+    rank was cleared, so it holds less than the engine but nothing stale.
+    """
+
+    SYNCING = "syncing"
+    SYNCED = "synced"
+    PARTIAL = "partial"
+
+
+class LossPolicy(enum.Enum):
+    """What an unrecoverable loss does to the rank's state downstream."""
+
+    CLEAR = "clear"
+    """Clear the rank, then continue: incomplete, but never a stale block."""
+    KEEP = "keep"
+    """Keep what was applied and continue: more blocks, some possibly stale."""
+
+
+class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Tuning of one rank's sequencing; times are in seconds.
+
+    The defaults make a rank converge well within two seconds of a fault
+    ending on a loopback or LAN link.
+    """
+
+    replay: bool = True
+    """Whether the publisher has a replay endpoint (otherwise every gap is a loss)."""
+    max_held: int = 10_000
+    """Later batches held while a gap is replayed; beyond this the gap is a loss."""
+    replay_timeout: float = 1.0
+    """A replay that goes this long without a reply frame has timed out."""
+    replay_retries: int = 3
+    """Retries after a timeout (or a reply that stops short) before giving up."""
+    backoff_initial: float = 0.05
+    backoff_max: float = 1.0
+    idle_probe: float | None = 2.0
+    """After this long without a live batch, ask the replay socket what was missed
+    (a lost last batch, a silent restart). ``None`` disables probing."""
+    loss_policy: LossPolicy = LossPolicy.CLEAR
+    dedup_window: int = 65_536
+    """Replayed batches remembered (seq and payload hash) until their live copy
+    arrives, to tell that copy from a restarted publisher's batch."""
+
+    def __post_init__(self) -> None:
+        if self.max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {self.max_held}")
+        if self.replay_timeout <= 0:
+            raise ValueError(f"replay_timeout must be > 0, got {self.replay_timeout}")
+        if self.replay_retries < 0:
+            raise ValueError(f"replay_retries must be >= 0, got {self.replay_retries}")
+        if not 0 < self.backoff_initial <= self.backoff_max:
+            raise ValueError(
+                "need 0 < backoff_initial <= backoff_max, got "
+                f"{self.backoff_initial} and {self.backoff_max}"
+            )
+        if self.idle_probe is not None and self.idle_probe <= 0:
+            raise ValueError(f"idle_probe must be > 0 or None, got {self.idle_probe}")
+        if self.dedup_window < 1:
+            raise ValueError(f"dedup_window must be >= 1, got {self.dedup_window}")
+
+
+class RankCounters(msgspec.Struct, kw_only=True):
+    """Monotonic counters of one rank (a snapshot when read through status)."""
+
+    batches: int = 0
+    """Batches applied."""
+    replayed: int = 0
+    """Of those, batches applied from a replay (the live copy was lost or late)."""
+    events: int = 0
+    """Events in the batches applied."""
+    gaps: int = 0
+    """Holes found in the stream (live seq jumps, lost trailing batches)."""
+    seqs_lost: int = 0
+    """Sequence numbers given up on (never applied)."""
+    replays_requested: int = 0
+    replays_succeeded: int = 0
+    """Replays that filled what they were asked for."""
+    replays_failed: int = 0
+    """Replays given up on after their retries."""
+    replay_timeouts: int = 0
+    probes: int = 0
+    """Replays asked while idle, to find lost trailing batches or a silent restart."""
+    resyncs: int = 0
+    """Unrecoverable losses: the rank was cleared (or kept, by policy) and went on."""
+    restarts: int = 0
+    """Publisher restarts detected."""
+    reconnects: int = 0
+    decode_errors: int = 0
+    """Frames that could not be parsed or decoded (each counted, then treated as lost)."""
+    rank_mismatches: int = 0
+    """Batches whose envelope names a rank other than the endpoint's."""
+    duplicates: int = 0
+    """Live copies of batches already applied from a replay."""
+    late: int = 0
+    """Live batches that arrived after their seq was given up on."""
+    stale_replies: int = 0
+    """Replay frames answering a request that was since abandoned."""
+    held_overflows: int = 0
+    sink_errors: int = 0
+    """Times the sink raised while applying or clearing this rank."""
+
+
+class RankStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's state, position and counters at a point in time."""
+
+    worker_id: str
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    state: RankState
+    reason: str
+    """Why the rank is in its state (the last transition's cause)."""
+    connected: bool
+    expected_seq: int
+    """The next seq to apply."""
+    held: int
+    """Later batches held while a gap is replayed."""
+    replay_pending: bool
+    counters: RankCounters

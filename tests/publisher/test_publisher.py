@@ -1,0 +1,403 @@
+"""EventPublisher over real sockets: live frames, replay, drops, close."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher
+from kvwire.publisher.publisher import _is_loopback
+from kvwire.wire import (
+    END_SEQ,
+    BlockRemoved,
+    BlockStored,
+    Dialect,
+    EndpointError,
+    KVEventBatch,
+    ReplayEnd,
+    ReplayItem,
+    decode_batch,
+    encode_batch,
+    pack_seq,
+    parse_replay_reply,
+    replay_request_frames,
+)
+
+from .conftest import connect_sub, free_port, free_port_pair, recv_live, wait_for
+
+
+def batch(i: int, rank: int | None = 0) -> KVEventBatch:
+    return KVEventBatch(
+        float(i),
+        [BlockStored([1000 + i], i or None, [i, i + 1], 2), BlockRemoved([2000 + i])],
+        rank,
+    )
+
+
+class BlockingBatch:
+    """A pending batch whose encoding waits for a gate: a sender stuck mid-batch."""
+
+    def __init__(self, gate: threading.Event, started: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.started = started
+
+    def encode(self, dialect: Dialect) -> bytes:
+        if self.started is not None:
+            self.started.set()
+        assert self.gate.wait(30)
+        return encode_batch(batch(0), dialect=dialect)
+
+
+class FailingBatch:
+    def encode(self, dialect: Dialect) -> bytes:
+        raise ValueError("cannot encode this")
+
+
+def endpoints(kind: str, ipc_dir: str) -> tuple[str, str]:
+    if kind == "tcp":
+        base = free_port_pair()
+        return f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
+    return f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
+
+
+# --- live --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "linger"), [("tcp", 0.001), ("ipc", 0.0)])
+def test_live_frames_and_consecutive_seqs(
+    kind: str, linger: float, ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    live, _ = endpoints(kind, ipc_dir)
+    with EventPublisher(live, topic="kv", linger_s=linger) as pub:
+        sub, first = connect_sub(zctx, pub)
+        sent = [batch(i) for i in range(50)]
+        for b in sent:
+            assert pub.publish(b) is True
+        for i, b in enumerate(sent):
+            msg = recv_live(sub)
+            assert msg.topic == b"kv"
+            assert msg.seq == first + i
+            assert msg.payload == encode_batch(b)
+            assert decode_batch(msg.payload) == b
+    stats = pub.stats()
+    assert stats.published == stats.enqueued == first + 50
+    assert stats.dropped_queue_full == stats.dropped_send_error == 0
+
+
+def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events") as pub:
+        sub, _ = connect_sub(zctx, pub, topic=b"kv")
+        other: zmq.Socket[bytes] = zctx.socket(zmq.SUB)
+        other.setsockopt(zmq.SUBSCRIBE, b"other")
+        other.connect(pub.bound_endpoint)
+        pub.publish(batch(1))
+        assert recv_live(sub).topic == b"kv-events"
+        assert not other.poll(200)
+
+
+def test_missing_rank_is_filled_and_array_dialect(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array") as pub:
+        assert pub.bound_endpoint == f"ipc://{ipc_dir}/p_dp3"
+        sub, _ = connect_sub(zctx, pub)
+        pub.publish(batch(7, rank=None))
+        msg = recv_live(sub)
+        assert msg.payload == encode_batch(batch(7, rank=3), dialect="array")
+        assert decode_batch(msg.payload).data_parallel_rank == 3
+
+
+def test_rank_offsets_tcp_ports() -> None:
+    base = free_port_pair(gap=4)
+    with EventPublisher(
+        f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 4}", rank=2, ranks_per_host=4
+    ) as pub:
+        assert pub.bound_endpoint == f"tcp://127.0.0.1:{base + 2}"
+        assert pub.bound_replay_endpoint == f"tcp://127.0.0.1:{base + 6}"
+
+
+def test_default_endpoint_is_loopback_only() -> None:
+    assert DEFAULT_ENDPOINT == "tcp://127.0.0.1:5557"
+    assert EventPublisher().endpoint == DEFAULT_ENDPOINT
+    assert _is_loopback(DEFAULT_ENDPOINT)
+    assert _is_loopback("ipc:///tmp/x")
+    assert not _is_loopback("tcp://*:5557")
+    assert not _is_loopback("tcp://0.0.0.0:5557")
+    assert not _is_loopback("tcp://10.1.2.3:5557")
+
+
+def test_bad_endpoints_and_settings_are_rejected() -> None:
+    with pytest.raises(EndpointError, match="both"):
+        EventPublisher("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6000")
+    with pytest.raises(EndpointError, match="overlap"):
+        EventPublisher("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001", rank=1)
+    with pytest.raises(EndpointError, match="scheme"):
+        EventPublisher("udp://127.0.0.1:6000")
+    with pytest.raises(EndpointError, match="65535"):
+        EventPublisher("tcp://127.0.0.1:65535", rank=1)
+    with pytest.raises(ValueError, match="max_queue_size"):
+        EventPublisher(max_queue_size=0)
+    with pytest.raises(ValueError, match="dialect"):
+        EventPublisher(dialect="json")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="linger_s"):
+        EventPublisher(linger_s=-1)
+
+
+def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
+    port = free_port()
+    blocker: zmq.Socket[bytes] = zctx.socket(zmq.PUB)
+    blocker.bind(f"tcp://127.0.0.1:{port}")
+    pub = EventPublisher(f"tcp://127.0.0.1:{port}")
+    with pytest.raises(zmq.ZMQError):
+        pub.start()
+    assert pub.close() is True
+
+
+# --- replay ------------------------------------------------------------------------
+
+
+def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[Any]:
+    dealer: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart(replay_request_frames(start))
+    out: list[Any] = []
+    while True:
+        assert dealer.poll(5000), "replay reply stalled"
+        frames = dealer.recv_multipart()
+        reply = parse_replay_reply(frames)
+        out.append(reply)
+        if isinstance(reply, ReplayEnd):
+            assert frames == [b"", b"", END_SEQ, b""]
+            dealer.close(linger=0)
+            return out
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
+def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    live, replay = endpoints(kind, ipc_dir)
+    with EventPublisher(live, replay, topic="t") as pub:
+        sent = {pub.last_seq + 1 + i: batch(i) for i in range(20)}
+        for b in sent.values():
+            pub.publish(b)
+        wait_for(lambda: pub.stats().published == 20, what="batches sent")
+        replies = replay_via_dealer(zctx, pub.bound_replay_endpoint or "", 5)
+        items = replies[:-1]
+        assert [r.seq for r in items] == list(range(5, 20))
+        for r in items:
+            assert isinstance(r, ReplayItem)
+            assert r.topic == b"t"
+            assert r.payload == encode_batch(sent[r.seq])
+        assert isinstance(replies[-1], ReplayEnd)
+        wait_for(lambda: pub.stats().replay_served == 1, what="replay counted")
+
+
+def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+        for i in range(5):
+            pub.publish(batch(i))
+        wait_for(lambda: pub.stats().published == 5, what="batches sent")
+        req: zmq.Socket[bytes] = zctx.socket(zmq.REQ)
+        req.connect(pub.bound_replay_endpoint or "")
+        req.send(pack_seq(3))  # REQ adds the empty delimiter itself
+        assert req.poll(5000)
+        topic, seq, payload = req.recv_multipart()  # a REQ reads the first reply only
+        assert (topic, seq) == (b"", pack_seq(3))
+        assert payload == encode_batch(batch(3))
+
+
+def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3
+    ) as pub:
+        for i in range(12):
+            pub.publish(batch(i))
+        wait_for(lambda: pub.stats().published == 12, what="batches sent")
+        endpoint = pub.bound_replay_endpoint or ""
+        # Asked from 0, but only seqs 4..11 are buffered: it starts later, silently.
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 0)[:-1]] == [4, 5, 6]
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 10)[:-1]] == [10, 11]
+        assert replay_via_dealer(zctx, endpoint, 50) == [ReplayEnd()]
+        wait_for(lambda: pub.stats().replay_served == 3, what="replays counted")
+
+
+def test_malformed_replay_requests_are_counted_and_ignored(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+        pub.publish(batch(0))
+        dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
+        dealer.connect(pub.bound_replay_endpoint or "")
+        dealer.send_multipart([b"", b"short"])
+        dealer.send_multipart([b"no delimiter", pack_seq(0)])
+        dealer.send_multipart([b"", END_SEQ])
+        dealer.send_multipart([b"", pack_seq(0), b"extra"])
+        wait_for(lambda: pub.stats().replay_invalid == 4, what="invalid requests counted")
+        dealer.send_multipart(replay_request_frames(0))  # still serves a good one
+        first = parse_replay_reply(dealer.recv_multipart())
+        assert isinstance(first, ReplayItem) and first.seq == 0
+        assert isinstance(parse_replay_reply(dealer.recv_multipart()), ReplayEnd)
+        assert not dealer.poll(100)  # nothing was sent for the bad ones
+        assert pub.stats().replay_invalid == 4
+
+
+def test_replay_does_not_starve_live(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    n = 5_000
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n
+    ) as pub:
+        sub, first = connect_sub(zctx, pub)
+        for i in range(n):
+            pub.publish(batch(i))
+        while recv_live(sub).seq < first + n - 1:  # the backlog, live
+            pass
+        dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
+        dealer.connect(pub.bound_replay_endpoint or "")
+        dealer.send_multipart(replay_request_frames(0))
+        assert dealer.poll(5000)  # the replay is under way
+        marker = batch(999_999)
+        pub.publish(marker)
+        msg = recv_live(sub)
+        assert msg.payload == encode_batch(marker)
+        # The live batch went out while thousands of replay messages were still to go.
+        assert pub.stats().replay_served == 0
+        seqs = []
+        while not isinstance(reply := parse_replay_reply(dealer.recv_multipart()), ReplayEnd):
+            seqs.append(reply.seq)
+        # Everything buffered, the marker included: it was sent before the replay ended.
+        assert seqs == list(range(0, first + n + 1))
+
+
+# --- drops, blocking, close --------------------------------------------------------
+
+
+def test_queue_full_drops_are_counted_leave_gaps_and_never_block(
+    ipc_dir: str, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = threading.Event()
+    started = threading.Event()
+    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4) as pub:
+        sub, first = connect_sub(zctx, pub)
+        assert pub.publish(BlockingBatch(gate, started))  # seq first: the sender takes it
+        assert started.wait(5)
+        results = []
+        t0 = time.perf_counter()
+        for i in range(10):  # seqs first+1 .. first+10
+            results.append(pub.publish(batch(i)))
+        elapsed = time.perf_counter() - t0
+        assert results == [True] * 4 + [False] * 6
+        assert elapsed < 0.5  # never waits for the stuck sender
+        assert pub.stats().dropped_queue_full == 6
+        with caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher"):
+            gate.set()
+            seqs = [recv_live(sub).seq for _ in range(5)]
+            wait_for(lambda: any("queue was full" in r.message for r in caplog.records), what="log")
+        assert seqs == [first, first + 1, first + 2, first + 3, first + 4]
+        pub.publish(batch(99))
+        assert recv_live(sub).seq == first + 11  # the six dropped seqs are a visible gap
+    full_logs = [r for r in caplog.records if "queue was full" in r.message]
+    assert len(full_logs) == 1 and "6 batches dropped" in full_logs[0].message
+
+
+def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    big = KVEventBatch(0.0, [BlockStored(list(range(256)), None, list(range(4096)), 16)], 0)
+    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10) as pub:
+        sub, first = connect_sub(zctx, pub, RCVHWM=10, RCVBUF=4096)
+        worst = 0.0
+        for _ in range(3000):  # the subscriber reads nothing meanwhile
+            t0 = time.perf_counter()
+            assert pub.publish(big)
+            worst = max(worst, time.perf_counter() - t0)
+        wait_for(lambda: pub.stats().published == pub.stats().enqueued, what="all sent")
+        assert worst < 0.05
+        seqs = []
+        while sub.poll(300):
+            seqs.append(recv_live(sub).seq)
+        pub.publish(big)
+        seqs.append(recv_live(sub).seq)
+        assert seqs[0] == first and seqs[-1] == first + 3000
+        assert seqs == sorted(set(seqs))
+        # What did not fit the high-water marks was dropped inside ZeroMQ: gaps.
+        assert len(seqs) < 3001
+
+
+def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p") as pub:
+        sub, first = connect_sub(zctx, pub)
+        pub.publish(FailingBatch())
+        pub.publish(batch(1))
+        assert recv_live(sub).seq == first + 1
+        assert pub.stats().dropped_encode_error == 1
+
+
+def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5)
+    pub.start()
+    sub, first = connect_sub(zctx, pub)
+    for i in range(200):
+        pub.publish(batch(i))
+    assert pub.close(timeout=5) is True
+    seqs = [recv_live(sub).seq for _ in range(200)]
+    assert seqs == list(range(first, first + 200))
+    assert pub.publish(batch(0)) is False
+    stats = pub.stats()
+    assert stats.dropped_closed == 1 and stats.published == first + 200
+    assert pub.close() is True  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.start()
+
+
+def test_close_is_bounded_when_the_sender_is_stuck(ipc_dir: str) -> None:
+    gate = threading.Event()
+    started = threading.Event()
+    pub = EventPublisher(f"ipc://{ipc_dir}/p").start()
+    pub.publish(BlockingBatch(gate, started))
+    assert started.wait(5)
+    pub.publish(batch(1))
+    t0 = time.monotonic()
+    flushed = pub.close(timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert flushed is False
+    gate.set()  # let the thread finish; the batch left behind is counted
+    wait_for(lambda: pub.stats().dropped_closed == 1, what="leftover counted")
+
+
+def test_unstarted_publisher_close_and_context_manager(ipc_dir: str) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p")
+    assert pub.publish(batch(0)) is True  # queued before start
+    assert pub.close() is False  # never started: the queued batch is lost
+    with EventPublisher(f"ipc://{ipc_dir}/q") as pub2:
+        assert pub2.bound_endpoint.startswith("ipc://")
+    assert pub2.publish(batch(0)) is False
+
+
+def test_max_queue_size_can_change_at_run_time(ipc_dir: str) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=10)
+    pub.max_queue_size = 2
+    assert [pub.publish(batch(i)) for i in range(3)] == [True, True, False]
+    with pytest.raises(ValueError):
+        pub.max_queue_size = 0
+    pub.close()
+
+
+def test_stats_is_a_consistent_snapshot() -> None:
+    pub = EventPublisher("ipc:///nonexistent-dir-kvwire/p")  # never started
+    for i in range(3):
+        pub.publish(batch(i))
+    s = pub.stats()
+    assert (s.enqueued, s.queue_depth, s.last_seq) == (3, 3, 2)
+    assert set(s.as_dict()) >= {
+        "enqueued",
+        "published",
+        "dropped_queue_full",
+        "dropped_send_error",
+        "replay_served",
+        "replay_invalid",
+    }
+    assert msgspec.json.decode(msgspec.json.encode(s.as_dict()))["enqueued"] == 3
+    pub.close()

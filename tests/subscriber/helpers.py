@@ -1,0 +1,143 @@
+"""Helpers for socket tests: free endpoints, an engine model, polling with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvwire.publisher import EventPublisher
+from kvwire.subscriber import RankState, RankStatus, StreamConfig
+from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+
+# Small timeouts so fault tests converge fast; still far above loopback latency.
+FAST = StreamConfig(
+    replay_timeout=0.5,
+    replay_retries=2,
+    backoff_initial=0.05,
+    backoff_max=0.2,
+    idle_probe=0.3,
+)
+
+
+def free_tcp_base(span: int) -> int:
+    """A base port with ``span`` consecutive free ports (tests run in parallel: bind to check)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + span > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError("no free port range found")
+
+
+def tcp_endpoints(ranks: int) -> tuple[str, str]:
+    """Publish and replay base endpoints on loopback, ``ranks`` apart."""
+    base = free_tcp_base(2 * ranks)
+    return f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + ranks}"
+
+
+@contextlib.contextmanager
+def ipc_endpoints() -> Iterator[tuple[str, str]]:
+    """Publish and replay base endpoints as ipc paths in a short private directory."""
+    d = tempfile.mkdtemp(prefix="kvw")
+    try:
+        yield f"ipc://{d}/ev", f"ipc://{d}/rp"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class Engine:
+    """A model engine: makes batches and keeps the truth (the blocks its cache holds)."""
+
+    def __init__(self, seed: int, rank: int = 0, life: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.rank = rank
+        self.life = life
+        self.truth: set[int] = set()
+        self.recent: list[int] = []  # the last stored blocks: removal candidates
+        self.next_block = (seed % 1000 + 1) * 10_000_000 + life * 1_000_000 + 1
+
+    def batch(self, *, clear: bool = False, blocks: int = 2) -> KVEventBatch:
+        events: list[KVEvent] = []
+        if clear:
+            events.append(AllBlocksCleared())
+            self.truth.clear()
+            self.recent = []
+        recent = [h for h in self.recent if h in self.truth]
+        if recent and self.rng.random() < 0.4:
+            victims = self.rng.sample(recent, k=min(2, len(recent)))
+            events.append(BlockRemoved(block_hashes=victims))
+            self.truth.difference_update(victims)
+        hashes = list(range(self.next_block, self.next_block + blocks))
+        self.next_block += blocks
+        self.truth.update(hashes)
+        self.recent = hashes
+        events.append(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[(h * 31 + i) % 50_000 for h in hashes for i in range(4)],
+                block_size=4,
+            )
+        )
+        return KVEventBatch(time.time(), events, self.rank)
+
+    def publish(self, pub: EventPublisher, n: int, **kw: Any) -> None:
+        for _ in range(n):
+            assert pub.publish(self.batch(**kw)), "the publisher queue overflowed"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds or ``timeout`` s pass (then fail, saying what)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+async def await_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def rank_status(statuses: list[RankStatus], worker: str, rank: int) -> RankStatus:
+    for st in statuses:
+        if st.worker_id == worker and st.rank == rank:
+            return st
+    raise AssertionError(f"no status for {worker} rank {rank}")
+
+
+def settled(statuses: list[RankStatus], worker: str, rank: int, next_seq: int) -> bool:
+    """The rank has dealt with every batch up to ``next_seq`` and is not mid-repair."""
+    if not any(s.worker_id == worker and s.rank == rank for s in statuses):
+        return False
+    st = rank_status(statuses, worker, rank)
+    return (
+        st.expected_seq == next_seq
+        and st.state is not RankState.SYNCING
+        and not st.replay_pending
+        and st.held == 0
+    )

@@ -1,0 +1,382 @@
+"""A simulated publisher and network around one RankStream, for model-based tests.
+
+The publisher model keeps the engine's truth (the set of blocks its cache
+holds), a bounded replay buffer, and restarts like a real process (seq back to
+0, cache and buffer empty). The network model is the ordered SUB pipe (live
+frames and connection events, in the order a transport feeds them), the
+replay request and reply queues, and what faults do to each.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass, field
+
+from kvwire.subscriber import (
+    Action,
+    Apply,
+    ClearRank,
+    RankState,
+    RankStream,
+    RequestReplay,
+    StateChanged,
+    StreamConfig,
+)
+from kvwire.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    pack_seq,
+    replay_end_frames,
+    replay_item_frames,
+)
+
+TOPIC = b"kv"
+BLOCK = 4
+
+
+def incarnation_of(batch: KVEventBatch) -> int:
+    return int(batch.ts) // 1_000_000
+
+
+class SimPublisher:
+    """An engine plus its publisher: truth, seq, replay buffer, restarts."""
+
+    def __init__(self, buffer_steps: int, max_replay: int | None, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self.max_replay = max_replay
+        self.incarnation = 0
+        self.seq = 0
+        self.truth: set[int] = set()
+        self.batches: dict[int, KVEventBatch] = {}
+        self.next_block = 1
+
+    def make_batch(self, kind: str) -> KVEventBatch:
+        events: list[KVEvent] = []
+        if kind == "clear":
+            if self.rng.random() < 0.5:
+                events.append(self._store())
+            events.append(AllBlocksCleared())
+            self.truth.clear()
+            if self.rng.random() < 0.5:
+                events.append(self._store())
+        elif kind == "remove" and self.truth:
+            victims = self.rng.sample(sorted(self.truth), k=min(len(self.truth), 3))
+            events.append(BlockRemoved(block_hashes=victims))
+            self.truth.difference_update(victims)
+            events.append(self._store())
+        else:
+            events.append(self._store())
+        ts = float(self.incarnation * 1_000_000 + self.seq)
+        return KVEventBatch(ts, events, 0)
+
+    def _store(self) -> BlockStored:
+        n = self.rng.randint(1, 3)
+        hashes = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        self.truth.update(hashes)
+        tokens = [self.rng.randrange(50_000) for _ in range(n * BLOCK)]
+        return BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=BLOCK
+        )
+
+    def publish(self, kind: str, buffered: bool = True, broken: bool = False) -> tuple[int, bytes]:
+        """The next batch; ``buffered=False`` is a batch dropped before it reached the
+        buffer, ``broken=True`` one the publisher itself encoded wrongly."""
+        seq = self.seq
+        batch = self.make_batch(kind)
+        payload = encode_batch(batch)
+        if broken:
+            payload = b"\xc1" + payload[1:]
+        self.batches[seq] = batch
+        self.seq += 1
+        if buffered:
+            self.buffer.append((seq, payload))
+        return seq, payload
+
+    def restart(self) -> None:
+        self.incarnation += 1
+        self.seq = 0
+        self.buffer.clear()
+        self.truth.clear()
+        self.batches = {}
+
+    def serve(self, start: int) -> list[list[bytes]]:
+        items = [(s, p) for s, p in self.buffer if s >= start]
+        if self.max_replay is not None:
+            items = items[: self.max_replay]
+        return [replay_item_frames(TOPIC, s, p) for s, p in items] + [replay_end_frames()]
+
+
+@dataclass
+class RecordingSink:
+    """Blocks per the applied stream, and the batches applied since the last clear."""
+
+    blocks: set[int] = field(default_factory=set)
+    since_clear: list[tuple[int, KVEventBatch]] = field(default_factory=list)
+    clears: list[str] = field(default_factory=list)
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                self.blocks.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                self.blocks.difference_update(e.block_hashes)
+            else:
+                self.blocks.clear()
+        self.since_clear.append((seq, batch))
+
+    def clear(self, reason: str) -> None:
+        self.blocks.clear()
+        self.since_clear.clear()
+        self.clears.append(reason)
+
+
+class Harness:
+    """Drives a RankStream through a schedule of publisher and network events."""
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        *,
+        buffer_steps: int = 16,
+        max_replay: int | None = None,
+        seed: int = 0,
+        contiguous: bool = True,
+        # False for the KEEP policy: it may keep a view across an unconfirmed restart.
+    ) -> None:
+        self.config = config
+        self.pub = SimPublisher(buffer_steps, max_replay, seed)
+        self.stream = RankStream(rank=0, config=config)
+        self.sink = RecordingSink()
+        self.contiguous = contiguous
+        self.now = 0.0
+        self.up = False  # the network path to the publisher
+        self.pipe: collections.deque[tuple[str, list[bytes]]] = collections.deque()
+        self.requests: collections.deque[int] = collections.deque()
+        self.replies: collections.deque[list[bytes]] = collections.deque()
+        self.channel_token = 0
+        self.states: list[StateChanged] = []
+
+    # --- feeding the stream ---------------------------------------------------------
+
+    def feed(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Apply):
+                self._check_apply(a.seq, a.batch)
+                self.sink.apply(a.seq, a.batch)
+            elif isinstance(a, ClearRank):
+                self.sink.clear(a.reason)
+            elif isinstance(a, RequestReplay):
+                assert self.config.replay, "replay requested without a replay endpoint"
+                if a.fresh:
+                    self.requests.clear()
+                    self.replies.clear()
+                self.channel_token = a.token
+                self.requests.append(a.start_seq)
+            else:
+                self.states.append(a)
+
+    def _check_apply(self, seq: int, batch: KVEventBatch) -> None:
+        log = self.sink.since_clear
+        if log and self.contiguous:
+            prev_seq, prev = log[-1]
+            assert incarnation_of(prev) == incarnation_of(batch), (
+                f"batches of two publisher lives applied without a clear between: {prev_seq} {seq}"
+            )
+            assert seq == prev_seq + 1, f"applied {seq} after {prev_seq} without a clear"
+
+    # --- operations ------------------------------------------------------------------
+
+    def publish(self, kind: str, fate: str) -> None:
+        buffered = fate != "unbuffered"
+        seq, payload = self.pub.publish(kind, buffered, broken=fate == "broken")
+        if not self.up or fate in ("lose", "unbuffered"):
+            return
+        if fate == "corrupt":
+            payload = b"\xc1" + payload[1:]
+        frames = [TOPIC, pack_seq(seq), payload]
+        if fate == "truncate":
+            frames = frames[:2]
+        self.pipe.append(("live", frames))
+
+    def deliver_live(self, n: int) -> None:
+        for _ in range(n):
+            if not self.pipe:
+                return
+            kind, frames = self.pipe.popleft()
+            if kind == "live":
+                self.feed(self.stream.live(frames, self.now))
+            elif kind == "connected":
+                self.feed(self.stream.connected(self.now))
+            else:
+                self.feed(self.stream.disconnected(self.now))
+
+    def serve(self, n: int) -> None:
+        if not self.config.replay:
+            return
+        for _ in range(n):
+            if not self.requests or not self.up:
+                return
+            self.replies.extend(self.pub.serve(self.requests.popleft()))
+
+    def deliver_replies(self, n: int) -> None:
+        # A transport handles connection events (draining the live socket first)
+        # before replay replies: a reply never overtakes a disconnect before it.
+        last = max((i for i, (k, _) in enumerate(self.pipe) if k == "disconnected"), default=-1)
+        self.deliver_live(last + 1)
+        for _ in range(n):
+            if not self.replies:
+                return
+            self.feed(
+                self.stream.replay_reply(self.replies.popleft(), self.channel_token, self.now)
+            )
+
+    def drop_replies(self) -> None:
+        self.requests.clear()
+        self.replies.clear()
+
+    def garbage_reply(self) -> None:
+        self.feed(self.stream.replay_reply([b"", b"\x00"], self.channel_token, self.now))
+
+    def early_data(self) -> None:
+        """The first batch of a connection overtakes its connection event."""
+        for i in range(len(self.pipe) - 1):
+            if self.pipe[i][0] == "connected" and self.pipe[i + 1][0] == "live":
+                self.pipe[i], self.pipe[i + 1] = self.pipe[i + 1], self.pipe[i]
+                return
+
+    def stale_reply(self) -> None:
+        frames = replay_item_frames(TOPIC, 0, b"\x93\x00\x90\x00")
+        self.feed(self.stream.replay_reply(frames, self.channel_token - 1, self.now))
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.feed(self.stream.tick(self.now))
+
+    def disconnect(self) -> None:
+        if self.up:
+            self.up = False
+            self.pipe.append(("disconnected", []))
+            self.drop_replies()
+
+    def connect(self) -> None:
+        if not self.up:
+            self.up = True
+            self.pipe.append(("connected", []))
+
+    def restart(self) -> None:
+        self.disconnect()
+        self.pub.restart()
+        if not self.config.replay:
+            # Without replay a restart can only be seen in its first batch.
+            self.connect()
+            self.publish("store", "deliver")
+
+    def run(self, op: tuple[object, ...]) -> None:
+        name = op[0]
+        if name == "publish":
+            self.publish(str(op[1]), str(op[2]))
+        elif name == "deliver_live":
+            self.deliver_live(int(op[1]))  # type: ignore[call-overload]
+        elif name == "serve":
+            self.serve(int(op[1]))  # type: ignore[call-overload]
+        elif name == "deliver_replies":
+            self.deliver_replies(int(op[1]))  # type: ignore[call-overload]
+        elif name == "drop_replies":
+            self.drop_replies()
+        elif name == "stale_reply":
+            self.stale_reply()
+        elif name == "garbage_reply":
+            self.garbage_reply()
+        elif name == "early_data":
+            self.early_data()
+        elif name == "tick":
+            self.tick(float(op[1]))  # type: ignore[arg-type]
+        elif name == "disconnect":
+            self.disconnect()
+        elif name == "connect":
+            self.connect()
+        elif name == "restart":
+            self.restart()
+        else:
+            raise AssertionError(f"unknown op {op!r}")
+
+    # --- settling and checking ---------------------------------------------------------
+
+    def quiet(self) -> bool:
+        return not self.pipe and not self.requests and not self.replies
+
+    def settle(self) -> None:
+        """Heal the network and let replies, timeouts and idle probes run their course."""
+        self.connect()
+        if not self.config.replay:
+            self.deliver_live(len(self.pipe))
+            self.publish("store", "deliver")  # without replay only a new batch tells
+            self.deliver_live(len(self.pipe))
+            return
+        if self.pub.seq and all(s != self.pub.seq - 1 for s, _ in self.pub.buffer):
+            # A last batch that never reached the buffer (or the wire) leaves no
+            # trace at all; the engine's next batch is what reveals it.
+            self.publish("store", "deliver")
+        probe = self.config.idle_probe or 1.0
+        unchanged = 0
+        for _ in range(100):
+            self._run_until_quiet()
+            before = (self.stream.expected_seq, self.stream.state, len(self.sink.clears))
+            self.tick(probe + 0.01)  # let an idle probe look for a lost tail
+            self._run_until_quiet()
+            after = (self.stream.expected_seq, self.stream.state, len(self.sink.clears))
+            unchanged = unchanged + 1 if before == after else 0
+            if unchanged >= 2:
+                return
+        raise AssertionError("idle probes kept changing the stream")
+
+    def _run_until_quiet(self) -> None:
+        for _ in range(400):
+            self.deliver_live(len(self.pipe))
+            self.serve(len(self.requests))
+            self.deliver_replies(len(self.replies))
+            if self.quiet() and not self.stream.replay_pending:
+                return
+            self.tick(0.05)
+        raise AssertionError("the stream never settled")
+
+    def check_settled(self, *, exact_when_synced: bool = True, subset: bool = True) -> None:
+        stream, pub, sink = self.stream, self.pub, self.sink
+        assert stream.state in (RankState.SYNCED, RankState.PARTIAL), (
+            stream.state,
+            stream.reason,
+        )
+        if stream.state is RankState.SYNCED or sink.since_clear:
+            # (A PARTIAL rank cleared after a restart it could not anchor may wait
+            # for the engine's next batch to learn where the new stream is.)
+            assert stream.expected_seq == pub.seq, (stream.expected_seq, pub.seq, stream.reason)
+        log = sink.since_clear
+        if stream.state is RankState.SYNCED:
+            # The view is exact from its last clear: a clear by the subscriber,
+            # or the last AllBlocksCleared the engine sent.
+            resets = [
+                i
+                for i, (_, b) in enumerate(log)
+                if any(isinstance(e, AllBlocksCleared) for e in b.events)
+            ]
+            log = log[resets[-1] :] if resets else log
+            if log and not resets:
+                assert log[0][0] == 0, (
+                    "SYNCED although the history before the last clear is missing"
+                )
+        if self.contiguous or stream.state is RankState.SYNCED:
+            for seq, batch in log:
+                assert pub.batches.get(seq) == batch, f"applied batch {seq} is not the publisher's"
+            seqs = [seq for seq, _ in log]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+        if stream.state is RankState.SYNCED and exact_when_synced:
+            assert sink.blocks == pub.truth, (sorted(sink.blocks ^ pub.truth), stream.reason)
+        elif subset:
+            assert sink.blocks <= pub.truth, (sorted(sink.blocks - pub.truth), stream.reason)

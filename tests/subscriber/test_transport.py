@@ -1,0 +1,414 @@
+"""The Subscriber against the real EventPublisher: tcp and ipc, ranks, faults, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq.asyncio
+
+from kvwire.publisher import EventPublisher
+from kvwire.subscriber import (
+    Applied,
+    BlockSetSink,
+    Cleared,
+    EngineSource,
+    RankState,
+    StreamConfig,
+    Subscriber,
+)
+from kvwire.wire import EndpointError, KVEventBatch
+from tests.subscriber.helpers import (
+    FAST,
+    Engine,
+    await_until,
+    ipc_endpoints,
+    rank_status,
+    settled,
+    tcp_endpoints,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Batches (of 64 blocks, ~1.2 kB) sent while the reader stalls: well beyond what
+# the high-water marks and the kernel's socket buffers hold (tcp's grow large).
+STALL_BATCHES = {"tcp": 6000, "ipc": 2000}
+
+
+@contextlib.contextmanager
+def endpoints(transport: str, ranks: int) -> Iterator[tuple[str, str]]:
+    if transport == "tcp":
+        yield tcp_endpoints(ranks)
+    else:
+        with ipc_endpoints() as eps:
+            yield eps
+
+
+@contextlib.contextmanager
+def publishers(ep: str, rep: str | None, ranks: int, **kw: Any) -> Iterator[list[EventPublisher]]:
+    pubs = [EventPublisher(ep, rep, rank=r, **kw).start() for r in range(ranks)]
+    try:
+        yield pubs
+    finally:
+        for p in pubs:
+            p.close(timeout=1.0)
+
+
+class GatedSink(BlockSetSink):
+    """A sink that can be paused: apply blocks (the subscriber's reader stalls) until opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = threading.Event()
+        self.open.set()
+        self.blocked = threading.Event()
+
+    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+        if not self.open.is_set():
+            self.blocked.set()
+            self.open.wait(10.0)
+        super().apply(worker_id, rank, batch)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_several_ranks_late_join_and_follow_exactly(transport: str) -> None:
+    ranks = 3
+    with endpoints(transport, ranks) as (ep, rep), publishers(ep, rep, ranks) as pubs:
+        engines = [Engine(seed=10 + r, rank=r) for r in range(ranks)]
+        for engine, pub in zip(engines, pubs, strict=True):
+            engine.publish(pub, 20)  # before the subscriber exists: replayed on first contact
+        sink = BlockSetSink()
+        with Subscriber([EngineSource("w", ep, rep, ranks=ranks)], sink, config=FAST) as sub:
+            for engine, pub in zip(engines, pubs, strict=True):
+                engine.publish(pub, 30)
+            wait_until(
+                lambda: all(settled(sub.status(), "w", r, 50) for r in range(ranks)),
+                10,
+                "every rank to apply 50 batches",
+            )
+            for r, engine in enumerate(engines):
+                st = rank_status(sub.status(), "w", r)
+                assert st.state is RankState.SYNCED, st
+                assert sink.blocks("w", r) == engine.truth
+                c = st.counters
+                assert (c.batches, c.seqs_lost, c.rank_mismatches, c.decode_errors) == (
+                    50,
+                    0,
+                    0,
+                    0,
+                )
+                assert st.endpoint == pubs[r].bound_endpoint
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_paused_reader_with_tiny_high_water_marks_is_repaired_by_replay(transport: str) -> None:
+    with endpoints(transport, 1) as (ep, rep), publishers(ep, rep, 1, hwm=2) as (pub,):
+        engine = Engine(seed=3)
+        sink = GatedSink()
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST, rcvhwm=2) as sub:
+            engine.publish(pub, 5)
+            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
+            sink.open.clear()
+            engine.publish(pub, 1)
+            assert sink.blocked.wait(5), "the reader never stalled"
+            engine.publish(pub, STALL_BATCHES[transport], blocks=64)
+            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            sink.open.set()
+            last = pub.last_seq + 1
+            wait_until(lambda: settled(sub.status(), "w", 0, last), 20, "the gap to be repaired")
+            st = rank_status(sub.status(), "w", 0)
+            # The stall lost live batches (a gap, or a heartbeat timeout while the
+            # full queue stopped reading: a reconnect); the replay brought them.
+            assert st.counters.replayed > 0, "no loss happened: the test proved nothing"
+            assert st.counters.seqs_lost == 0
+            assert st.state is RankState.SYNCED
+            assert sink.blocks("w", 0) == engine.truth
+
+
+def test_replay_buffer_too_small_leaves_partial_without_stale_blocks() -> None:
+    with ipc_endpoints() as (ep, rep), publishers(ep, rep, 1, hwm=2, buffer_steps=8) as (pub,):
+        engine = Engine(seed=4)
+        sink = GatedSink()
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST, rcvhwm=2) as sub:
+            engine.publish(pub, 5)
+            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
+            sink.open.clear()
+            engine.publish(pub, 1)
+            assert sink.blocked.wait(5)
+            engine.publish(pub, STALL_BATCHES["ipc"], blocks=64)
+            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            sink.open.set()
+            last = pub.last_seq + 1
+            wait_until(lambda: settled(sub.status(), "w", 0, last), 20, "the loss to be handled")
+            st = rank_status(sub.status(), "w", 0)
+            assert st.state is RankState.PARTIAL, st
+            assert st.counters.seqs_lost > 0 and st.counters.resyncs >= 1
+            held = sink.blocks("w", 0)
+            assert held <= engine.truth and held != engine.truth
+            # The engine drops its cache: from there the view is exact again.
+            engine.publish(pub, 1, clear=True)
+            engine.publish(pub, 3)
+            last = pub.last_seq + 1
+            wait_until(lambda: settled(sub.status(), "w", 0, last), 10, "the clear")
+            assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
+            assert sink.blocks("w", 0) == engine.truth
+
+
+def test_without_a_replay_endpoint_a_gap_is_partial_at_once() -> None:
+    with ipc_endpoints() as (ep, _), publishers(ep, None, 1, hwm=2) as (pub,):
+        engine = Engine(seed=5)
+        sink = GatedSink()
+        with Subscriber([EngineSource("w", ep)], sink, config=FAST, rcvhwm=2) as sub:
+            # Batches sent before the subscription reaches the publisher are lost
+            # and nothing can replay them; an AllBlocksCleared makes the view exact.
+            for _ in range(50):
+                engine.publish(pub, 1, clear=True)
+                with contextlib.suppress(AssertionError):
+                    nxt = pub.last_seq + 1
+                    wait_until(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a clear")
+                    break
+            assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
+            sink.open.clear()
+            engine.publish(pub, 1)
+            assert sink.blocked.wait(5)
+            engine.publish(pub, STALL_BATCHES["ipc"], blocks=64)
+            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            sink.open.set()
+            # The tiny high-water mark may drop batches sent while the reader
+            # catches up: send until one gets through.
+            for _ in range(50):
+                engine.publish(pub, 1)
+                with contextlib.suppress(AssertionError):
+                    nxt = pub.last_seq + 1
+                    wait_until(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a batch")
+                    break
+            last = pub.last_seq + 1
+            wait_until(lambda: settled(sub.status(), "w", 0, last), 10, "the last batch")
+            st = rank_status(sub.status(), "w", 0)
+            assert st.state is RankState.PARTIAL
+            assert st.counters.replays_requested == 0 and st.counters.seqs_lost > 0
+            assert sink.blocks("w", 0) <= engine.truth
+
+
+def _settled(sub: Subscriber, worker: str, rank: int, next_seq: int) -> bool:
+    return settled(sub.status(), worker, rank, next_seq)
+
+
+def _spawn(ep: str, rep: str, life: int, count: int) -> tuple[subprocess.Popen[str], set[int]]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.subscriber.publisher_proc",
+            ep,
+            rep,
+            "7",
+            str(life),
+            str(count),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the publisher process died"
+    return proc, set(json.loads(line))
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
+
+
+@pytest.mark.parametrize("new_count", [10, 45], ids=["restart-behind", "restart-ahead"])
+def test_publisher_killed_and_restarted_is_followed_from_its_new_stream(new_count: int) -> None:
+    """The new life publishes before the subscriber reconnects: only replay shows it.
+
+    With 10 batches the new stream is behind the old position (the anchored
+    replay comes back empty); with 45 it is ahead (the anchor's content differs).
+    """
+    ep, rep = tcp_endpoints(1)
+    sink = BlockSetSink()
+    proc, truth = _spawn(ep, rep, life=0, count=30)
+    try:
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
+            wait_until(lambda: settled(sub.status(), "w", 0, 30), 10, "the first life")
+            assert sink.blocks("w", 0) == truth
+            _kill(proc)
+            proc, truth = _spawn(ep, rep, life=1, count=new_count)
+            wait_until(
+                lambda: (
+                    rank_status(sub.status(), "w", 0).counters.restarts >= 1
+                    and settled(sub.status(), "w", 0, new_count)
+                ),
+                15,
+                "the restart to be followed",
+            )
+            st = rank_status(sub.status(), "w", 0)
+            assert st.state is RankState.SYNCED, st
+            assert sink.blocks("w", 0) == truth
+    finally:
+        _kill(proc)
+
+
+def test_sources_added_and_removed_at_run_time() -> None:
+    (ep1, rep1), (ep2, rep2) = tcp_endpoints(1), tcp_endpoints(1)
+    with publishers(ep1, rep1, 1) as (p1,), publishers(ep2, rep2, 1) as (p2,):
+        e1, e2 = Engine(seed=1), Engine(seed=2)
+        e1.publish(p1, 4)
+        e2.publish(p2, 6)
+        sink = BlockSetSink()
+        with Subscriber([EngineSource("a", ep1, rep1)], sink, config=FAST) as sub:
+            wait_until(lambda: settled(sub.status(), "a", 0, 4), 10, "worker a")
+            sub.add_source(EngineSource("b", ep2, rep2))
+            wait_until(lambda: settled(sub.status(), "b", 0, 6), 10, "worker b")
+            assert sink.blocks("b", 0) == e2.truth
+            with pytest.raises(ValueError):
+                sub.add_source(EngineSource("b", ep1, rep1))
+            sub.remove_source("a")
+            assert sink.blocks("a", 0) == frozenset(), "removal must clear downstream"
+            assert [s.worker_id for s in sub.status()] == ["b"]
+            e2.publish(p2, 2)
+            wait_until(lambda: settled(sub.status(), "b", 0, 8), 10, "worker b goes on")
+            assert sink.blocks("b", 0) == e2.truth
+            with pytest.raises(KeyError):
+                sub.remove_source("a")
+
+
+def test_a_failing_sink_is_counted_and_the_rank_cleared_not_fatal() -> None:
+    class Flaky(BlockSetSink):
+        calls = 0
+
+        def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("index full")
+            super().apply(worker_id, rank, batch)
+
+    ep, rep = tcp_endpoints(1)
+    with publishers(ep, rep, 1) as (pub,):
+        engine = Engine(seed=8)
+        sink = Flaky()
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
+            engine.publish(pub, 5)
+            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "batches")
+            st = rank_status(sub.status(), "w", 0)
+            assert st.counters.sink_errors == 1 and st.state is RankState.PARTIAL
+            assert sink.blocks("w", 0) <= engine.truth
+            engine.publish(pub, 1, clear=True)
+            wait_until(lambda: settled(sub.status(), "w", 0, 6), 10, "the clear")
+            assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
+            assert sink.blocks("w", 0) == engine.truth
+
+
+def test_envelope_rank_mismatch_is_counted() -> None:
+    ep, rep = tcp_endpoints(2)
+    with publishers(ep, rep, 2) as pubs:
+        wrong = Engine(seed=9, rank=0)  # rank 1's socket sending rank-0 envelopes
+        sink = BlockSetSink()
+        with Subscriber([EngineSource("w", ep, rep, ranks=2)], sink, config=FAST) as sub:
+            wrong.publish(pubs[1], 3)
+            wait_until(lambda: settled(sub.status(), "w", 1, 3), 10, "batches")
+            assert rank_status(sub.status(), "w", 1).counters.rank_mismatches == 3
+            assert sink.blocks("w", 1) == wrong.truth  # the endpoint decides the rank
+
+
+def test_async_iterator_and_clean_shutdown() -> None:
+    asyncio.run(_async_iterator_and_clean_shutdown())
+
+
+async def _async_iterator_and_clean_shutdown() -> None:
+    ep, rep = tcp_endpoints(1)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = set(threading.enumerate())
+    ctx = zmq.asyncio.Context()
+    with publishers(ep, rep, 1) as (pub,):
+        engine = Engine(seed=11)
+        engine.publish(pub, 7)
+        items: list[Applied | Cleared] = []
+        async with Subscriber([EngineSource("w", ep, rep)], config=FAST, context=ctx) as sub:
+
+            async def consume() -> None:
+                async for item in sub:
+                    items.append(item)
+                    if isinstance(item, Applied) and item.seq == 9:
+                        return
+
+            reader = asyncio.create_task(consume())
+            await await_until(lambda: settled(sub.status(), "w", 0, 7), 10, "history")
+            engine.publish(pub, 3)
+            await asyncio.wait_for(reader, 10)
+        assert [i.seq for i in items if isinstance(i, Applied)] == list(range(10))
+        held = BlockSetSink()
+        for item in items:
+            assert isinstance(item, Applied)
+            held.apply(item.worker_id, item.rank, item.batch)
+        assert held.blocks("w", 0) == engine.truth
+    # Nothing left behind: tasks, sockets (the given context has none open), threads.
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert others == []
+    ctx.term()  # would block if any socket were still open
+    assert set(threading.enumerate()) <= threads_before
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_background_thread_stops_in_bounded_time_leaving_nothing() -> None:
+    ep, rep = tcp_endpoints(2)
+    threads_before = set(threading.enumerate())
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with publishers(ep, rep, 2) as pubs:
+        sink = BlockSetSink()
+        sub = Subscriber([EngineSource("w", ep, rep, ranks=2)], sink, config=FAST).start()
+        Engine(seed=12).publish(pubs[0], 2)
+        wait_until(lambda: settled(sub.status(), "w", 0, 2), 10, "batches")
+        sub.stop(timeout=2.0)
+        with pytest.raises(RuntimeError):
+            asyncio.run(sub.run())  # a subscriber runs once
+    assert set(threading.enumerate()) <= threads_before
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_engine_source_validates_its_endpoints() -> None:
+    with pytest.raises(EndpointError):
+        EngineSource("w", "tcp://*:5557")
+    with pytest.raises(EndpointError):
+        EngineSource("w", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", ranks=2)
+    with pytest.raises(ValueError):
+        EngineSource("", "tcp://127.0.0.1:5557")
+    src = EngineSource("w", "ipc:///tmp/kv", "ipc:///tmp/rp", ranks=2)
+    assert [(r.endpoint, r.replay_endpoint) for r in src.rank_endpoints()] == [
+        ("ipc:///tmp/kv", "ipc:///tmp/rp"),
+        ("ipc:///tmp/kv_dp1", "ipc:///tmp/rp_dp1"),
+    ]
+
+
+def test_stream_config_replay_flag_follows_the_source() -> None:
+    """A source without a replay endpoint never sends a replay request."""
+    ep, _ = tcp_endpoints(1)
+    with publishers(ep, None, 1) as (pub,):
+        sink = BlockSetSink()
+        cfg = StreamConfig(replay=True, idle_probe=0.05)
+        with Subscriber([EngineSource("w", ep)], sink, config=cfg) as sub:
+            Engine(seed=13).publish(pub, 0)
+            wait_until(lambda: rank_status(sub.status(), "w", 0).connected, 5, "connection")
+            Engine(seed=13).publish(pub, 2)
+            wait_until(lambda: settled(sub.status(), "w", 0, 2), 5, "batches")
+            c = rank_status(sub.status(), "w", 0).counters
+            assert c.replays_requested == 0 and c.probes == 0
