@@ -209,7 +209,7 @@ class PrefixIndex:
         *,
         seed: int = 0,
         groups: Collection[int | None] = (0, None),
-        coalesce_blocks: int = 8192,
+        coalesce_blocks: int = 16384,
     ) -> None:
         self.block_size = block_size
         self.seed = seed & _MASK
@@ -893,16 +893,19 @@ def _depths(acc: U64, base: int) -> list[tuple[int, int]]:
     ``acc`` only loses bits as it goes, so a bit's depth is where it is lost.
     """
     m = acc.shape[0]
-    if m == 0 or not acc[0]:
+    if m == 0:
+        return []
+    first = int(acc[0])
+    if not first:
         return []
     last = int(acc[m - 1])
     out = [(base + bit, m) for bit in _bits(last)]
-    if int(acc[0]) == last:
+    if first == last:
         return out
-    change = where_(acc[1:] != acc[:-1])
-    before = acc[change].tolist()
-    after = acc[change + 1].tolist()
-    for i, a, b in zip(change.tolist(), before, after, strict=True):
-        for bit in _bits(a & ~b):
+    change = (acc[1:] != acc[:-1]).nonzero()[0]
+    values = acc[change].tolist()
+    values.append(last)
+    for j, i in enumerate(change.tolist()):
+        for bit in _bits(values[j] & ~values[j + 1]):
             out.append((base + bit, i + 1))
     return out

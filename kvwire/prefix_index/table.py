@@ -169,7 +169,8 @@ class U64Table:
         """The two candidate buckets of each key, shape (n, 2)."""
         h = k[:, None] * _MULTS
         h >>= self._shift
-        # The second bucket differs from the first in at least the low bit.
+        # The second bucket differs from the first in at least the low bit,
+        # so a present key is found exactly once.
         second = h[:, 1]
         second |= _ONE
         second ^= h[:, 0]
