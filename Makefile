@@ -33,7 +33,13 @@ unit: $(STAMP)
 e2e: $(STAMP)
 	$(PY) -m pytest -q -ra -m e2e
 
-bench: $(STAMP)
+# Dynamo's RadixTree, the index benchmark's baseline, in a venv of its own.
+.venv-dynamo/.installed:
+	$(PYTHON) -m venv .venv-dynamo
+	.venv-dynamo/bin/pip install -q ai-dynamo-runtime numpy msgspec
+	touch $@
+
+bench: $(STAMP) .venv-dynamo/.installed
 	$(PY) benchmarks/publisher_bench.py
 	$(PY) benchmarks/subscriber_bench.py
 	$(PY) benchmarks/index_bench.py

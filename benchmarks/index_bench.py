@@ -9,18 +9,23 @@ under the root's last block. One BlockStored per engine batch, workers
 interleaved. Then 2,000 lookups of stored sequences.
 
 Figures (medians of repeats):
-- apply: msgpack payload bytes -> kvwire.wire.decode_batch -> PrefixIndex.apply,
-  blocks/s; Dynamo: RadixTree.apply_event on its JSON events (tokens_hash
-  precomputed with compute_block_hash_for_seq, outside the timing).
+- apply: msgpack payload bytes -> kvwire.wire.decode_batch -> PrefixIndex.apply
+  (default settings, so events coalesce up to 16,384 blocks) -> flush(),
+  blocks/s; Dynamo: RadixTree.apply_event on its JSON events, timed until a
+  find_matches queued behind them returns (tokens_hash precomputed with
+  compute_block_hash_for_seq outside the timing; a second line adds that
+  hashing, which a router fed token ids must do).
 - match of a 128-block prompt: PrefixIndex.match from numpy tokens (keys
   included) and from precomputed keys; Dynamo: find_matches on precomputed
   local hashes.
 - block keys from numpy tokens, tokens/s.
-- memory per (block, holder): the index's own array bytes and the process RSS
-  growth, at the workload scale and at 10 M blocks (--memory-10m).
+- memory per (block, holder): IndexStats.memory_bytes (the nbytes of every
+  numpy array the index holds) / holders, and the growth of the process's
+  resident set (/proc/self/statm) across the first build, at the workload
+  scale and at 10 M (block, holder) pairs (--memory-10m, 64 workers).
 
 Dynamo runs in a subprocess with its own interpreter (DYNAMO_PYTHON, default
-/tmp/dynamo-venv/bin/python, else this one), reading the same workload from
+.venv-dynamo/bin/python as `make bench` sets it up, else this one), reading the same workload from
 a file. Without Dynamo the kvwire figures still print, with a note.
 
     python benchmarks/index_bench.py [--workers 16 64] [--repeats 3] [--memory-10m]
@@ -291,7 +296,7 @@ def dynamo_worker(workload_path: str, out_path: str, repeats: int, seed: int) ->
 
 def dynamo_python() -> str | None:
     env = os.environ.get("DYNAMO_PYTHON")
-    candidates = [env] if env else ["/tmp/dynamo-venv/bin/python", sys.executable]
+    candidates = [env] if env else [str(Path(__file__).resolve().parents[1] / ".venv-dynamo" / "bin" / "python"), sys.executable]
     for py in candidates:
         if not py or not Path(py).exists():
             continue
@@ -407,7 +412,8 @@ def report(w: int, ours: dict[str, Any], dyn: dict[str, Any] | str) -> None:
     line("keys, one 2,048-token prompt", ours["keys_prompt_mtok_s"], None, "M tok/s", ">= 100")
     line("keys, bulk numpy tokens", ours["keys_bulk_mtok_s"], None, "M tok/s", ">= 100")
     line("memory: index array bytes/holder", ours["bytes_per_holder"], None, "B", "<= 150")
-    line("memory: RSS growth/holder", ours["rss_per_holder"], None, "B", "(reported)")
+    line("memory: RSS growth/holder", ours["rss_per_holder"], None, "B",
+         "(reported; includes decoded events in flight)")  # fmt: skip
 
 
 def main() -> None:
@@ -440,8 +446,10 @@ def main() -> None:
         m = memory_10m(args.memory_pairs, 64, args.seed)
         print(f"\n=== memory at {m['holders']:,} (block, holder) pairs, {m['blocks']:,} blocks, "
               f"64 workers (built in {m['seconds']:.0f} s) ===")  # fmt: skip
-        print(f"  index array bytes / holder   {m['bytes_per_holder']:.1f} B   target <= 150")
-        print(f"  RSS growth / holder          {m['rss_per_holder']:.1f} B   (whole process)")
+        print(f"  index array bytes / holder   {m['bytes_per_holder']:.1f} B   target <= 150"
+              "   (IndexStats.memory_bytes / holders)")  # fmt: skip
+        print(f"  RSS growth / holder          {m['rss_per_holder']:.1f} B   (whole process, "
+              "/proc/self/statm)")  # fmt: skip
 
 
 if __name__ == "__main__":

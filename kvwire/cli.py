@@ -23,7 +23,7 @@ import msgspec
 
 from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber
 from kvwire.subscriber.view import BatchRecord, ClearRecord, WatchView
-from kvwire.wire import EndpointError
+from kvwire.wire import EndpointError, enc_hook
 
 __all__ = ["build_parser", "main"]
 
@@ -145,7 +145,7 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 async def _dump(args: argparse.Namespace, out: BinaryIO) -> int:
-    encoder = msgspec.json.Encoder()
+    encoder = msgspec.json.Encoder(enc_hook=enc_hook)
     batches = 0
     async with Subscriber([_source(args)]) as sub:
 

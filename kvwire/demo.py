@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
 from kvwire.publisher.control import ControlClient, ControlError, Stats
+from kvwire.publisher.serve import free_port_block
 from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
 from kvwire.subscriber import EngineSource, RankState, RankStatus, Subscriber
 
@@ -42,29 +42,6 @@ BLOCK_SIZE = 16
 TARGET = 0.95
 
 
-def _free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n > 65000:
-            continue
-        taken: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                taken.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in taken:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on loopback")
-
-
 @dataclass
 class LocalEngine:
     """An engine server process on loopback."""
@@ -73,7 +50,7 @@ class LocalEngine:
     ranks: int
     num_blocks: int
     proc: subprocess.Popen[bytes] | None = None
-    base: int = field(default_factory=lambda: _free_port_block(8))
+    base: int = field(default_factory=lambda: free_port_block(8))
 
     @property
     def source(self) -> EngineSource:

@@ -33,6 +33,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.wire import TokenIds
+
 __all__ = ["KeyScheme", "as_token_array", "block_keys", "key_scheme"]
 
 U64 = npt.NDArray[np.uint64]
@@ -250,6 +252,8 @@ def as_token_array(tokens: Any) -> npt.NDArray[Any]:
     torch is never imported here: a tensor is recognised by its type's module
     and converted with its own ``.numpy()``.
     """
+    if type(tokens) is TokenIds:
+        tokens = tokens.tolist()
     if type(tokens) is list:
         # array.array converts a list of ints several times faster than numpy;
         # token ids fit 32 bits, anything else takes the slower paths.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ from kvwire.publisher.paged_cache import CacheFullError, PagedKVCache
 from kvwire.publisher.publisher import EventPublisher
 from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
 
-__all__ = ["EngineConfig", "EngineServer", "main"]
+__all__ = ["EngineConfig", "EngineServer", "free_port_block", "main"]
 
 log = logging.getLogger("kvwire.serve")
 
@@ -281,6 +282,29 @@ class EngineServer:
         if self._control is not None:
             self._control.close(0)
             self._control = None
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on loopback, for local engine servers."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + n > 65000:
+            continue
+        taken: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                taken.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in taken:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on loopback")
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace]:

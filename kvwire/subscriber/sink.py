@@ -19,6 +19,11 @@ class EventSink(Protocol):
     restart, unrecoverable loss, source removed). Both run on the subscriber's
     event-loop thread; an exception is counted and logged, and the rank is
     then cleared and marked PARTIAL since the sink's view of it is suspect.
+
+    A sink that buffers work may also have a ``flush()`` method: the
+    subscriber calls it whenever a rank's socket is drained, so buffered
+    events are applied on the subscriber's thread rather than in a reader's
+    query (:class:`~kvwire.prefix_index.PrefixIndex` coalesces this way).
     """
 
     def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None: ...

@@ -458,6 +458,8 @@ class Subscriber:
                 if link.dealer is not None and link.dealer in ready:
                     self._drain_replay(link)
                 self._deliver(link, stream.tick(clock()))
+                if ready and burst < _BURST:
+                    self._flush_sink(link)
                 if self._space is not None and not self._space.is_set():
                     await self._space.wait()
                 elif burst >= _BURST:
@@ -508,6 +510,16 @@ class Subscriber:
             elif actions:
                 self._deliver(link, actions)
         return n
+
+    def _flush_sink(self, link: _Link) -> None:
+        """The socket is drained: let a buffering sink apply what it holds."""
+        flush = getattr(self._sink, "flush", None)
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception as exc:
+            self._sink_failed(link, exc)
 
     def _drain_replay(self, link: _Link) -> None:
         while link.dealer_sync is not None:

@@ -14,6 +14,8 @@ from kvwire.wire.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+    TokenIds,
+    enc_hook,
 )
 from kvwire.wire.framing import (
     END_SEQ,
@@ -42,8 +44,10 @@ __all__ = [
     "LiveMessage",
     "ReplayEnd",
     "ReplayItem",
+    "TokenIds",
     "WireError",
     "decode_batch",
+    "enc_hook",
     "encode_batch",
     "normalise_hash",
     "offset_endpoint",

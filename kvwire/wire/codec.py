@@ -23,6 +23,7 @@ from kvwire.wire.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+    TokenIds,
 )
 
 __all__ = [
@@ -114,10 +115,15 @@ _ARRAY_CLEARED = _ArrayAllBlocksCleared()
 _encoder = msgspec.msgpack.Encoder()
 
 
+def _wire_tokens(tokens: list[int] | TokenIds) -> IntArray:
+    """Token ids as the encoder takes them: a lazily decoded array goes back as it came."""
+    return tokens.raw if type(tokens) is TokenIds else tokens  # type: ignore[return-value]
+
+
 def _to_map(e: KVEvent) -> Any:
     if type(e) is BlockStored:
         return _MapBlockStored(
-            e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
+            e.block_hashes, e.parent_block_hash, _wire_tokens(e.token_ids), e.block_size,
             e.lora_id, e.medium, e.lora_name, e.extra_keys, e.group_idx,
             e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.locality,
             e.ownership, e.session_id, e.lookahead_token_ids, e.cache_salt,
@@ -132,7 +138,7 @@ def _to_map(e: KVEvent) -> Any:
 def _to_array(e: KVEvent) -> Any:
     if type(e) is BlockStored:
         return _ArrayBlockStored(
-            e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
+            e.block_hashes, e.parent_block_hash, _wire_tokens(e.token_ids), e.block_size,
             e.lora_id, e.medium, e.lora_name, e.extra_keys, e.group_idx,
             e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
         )  # fmt: skip
@@ -326,8 +332,59 @@ def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
 
 # --- decoding -----------------------------------------------------------------
 
-_fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+class _WireBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
+    """``BlockStored`` as decoded: token ids left packed (see :class:`TokenIds`)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: list[int] | None = None
+    cache_salt: Any = None
+
+
+class _ListBlockStored(_WireBlockStored, tag="BlockStored", gc=False):
+    """The generic path's ``BlockStored``: token ids already decoded."""
+
+    token_ids: list[int]  # type: ignore[assignment]
+
+
+class _WireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WireBlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_fast_decoder = msgspec.msgpack.Decoder(_WireBatch)
+# msgpack type bytes that start an array: fixarray, array16, array32.
+_ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
+
+
+def _stored(e: _WireBlockStored, tokens: list[int] | TokenIds) -> BlockStored:
+    """The public event, hashes normalised to unsigned 64-bit."""
+    hashes = e.block_hashes
+    if hashes and min(hashes) < 0:
+        hashes = [h & U64_MASK for h in hashes]
+    parent = e.parent_block_hash
+    if parent is not None and parent < 0:
+        parent &= U64_MASK
+    return BlockStored(
+        hashes, parent, tokens, e.block_size, e.lora_id, e.medium, e.lora_name,
+        e.extra_keys, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+        e.locality, e.ownership, e.session_id, e.lookahead_token_ids, e.cache_salt,
+    )  # fmt: skip
 
 _STORED_POSITIONAL = (
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -362,33 +419,14 @@ def normalise_hash(h: object) -> int:
     raise WireError(f"block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def _has_negative(hashes: list[int]) -> bool:
-    return bool(hashes) and min(hashes) < 0
-
-
-def _normalise_signed(batch: KVEventBatch) -> KVEventBatch:
-    """Fast-path fix-up: mask negative (int64) hashes, the TensorRT-LLM/SGLang form."""
-    events: list[KVEvent] = []
-    changed = False
-    for e in batch.events:
-        if type(e) is BlockStored:
-            parent = e.parent_block_hash
-            if _has_negative(e.block_hashes) or (parent is not None and parent < 0):
-                e = msgspec.structs.replace(
-                    e,
-                    block_hashes=[h & U64_MASK for h in e.block_hashes],
-                    parent_block_hash=None if parent is None else parent & U64_MASK,
-                )
-                changed = True
-        elif type(e) is BlockRemoved and _has_negative(e.block_hashes):
-            e = msgspec.structs.replace(
-                e, block_hashes=[h & U64_MASK for h in e.block_hashes]
-            )
-            changed = True
-        events.append(e)
-    if not changed:
-        return batch
-    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+def _removed(e: BlockRemoved) -> BlockRemoved:
+    """Mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned."""
+    hashes = e.block_hashes
+    if hashes and min(hashes) < 0:
+        return BlockRemoved(
+            [h & U64_MASK for h in hashes], e.medium, e.group_idx, e.locality, e.ownership
+        )
+    return e
 
 
 def _event_from_generic(index: int, raw: Any) -> KVEvent:
@@ -413,7 +451,10 @@ def _event_from_generic(index: int, raw: Any) -> KVEvent:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
             parent = fields.get("parent_block_hash")
             fields["parent_block_hash"] = None if parent is None else normalise_hash(parent)
-        elif cls is BlockRemoved:
+            known = _ListBlockStored.__struct_fields__
+            e = msgspec.convert({k: v for k, v in fields.items() if k in known}, _ListBlockStored)
+            return _stored(e, e.token_ids)
+        if cls is BlockRemoved:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
         known = cls.__struct_fields__
         fields = {k: v for k, v in fields.items() if k in known}
@@ -457,10 +498,25 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
     """Decode one batch payload of any dialect in the wild.
 
     Raises :class:`WireError` naming the problem for anything that is not a
-    whole, valid batch.
+    whole, valid batch. Token ids are checked to be an array here and turned
+    into ints only when first read (:class:`TokenIds`), which raises
+    :class:`WireError` then if they are not ints.
     """
     try:
-        batch = _fast_decoder.decode(payload)
+        wire = _fast_decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return _decode_generic(bytes(payload))
-    return _normalise_signed(batch)
+    events: list[KVEvent] = []
+    append = events.append
+    for e in wire.events:
+        kind = type(e)
+        if kind is _WireBlockStored:
+            raw = e.token_ids  # type: ignore[union-attr]
+            if not _ARRAY_HEAD[memoryview(raw)[0]]:
+                raise WireError(f"event {len(events)} (BlockStored): token_ids must be an array")
+            append(_stored(e, TokenIds(raw)))  # type: ignore[arg-type]
+        elif kind is BlockRemoved:
+            append(_removed(e))  # type: ignore[arg-type]
+        else:
+            append(e)  # type: ignore[arg-type]
+    return KVEventBatch(wire.ts, events, wire.data_parallel_rank)

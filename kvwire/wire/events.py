@@ -7,9 +7,12 @@ integers here, whatever the engine put on the wire.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias, overload
 
 import msgspec
+
+from kvwire.wire.errors import WireError
 
 __all__ = [
     "AllBlocksCleared",
@@ -17,20 +20,100 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
+    "TokenIds",
+    "enc_hook",
 ]
 
+_token_decoder = msgspec.msgpack.Decoder(list[int])
 
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, frozen=True):
+
+class TokenIds(Sequence[int]):
+    """A decoded event's token ids, still in their msgpack form until first read.
+
+    Decoding makes a Python int per token, the largest cost of reading a batch;
+    a consumer that never looks at tokens (sequencing, block-set tracking)
+    never pays it. Reading (iteration, indexing, :meth:`tolist`, comparison)
+    decodes once; bad content raises :class:`WireError` then. ``len()`` reads
+    the array header only.
+    """
+
+    __slots__ = ("_list", "raw")
+
+    def __init__(self, raw: msgspec.Raw) -> None:
+        self.raw = raw
+        """The msgpack array as received."""
+        self._list: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        """The token ids as a list (decoded on first call, then kept)."""
+        if self._list is None:
+            try:
+                self._list = _token_decoder.decode(self.raw)
+            except msgspec.ValidationError as exc:
+                raise WireError(f"token_ids: {exc}") from None
+        return self._list
+
+    def __len__(self) -> int:
+        if self._list is not None:
+            return len(self._list)
+        head = memoryview(self.raw)
+        first = head[0]
+        if 0x90 <= first <= 0x9F:
+            return first & 0x0F
+        if first == 0xDC:
+            return int.from_bytes(head[1:3], "big")
+        if first == 0xDD:
+            return int.from_bytes(head[1:5], "big")
+        raise WireError(f"token_ids is not an array (msgpack type byte 0x{first:02x})")
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self.tolist()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return bytes(self.raw) == bytes(other.raw) or self.tolist() == other.tolist()
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.tolist()!r})"
+
+
+def enc_hook(obj: Any) -> Any:
+    """msgspec ``enc_hook`` for event structs: lazily decoded token ids encode as a list.
+
+    Pass it to ``msgspec.to_builtins`` or a ``msgspec.json.Encoder`` to turn
+    decoded events into JSON or plain Python objects.
+    """
+    if type(obj) is TokenIds:
+        return obj.tolist()
+    raise TypeError(f"cannot encode objects of type {type(obj).__name__}")
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, gc=False):
     """Blocks that entered the prefix cache, as one chain.
 
     Block ``i``'s parent is block ``i - 1``; block 0's is ``parent_block_hash``
     (``None``: the first block of a sequence). ``token_ids`` holds the tokens of
-    every listed block, ``block_size`` each, in order.
+    every listed block, ``block_size`` each, in order: a list when built here,
+    a lazily decoded :class:`TokenIds` when decoded from the wire.
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[int] | TokenIds
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
@@ -46,7 +129,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, frozen=True):
     cache_salt: Any = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, frozen=True):
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, gc=False):
     """Blocks that left the cache; they may belong to different chains."""
 
     block_hashes: list[int]
@@ -63,7 +146,7 @@ class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
 KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
+class KVEventBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One engine iteration's events: the positional envelope ``[ts, events, rank]``."""
 
     ts: float

@@ -15,7 +15,6 @@ import abc
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher.control import ControlClient, ControlError, Stats
+from kvwire.publisher.serve import free_port_block
 from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
 
 from .faultproxy import FaultProxy
@@ -138,36 +138,13 @@ class Engine(abc.ABC):
     def stop(self) -> None: ...
 
 
-def _free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + n > 65000:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on loopback")
-
-
 class LocalEngine(Engine):
     """An engine server as a local process; network faults cut a TCP proxy in front of it."""
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         super().__init__(spec)
         r = spec.ranks
-        base = _free_port_block(4 * r + 1)
+        base = free_port_block(4 * r + 1)
         self.port, self.replay_port = base, base + r
         self.proxy_port, self.proxy_replay_port = base + 2 * r, base + 3 * r
         self.control_port = base + 4 * r

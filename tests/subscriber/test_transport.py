@@ -412,3 +412,33 @@ def test_stream_config_replay_flag_follows_the_source() -> None:
             wait_until(lambda: settled(sub.status(), "w", 0, 2), 5, "batches")
             c = rank_status(sub.status(), "w", 0).counters
             assert c.replays_requested == 0 and c.probes == 0
+
+
+class FlushingSink(BlockSetSink):
+    """Buffers batches until ``flush()``, like a coalescing index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[str, int, Any]] = []
+        self.flushes = 0
+
+    def apply(self, worker_id: str, rank: int, batch: Any) -> None:
+        self.pending.append((worker_id, rank, batch))
+
+    def flush(self) -> None:
+        self.flushes += 1
+        pending, self.pending = self.pending, []
+        for worker_id, rank, batch in pending:
+            super().apply(worker_id, rank, batch)
+
+
+def test_a_buffering_sink_is_flushed_once_the_socket_is_drained() -> None:
+    with ipc_endpoints() as (ep, rep), publishers(ep, rep, 1) as (pub,):
+        engine = Engine(seed=9)
+        sink = FlushingSink()
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
+            engine.publish(pub, 20)
+            wait_until(lambda: settled(sub.status(), "w", 0, 20), 10, "the batches")
+            # Without a query ever calling flush(), the subscriber applied them.
+            wait_until(lambda: sink.blocks("w", 0) == engine.truth, 10, "the sink to be flushed")
+            assert sink.flushes > 0 and not sink.pending

@@ -13,6 +13,7 @@ from kvwire.wire import (
     ReplayEnd,
     ReplayItem,
     decode_batch,
+    enc_hook,
     encode_batch,
     parse_live,
     parse_replay_reply,
@@ -38,7 +39,7 @@ def _as_expected(seq: int, batch: Any, expected: dict[str, Any]) -> dict[str, An
     """Project a decoded batch onto the keys the fixture lists."""
     events = []
     for event, want in zip(batch.events, expected["events"], strict=True):
-        d = msgspec.to_builtins(event)
+        d = msgspec.to_builtins(event, enc_hook=enc_hook)
         events.append({k: d.get(k, getattr(event, k, None)) for k in want})
     rank = batch.data_parallel_rank
     return {
