@@ -50,7 +50,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Retries after a timeout (or a reply that stops short) before giving up."""
     backoff_initial: float = 0.05
     backoff_max: float = 1.0
-    idle_probe: float | None = 2.0
+    idle_probe: float | None = 1.0
     """After this long without a live batch, ask the replay socket what was missed
     (a lost last batch, a silent restart). ``None`` disables probing."""
     loss_policy: LossPolicy = LossPolicy.CLEAR

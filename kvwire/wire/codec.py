@@ -421,12 +421,9 @@ def normalise_hash(h: object) -> int:
 
 def _removed(e: BlockRemoved) -> BlockRemoved:
     """Mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned."""
-    hashes = e.block_hashes
-    if hashes and min(hashes) < 0:
-        return BlockRemoved(
-            [h & U64_MASK for h in hashes], e.medium, e.group_idx, e.locality, e.ownership
-        )
-    return e
+    return BlockRemoved(
+        [h & U64_MASK for h in e.block_hashes], e.medium, e.group_idx, e.locality, e.ownership
+    )
 
 
 def _event_from_generic(index: int, raw: Any) -> KVEvent:
@@ -516,7 +513,8 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
                 raise WireError(f"event {len(events)} (BlockStored): token_ids must be an array")
             append(_stored(e, TokenIds(raw)))  # type: ignore[arg-type]
         elif kind is BlockRemoved:
-            append(_removed(e))  # type: ignore[arg-type]
+            hashes = e.block_hashes  # type: ignore[union-attr]
+            append(_removed(e) if hashes and min(hashes) < 0 else e)  # type: ignore[arg-type]
         else:
             append(e)  # type: ignore[arg-type]
     return KVEventBatch(wire.ts, events, wire.data_parallel_rank)
