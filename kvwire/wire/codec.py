@@ -333,31 +333,16 @@ def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
 # --- decoding -----------------------------------------------------------------
 
 
-class _WireBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
+class _WireBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
     """``BlockStored`` as decoded: token ids left packed (see :class:`TokenIds`)."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: list[int] | None = None
-    cache_salt: Any = None
+    token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
-class _ListBlockStored(_WireBlockStored, tag="BlockStored", gc=False):
+class _ListBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
     """The generic path's ``BlockStored``: token ids already decoded."""
 
-    token_ids: list[int]  # type: ignore[assignment]
+    token_ids: list[int]
 
 
 class _WireBatch(msgspec.Struct, array_like=True, gc=False):
@@ -372,7 +357,7 @@ _ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
 
 
-def _stored(e: _WireBlockStored, tokens: list[int] | TokenIds) -> BlockStored:
+def _stored(e: BlockStored, tokens: list[int] | TokenIds) -> BlockStored:
     """The public event, hashes normalised to unsigned 64-bit."""
     hashes = e.block_hashes
     if hashes and min(hashes) < 0:
@@ -516,5 +501,5 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
             hashes = e.block_hashes  # type: ignore[union-attr]
             append(_removed(e) if hashes and min(hashes) < 0 else e)  # type: ignore[arg-type]
         else:
-            append(e)  # type: ignore[arg-type]
+            append(e)
     return KVEventBatch(wire.ts, events, wire.data_parallel_rank)
