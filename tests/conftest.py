@@ -27,3 +27,13 @@ def hex_frames(message: list[str]) -> list[bytes]:
 @pytest.fixture(params=FIXTURE_FILES, ids=lambda p: p.stem)
 def wire_fixture(request: pytest.FixtureRequest) -> dict[str, Any]:
     return load_fixture(request.param)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Show how long each rank took to converge after each end-to-end fault."""
+    from tests.e2e.harness import REPORTS
+
+    if REPORTS:
+        terminalreporter.section("convergence after faults (target: under 2 s)")
+        for line in REPORTS:
+            terminalreporter.write_line(line)

@@ -305,13 +305,19 @@ def converge(router: Router, engines: list[Engine], since: float, timeout: float
     raise AssertionError(f"ranks did not converge within {timeout} s: {problems}")
 
 
+REPORTS: list[str] = []
+"""Every convergence line of this run; the e2e conftest prints them in pytest's summary."""
+
+
 def report(name: str, results: list[Convergence]) -> None:
     for c in results:
         flag = "" if c.seconds <= CONVERGE_TARGET_S else f"  (over the {CONVERGE_TARGET_S} s target)"
-        print(
+        line = (
             f"[{name}] {c.worker_id}/rank{c.rank}: {c.state.name} after {c.seconds:.2f} s, "
             f"{c.blocks} blocks{flag}"
         )
+        REPORTS.append(line)
+        print(line)
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
