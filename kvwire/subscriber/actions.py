@@ -1,12 +1,14 @@
 """What a :class:`~kvwire.subscriber.RankStream` asks its transport to do.
 
 Each input to a stream returns a list of these, in the order they must be
-carried out. They are plain tuples so the hot path costs one allocation.
+carried out. They are small frozen structs, cheap to make on the hot path.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
+
+import msgspec
 
 from kvwire.subscriber.state import RankState
 from kvwire.wire import KVEventBatch
@@ -14,7 +16,7 @@ from kvwire.wire import KVEventBatch
 __all__ = ["Action", "Apply", "ClearRank", "RequestReplay", "StateChanged"]
 
 
-class Apply(NamedTuple):
+class Apply(msgspec.Struct, frozen=True, gc=False):
     """Apply ``batch`` (the publisher's batch ``seq``) to the rank's state downstream.
 
     Batches come in seq order. An ``AllBlocksCleared`` inside a batch clears
@@ -25,13 +27,13 @@ class Apply(NamedTuple):
     batch: KVEventBatch
 
 
-class ClearRank(NamedTuple):
+class ClearRank(msgspec.Struct, frozen=True, gc=False):
     """Drop everything known about the rank (a restart, or an unrecoverable loss)."""
 
     reason: str
 
 
-class RequestReplay(NamedTuple):
+class RequestReplay(msgspec.Struct, frozen=True, gc=False):
     """Ask the publisher's replay socket for every buffered batch from ``start_seq``.
 
     A request supersedes every earlier one. With ``fresh`` the earlier one may
@@ -45,7 +47,7 @@ class RequestReplay(NamedTuple):
     fresh: bool
 
 
-class StateChanged(NamedTuple):
+class StateChanged(msgspec.Struct, frozen=True, gc=False):
     """The rank's state changed, and why."""
 
     old: RankState

@@ -10,7 +10,7 @@ normalised to unsigned 64-bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import msgspec
 import numpy as np
@@ -333,43 +333,18 @@ def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
 # --- decoding -----------------------------------------------------------------
 
 
-class _WireBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
-    """``BlockStored`` as decoded: token ids left packed (see :class:`TokenIds`)."""
-
-    token_ids: msgspec.Raw  # type: ignore[assignment]
-
-
 class _ListBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
-    """The generic path's ``BlockStored``: token ids already decoded."""
+    """The generic path's ``BlockStored``: token ids arrive as a list."""
 
     token_ids: list[int]
 
 
-class _WireBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_WireBlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-_fast_decoder = msgspec.msgpack.Decoder(_WireBatch)
+_fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_set = msgspec.structs.force_setattr
 # msgpack type bytes that start an array: fixarray, array16, array32.
 _ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
 
-
-def _stored(e: BlockStored, tokens: list[int] | TokenIds) -> BlockStored:
-    """The public event, hashes normalised to unsigned 64-bit."""
-    hashes = e.block_hashes
-    if hashes and min(hashes) < 0:
-        hashes = [h & U64_MASK for h in hashes]
-    parent = e.parent_block_hash
-    if parent is not None and parent < 0:
-        parent &= U64_MASK
-    return BlockStored(
-        hashes, parent, tokens, e.block_size, e.lora_id, e.medium, e.lora_name,
-        e.extra_keys, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
-        e.locality, e.ownership, e.session_id, e.lookahead_token_ids, e.cache_salt,
-    )  # fmt: skip
 
 _STORED_POSITIONAL = (
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -404,13 +379,6 @@ def normalise_hash(h: object) -> int:
     raise WireError(f"block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def _removed(e: BlockRemoved) -> BlockRemoved:
-    """Mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned."""
-    return BlockRemoved(
-        [h & U64_MASK for h in e.block_hashes], e.medium, e.group_idx, e.locality, e.ownership
-    )
-
-
 def _event_from_generic(index: int, raw: Any) -> KVEvent:
     if isinstance(raw, dict):
         fields = dict(raw)
@@ -435,7 +403,7 @@ def _event_from_generic(index: int, raw: Any) -> KVEvent:
             fields["parent_block_hash"] = None if parent is None else normalise_hash(parent)
             known = _ListBlockStored.__struct_fields__
             e = msgspec.convert({k: v for k, v in fields.items() if k in known}, _ListBlockStored)
-            return _stored(e, e.token_ids)
+            return BlockStored(*msgspec.structs.astuple(e))
         if cls is BlockRemoved:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
         known = cls.__struct_fields__
@@ -485,21 +453,24 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
     :class:`WireError` then if they are not ints.
     """
     try:
-        wire = _fast_decoder.decode(payload)
+        batch = _fast_decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return _decode_generic(bytes(payload))
-    events: list[KVEvent] = []
-    append = events.append
-    for e in wire.events:
+    # Fix-ups in place, on events no one else has seen yet: wrap the packed token
+    # ids, and mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
+    for e in batch.events:
         kind = type(e)
-        if kind is _WireBlockStored:
-            raw = e.token_ids  # type: ignore[union-attr]
+        if kind is BlockStored:
+            raw = cast(msgspec.Raw, e.token_ids)  # type: ignore[union-attr]
             if not _ARRAY_HEAD[memoryview(raw)[0]]:
-                raise WireError(f"event {len(events)} (BlockStored): token_ids must be an array")
-            append(_stored(e, TokenIds(raw)))  # type: ignore[arg-type]
-        elif kind is BlockRemoved:
-            hashes = e.block_hashes  # type: ignore[union-attr]
-            append(_removed(e) if hashes and min(hashes) < 0 else e)  # type: ignore[arg-type]
-        else:
-            append(e)
-    return KVEventBatch(wire.ts, events, wire.data_parallel_rank)
+                raise WireError("a BlockStored event's token_ids must be an array")
+            _set(e, "token_ids", TokenIds(raw))
+            parent = e.parent_block_hash  # type: ignore[union-attr]
+            if parent is not None and parent < 0:
+                _set(e, "parent_block_hash", parent & U64_MASK)
+        elif kind is not BlockRemoved:
+            continue
+        hashes = e.block_hashes  # type: ignore[union-attr]
+        if hashes and min(hashes) < 0:
+            _set(e, "block_hashes", [h & U64_MASK for h in hashes])
+    return batch

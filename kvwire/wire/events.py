@@ -8,7 +8,7 @@ integers here, whatever the engine put on the wire.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 import msgspec
 
@@ -113,7 +113,12 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, gc=
 
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int] | TokenIds
+    if TYPE_CHECKING:
+        token_ids: list[int] | TokenIds
+    else:
+        # msgspec decodes the packed array; decode_batch wraps it in TokenIds
+        # before anyone sees the event.
+        token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
