@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 import zmq
 
@@ -145,7 +146,9 @@ class Step:
 class Workload:
     """Pre-built per-step inputs: B stored blocks (one chain) and B removed blocks."""
 
-    def __init__(self, blocks: int, device: torch.device | None, variants: int = 8) -> None:
+    def __init__(
+        self, blocks: int, device: torch.device | None, variants: int = 8, numpy: bool = False
+    ) -> None:
         rng = random.Random(blocks)
         self.items: list[tuple[Any, int, Any, Any]] = []
         for _ in range(variants):
@@ -158,6 +161,13 @@ class Workload:
                     rng.getrandbits(63),
                     torch.tensor(tokens, device=device),
                     torch.tensor(removed, device=device),
+                ))  # fmt: skip
+            elif numpy:
+                self.items.append((
+                    np.array(hashes, dtype=np.uint64),
+                    rng.getrandbits(63),
+                    np.array(tokens, dtype=np.int64),
+                    np.array(removed, dtype=np.uint64),
                 ))  # fmt: skip
             else:
                 self.items.append((hashes, rng.getrandbits(63), tokens, removed))
@@ -198,6 +208,9 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
             "kvwire B=16": (w16, cols[default_linger]),
             "kvwire B=256": (w256, cols[default_linger]),
         }
+        fixed = EventCollector(pubs[default_linger], BLOCK_TOKENS, int_widths="fixed")
+        modes["numpy fixed B=16"] = (Workload(16, None, numpy=True), fixed)
+        modes["numpy fixed B=256"] = (Workload(256, None, numpy=True), fixed)
         if device.type == "cuda" or args.cpu_smoke:
             # The collector's device path (CPU tensors in a smoke run).
             modes["kvwire B=256 tensors"] = (Workload(256, device), cols[default_linger])

@@ -193,7 +193,7 @@ class EventPublisher:
         max_replay_batches: int = 10_000,
         dialect: Dialect = "map",
         ranks_per_host: int | None = None,
-        linger_s: float = 0.001,
+        linger_s: float = 0.002,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if rank < 0:
