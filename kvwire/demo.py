@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
-from kvwire.publisher.control import ControlClient, ControlError, Stats
-from kvwire.publisher.serve import free_port_block
+from kvwire.publisher.control import ControlClient
+from kvwire.publisher.serve import EngineConfig, free_port_block
 from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
 from kvwire.subscriber import EngineSource, RankState, RankStatus, Subscriber
 
@@ -66,30 +66,21 @@ class LocalEngine:
         return f"tcp://127.0.0.1:{self.base + 2 * self.ranks}"
 
     def start(self, log_dir: Path) -> None:
-        args = [
-            sys.executable, "-m", "kvwire.publisher.serve",
-            "--ranks", str(self.ranks),
-            "--port", str(self.base),
-            "--replay-port", str(self.base + self.ranks),
-            "--control-port", str(self.base + 2 * self.ranks),
-            "--num-blocks", str(self.num_blocks),
-            "--block-size", str(BLOCK_SIZE),
-        ]  # fmt: skip
+        config = EngineConfig(
+            ranks=self.ranks,
+            port=self.base,
+            replay_port=self.base + self.ranks,
+            control_port=self.base + 2 * self.ranks,
+            num_blocks=self.num_blocks,
+            block_size=BLOCK_SIZE,
+        )
+        args = [sys.executable, "-m", "kvwire.publisher.serve", *config.argv()]
         log = (log_dir / f"{self.worker_id}.log").open("wb")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
-    def wait_ready(self, client: ControlClient, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"engine {self.worker_id} exited with {self.proc.returncode}")
-            try:
-                client.call(Stats(), timeout=1.0)
-                return
-            except ControlError:
-                if time.monotonic() > deadline:
-                    raise
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -313,7 +304,7 @@ def _cluster(engines: list[LocalEngine], log_dir: Path) -> Iterator[Cluster]:
         for e in engines:
             client = ControlClient(e.control_endpoint, timeout=10.0)
             stack.callback(client.close)
-            e.wait_ready(client)
+            client.wait_ready(60.0, alive=e.running)
             clients[e.worker_id] = client
         cluster = Cluster(engines, clients)
         cluster.subscriber.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
 import msgspec
@@ -200,6 +201,22 @@ class ControlClient:
             if isinstance(reply, Failed):
                 raise ControlError(f"{type(command).__name__} failed: {reply.error}")
             return reply
+
+    def wait_ready(self, timeout: float = 60.0, *, alive: Callable[[], bool] | None = None) -> None:
+        """Poll until the engine answers (it may still be starting).
+
+        ``alive`` (e.g. a process check) stops the wait early when it says no.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if alive is not None and not alive():
+                raise ControlError(f"the engine at {self.endpoint} exited before it answered")
+            try:
+                self.call(Stats(), timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                return
+            except ControlError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def submit(self, rank: int, request_id: str, token_ids: list[int]) -> Admitted:
         return _expect(self.call(Submit(rank, request_id, list(token_ids))), Admitted)

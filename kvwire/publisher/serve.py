@@ -81,6 +81,26 @@ class EngineConfig:
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.host}:{port}"
 
+    def argv(self) -> list[str]:
+        """The ``python -m kvwire.publisher.serve`` flags that start this configuration."""
+        flags = [
+            "--ranks", str(self.ranks),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--replay-port", str(self.replay_port or 0),
+            "--control-port", str(self.control_port),
+            "--num-blocks", str(self.num_blocks),
+            "--block-size", str(self.block_size),
+            "--buffer-steps", str(self.buffer_steps),
+            "--hwm", str(self.hwm),
+            "--max-queue-size", str(self.max_queue_size),
+            "--topic", self.topic,
+            "--hash-seed", str(self.hash_seed),
+        ]  # fmt: skip
+        if self.device is not None:
+            flags += ["--device", self.device]
+        return flags
+
 
 @dataclass
 class _Rank:

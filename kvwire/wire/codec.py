@@ -135,18 +135,6 @@ def _to_map(e: KVEvent) -> Any:
     return e
 
 
-def _to_array(e: KVEvent) -> Any:
-    if type(e) is BlockStored:
-        return _ArrayBlockStored(
-            e.block_hashes, e.parent_block_hash, _wire_tokens(e.token_ids), e.block_size,
-            e.lora_id, e.medium, e.lora_name, e.extra_keys, e.group_idx,
-            e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
-        )  # fmt: skip
-    if type(e) is BlockRemoved:
-        return _ArrayBlockRemoved(e.block_hashes, e.medium)
-    return _ARRAY_CLEARED
-
-
 def encode_batch(batch: KVEventBatch, *, dialect: Dialect = "map") -> bytes:
     """Encode ``batch`` as msgpack.
 
@@ -154,14 +142,8 @@ def encode_batch(batch: KVEventBatch, *, dialect: Dialect = "map") -> bytes:
     consumers read; ``"array"`` is the tagged positional layout that consumers
     older than that expect.
     """
-    if dialect == "map":
-        convert = _to_map
-    elif dialect == "array":
-        convert = _to_array
-    else:
-        raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
-    events = [convert(e) for e in batch.events]
-    return _encoder.encode(_Envelope(batch.ts, events, batch.data_parallel_rank))
+    events = [_to_map(e) for e in batch.events]
+    return encode_parts(batch.ts, events, batch.data_parallel_rank, dialect=dialect)
 
 
 # --- publisher fast path ---------------------------------------------------------

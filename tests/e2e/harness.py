@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.prefix_index import PrefixIndex
-from kvwire.publisher.control import ControlClient, ControlError, Stats
-from kvwire.publisher.serve import free_port_block
+from kvwire.publisher.control import ControlClient, ControlError
+from kvwire.publisher.serve import EngineConfig, free_port_block
 from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
 
 from .faultproxy import FaultProxy
@@ -49,22 +49,20 @@ class EngineSpec:
     drive_hold: int = 3
 
     def args(self, host: str, port: int, replay_port: int, control_port: int) -> list[str]:
-        return [
-            "-m", "kvwire.publisher.serve",
-            "--host", host,
-            "--ranks", str(self.ranks),
-            "--port", str(port),
-            "--replay-port", str(replay_port),
-            "--control-port", str(control_port),
-            "--num-blocks", str(self.num_blocks),
-            "--block-size", str(BLOCK_SIZE),
-            "--buffer-steps", str(self.buffer_steps),
-            "--hwm", str(self.hwm),
-            "--drive-rate", str(self.drive_rate),
-            "--drive-seed", str(self.drive_seed),
-            "--drive-hold", str(self.drive_hold),
-            "--device", "cpu",
-        ]  # fmt: skip
+        config = EngineConfig(
+            ranks=self.ranks,
+            host=host,
+            port=port,
+            replay_port=replay_port,
+            control_port=control_port,
+            num_blocks=self.num_blocks,
+            block_size=BLOCK_SIZE,
+            buffer_steps=self.buffer_steps,
+            hwm=self.hwm,
+            device="cpu",
+        )
+        drive = ["--drive-rate", str(self.drive_rate), "--drive-seed", str(self.drive_seed)]
+        return ["-m", "kvwire.publisher.serve", *config.argv(), *drive, "--drive-hold", str(self.drive_hold)]
 
 
 class Engine(abc.ABC):
@@ -98,16 +96,10 @@ class Engine(abc.ABC):
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Poll the control endpoint until the engine answers."""
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                self.client().call(Stats(), timeout=1.0)
-                return
-            except ControlError as exc:
-                last = exc
-                self.reset_client()
-        raise RuntimeError(f"engine {self.worker_id} not ready after {timeout} s: {last}\n{self.logs()}")
+        try:
+            self.client().wait_ready(timeout)
+        except ControlError as exc:
+            raise RuntimeError(f"engine {self.worker_id} not ready: {exc}\n{self.logs()}") from exc
 
     @abc.abstractmethod
     def start(self) -> None: ...
