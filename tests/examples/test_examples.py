@@ -195,6 +195,10 @@ def _ranks(proxy_url: str) -> dict[str, Any]:
     return {f"{r['worker_id']}/{r['rank']}": r for r in ranks}
 
 
+def _idle(proxy_url: str) -> bool:
+    return all(r["load"] == IDLE for r in _ranks(proxy_url).values())
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 32_000 for i in range(n)]
 
@@ -244,6 +248,8 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
 
         # A cached prompt goes to its holder, though a/0 would win a tie.
         for field in ("prompt_token_ids", "prompt"):
+            # The proxy frees a request's load just after its answer is sent.
+            wait_for(lambda: _idle(url), "the previous request's load to be released")
             request = {"model": "m", field: prompt, "max_tokens": 4}
             status, headers, answer = _post(completions, request)
             assert status == 200 and answer == {"backend": "B", "rank": "1"}
@@ -272,7 +278,7 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
         backend_b.gate.set()
         in_flight.join(15)
         assert first and first[0][0] == 200 and first[0][1]["X-Kvwire-Route"] == busy
-        assert all(r["load"] == IDLE for r in _ranks(url).values())
+        wait_for(lambda: _idle(url), "every rank's load to return to zero")
 
         status, _, answer = _post(completions, b"{not json")
         assert status == 400 and "invalid JSON" in answer["error"]
