@@ -9,8 +9,7 @@ under the root's last block. One BlockStored per engine batch, workers
 interleaved. Then 2,000 lookups of stored sequences.
 
 Figures (medians of repeats):
-- apply: msgpack payload bytes -> kvwire.wire.decode_batch -> PrefixIndex.apply
-  (default settings, so events coalesce up to 16,384 blocks) -> flush(),
+- apply: msgpack payload bytes -> kvwire.wire.decode_batch -> PrefixIndex.apply,
   blocks/s; Dynamo: RadixTree.apply_event on its JSON events, timed until a
   find_matches queued behind them returns (tokens_hash precomputed with
   compute_block_hash_for_seq outside the timing; a second line adds that
@@ -146,7 +145,6 @@ def run_kvwire(wl: dict[str, Any], repeats: int, seed: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         for wid, payload in payloads:
             index.apply(wid, 0, decode_batch(payload))
-        index.flush()
         dt = time.perf_counter() - t0
         rates.append(n_blocks / dt)
         if rep == 0:
@@ -360,7 +358,6 @@ def memory_10m(target: int, workers: int, seed: int) -> dict[str, Any]:
                 )  # fmt: skip
             pairs += len(ev.block_hashes)
             index.apply(f"worker-{w}", 0, KVEventBatch(0.0, [ev], 0))
-    index.flush()
     elapsed = time.perf_counter() - t0
     gc.collect()
     st = index.stats()

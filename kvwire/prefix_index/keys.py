@@ -12,13 +12,16 @@ For block ``b`` (absolute position ``p``) with tokens ``t[b, 0..B-1]``::
     C_b = C_{b-1} * q + F_b                      (q odd, mod 2**64)
     key_b = C_b,   C_{-1} = root(seed, lora_name, cache_salt)
 
-The chain is linear in ``F``, so all keys of a prompt come out of one
-cumulative sum: ``C_b = q**b * (q * C_{-1} + sum_{i<=b} F_i * q**-i)`` (``q`` is
-odd, hence invertible mod 2**64). A key *is* the chaining state, so a chain
+with ``pos(p) = fmix64((p + 1) * golden ^ k_pos)``. Tokens enter as 64-bit
+two's complement, so a list, any integer array and the msgpack bytes of a
+decoded event give the same keys. A key *is* the chaining state, so a chain
 continues from a parent's key and position alone. The position enters each
 block non-linearly, which defeats the Thue-Morse collisions that plain
 polynomial hashes mod 2**64 suffer. Keys are a routing hint, not a security
 boundary: a collision can at worst misroute a request.
+
+The loop over blocks runs natively (``_core.KeyChain``): about a nanosecond
+per token, where numpy's per-call overhead would dominate a prompt.
 """
 
 from __future__ import annotations
@@ -33,22 +36,17 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.prefix_index._core import KeyChain
 from kvwire.wire import TokenIds
 
-__all__ = ["KeyScheme", "as_token_array", "block_keys", "key_scheme"]
+__all__ = ["KeyScheme", "as_token_array", "block_keys", "key_scheme", "token_source"]
 
 U64 = npt.NDArray[np.uint64]
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 _F1 = 0xFF51_AFD7_ED55_8CCD
 _F2 = 0xC4CE_B9FE_1A85_EC53
-_NF1 = np.uint64(_F1)
-_NF2 = np.uint64(_F2)
-_S33 = np.uint64(33)
-_S32 = np.uint64(32)
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
-_EINSUM_MIN_BLOCKS = 4096
-_POS_TABLE_MAX = 1 << 22
 _encode = msgspec.msgpack.Encoder().encode
 _U32_OK = array.array("I").itemsize == 4
 
@@ -60,25 +58,6 @@ def fmix64(x: int) -> int:
     x ^= x >> 33
     x = (x * _F2) & _MASK
     return x ^ (x >> 33)
-
-
-def _fmix_array(x: U64) -> None:
-    """:func:`fmix64`, in place, on every element."""
-    t = x >> _S33
-    x ^= t
-    x *= _NF1
-    np.right_shift(x, _S33, out=t)
-    x ^= t
-    x *= _NF2
-    np.right_shift(x, _S33, out=t)
-    x ^= t
-
-
-def _mix_array(x: U64) -> None:
-    """One xorshift-multiply round, in place: cheap, non-linear, bijective."""
-    t = x >> _S32
-    x ^= t
-    x *= _NF1
 
 
 def _splitmix(seed: int) -> list[int]:
@@ -94,22 +73,12 @@ def _splitmix(seed: int) -> list[int]:
     return out
 
 
-def _powers(base: int, n: int) -> U64:
-    """``base**i mod 2**64`` for i in [0, n)."""
-    out = np.empty(max(n, 1), dtype=np.uint64)
-    out[0] = 1
-    filled = 1
-    step = base & _MASK
-    while filled < n:
-        take = min(filled, n - filled)
-        np.multiply(out[:take], np.uint64(step), out=out[filled : filled + take])
-        filled += take
-        step = (step * step) & _MASK
-    return out[:n]
-
-
 class KeyScheme:
-    """The key function for one (seed, block size); see the module docstring."""
+    """The key function for one (seed, block size); see the module docstring.
+
+    The per-block loop runs natively (:attr:`native`); this class derives its
+    constants from the seed and owns the namespaces (roots, extra keys).
+    """
 
     def __init__(self, seed: int, block_size: int) -> None:
         if block_size < 1:
@@ -118,22 +87,15 @@ class KeyScheme:
         self.block_size = block_size
         words = _splitmix(self.seed ^ 0x6B76_7769_7265_6B65)
         self._q = words[0] | 1
-        self._q_inv = pow(self._q, -1, 1 << 64)
-        self._pos_k = words[1]
         self._root_k = words[2]
-        self._detached_k = words[3]
-        self._malformed_k = words[4]
         self._hkey = words[5].to_bytes(8, "little") + words[6].to_bytes(8, "little")
         wstate = words[7]
         weights = []
         for _ in range(block_size):
             wstate = (wstate * 0x5851_F42D_4C95_7F2D + 0x1405_7B7E_F767_814F) & _MASK
             weights.append(fmix64(wstate) | 1)
-        self._w_u64: U64 = np.array(weights, dtype=np.uint64)
-        self._w_i64 = self._w_u64.view(np.int64)
-        self._qpow: U64 = _powers(self._q, 256)
-        self._qinv: U64 = _powers(self._q_inv, 256)
-        self._pos: U64 = self._pos_salts(0, 1024)
+        self.weights: tuple[int, ...] = tuple(weights)
+        self.native = KeyChain(weights, self._q, words[1], words[3], words[4])
         self._roots: dict[tuple[str | None, type, Any], int] = {}
 
     # --- per-chain starting points --------------------------------------------
@@ -153,16 +115,6 @@ class KeyScheme:
         if cacheable and len(self._roots) < 1024:
             self._roots[ns] = state
         return state
-
-    def detached(self, parent_hash: int) -> int:
-        """Chaining state under a parent the index never saw (unmatchable)."""
-        return fmix64(self._detached_k ^ (parent_hash & _MASK))
-
-    def malformed(self, hashes: U64) -> U64:
-        """Keys for blocks whose tokens are missing or mis-sized (unmatchable)."""
-        x = hashes ^ np.uint64(self._malformed_k)
-        _fmix_array(x)
-        return x
 
     def digest(self, value: Any) -> int:
         """Seeded 64-bit digest of any msgpack-encodable value."""
@@ -188,56 +140,16 @@ class KeyScheme:
 
     # --- the chain ------------------------------------------------------------
 
-    def _pos_salts(self, start: int, n: int) -> U64:
-        p = np.arange(start + 1, start + n + 1, dtype=np.uint64)
-        p *= np.uint64(_GOLDEN)
-        p ^= np.uint64(self._pos_k)
-        _fmix_array(p)
-        return p
-
-    def _grow(self, n: int, end: int) -> None:
-        if n > self._qpow.shape[0]:
-            size = max(n, 2 * self._qpow.shape[0])
-            self._qpow = _powers(self._q, size)
-            self._qinv = _powers(self._q_inv, size)
-        if self._pos.shape[0] < end <= _POS_TABLE_MAX:
-            self._pos = self._pos_salts(0, min(max(end, 2 * self._pos.shape[0]), _POS_TABLE_MAX))
-
-    def chain(
-        self,
-        tokens: npt.NDArray[Any],
-        start: int,
-        position: int = 0,
-        extra: U64 | None = None,
-    ) -> U64:
+    def chain(self, tokens: Any, start: int, position: int = 0, extra: U64 | None = None) -> U64:
         """Keys of the full blocks of ``tokens`` after chaining state ``start``.
 
-        ``tokens`` is a 1-D integer array holding a whole number of blocks;
-        ``position`` is the absolute block position of its first block.
+        ``tokens`` is anything :func:`token_source` takes; ``position`` is the
+        absolute block position of its first block.
         """
-        b = self.block_size
-        n = tokens.shape[0] // b
-        if n == 0:
-            return np.zeros(0, dtype=np.uint64)
-        t2 = tokens[: n * b].reshape(n, b)
-        w = self._w_u64 if tokens.dtype == np.uint64 else self._w_i64
-        mixed = np.einsum("ij,j->i", t2, w) if n >= _EINSUM_MIN_BLOCKS else t2 @ w
-        x: U64 = mixed.view(np.uint64)
-        end = position + n
-        if end > self._pos.shape[0] or n > self._qpow.shape[0]:
-            self._grow(n, end)
-        if end <= self._pos.shape[0]:
-            x ^= self._pos[position:end]
-        else:
-            x ^= self._pos_salts(position, n)
-        if extra is not None:
-            x ^= extra
-        _mix_array(x)
-        x *= self._qinv[:n]
-        x[0] = (int(x[0]) + self._q * start) & _MASK
-        np.add.accumulate(x, out=x)
-        x *= self._qpow[:n]
-        return x
+        src, packed, n_tokens = token_source(tokens)
+        out = np.empty(n_tokens // self.block_size, dtype=np.uint64)
+        self.native.keys_into(src, packed, start & _MASK, position, extra, out)
+        return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,12 +158,27 @@ def key_scheme(seed: int, block_size: int) -> KeyScheme:
     return KeyScheme(seed, block_size)
 
 
-def as_token_array(tokens: Any) -> npt.NDArray[Any]:
-    """A 1-D integer numpy view of ``tokens`` (list, numpy array or torch tensor).
+def token_source(tokens: Any) -> tuple[Any, bool, int]:
+    """``(source, packed, count)``: token ids in a form the native chain reads.
 
-    torch is never imported here: a tensor is recognised by its type's module
-    and converted with its own ``.numpy()``.
+    A decoded event's :class:`~kvwire.wire.TokenIds` stays in its msgpack
+    bytes (``packed``); lists and tuples are read item by item; anything else
+    becomes a 1-D native-endian contiguous integer array (torch tensors via
+    their own ``.numpy()``, torch never imported here).
     """
+    t = type(tokens)
+    if t is TokenIds:
+        return tokens.raw, True, len(tokens)
+    if t is list or t is tuple:
+        return tokens, False, len(tokens)
+    arr = as_token_array(tokens)
+    if not arr.flags.c_contiguous or not arr.dtype.isnative:
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+    return arr, False, arr.shape[0]
+
+
+def as_token_array(tokens: Any) -> npt.NDArray[Any]:
+    """A 1-D integer numpy view of ``tokens`` (list, numpy array or torch tensor)."""
     if type(tokens) is TokenIds:
         tokens = tokens.tolist()
     if type(tokens) is list:
@@ -304,8 +231,9 @@ def block_keys(
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
     scheme = key_scheme(seed & _MASK, block_size)
-    arr = as_token_array(tokens)
-    n = arr.shape[0] // block_size
-    extra = scheme.extra_hashes(extra_keys, n)
+    src, packed, n_tokens = token_source(tokens)
+    extra = scheme.extra_hashes(extra_keys, n_tokens // block_size)
     start = scheme.root(lora_name, cache_salt) if parent_key is None else parent_key & _MASK
-    return scheme.chain(arr, start, position, extra)
+    out = np.empty(n_tokens // block_size, dtype=np.uint64)
+    scheme.native.keys_into(src, packed, start, position, extra, out)
+    return out

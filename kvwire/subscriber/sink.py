@@ -23,7 +23,7 @@ class EventSink(Protocol):
     A sink that buffers work may also have a ``flush()`` method: the
     subscriber calls it whenever a rank's socket is drained, so buffered
     events are applied on the subscriber's thread rather than in a reader's
-    query (:class:`~kvwire.prefix_index.PrefixIndex` coalesces this way).
+    query.
     """
 
     def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None: ...

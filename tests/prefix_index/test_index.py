@@ -34,9 +34,9 @@ def batch(*events: Any) -> KVEventBatch:
     return KVEventBatch(0.0, list(events))
 
 
-@pytest.fixture(params=[0, 10**9], ids=["each-batch", "coalesced"])
-def index(request: pytest.FixtureRequest) -> PrefixIndex:
-    return PrefixIndex(BS, coalesce_blocks=request.param)
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex(BS)
 
 
 def test_captured_traffic_leaves_the_engines_final_blocks(wire_fixture: dict[str, Any]) -> None:
@@ -170,7 +170,7 @@ def test_router_keys_match_index_keys(index: PrefixIndex) -> None:
 
 
 def test_concurrent_apply_and_match_stay_consistent() -> None:
-    idx = PrefixIndex(BS, coalesce_blocks=64)
+    idx = PrefixIndex(BS)
     errors: list[BaseException] = []
     done = threading.Event()
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import struct
+
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from kvwire.prefix_index import block_keys
-from kvwire.prefix_index.keys import as_token_array, key_scheme
+from kvwire.prefix_index.keys import _splitmix, as_token_array, fmix64, key_scheme
+from kvwire.wire import TokenIds
 
 rng = np.random.default_rng(11)
 TOKENS = rng.integers(0, 150_000, 16 * 40 + 7).astype(np.int64)
@@ -98,9 +102,52 @@ def test_negative_and_huge_tokens_wrap_mod_2_64() -> None:
     assert (block_keys([-1] * 16, 16) == block_keys([2**64 - 1] * 16, 16)).all()
 
 
-def test_bulk_and_small_paths_agree() -> None:
+def reference_keys(tokens: list[int], bs: int, seed: int, start: int, position: int) -> list[int]:
+    """The module docstring's formula, in plain Python ints."""
+    scheme = key_scheme(seed, bs)
+    mask = (1 << 64) - 1
+    words = _splitmix(seed ^ 0x6B76_7769_7265_6B65)
+    q, pos_k = words[0] | 1, words[1]
+    out, state = [], start
+    for b in range(len(tokens) // bs):
+        mixed = sum(t * w for t, w in zip(tokens[b * bs : (b + 1) * bs], scheme.weights, strict=True))
+        x = (mixed & mask) ^ fmix64((((position + b + 1) * 0x9E37_79B9_7F4A_7C15) & mask) ^ pos_k)
+        x = ((x ^ (x >> 32)) * 0xFF51_AFD7_ED55_8CCD) & mask
+        state = (state * q + x) & mask
+        out.append(state)
+    return out
+
+
+def test_keys_follow_the_documented_formula() -> None:
+    toks = [int(t) for t in rng.integers(-(2**40), 2**40, 16 * 9)] + [2**63 + 5] * 16
+    for seed in (0, 7, 2**64 - 1):
+        root = key_scheme(seed, 16).root("lora")
+        got = block_keys(toks, 16, seed=seed, lora_name="lora")
+        assert got.tolist() == reference_keys(toks, 16, seed, root, 0)
+        parent = 0xDEAD_BEEF_0123_4567
+        got = block_keys(toks, 16, seed=seed, parent_key=parent, position=1000)
+        assert got.tolist() == reference_keys(toks, 16, seed, parent, 1000)
+
+
+def test_long_prompts_agree_with_their_prefixes() -> None:
     big = rng.integers(0, 50_000, 16 * 10_000).astype(np.int64)
-    keys = block_keys(big, 16)  # large enough for the einsum path
+    keys = block_keys(big, 16)
     head = block_keys(big[: 16 * 100], 16)
     assert (keys[:100] == head).all()
     assert key_scheme(0, 16) is key_scheme(0, 16)
+
+
+def test_msgpack_token_bytes_give_the_same_keys_in_every_int_form() -> None:
+    """A decoded event's TokenIds is keyed from its bytes: every msgpack integer
+    form, minimal or not, reads as its value."""
+    values = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1,
+              -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]  # fmt: skip
+    values += [int(t) for t in rng.integers(0, 200_000, 16 * 4 - len(values) % 16 + 16)]
+    values = values[: len(values) // 16 * 16]
+    want = block_keys(values, 16)
+    assert (block_keys(TokenIds(msgspec.Raw(msgspec.msgpack.encode(values))), 16) == want).all()
+    # Every value in its widest form, as another encoder may send it.
+    wide = bytearray(b"\xdd" + struct.pack(">I", len(values)))
+    for v in values:
+        wide += b"\xd3" + struct.pack(">q", v) if v < 0 else b"\xcf" + struct.pack(">Q", v)
+    assert (block_keys(TokenIds(msgspec.Raw(bytes(wide))), 16) == want).all()

@@ -37,7 +37,7 @@ class State(enum.Enum):
 
 @pytest.fixture()
 def index() -> PrefixIndex:
-    idx = PrefixIndex(BS, coalesce_blocks=0)
+    idx = PrefixIndex(BS)
     store(idx, "wa", 8)
     store(idx, "wb", 2)
     return idx
@@ -68,7 +68,7 @@ def test_load_outweighs_a_small_cache_advantage(index: PrefixIndex) -> None:
 
 
 def test_ties_go_to_the_least_loaded() -> None:
-    idx = PrefixIndex(BS, coalesce_blocks=0)
+    idx = PrefixIndex(BS)
     # Same cost (one has more cache but more decode load): less loaded wins.
     store(idx, "wa", 4)
     cands = {("wa", 0): Load(0, 4), ("wb", 0): Load(0, 0), ("wc", 0): (0, 0)}
@@ -79,7 +79,7 @@ def test_ties_go_to_the_least_loaded() -> None:
 
 
 def test_tiers_weigh_cached_blocks() -> None:
-    idx = PrefixIndex(BS, coalesce_blocks=0)
+    idx = PrefixIndex(BS)
     store(idx, "wa", 4, medium="GPU")
     store(idx, "wa", 8, medium="CPU", first=4)
     store(idx, "wb", 8, medium="DISK")

@@ -1,0 +1,1164 @@
+/* The prefix index's hot loops: block keys and the holder tables.
+ *
+ * Python keeps the policy (rank naming, groups, tiers by medium name,
+ * counters); this module keeps the state a router touches per block:
+ *
+ *   KeyChain  the chained 64-bit block key (see keys.py for the formula),
+ *             computed from token ids as msgpack bytes, a list or a buffer.
+ *   Index     per rank: engine hash -> (our key, depth, a store count per
+ *             tier); shared: our key -> holder bitmasks, one bit per rank and
+ *             tier. Open addressing with linear probing and backward-shift
+ *             deletion, so tables shrink and free themselves as blocks leave.
+ *
+ * Every function runs with the GIL held: calls are atomic to other threads.
+ * Nothing here trusts its input: token bytes come off the network.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+typedef uint64_t u64;
+typedef uint32_t u32;
+typedef int32_t i32;
+
+#define F1 0xFF51AFD7ED558CCDULL
+#define F2 0xC4CEB9FE1A85EC53ULL
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define DEPTH_LIMIT ((1LL << 31) - (1LL << 20))
+#define MIN_CAP 8
+#define PREFETCH 12
+
+static inline u64 fmix64(u64 x) {
+    x ^= x >> 33;
+    x *= F1;
+    x ^= x >> 33;
+    x *= F2;
+    return x ^ (x >> 33);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Token ids in, as u64 (two's complement for negatives).                    */
+
+typedef struct {
+    u64 *p;
+    Py_ssize_t cap;
+} Scratch;
+
+static u64 *scratch_get(Scratch *s, Py_ssize_t n) {
+    if (n < 1) n = 1;
+    if (n > s->cap) {
+        Py_ssize_t cap = s->cap ? s->cap : 256;
+        while (cap < n) cap *= 2;
+        u64 *p = PyMem_Realloc(s->p, (size_t)cap * sizeof(u64));
+        if (!p) { PyErr_NoMemory(); return NULL; }
+        s->p = p;
+        s->cap = cap;
+    }
+    return s->p;
+}
+
+static void scratch_free(Scratch *s) {
+    PyMem_Free(s->p);
+    s->p = NULL;
+    s->cap = 0;
+}
+
+/* Why a token input was refused; NULL: accepted. */
+typedef const char *Refusal;
+
+static inline u64 be(const unsigned char *p, int n) {
+    u64 v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* A msgpack array of integers (what engines put in token_ids). */
+static Refusal tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s,
+                             u64 **out, Py_ssize_t *count) {
+    if (len < 1) return "empty token_ids";
+    Py_ssize_t n, i = 1;
+    unsigned char h = p[0];
+    if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
+    else if (h == 0xdc) { if (len < 3) return "truncated array header"; n = (Py_ssize_t)be(p + 1, 2); i = 3; }
+    else if (h == 0xdd) { if (len < 5) return "truncated array header"; n = (Py_ssize_t)be(p + 1, 4); i = 5; }
+    else return "token_ids is not an array";
+    if (n > len - i) return "array longer than its bytes";
+    u64 *t = scratch_get(s, n);
+    if (!t) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (i >= len) return "truncated array";
+        unsigned char c = p[i];
+        /* The common forms first: fixint and uint16 (most vocabularies). */
+        if (c <= 0x7f) { t[k] = c; i++; continue; }
+        if (c == 0xcd) {
+            if (len - i < 3) return "truncated integer";
+            t[k] = ((u64)p[i + 1] << 8) | p[i + 2];
+            i += 3;
+            continue;
+        }
+        if (c >= 0xe0) { t[k] = (u64)(int64_t)(int8_t)c; i++; continue; }
+        int w;
+        switch (c) {
+            case 0xcc: w = 1; break;
+            case 0xce: w = 4; break;
+            case 0xcf: w = 8; break;
+            case 0xd0: w = -1; break;
+            case 0xd1: w = -2; break;
+            case 0xd2: w = -4; break;
+            case 0xd3: w = -8; break;
+            default: return "a token id is not an integer";
+        }
+        int bytes = w < 0 ? -w : w;
+        if (len - i - 1 < bytes) return "truncated integer";
+        u64 v = be(p + i + 1, bytes);
+        if (w < 0 && bytes < 8) {
+            int shift = 64 - 8 * bytes;
+            v = (u64)(((int64_t)(v << shift)) >> shift);
+        }
+        t[k] = v;
+        i += 1 + bytes;
+    }
+    if (i != len) return "trailing bytes after token_ids";
+    *out = t;
+    *count = n;
+    return NULL;
+}
+
+/* A list or tuple of Python ints. Sets *err when a Python error is pending. */
+static Refusal tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count, int *err) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    u64 *t = scratch_get(s, n);
+    if (!t) { *err = 1; return NULL; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *o = items[k];
+        if (!PyLong_Check(o)) return "a token id is not an integer";
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow > 0) {
+            unsigned long long u = PyLong_AsUnsignedLongLong(o);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return "a token id does not fit 64 bits";
+            }
+            t[k] = u;
+        } else if (overflow < 0) {
+            return "a token id does not fit 64 bits";
+        } else {
+            if (v == -1 && PyErr_Occurred()) { *err = 1; return NULL; }
+            t[k] = (u64)v;
+        }
+    }
+    *out = t;
+    *count = n;
+    return NULL;
+}
+
+/* A 1-D C-contiguous buffer of native integers (numpy arrays, array.array). */
+static Refusal tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *count, int *err) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    else if (*f == '>' || *f == '!') return "big-endian token arrays are not supported";
+    if (f[0] == 0 || f[1] != 0) return "token ids must be integers";
+    int is_signed;
+    switch (*f) {
+        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
+        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
+        default: return "token ids must be integers";
+    }
+    if (v->ndim > 1) return "tokens must be 1-D";
+    Py_ssize_t w = v->itemsize;
+    if (w != 1 && w != 2 && w != 4 && w != 8) return "unsupported integer width";
+    Py_ssize_t n = v->len / w;
+    u64 *t = scratch_get(s, n);
+    if (!t) { *err = 1; return NULL; }
+    const char *b = v->buf;
+#define CONVERT(T) for (Py_ssize_t k = 0; k < n; k++) { T x; memcpy(&x, b + k * sizeof(T), sizeof x); t[k] = (u64)x; }
+    if (is_signed) {
+        if (w == 1) { CONVERT(int8_t) } else if (w == 2) { CONVERT(int16_t) }
+        else if (w == 4) { CONVERT(int32_t) } else { CONVERT(int64_t) }
+    } else {
+        if (w == 1) { CONVERT(uint8_t) } else if (w == 2) { CONVERT(uint16_t) }
+        else if (w == 4) { CONVERT(uint32_t) } else { CONVERT(uint64_t) }
+    }
+#undef CONVERT
+    *out = t;
+    *count = n;
+    return NULL;
+}
+
+/* tokens: bytes-like msgpack when packed, else a list/tuple or an int buffer. */
+static Refusal read_tokens(PyObject *obj, int packed, Scratch *s, u64 **out, Py_ssize_t *count,
+                           int *err) {
+    *err = 0;
+    if (!packed && (PyList_Check(obj) || PyTuple_Check(obj))) {
+        PyObject *seq = PySequence_Fast(obj, "tokens");
+        if (!seq) { *err = 1; return NULL; }
+        Refusal r = tokens_seq(seq, s, out, count, err);
+        Py_DECREF(seq);
+        return r;
+    }
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, packed ? PyBUF_SIMPLE : (PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)) < 0) {
+        if (packed) { *err = 1; return NULL; }
+        PyErr_Clear();
+        return "tokens must be a list, a tuple or a contiguous integer array";
+    }
+    Refusal r = packed ? tokens_packed(v.buf, v.len, s, out, count)
+                       : tokens_buffer(&v, s, out, count, err);
+    if (packed && r == NULL && !*out) *err = 1;
+    PyBuffer_Release(&v);
+    return r;
+}
+
+/* ------------------------------------------------------------------------ */
+/* KeyChain                                                                  */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t bs;
+    u64 *w;
+    u64 q, pos_k, detached_k, malformed_k;
+    Scratch tok;
+} KeyChain;
+
+/* L_b = sum_j t[b, j] * w_j, four independent sums so the multiplies overlap. */
+static inline u64 block_sum(const u64 *t, const u64 *w, Py_ssize_t bs) {
+    u64 a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    Py_ssize_t j = 0;
+    for (; j + 4 <= bs; j += 4) {
+        a0 += t[j] * w[j];
+        a1 += t[j + 1] * w[j + 1];
+        a2 += t[j + 2] * w[j + 2];
+        a3 += t[j + 3] * w[j + 3];
+    }
+    for (; j < bs; j++) a0 += t[j] * w[j];
+    return (a0 + a1) + (a2 + a3);
+}
+
+static void chain_keys(const KeyChain *c, const u64 *tok, Py_ssize_t nblocks, u64 start,
+                       u64 position, const u64 *extra, u64 *out) {
+    const Py_ssize_t bs = c->bs;
+    const u64 *w = c->w;
+    u64 state = start;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        /* 16 tokens a block is what engines use: a constant lets it unroll. */
+        u64 l = bs == 16 ? block_sum(tok + b * 16, w, 16) : block_sum(tok + b * bs, w, bs);
+        u64 x = l ^ fmix64((position + (u64)b + 1) * GOLDEN ^ c->pos_k);
+        if (extra) x ^= extra[b];
+        x ^= x >> 32;
+        x *= F1;
+        state = state * c->q + x;
+        out[b] = state;
+    }
+}
+
+static int u64_arg(PyObject *o, u64 *out, const char *what) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int", what);
+        return -1;
+    }
+    *out = PyLong_AsUnsignedLongLongMask(o);
+    return (*out == (u64)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* A read-only view of n u64s (extra keys); NULL for None. */
+static int get_u64s(PyObject *o, Py_buffer *v, Py_ssize_t n, const char *what) {
+    if (PyObject_GetBuffer(o, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (v->itemsize != 8 || !(f[0] == 'Q' || f[0] == 'L' || f[0] == 'q' || f[0] == 'l') || f[1]) {
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_TypeError, "%s must be a uint64 array", what);
+        return -1;
+    }
+    if (v->len / 8 < n) {
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries for %zd blocks", what, v->len / 8, n);
+        return -1;
+    }
+    return 0;
+}
+
+static int KeyChain_init(KeyChain *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"weights", "q", "pos_k", "detached_k", "malformed_k", NULL};
+    PyObject *weights, *q, *pk, *dk, *mk;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO", kwlist, &weights, &q, &pk, &dk, &mk))
+        return -1;
+    if (u64_arg(q, &self->q, "q") || u64_arg(pk, &self->pos_k, "pos_k") ||
+        u64_arg(dk, &self->detached_k, "detached_k") || u64_arg(mk, &self->malformed_k, "malformed_k"))
+        return -1;
+    PyObject *seq = PySequence_Fast(weights, "weights must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "a block holds at least one token");
+        return -1;
+    }
+    u64 *w = PyMem_Malloc((size_t)n * sizeof(u64));
+    if (!w) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (u64_arg(PySequence_Fast_GET_ITEM(seq, i), &w[i], "a weight")) {
+            PyMem_Free(w);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    PyMem_Free(self->w);
+    self->w = w;
+    self->bs = n;
+    return 0;
+}
+
+static void KeyChain_dealloc(KeyChain *self) {
+    PyMem_Free(self->w);
+    scratch_free(&self->tok);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
+static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "keys_into takes 6 arguments");
+        return NULL;
+    }
+    int packed = PyObject_IsTrue(args[1]);
+    u64 start, position;
+    if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
+        return NULL;
+    u64 *tok = NULL;
+    Py_ssize_t ntok = 0;
+    int err;
+    Refusal why = read_tokens(args[0], packed, &self->tok, &tok, &ntok, &err);
+    if (err) return NULL;
+    if (why) {
+        PyErr_SetString(PyExc_TypeError, why);
+        return NULL;
+    }
+    Py_ssize_t nb = ntok / self->bs;
+    Py_buffer ev = {0}, ov;
+    const u64 *extra = NULL;
+    if (args[4] != Py_None) {
+        if (get_u64s(args[4], &ev, nb, "extra") < 0) return NULL;
+        extra = ev.buf;
+    }
+    if (PyObject_GetBuffer(args[5], &ov, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (extra) PyBuffer_Release(&ev);
+        return NULL;
+    }
+    if (ov.len < nb * 8) {
+        PyBuffer_Release(&ov);
+        if (extra) PyBuffer_Release(&ev);
+        PyErr_SetString(PyExc_ValueError, "out is too small");
+        return NULL;
+    }
+    chain_keys(self, tok, nb, start, position, extra, ov.buf);
+    PyBuffer_Release(&ov);
+    if (extra) PyBuffer_Release(&ev);
+    return PyLong_FromSsize_t(nb);
+}
+
+static PyObject *KeyChain_get_block_size(KeyChain *self, void *closure) {
+    return PyLong_FromSsize_t(self->bs);
+}
+
+static PyMethodDef KeyChain_methods[] = {
+    {"keys_into", (PyCFunction)(void (*)(void))KeyChain_keys_into, METH_FASTCALL,
+     "keys_into(tokens, packed, start, position, extra, out) -> number of keys written"},
+    {NULL},
+};
+
+static PyGetSetDef KeyChain_getset[] = {
+    {"block_size", (getter)KeyChain_get_block_size, NULL, "tokens per block", NULL},
+    {NULL},
+};
+
+static PyTypeObject KeyChainType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.KeyChain",
+    .tp_basicsize = sizeof(KeyChain),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The chained block key function of one (seed, block size).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)KeyChain_init,
+    .tp_dealloc = (destructor)KeyChain_dealloc,
+    .tp_methods = KeyChain_methods,
+    .tp_getset = KeyChain_getset,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Open addressing over fixed-size records whose first 8 bytes are the key. */
+
+typedef int (*Occupied)(const char *rec, size_t rs);
+
+typedef struct {
+    char *a;
+    size_t cap;   /* 0 or a power of two >= MIN_CAP */
+    size_t count;
+    size_t rs;    /* record size in bytes */
+    int shift;
+} Table;
+
+/* Big tables get their own mapping with transparent huge pages, when the
+ * system offers them: a lookup is a cache miss anyway, and with 4 KiB pages
+ * it is a TLB miss too. Small ones come from the Python allocator. */
+#define MAP_MIN ((size_t)1 << 21)
+
+static void *table_alloc(size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= MAP_MIN) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return NULL;
+        madvise(p, bytes, MADV_HUGEPAGE);
+        return p;
+    }
+#endif
+    return PyMem_Calloc(1, bytes);
+}
+
+static void table_free(void *p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= MAP_MIN) {
+        if (p) munmap(p, bytes);
+        return;
+    }
+#endif
+    PyMem_Free(p);
+}
+
+static inline size_t slot_of(u64 k, int shift) {
+    k ^= k >> 31;
+    k *= GOLDEN;
+    return (size_t)(k >> shift);
+}
+
+static inline u64 rec_key(const char *r) {
+    u64 k;
+    memcpy(&k, r, 8);
+    return k;
+}
+
+static inline char *t_find(const Table *t, u64 k, Occupied occ) {
+    if (!t->cap) return NULL;
+    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    for (;;) {
+        char *r = t->a + i * t->rs;
+        if (!occ(r, t->rs)) return NULL;
+        if (rec_key(r) == k) return r;
+        i = (i + 1) & m;
+    }
+}
+
+static inline void t_prefetch(const Table *t, u64 k) {
+    if (t->cap) __builtin_prefetch(t->a + slot_of(k, t->shift) * t->rs);
+}
+
+static int shift_for(size_t cap) {
+    int bits = 0;
+    while (((size_t)1 << bits) < cap) bits++;
+    return 64 - bits;
+}
+
+/* Rebuild with `cap` slots (0: free everything). */
+static int t_rehash(Table *t, size_t cap, Occupied occ) {
+    if (cap == 0) {
+        table_free(t->a, t->cap * t->rs);
+        t->a = NULL;
+        t->cap = 0;
+        t->count = 0;
+        return 0;
+    }
+    char *a = table_alloc(cap * t->rs);
+    if (!a) { PyErr_NoMemory(); return -1; }
+    int shift = shift_for(cap);
+    size_t m = cap - 1;
+    for (size_t j = 0; j < t->cap; j++) {
+        const char *r = t->a + j * t->rs;
+        if (!occ(r, t->rs)) continue;
+        size_t i = slot_of(rec_key(r), shift);
+        while (occ(a + i * t->rs, t->rs)) i = (i + 1) & m;
+        memcpy(a + i * t->rs, r, t->rs);
+    }
+    table_free(t->a, t->cap * t->rs);
+    t->a = a;
+    t->cap = cap;
+    t->shift = shift;
+    return 0;
+}
+
+static size_t cap_for(size_t n) {
+    size_t cap = MIN_CAP;
+    while (n * 10 > cap * 7) cap *= 2;
+    return cap;
+}
+
+/* The record of key k, inserted zeroed (*added = 1) when absent: one probe. */
+static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+    if ((t->count + 1) * 10 > t->cap * 7) {
+        if (t_rehash(t, t->cap ? t->cap * 2 : MIN_CAP, occ) < 0) return NULL;
+    }
+    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    for (;;) {
+        char *r = t->a + i * t->rs;
+        if (!occ(r, t->rs)) {
+            memset(r, 0, t->rs);
+            memcpy(r, &k, 8);
+            t->count++;
+            *added = 1;
+            return r;
+        }
+        if (rec_key(r) == k) {
+            *added = 0;
+            return r;
+        }
+        i = (i + 1) & m;
+    }
+}
+
+/* Remove the record at r: backward-shift the run after it; shrink or free. */
+static int t_delete(Table *t, char *r, Occupied occ) {
+    size_t m = t->cap - 1;
+    size_t i = (size_t)(r - t->a) / t->rs, j = i;
+    for (;;) {
+        j = (j + 1) & m;
+        char *rj = t->a + j * t->rs;
+        if (!occ(rj, t->rs)) break;
+        size_t h = slot_of(rec_key(rj), t->shift);
+        /* rj may move back to i only if its home is not in (i, j]. */
+        int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+        if (stays) continue;
+        memcpy(t->a + i * t->rs, rj, t->rs);
+        i = j;
+    }
+    memset(t->a + i * t->rs, 0, t->rs);
+    t->count--;
+    if (t->count == 0) return t_rehash(t, 0, occ);
+    if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
+        /* Shrinking only saves memory; on failure keep the bigger table. */
+        if (t_rehash(t, cap_for(t->count * 2), occ) < 0) PyErr_Clear();
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Records                                                                   */
+
+/* One engine hash of one rank. Occupied while any count is non-zero. */
+typedef struct {
+    u64 h;
+    u64 key;
+    u32 c[3];
+    i32 depth; /* block position; ~position on a detached chain */
+} Entry;
+
+static int entry_occ(const char *r, size_t rs) {
+    const Entry *e = (const Entry *)r;
+    return (e->c[0] | e->c[1] | e->c[2]) != 0;
+}
+
+static inline int presence(const Entry *e) {
+    return (e->c[0] != 0) | ((e->c[1] != 0) << 1) | ((e->c[2] != 0) << 2);
+}
+
+/* A key that several engine hashes of one rank map to: n[0] entries,
+ * n[1 + t] of them present in tier t. Occupied while n[0] > 0. */
+typedef struct {
+    u64 key;
+    u32 n[4];
+} Multi;
+
+static int multi_occ(const char *r, size_t rs) { return ((const Multi *)r)->n[0] != 0; }
+
+/* A node: its key, then mask words laid out [word][tier] (one tier until a
+ * non-GPU medium shows up). Occupied while some rank holds it. */
+#define NODE_HEAD 8
+
+static int node_occ(const char *r, size_t rs) {
+    const u64 *m = (const u64 *)(r + NODE_HEAD);
+    if (m[0]) return 1;
+    for (size_t w = 1; w < (rs - NODE_HEAD) / 8; w++)
+        if (m[w]) return 1;
+    return 0;
+}
+
+static inline u64 *node_masks(char *r) { return (u64 *)(r + NODE_HEAD); }
+
+typedef struct {
+    Table entries;
+    Table multi;
+    size_t detached;
+} Rank;
+
+typedef struct {
+    PyObject_HEAD
+    Table nodes;
+    size_t words;  /* 64 ranks a word */
+    size_t tiers;  /* 1 (GPU only so far) or 3 */
+    Rank *ranks;
+    size_t nranks;
+    Scratch tok, keys, hashes;
+} Index;
+
+static int Index_init(Index *self, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, "")) return -1;
+    self->words = 1;
+    self->tiers = 1;
+    self->nodes.rs = NODE_HEAD + 8;
+    self->nodes.a = NULL;
+    self->nodes.cap = self->nodes.count = 0;
+    return 0;
+}
+
+static void rank_free(Rank *r) {
+    t_rehash(&r->entries, 0, entry_occ);
+    t_rehash(&r->multi, 0, multi_occ);
+    r->detached = 0;
+}
+
+static void Index_dealloc(Index *self) {
+    for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
+    PyMem_Free(self->ranks);
+    t_rehash(&self->nodes, 0, node_occ);
+    scratch_free(&self->tok);
+    scratch_free(&self->keys);
+    scratch_free(&self->hashes);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* New mask layout (more words, or per-tier masks): copy every node over. */
+static int relayout(Index *self, size_t words, size_t tiers) {
+    Table *t = &self->nodes;
+    size_t rs = NODE_HEAD + 8 * words * tiers;
+    if (t->cap) {
+        char *a = table_alloc(t->cap * rs);
+        if (!a) { PyErr_NoMemory(); return -1; }
+        for (size_t j = 0; j < t->cap; j++) {
+            char *r = t->a + j * t->rs;
+            if (!node_occ(r, t->rs)) continue;
+            char *n = a + j * rs;
+            memcpy(n, r, NODE_HEAD);
+            u64 *om = node_masks(r), *nm = node_masks(n);
+            for (size_t w = 0; w < self->words; w++) {
+                /* Going from one tier to three: every holder so far is on GPU. */
+                for (size_t k = 0; k < self->tiers; k++) nm[w * tiers + k] = om[w * self->tiers + k];
+            }
+        }
+        table_free(t->a, t->cap * t->rs);
+        t->a = a;
+    }
+    t->rs = rs;
+    self->words = words;
+    self->tiers = tiers;
+    return 0;
+}
+
+/* Set rank sid's bits in a node to tier presence pa (0: not held). */
+static void node_set_bits(Index *self, char *r, size_t sid, int pa) {
+    u64 *m = node_masks(r) + (sid >> 6) * self->tiers;
+    u64 bit = 1ULL << (sid & 63);
+    if (self->tiers == 1) {
+        if (pa) m[0] |= bit; else m[0] &= ~bit;
+        return;
+    }
+    for (int k = 0; k < 3; k++) {
+        if (pa & (1 << k)) m[k] |= bit; else m[k] &= ~bit;
+    }
+}
+
+static inline int node_bits(const Index *self, char *r, size_t sid) {
+    const u64 *m = node_masks(r) + (sid >> 6) * self->tiers;
+    u64 bit = 1ULL << (sid & 63);
+    if (self->tiers == 1) return (m[0] & bit) ? 1 : 0;
+    return ((m[0] & bit) ? 1 : 0) | ((m[1] & bit) ? 2 : 0) | ((m[2] & bit) ? 4 : 0);
+}
+
+/* Drop rank sid from the node; free the node when nobody holds it. */
+static int node_drop(Index *self, char *r, size_t sid) {
+    if (!node_bits(self, r, sid)) return 0;
+    node_set_bits(self, r, sid, 0);
+    if (!node_occ(r, self->nodes.rs)) return t_delete(&self->nodes, r, node_occ);
+    return 0;
+}
+
+/* An entry of rank sid with this key went from tier presence pb to pa. */
+static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
+    Rank *rk = &self->ranks[sid];
+    Multi *mu = (Multi *)t_find(&rk->multi, key, multi_occ);
+    if (mu) {
+        if (!pb && pa) mu->n[0]++;
+        else if (pb && !pa) mu->n[0]--;
+        int bits = 0;
+        for (int k = 0; k < 3; k++) {
+            mu->n[1 + k] += ((pa >> k) & 1) - ((pb >> k) & 1);
+            if (mu->n[1 + k]) bits |= 1 << k;
+        }
+        char *r = t_find(&self->nodes, key, node_occ);
+        if (r) node_set_bits(self, r, sid, bits);
+        if (mu->n[0] <= 1) return t_delete(&rk->multi, (char *)mu, multi_occ);
+        return 0;
+    }
+    if (!pb) {
+        int added;
+        char *r = t_upsert(&self->nodes, key, node_occ, &added);
+        if (!r) return -1;
+        int held = added ? 0 : node_bits(self, r, sid);
+        if (held) {
+            /* Another engine hash of this rank has the same key: count both. */
+            int fresh;
+            Multi *m = (Multi *)t_upsert(&rk->multi, key, multi_occ, &fresh);
+            if (!m) return -1;
+            m->n[0] = 2;
+            int bits = 0;
+            for (int k = 0; k < 3; k++) {
+                m->n[1 + k] = ((held >> k) & 1) + ((pa >> k) & 1);
+                if (m->n[1 + k]) bits |= 1 << k;
+            }
+            node_set_bits(self, r, sid, bits);
+            return 0;
+        }
+        node_set_bits(self, r, sid, pa);
+        return 0;
+    }
+    char *r = t_find(&self->nodes, key, node_occ);
+    if (!r) return 0;
+    if (!pa) return node_drop(self, r, sid);
+    node_set_bits(self, r, sid, pa);
+    return 0;
+}
+
+static int check_sid(Index *self, PyObject *o, size_t *sid) {
+    Py_ssize_t s = PyLong_AsSsize_t(o);
+    if (s == -1 && PyErr_Occurred()) return -1;
+    if (s < 0 || (size_t)s >= self->nranks) {
+        PyErr_Format(PyExc_IndexError, "no rank slot %zd", s);
+        return -1;
+    }
+    *sid = (size_t)s;
+    return 0;
+}
+
+/* ensure_rank(sid): make room for rank slot sid. */
+static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if (s == -1 && PyErr_Occurred()) return NULL;
+    if (s < 0 || s > (1 << 24)) {
+        PyErr_Format(PyExc_ValueError, "rank slot %zd out of range", s);
+        return NULL;
+    }
+    size_t need = (size_t)s + 1;
+    if (need > self->nranks) {
+        Rank *r = PyMem_Realloc(self->ranks, need * sizeof(Rank));
+        if (!r) return PyErr_NoMemory();
+        memset(r + self->nranks, 0, (need - self->nranks) * sizeof(Rank));
+        for (size_t i = self->nranks; i < need; i++) {
+            r[i].entries.rs = sizeof(Entry);
+            r[i].multi.rs = sizeof(Multi);
+        }
+        self->ranks = r;
+        self->nranks = need;
+    }
+    size_t words = (need + 63) >> 6;
+    if (words > self->words && relayout(self, words, self->tiers) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Engine hashes as u64s; TypeError when one is not an int. */
+static u64 *read_hashes(Index *self, PyObject *obj, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(obj, "block hashes must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    u64 *h = scratch_get(&self->hashes, k);
+    if (!h) { Py_DECREF(seq); return NULL; }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (!PyLong_Check(items[i])) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_TypeError, "a block hash is not an int");
+            return NULL;
+        }
+        h[i] = PyLong_AsUnsignedLongLongMask(items[i]);
+        if (h[i] == (u64)-1 && PyErr_Occurred()) { Py_DECREF(seq); return NULL; }
+    }
+    Py_DECREF(seq);
+    *n = k;
+    return h;
+}
+
+#define ORPHAN 1
+#define MALFORMED 2
+
+/* store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags
+ *
+ * One BlockStored: resolve the parent in the rank's table (unknown: a
+ * detached chain under it), key every block from its tokens (unusable
+ * tokens: unmatchable keys from the hashes), count one more copy of every
+ * block in `tier`. tokens None forces the unmatchable keys. */
+static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "store takes 9 arguments");
+        return NULL;
+    }
+    size_t sid;
+    if (check_sid(self, args[0], &sid) < 0) return NULL;
+    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
+        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+        return NULL;
+    }
+    KeyChain *chain = (KeyChain *)args[1];
+    long tier = PyLong_AsLong(args[8]);
+    if (tier == -1 && PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier > 2) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
+        return NULL;
+    }
+    int packed = PyObject_IsTrue(args[5]);
+    if (packed < 0) return NULL;
+    Py_ssize_t n;
+    u64 *hashes = read_hashes(self, args[2], &n);
+    if (!hashes) return NULL;
+    int flags = 0;
+    if (n == 0) return PyLong_FromLong(0);
+    if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return NULL;
+
+    Rank *rk = &self->ranks[sid];
+    u64 start;
+    int64_t d0 = 0;
+    int detached = 0;
+    if (args[3] == Py_None) {
+        if (u64_arg(args[6], &start, "start") < 0) return NULL;
+    } else {
+        u64 parent;
+        if (u64_arg(args[3], &parent, "parent") < 0) return NULL;
+        Entry *pe = (Entry *)t_find(&rk->entries, parent, entry_occ);
+        int64_t dd;
+        if (pe) {
+            start = pe->key;
+            dd = pe->depth;
+        } else {
+            flags |= ORPHAN;
+            start = fmix64(chain->detached_k ^ parent);
+            dd = -1;
+        }
+        if (dd < 0) {
+            detached = 1;
+            d0 = ~dd + 1;
+        } else {
+            d0 = dd + 1;
+        }
+    }
+
+    u64 *keys = scratch_get(&self->keys, n);
+    if (!keys) return NULL;
+    int ok = 0;
+    if (args[4] != Py_None && d0 + n < DEPTH_LIMIT) {
+        u64 *tok = NULL;
+        Py_ssize_t ntok = 0;
+        int err;
+        Refusal why = read_tokens(args[4], packed, &chain->tok, &tok, &ntok, &err);
+        if (err) return NULL;
+        if (!why && ntok == n * chain->bs) {
+            Py_buffer ev;
+            const u64 *extra = NULL;
+            if (args[7] != Py_None) {
+                if (get_u64s(args[7], &ev, n, "extra") < 0) return NULL;
+                extra = ev.buf;
+            }
+            chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
+            if (extra) PyBuffer_Release(&ev);
+            ok = 1;
+        }
+    }
+    if (!ok) {
+        /* Unmatchable keys, all at position 0 so a key keeps one depth. */
+        flags |= MALFORMED;
+        for (Py_ssize_t i = 0; i < n; i++) keys[i] = fmix64(hashes[i] ^ chain->malformed_k);
+        detached = 1;
+        d0 = 0;
+    }
+    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) {
+        t_prefetch(&rk->entries, hashes[k]);
+        t_prefetch(&self->nodes, keys[k]);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) {
+            t_prefetch(&rk->entries, hashes[i + PREFETCH]);
+            t_prefetch(&self->nodes, keys[i + PREFETCH]);
+        }
+        int64_t pos = ok ? d0 + i : 0;
+        i32 depth = (i32)(detached ? ~pos : pos);
+        int added;
+        Entry *e = (Entry *)t_upsert(&rk->entries, hashes[i], entry_occ, &added);
+        if (!e) return NULL;
+        if (added) {
+            /* Occupied from here on: the count below is at least one. */
+            e->key = keys[i];
+            e->depth = depth;
+            if (depth < 0) rk->detached++;
+        }
+        int pb = presence(e);
+        if (e->c[tier] != UINT32_MAX) e->c[tier]++;
+        int pa = presence(e);
+        if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return NULL;
+    }
+    return PyLong_FromLong(flags);
+}
+
+/* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
+static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "remove takes 3 arguments");
+        return NULL;
+    }
+    size_t sid;
+    if (check_sid(self, args[0], &sid) < 0) return NULL;
+    long tier = PyLong_AsLong(args[2]);
+    if (tier == -1 && PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier > 2) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
+        return NULL;
+    }
+    Py_ssize_t n;
+    u64 *hashes = read_hashes(self, args[1], &n);
+    if (!hashes) return NULL;
+    Rank *rk = &self->ranks[sid];
+    Py_ssize_t unknown = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = (Entry *)t_find(&rk->entries, hashes[i], entry_occ);
+        if (!e || e->c[tier] == 0) {
+            unknown++;
+            continue;
+        }
+        int pb = presence(e);
+        e->c[tier]--;
+        int pa = presence(e);
+        if (pb == pa) continue;
+        if (node_update(self, sid, e->key, pb, pa) < 0) return NULL;
+        if (!pa) {
+            if (e->depth < 0) rk->detached--;
+            if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return NULL;
+        }
+    }
+    return PyLong_FromSsize_t(unknown);
+}
+
+/* clear_rank(sid): forget every block of the rank, in time linear in them. */
+static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    Rank *rk = &self->ranks[sid];
+    Table *t = &rk->entries;
+    for (size_t j = 0; j < t->cap; j++) {
+        const Entry *e = (const Entry *)(t->a + j * t->rs);
+        if (!entry_occ((const char *)e, t->rs)) continue;
+        char *r = t_find(&self->nodes, e->key, node_occ);
+        if (r && node_drop(self, r, sid) < 0) return NULL;
+    }
+    rank_free(rk);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_blocks(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    Table *t = &self->ranks[sid].entries;
+    PyObject *out = PyList_New((Py_ssize_t)t->count);
+    if (!out) return NULL;
+    Py_ssize_t k = 0;
+    for (size_t j = 0; j < t->cap && k < (Py_ssize_t)t->count; j++) {
+        const char *r = t->a + j * t->rs;
+        if (!entry_occ(r, t->rs)) continue;
+        PyObject *v = PyLong_FromUnsignedLongLong(rec_key(r));
+        if (!v) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, k++, v);
+    }
+    return out;
+}
+
+/* rank_stats(sid) -> (entries, detached entries) */
+static PyObject *Index_rank_stats(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    Rank *rk = &self->ranks[sid];
+    return Py_BuildValue("nn", (Py_ssize_t)rk->entries.count, (Py_ssize_t)rk->detached);
+}
+
+static void record_lost(u64 lost, size_t base, i32 *depth, i32 at) {
+    while (lost) {
+        depth[base + (size_t)__builtin_ctzll(lost)] = at;
+        lost &= lost - 1;
+    }
+}
+
+/* match(keys, names, tiers_type) -> {names[sid]: depth}
+ *
+ * The longest run of the prompt's keys from the first that each rank holds.
+ * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
+ * the runs held on GPU, on GPU or CPU, and anywhere. */
+static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "match takes 3 arguments");
+        return NULL;
+    }
+    if (!PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "names must be a list");
+        return NULL;
+    }
+    PyObject *names = args[1], *tt = args[2];
+    Py_buffer kv;
+    if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
+    const u64 *keys = kv.buf;
+    Py_ssize_t n = kv.len / 8;
+    PyObject *out = PyDict_New();
+    if (!out) { PyBuffer_Release(&kv); return NULL; }
+    if (n == 0 || self->nodes.count == 0 || self->nranks == 0) {
+        PyBuffer_Release(&kv);
+        return out;
+    }
+    const size_t W = self->words, T = self->tiers;
+    const int split = tt != Py_None && T == 3;
+    /* acc[0]: held anywhere, acc[1]: on GPU, acc[2]: on GPU or CPU */
+    size_t need = 3 * W * 2 + 3 * (W << 6);
+    u64 *buf = PyMem_Malloc(need * sizeof(u64));
+    if (!buf) { PyBuffer_Release(&kv); Py_DECREF(out); return PyErr_NoMemory(); }
+    u64 *acc = buf;                  /* [3][W] */
+    i32 *depth = (i32 *)(buf + 3 * W); /* [3][64W] */
+    memset(depth, 0, 3 * (W << 6) * sizeof(i32));
+    for (size_t w = 0; w < 3 * W; w++) acc[w] = ~0ULL;
+
+    /* Keep PREFETCH lookups in flight ahead of the walk. */
+    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        if (i + PREFETCH < n) t_prefetch(&self->nodes, keys[i + PREFETCH]);
+        char *r = t_find(&self->nodes, keys[i], node_occ);
+        if (!r) break;
+        u64 alive = 0;
+        const u64 *m = node_masks(r);
+        for (size_t w = 0; w < W; w++) {
+            const u64 *mw = m + w * T;
+            u64 a, g = 0, f = 0;
+            if (T == 1) a = mw[0];
+            else { g = mw[0]; f = g | mw[1]; a = f | mw[2]; }
+            u64 na = acc[w] & a;
+            if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, (i32)i);
+            acc[w] = na;
+            alive |= na;
+            if (split) {
+                u64 ng = acc[W + w] & g, nf = acc[2 * W + w] & f;
+                if (acc[W + w] != ng) record_lost(acc[W + w] & ~ng, (W + w) << 6, depth, (i32)i);
+                if (acc[2 * W + w] != nf) record_lost(acc[2 * W + w] & ~nf, (2 * W + w) << 6, depth, (i32)i);
+                acc[W + w] = ng;
+                acc[2 * W + w] = nf;
+            }
+        }
+        if (!alive) break;
+    }
+    for (size_t w = 0; w < W; w++) {
+        record_lost(acc[w], w << 6, depth, (i32)i);
+        if (split) {
+            record_lost(acc[W + w], (W + w) << 6, depth, (i32)i);
+            record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, (i32)i);
+        }
+    }
+    PyBuffer_Release(&kv);
+    Py_ssize_t nn = PyList_GET_SIZE(names);
+    size_t S = W << 6;
+    for (size_t sid = 0; sid < S && (Py_ssize_t)sid < nn; sid++) {
+        i32 d = depth[sid];
+        if (d <= 0) continue;
+        PyObject *name = PyList_GET_ITEM(names, (Py_ssize_t)sid);
+        if (name == Py_None) continue;
+        PyObject *v;
+        if (tt == Py_None) v = PyLong_FromLong(d);
+        else if (!split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
+        else {
+            i32 g = depth[S + sid], f = depth[2 * S + sid];
+            v = PyObject_CallFunction(tt, "iii", g, f - g, d - f);
+        }
+        if (!v || PyDict_SetItem(out, name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(out);
+            PyMem_Free(buf);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    PyMem_Free(buf);
+    return out;
+}
+
+static size_t rank_bytes(const Rank *r) {
+    return r->entries.cap * r->entries.rs + r->multi.cap * r->multi.rs;
+}
+
+static PyObject *Index_get_nodes(Index *self, void *c) {
+    return PyLong_FromSize_t(self->nodes.count);
+}
+
+static PyObject *Index_get_memory(Index *self, void *c) {
+    size_t total = self->nodes.cap * self->nodes.rs;
+    for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
+    return PyLong_FromSize_t(total);
+}
+
+static PyMethodDef Index_methods[] = {
+    {"ensure_rank", (PyCFunction)Index_ensure_rank, METH_O, "ensure_rank(sid): room for rank slot sid"},
+    {"store", (PyCFunction)(void (*)(void))Index_store, METH_FASTCALL,
+     "store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags"},
+    {"remove", (PyCFunction)(void (*)(void))Index_remove, METH_FASTCALL,
+     "remove(sid, hashes, tier) -> unknown removals"},
+    {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
+    {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
+    {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached)"},
+    {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
+     "match(keys, names, tiers_type) -> {name: depth}"},
+    {NULL},
+};
+
+static PyGetSetDef Index_getset[] = {
+    {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
+    {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
+    {NULL},
+};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.Index",
+    .tp_basicsize = sizeof(Index),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Holder tables of the prefix index.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Index_init,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_methods = Index_methods,
+    .tp_getset = Index_getset,
+};
+
+static struct PyModuleDef coremodule = {
+    PyModuleDef_HEAD_INIT, "_core", "The prefix index's native tables and key chain.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&coremodule);
+    if (!m) return NULL;
+    Py_INCREF(&KeyChainType);
+    Py_INCREF(&IndexType);
+    if (PyModule_AddObject(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
+        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ORPHAN", ORPHAN) < 0 ||
+        PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,46 @@
+"""Types of the native tables and key chain (``_core.c``)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+ORPHAN: int
+MALFORMED: int
+
+class KeyChain:
+    """The chained block key function of one (seed, block size)."""
+
+    def __init__(
+        self, weights: Sequence[int], q: int, pos_k: int, detached_k: int, malformed_k: int
+    ) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    def keys_into(
+        self, tokens: Any, packed: bool, start: int, position: int, extra: Any, out: Any
+    ) -> int: ...
+
+class Index:
+    """Holder tables of the prefix index."""
+
+    def __init__(self) -> None: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def memory(self) -> int: ...
+    def ensure_rank(self, sid: int) -> None: ...
+    def store(
+        self,
+        sid: int,
+        chain: KeyChain,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Any,
+        packed: bool,
+        start: int,
+        extra: Any,
+        tier: int,
+    ) -> int: ...
+    def remove(self, sid: int, hashes: Sequence[int], tier: int) -> int: ...
+    def clear_rank(self, sid: int) -> None: ...
+    def blocks(self, sid: int) -> list[int]: ...
+    def rank_stats(self, sid: int) -> tuple[int, int]: ...
+    def match(self, keys: Any, names: list[Any], tiers_type: Any) -> dict[Any, Any]: ...

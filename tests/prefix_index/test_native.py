@@ -1,0 +1,151 @@
+"""The native tables under load and under hostile input.
+
+The model test covers semantics on small tables; these drive the tables
+through growth, shrinking and deletion in every order, and feed the token
+reader bytes straight off a (possibly malicious) network.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import msgspec
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.prefix_index import PrefixIndex, block_keys
+from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch, TokenIds
+
+BS = 4
+
+
+def packed(tokens: list[int]) -> TokenIds:
+    return TokenIds(msgspec.Raw(msgspec.msgpack.encode(tokens)))
+
+
+def raw_store(hashes: list[int], raw: bytes, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=TokenIds(msgspec.Raw(raw)), block_size=BS)  # fmt: skip
+
+
+def test_tables_grow_shrink_and_free_in_any_removal_order() -> None:
+    rnd = random.Random(5)
+    idx = PrefixIndex(BS)
+    chains: dict[tuple[str, int], list[tuple[list[int], list[int]]]] = {}
+    for w in range(6):
+        for c in range(60):
+            # Chains share a 3-block root across workers; the rest is their own.
+            root = [c % 7] * (3 * BS)
+            own = [rnd.randrange(100_000) for _ in range(30 * BS)]
+            tokens = root + own
+            hashes = [rnd.getrandbits(64) for _ in range(33)]
+            idx.apply(f"w{w}", w % 2, KVEventBatch(0.0, [
+                BlockStored(hashes, None, packed(tokens), BS)]))  # fmt: skip
+            chains.setdefault((f"w{w}", w % 2), []).append((hashes, tokens))
+    key_of = {h: k for cs in chains.values() for hs, toks in cs
+              for h, k in zip(hs, block_keys(toks, BS).tolist(), strict=True)}  # fmt: skip
+    full = idx.stats()
+    assert full.holders == 6 * 60 * 33
+    for name, cs in chains.items():
+        assert idx.blocks(*name) == {h for hs, _ in cs for h in hs}
+        for _, tokens in cs[:5]:
+            assert idx.match(tokens)[name] == 33
+    # Remove in a random order, a chunk at a time; answers stay exact.
+    pending = [(name, h) for name, cs in chains.items() for hs, _ in cs for h in hs]
+    rnd.shuffle(pending)
+    held = {name: {h for hs, _ in cs for h in hs} for name, cs in chains.items()}
+    for i in range(0, len(pending), 997):
+        chunk = pending[i : i + 997]
+        by_rank: dict[tuple[str, int], list[int]] = {}
+        for name, h in chunk:
+            by_rank.setdefault(name, []).append(h)
+            held[name].discard(h)
+        for name, hs in by_rank.items():
+            idx.apply(*name, KVEventBatch(0.0, [BlockRemoved(hs)]))
+        for name in chains:
+            assert idx.blocks(*name) == held[name]
+        # Chains with one root share its keys under different engine hashes:
+        # a root block stays matched while any of them holds it.
+        for name in (("w0", 0), ("w1", 1)):
+            held_keys = {key_of[h] for h in held[name]}
+            for _, tokens in chains[name][:8]:
+                keys = block_keys(tokens, BS).tolist()
+                depth = next((d for d, k in enumerate(keys) if k not in held_keys), len(keys))
+                assert idx.match(tokens).get(name, 0) == depth
+        if i > len(pending) * 0.9:
+            assert idx.stats().memory_bytes < full.memory_bytes / 4
+    s = idx.stats()
+    assert (s.blocks, s.holders, s.memory_bytes) == (0, 0, 0)
+
+
+def test_tiers_show_up_after_many_ranks() -> None:
+    """Per-tier masks appear after masks already span several words."""
+    idx = PrefixIndex(BS)
+    tokens = list(range(3 * BS))
+    for i in range(130):
+        idx.apply(f"w{i}", 0, KVEventBatch(0.0, [BlockStored([1, 2, 3], None, tokens, BS)]))
+    idx.apply("w129", 0, KVEventBatch(0.0, [BlockStored([1, 2], None, tokens[: 2 * BS], BS,
+                                                        medium="CPU")]))  # fmt: skip
+    idx.apply("w3", 0, KVEventBatch(0.0, [BlockRemoved([3])]))
+    tiers = idx.match_tiers(tokens)
+    assert len(tiers) == 130
+    assert tiers[("w0", 0)] == (3, 0, 0)
+    assert tiers[("w3", 0)] == (2, 0, 0)
+    assert tiers[("w129", 0)] == (3, 0, 0)  # its GPU copy still covers all three
+    idx.apply("w129", 0, KVEventBatch(0.0, [BlockRemoved([1, 2, 3])]))
+    assert idx.match_tiers(tokens)[("w129", 0)] == (0, 2, 0)
+
+
+BAD_TOKENS = [
+    b"",  # nothing
+    b"\xc0",  # nil, not an array
+    b"\x94\x01\x02\x03",  # fewer items than the header says
+    b"\x94\x01\x02\x03\x04\x05",  # trailing bytes
+    b"\x94\x01\xa1x\x03\x04",  # a string item
+    b"\x94\x01\xcb" + struct.pack(">d", 1.0) + b"\x03\x04",  # a float item
+    b"\x94\x01\xcd\x01",  # truncated integer
+    b"\xdd\xff\xff\xff\xff\x01",  # header claims 4 G items
+    b"\xdc\x00",  # truncated header
+]
+
+
+def test_unusable_token_bytes_are_counted_and_the_blocks_kept() -> None:
+    idx = PrefixIndex(BS)
+    for i, raw in enumerate(BAD_TOKENS):
+        idx.apply("w", 0, KVEventBatch(0.0, [raw_store([100 + i], raw)]))
+    s = idx.stats()
+    assert s.malformed_stores == len(BAD_TOKENS)
+    assert idx.blocks("w", 0) == {100 + i for i in range(len(BAD_TOKENS))}
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockRemoved([100 + i for i in range(len(BAD_TOKENS))])]))
+    assert idx.stats().holders == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64), st.integers(1, 3))
+def test_any_token_bytes_leave_the_index_consistent(raw: bytes, n: int) -> None:
+    idx = PrefixIndex(BS)
+    idx.apply("w", 0, KVEventBatch(0.0, [raw_store(list(range(n)), raw)]))
+    assert idx.blocks("w", 0) == set(range(n))
+    s = idx.stats()
+    try:
+        tokens = msgspec.msgpack.decode(raw, type=list[int])
+    except msgspec.DecodeError:
+        tokens = None
+    if tokens is not None and len(tokens) == n * BS and all(-(2**63) <= t < 2**64 for t in tokens):
+        assert s.malformed_stores == 0
+        assert idx.match(tokens) == {("w", 0): n}
+        assert (idx.keys(packed(tokens)) == block_keys(tokens, BS)).all()
+    else:
+        assert s.malformed_stores == 1
+
+
+def test_token_arrays_of_every_width_and_order_key_alike() -> None:
+    base = np.arange(1, 1 + 8 * BS, dtype=np.int64) * 1000 % 65_000
+    want = block_keys(base, BS)
+    for dt in ("<i2", "<u2", "<i4", "<u4", "<i8", "<u8", ">i4", ">u8"):
+        arr = base.astype(dt)
+        assert (block_keys(arr, BS) == want).all(), dt
+        assert (block_keys(arr[::-1][::-1], BS) == want).all(), dt
+    assert (block_keys(np.repeat(base, 2)[::2], BS) == want).all()  # strided
