@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: demo test lint unit e2e bench clean venv
 
-$(STAMP): pyproject.toml kvwire/prefix_index/_core.c
+$(STAMP): pyproject.toml kvwire/wire/_pack.c kvwire/prefix_index/_core.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

@@ -208,9 +208,8 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
             "kvwire B=16": (w16, cols[default_linger]),
             "kvwire B=256": (w256, cols[default_linger]),
         }
-        fixed = EventCollector(pubs[default_linger], BLOCK_TOKENS, int_widths="fixed")
-        modes["numpy fixed B=16"] = (Workload(16, None, numpy=True), fixed)
-        modes["numpy fixed B=256"] = (Workload(256, None, numpy=True), fixed)
+        modes["numpy B=16"] = (Workload(16, None, numpy=True), cols[default_linger])
+        modes["numpy B=256"] = (Workload(256, None, numpy=True), cols[default_linger])
         if device.type == "cuda" or args.cpu_smoke:
             # The collector's device path (CPU tensors in a smoke run).
             modes["kvwire B=256 tensors"] = (Workload(256, device), cols[default_linger])

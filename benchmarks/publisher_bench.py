@@ -8,6 +8,8 @@ numpy arrays. A SUB socket in another process receives over loopback tcp.
 Printed per case, as medians over ``--repeats`` runs:
 - CPU time of the whole publishing process (every thread, libzmq's included)
   per stored block;
+- "zmq alone": the same, for the same payloads prebuilt and sent from a bare
+  PUB socket, no kvwire code at all (the transport's own floor);
 - the calling thread's time per iteration (``stored`` + ``removed`` + ``flush``);
 - blocks per second received by the SUB process;
 and, with the only subscriber stalled (connected, not reading), ``publish()``
@@ -190,8 +192,7 @@ def run_throughput(blocks: int, kind: str, iterations: int) -> RunResult:
     inputs = make_inputs(blocks, kind)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with EventPublisher(endpoint, max_queue_size=iterations + 1000) as pub:
-        widths = "fixed" if kind == "numpy-fixed" else "minimal"
-        col = EventCollector(pub, BLOCK_TOKENS, int_widths=widths)
+        col = EventCollector(pub, BLOCK_TOKENS)
         proc, conn = connect_subscriber(ctx, pub, col, stall=False)
         start_seq = pub.last_seq + 1
         conn.send((blocks, start_seq, start_seq + iterations - 1))
@@ -225,6 +226,71 @@ def run_throughput(blocks: int, kind: str, iterations: int) -> RunResult:
         dropped=stats.dropped_queue_full + stats.dropped_send_error + stats.dropped_encode_error,
         decoded_ok=decoded_ok and got > 0,
     )
+
+
+# --- the transport alone ---------------------------------------------------------------
+
+
+def run_floor(blocks: int, kind: str, iterations: int) -> float:
+    """CPU per stored block of libzmq alone: the same payloads, prebuilt, from one bare PUB.
+
+    No kvwire code runs while timed: three ``send`` calls per message in a tight
+    loop to the same kind of SUB process, until it has received them all.
+    This is what any publisher on this transport pays before encoding anything.
+    """
+    ctx = mp.get_context("spawn")
+    inputs = make_inputs(blocks, kind)
+    payloads = []
+
+    class _Keep:
+        rank = 0
+        batch: Any = None
+
+        def publish(self, batch: Any) -> bool:
+            self.batch = batch
+            return True
+
+    keep = _Keep()
+    col = EventCollector(keep, BLOCK_TOKENS)
+    for (h, p, t), r in zip(inputs.stores, inputs.removes, strict=True):
+        col.stored(h, p, t)
+        col.removed(r)
+        col.flush()
+        payloads.append(keep.batch.encode("map"))
+    zctx = zmq.Context()
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=subscriber, args=(endpoint, child_conn, False), daemon=True)
+    proc.start()
+    seq = 0
+    deadline = time.monotonic() + 30
+    while not parent_conn.poll(0.01):
+        if time.monotonic() > deadline:
+            raise RuntimeError("subscriber process never received anything")
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payloads[0]])
+        seq += 1
+    assert parent_conn.recv() == "ready"
+    start = seq
+    parent_conn.send((blocks, start, start + iterations - 1))
+    send = pub.send
+    more = zmq.SNDMORE
+    nvar = len(payloads)
+    cpu0 = cpu_seconds()
+    for i in range(iterations):
+        send(b"", more)
+        send((start + i).to_bytes(8, "big"), more)
+        send(payloads[i % nvar])
+    got, *_ = parent_conn.recv()
+    cpu1 = cpu_seconds()
+    proc.join(10)
+    pub.close(linger=0)
+    zctx.term()
+    if got != iterations:
+        raise RuntimeError(f"floor run: the SUB received {got} of {iterations} messages")
+    return (cpu1 - cpu0) * 1e6 / (iterations * blocks)
 
 
 # --- stalled subscriber --------------------------------------------------------------
@@ -300,9 +366,8 @@ def main() -> None:
     ap.add_argument(
         "--inputs",
         nargs="+",
-        default=["lists", "numpy", "numpy-fixed"],
-        choices=["lists", "numpy", "numpy-fixed"],
-        help="numpy-fixed: numpy arrays with int_widths='fixed' (not byte-identical to vLLM)",
+        default=["lists", "numpy"],
+        choices=["lists", "numpy"],
     )
     args = ap.parse_args()
     repeats = 3 if args.quick else args.repeats
@@ -319,7 +384,7 @@ def main() -> None:
         "vLLM 0.33 here: 2.3 us/block (B=16), 0.74 us/block (B=256), 8.6 us/iter calling thread\n"
     )
     header = (
-        f"{'B':>4} {'input':>11} {'CPU us/block':>13} {'target':>7} {'vLLM':>6} "
+        f"{'B':>4} {'input':>11} {'CPU us/block':>13} {'target':>7} {'vLLM':>6} {'zmq alone':>9} "
         f"{'call us/iter':>13} {'target':>7} {'SUB blocks/s':>13} {'gaps':>5} {'ok':>3}"
     )
     print(header)
@@ -327,8 +392,13 @@ def main() -> None:
     for blocks in args.sizes:
         n = iters.get(blocks, max(500, 320_000 // blocks))
         for kind in args.inputs:
-            runs = [run_throughput(blocks, kind, n) for _ in range(repeats)]
+            runs = []
+            floors = []
+            for _ in range(repeats):
+                runs.append(run_throughput(blocks, kind, n))
+                floors.append(run_floor(blocks, kind, n))
             cpu = statistics.median(r.cpu_us_per_block for r in runs)
+            floor = statistics.median(floors)
             call = statistics.median(r.calling_us_per_iter for r in runs)
             rate = statistics.median(r.recv_blocks_per_s for r in runs)
             gaps = max(r.gaps for r in runs)
@@ -337,7 +407,7 @@ def main() -> None:
             t_call = TARGET_CALLING_US.get(blocks)
             print(
                 f"{blocks:>4} {kind:>11} {cpu:>13.3f} {_fmt(t_cpu):>7} "
-                f"{_fmt(VLLM_CPU_PER_BLOCK.get(blocks)):>6} {call:>13.2f} {_fmt(t_call):>7} "
+                f"{_fmt(VLLM_CPU_PER_BLOCK.get(blocks)):>6} {floor:>9.3f} {call:>13.2f} {_fmt(t_call):>7} "
                 f"{rate:>13,.0f} {gaps:>5} {'yes' if ok else 'NO':>3}"
             )
     print()

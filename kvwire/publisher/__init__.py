@@ -11,7 +11,6 @@ from kvwire.publisher.collector import (
     CollectorStats,
     EventCollector,
     HashFormat,
-    IntWidths,
 )
 from kvwire.publisher.paged_cache import AdmitResult, CacheFullError, PagedKVCache, block_hashes
 from kvwire.publisher.publisher import (
@@ -31,7 +30,6 @@ __all__ = [
     "EventCollector",
     "EventPublisher",
     "HashFormat",
-    "IntWidths",
     "PagedKVCache",
     "PendingBatch",
     "PublisherStats",

@@ -41,11 +41,9 @@ __all__ = [
     "CollectorStats",
     "EventCollector",
     "HashFormat",
-    "IntWidths",
 ]
 
 HashFormat: TypeAlias = Literal["unsigned", "signed"]
-IntWidths: TypeAlias = Literal["minimal", "fixed"]
 
 _U64 = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
@@ -60,8 +58,6 @@ _CHANGED = (
     "the token ids or hashes passed to stored() changed before the batch was encoded; "
     "pass lists that are not modified afterwards"
 )
-# Below this length numpy's per-call overhead makes packing dearer than tolist().
-_PACK_MIN = 512
 
 
 class BatchPublisher(Protocol):
@@ -177,11 +173,8 @@ class EventCollector:
     and drops the rest, counted in :meth:`stats`. Removals and clears are never
     dropped: losing one would leave consumers believing a block is cached.
 
-    ``int_widths="minimal"`` (the default) encodes every int as msgspec does,
-    so the bytes are those of ``encode_batch`` (and vLLM). ``"fixed"`` lets a
-    large numpy or torch array go out at one width per array, which skips
-    making a Python int per token: valid msgpack that every decoder reads as
-    the same values, several times cheaper for long token arrays.
+    Every int goes out in its smallest msgpack form, so the bytes are those of
+    ``encode_batch`` (and vLLM's), packed natively from lists and arrays alike.
     """
 
     def __init__(
@@ -191,14 +184,11 @@ class EventCollector:
         *,
         hash_format: HashFormat = "unsigned",
         max_stored_blocks_per_iteration: int | None = None,
-        int_widths: IntWidths = "minimal",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if hash_format not in ("unsigned", "signed"):
             raise ValueError(f"hash_format must be 'unsigned' or 'signed', got {hash_format!r}")
-        if int_widths not in ("minimal", "fixed"):
-            raise ValueError(f"int_widths must be 'minimal' or 'fixed', got {int_widths!r}")
         if max_stored_blocks_per_iteration is not None and max_stored_blocks_per_iteration < 0:
             raise ValueError(
                 f"max_stored_blocks_per_iteration must be >= 0, got {max_stored_blocks_per_iteration}"
@@ -207,9 +197,7 @@ class EventCollector:
         self.block_size = block_size
         self.hash_format: HashFormat = hash_format
         self.max_stored_blocks_per_iteration = max_stored_blocks_per_iteration
-        self.int_widths: IntWidths = int_widths
         self._signed = hash_format == "signed"
-        self._fixed = int_widths == "fixed"
         self._records: list[tuple[Any, ...]] = []
         self._device: list[_DeviceInts] = []  # CUDA copies awaiting their event
         self._stored_blocks = 0
@@ -300,7 +288,7 @@ class EventCollector:
         self._stored_blocks = 0
         self._batches += 1
         batch = CollectedBatch(
-            time.time(), records, self.publisher.rank, self.block_size, self._signed, self._fixed
+            time.time(), records, self.publisher.rank, self.block_size, self._signed
         )
         return self.publisher.publish(batch)
 
@@ -321,14 +309,14 @@ class CollectedBatch(msgspec.Struct, gc=False):
     rank: int
     block_size: int
     signed: bool
-    fixed_widths: bool = False
 
     def encode(self, dialect: Dialect) -> bytes:
         """Convert, coalesce and encode: the bytes ``encode_batch`` gives for :meth:`to_batch`.
 
-        Lists of ints take the fast path; one holding something msgpack cannot
-        take as an int (a numpy scalar, say) is converted element by element.
-        Raises ``ValueError`` for values that are not 64-bit ints at all.
+        Lists of ints go to msgspec as they are; should one hold something
+        msgpack cannot take as a 64-bit int, the batch is encoded again with
+        every list packed natively, which converts ``__index__`` types and
+        raises ``ValueError`` naming a value that is no 64-bit int.
         """
         try:
             return encode_parts(self.ts, self.parts(), self.rank, dialect=dialect)
@@ -340,18 +328,11 @@ class CollectedBatch(msgspec.Struct, gc=False):
         return decode_batch(self.encode("map"))
 
     def parts(self, *, strict: bool = False) -> list[EventParts]:
-        """The coalesced events in wire form, int arrays packed where that is cheap.
-
-        ``strict`` converts every element of a list with ``operator.index`` first.
-        """
-        records = [_strict_record(r) for r in self.records] if strict else self.records
+        """The coalesced events in wire form; arrays (and, when ``strict``, lists) packed."""
+        records = self.records
         signed = self.signed
-        fixed = self.fixed_widths
-        # Hashes already in the wire's form, the common case, pass through untouched
-        # (one outside 64 bits makes the encoder raise, and encode() retries strictly).
-        low, high = (_I64_MIN, _I64_MAX) if signed else (0, _U64)
-        hashes: IntArray
-        tokens: IntArray
+        form: HashFormat = "signed" if signed else "unsigned"
+        bs = self.block_size
         out: list[EventParts] = []
         n = len(records)
         i = 0
@@ -361,22 +342,16 @@ class CollectedBatch(msgspec.Struct, gc=False):
             tag = rec[0]
             if tag == _STORE:
                 _, hs, parent, toks, lora, medium, keys, group = rec
-                if len(toks) != len(hs) * self.block_size:
+                if len(toks) != len(hs) * bs:
                     raise ValueError(_CHANGED)
-                if (type(hs) is list or type(hs) is tuple) and (
-                    max(hs) <= high if signed else min(hs) >= 0
-                ):
-                    hashes, last = hs, hs[-1]
-                else:
-                    hashes, last = _hash_array(hs, signed)
-                if parent is not None and not (type(parent) is int and low <= parent <= high):
+                if parent is not None:
                     parent = _hash_int(parent, signed)
-                tokens = (
-                    toks if type(toks) is list or type(toks) is tuple else _token_array(toks, fixed)
-                )
+                hash_parts = [_ints(hs, form, strict)]
+                token_parts = [_ints(toks, None, strict)]
+                last = _hash_int(_host(hs)[-1], signed)
                 extra = keys
                 if i < n and records[i][0] == _STORE:
-                    hash_parts, token_parts = [hashes], [tokens]
+                    # A store continuing the previous one's chain joins its event.
                     extra = None if keys is None else list(keys)
                     while i < n:
                         nxt = records[i]
@@ -390,114 +365,63 @@ class CollectedBatch(msgspec.Struct, gc=False):
                             or _hash_int(nxt[2], signed) != last
                         ):
                             break
-                        if len(nxt[3]) != len(nxt[1]) * self.block_size:
+                        if len(nxt[3]) != len(nxt[1]) * bs:
                             raise ValueError(_CHANGED)
-                        more, last = _hash_array(nxt[1], signed)
-                        hash_parts.append(more)
-                        token_parts.append(_token_array(nxt[3], fixed))
+                        hash_parts.append(_ints(nxt[1], form, strict))
+                        token_parts.append(_ints(nxt[3], None, strict))
+                        last = _hash_int(_host(nxt[1])[-1], signed)
                         if extra is not None:
                             extra.extend(nxt[6])
                         i += 1
-                    hashes = concat_int_arrays(hash_parts)
-                    tokens = concat_int_arrays(token_parts)
                 out.append(StoredParts(
-                    hashes, parent, tokens, self.block_size, None, medium, lora, extra, group
+                    concat_int_arrays(hash_parts), parent, concat_int_arrays(token_parts), bs,
+                    None, medium, lora, extra, group,
                 ))  # fmt: skip
             elif tag == _REMOVE:
                 _, hs, medium, group = rec
-                if (type(hs) is list or type(hs) is tuple) and (
-                    max(hs) <= high if signed else min(hs) >= 0
-                ):
-                    hashes = hs
-                else:
-                    hashes, _ = _hash_array(hs, signed)
-                if i < n and records[i][0] == _REMOVE:
-                    hash_parts = [hashes]
-                    while i < n:
-                        nxt = records[i]
-                        if nxt[0] != _REMOVE or nxt[2] != medium or nxt[3] != group:
-                            break
-                        hash_parts.append(_hash_array(nxt[1], signed)[0])
-                        i += 1
-                    hashes = concat_int_arrays(hash_parts)
-                out.append(RemovedParts(hashes, medium, group))
+                hash_parts = [_ints(hs, form, strict)]
+                while i < n:
+                    nxt = records[i]
+                    if nxt[0] != _REMOVE or nxt[2] != medium or nxt[3] != group:
+                        break
+                    hash_parts.append(_ints(nxt[1], form, strict))
+                    i += 1
+                out.append(RemovedParts(concat_int_arrays(hash_parts), medium, group))
             else:
                 out.append(_CLEARED)
         return out
 
 
-def _strict_record(rec: tuple[Any, ...]) -> tuple[Any, ...]:
-    if rec[0] == _STORE:
-        _, hs, parent, toks, *rest = rec
-        return (
-            _STORE,
-            _strict_list(hs, "block hash"),
-            parent,
-            _strict_list(toks, "token id"),
-            *rest,
-        )
-    if rec[0] == _REMOVE:
-        return (_REMOVE, _strict_list(rec[1], "block hash"), *rec[2:])
-    return rec
+def _host(values: _Captured) -> Any:
+    """A captured array as something the packer reads (CUDA copies: once done)."""
+    return values.numpy() if type(values) is _DeviceInts else values
+
+
+def _ints(values: _Captured, hashes: HashFormat | None, strict: bool) -> IntArray:
+    """An int array in wire form: a list msgspec encodes as it is, or packed bytes.
+
+    Lists of hashes already in the wire's form (the common case) pass through;
+    anything else, arrays included, is packed natively, converting as it goes.
+    """
+    if not strict and (type(values) is list or type(values) is tuple):
+        if hashes is None:
+            return values
+        if (max(values) <= _I64_MAX) if hashes == "signed" else (min(values) >= 0):
+            return values
+    what = "token id" if hashes is None else "block hash"
+    return pack_int_array(_host(values), hashes=hashes, what=what)
 
 
 def _hash_int(h: Any, signed: bool) -> int:
+    """One hash in the wire's form (a parent, or a chain's last block)."""
     if type(h) is int and 0 <= h <= _I64_MAX:
         return h
-    value = operator.index(h)
+    try:
+        value = operator.index(h)
+    except TypeError:
+        raise ValueError(f"block hash {h!r} is not an int") from None
     if not _I64_MIN <= value <= _U64:
         raise ValueError(f"block hash {value} does not fit in 64 bits")
     if signed:
         return value - (1 << 64) if value > _I64_MAX else value
     return value & _U64
-
-
-def _hash_array(values: _Captured, signed: bool) -> tuple[IntArray, int]:
-    """The hashes in the wire's format, and the last one (a possible child's parent)."""
-    if type(values) is tuple or type(values) is list:
-        # Values outside 64 bits, or not ints, make the encoder raise: strict path.
-        if signed:
-            if max(values) > _I64_MAX:
-                converted = [h - (1 << 64) if h > _I64_MAX else h for h in values]
-                return converted, converted[-1]
-        elif min(values) < 0:
-            converted = [h & _U64 for h in values]
-            return converted, converted[-1]
-        return values, values[-1]
-    array = values.numpy() if type(values) is _DeviceInts else values
-    assert isinstance(array, np.ndarray)
-    array = array.astype(np.int64 if signed else np.uint64, copy=False)
-    last = int(array[-1])
-    if array.shape[0] >= _PACK_MIN:
-        packed = pack_int_array(array)
-        if packed is not None:
-            return packed, last
-    hashes: list[int] = array.tolist()
-    return hashes, last
-
-
-def _strict_list(values: _Captured, what: str) -> _Captured:
-    if type(values) is not list and type(values) is not tuple:
-        return values
-    try:
-        converted = [operator.index(v) for v in values]
-    except TypeError:
-        bad = next(v for v in values if not hasattr(v, "__index__"))
-        raise ValueError(f"{what} {bad!r} is not an int") from None
-    if what == "block hash":
-        for v in converted:
-            _hash_int(v, False)  # range check: raises ValueError
-    return converted
-
-
-def _token_array(values: _Captured, fixed: bool) -> IntArray:
-    if type(values) is list or type(values) is tuple:
-        return values
-    array = values.numpy() if type(values) is _DeviceInts else values
-    assert isinstance(array, np.ndarray)
-    if array.shape[0] >= _PACK_MIN:
-        packed = pack_int_array(array, minimal=not fixed)
-        if packed is not None:
-            return packed
-    tokens: list[int] = array.tolist()
-    return tokens

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias, cast
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
+from kvwire.wire import _pack
 from kvwire.wire.errors import WireError
 from kvwire.wire.events import (
     AllBlocksCleared,
@@ -217,78 +216,24 @@ def _split_array(raw: msgspec.Raw) -> tuple[int, memoryview]:
     raise ValueError(f"packed value is not a msgpack array (first byte 0x{first:02x})")
 
 
-# One width per value range, as msgspec chooses it: (low, high, prefix, dtype).
-_WIDTHS: tuple[tuple[int, int, int | None, str], ...] = (
-    (0, 127, None, "u1"),
-    (128, 255, 0xCC, "u1"),
-    (256, (1 << 16) - 1, 0xCD, ">u2"),
-    (1 << 16, (1 << 32) - 1, 0xCE, ">u4"),
-    (1 << 32, (1 << 64) - 1, 0xCF, ">u8"),
-    (-32, -1, None, "i1"),
-    (-128, -33, 0xD0, "i1"),
-    (-(1 << 15), -129, 0xD1, ">i2"),
-    (-(1 << 31), -(1 << 15) - 1, 0xD2, ">i4"),
-    (-(1 << 63), -(1 << 31) - 1, 0xD3, ">i8"),
-)
-_SIGNED_WIDE = np.dtype([("p", "u1"), ("v", ">i8")])
-
-
-def _fixed(values: npt.NDArray[np.integer[Any]], prefix: int | None, dtype: str) -> bytes:
-    if prefix is None:
-        return values.astype(dtype).tobytes()
-    rec = np.empty(values.shape[0], dtype=[("p", "u1"), ("v", dtype)])
-    rec["p"] = prefix
-    rec["v"] = values
-    return rec.tobytes()
+_PACK_MODES = {None: 0, "unsigned": 1, "signed": 2}
 
 
 def pack_int_array(
-    values: npt.NDArray[np.integer[Any]], *, minimal: bool = True
-) -> msgspec.Raw | None:
-    """Pack a 1-D int array as a msgpack array, without making Python ints.
+    values: Any, *, hashes: Literal["unsigned", "signed"] | None = None, what: str = "int"
+) -> msgspec.Raw:
+    """Pack ints as a msgpack array, every int in its smallest form.
 
-    With ``minimal`` (the default) the bytes are exactly what msgspec gives for
-    ``values.tolist()``: every int in its smallest encoding. That is only cheap
-    when all values share one width (random 64-bit hashes do, token ids mostly
-    do not), so ``None`` is returned otherwise and the caller falls back to a
-    list. ``minimal=False`` always packs, at the narrowest single width that
-    holds every value: valid msgpack that every decoder reads as the same ints,
-    but not byte-identical to msgspec's output.
+    The bytes are exactly what msgspec gives for the same list of Python ints,
+    so a batch built from packed arrays is byte-identical to
+    :func:`encode_batch`'s. ``values`` is a list or tuple of ints, or a 1-D
+    integer array (numpy, ``array.array``; any stride), read without making a
+    Python int per element. ``hashes`` converts 64-bit hashes to the wire's
+    form as they are packed: ``"unsigned"`` wraps negative ones, ``"signed"``
+    wraps those above 2**63 - 1. A value that is not an int, or does not fit
+    64 bits, raises ``ValueError`` naming it as ``what``.
     """
-    n = values.shape[0]
-    if n == 0:
-        return msgspec.Raw(b"\x90")
-    lo = int(values.min())
-    hi = int(values.max())
-    for low, high, prefix, dtype in _WIDTHS:
-        if low <= lo and hi <= high:
-            return msgspec.Raw(_array_header(n) + _fixed(values, prefix, dtype))
-    if lo < -(1 << 31) and hi >= 1 << 32 and values.dtype == np.int64:
-        # Signed 64-bit hashes (TensorRT-LLM, SGLang): both signs, all wide.
-        wide = (values >= 1 << 32) | (values < -(1 << 31))
-        if bool(wide.all()):
-            rec = np.empty(n, dtype=_SIGNED_WIDE)
-            rec["p"] = np.where(values < 0, 0xD3, 0xCF)
-            rec["v"] = values
-            return msgspec.Raw(_array_header(n) + rec.tobytes())
-    if minimal:
-        return None
-    for low, high, prefix, dtype in _FIXED_WIDTHS:
-        if low <= lo and hi <= high:
-            return msgspec.Raw(_array_header(n) + _fixed(values, prefix, dtype))
-    raise ValueError(f"ints {lo}..{hi} do not fit one msgpack integer width")
-
-
-_FIXED_WIDTHS: tuple[tuple[int, int, int | None, str], ...] = (
-    (0, 255, 0xCC, "u1"),
-    (0, (1 << 16) - 1, 0xCD, ">u2"),
-    (0, (1 << 32) - 1, 0xCE, ">u4"),
-    (0, (1 << 64) - 1, 0xCF, ">u8"),
-    (-128, 127, 0xD0, "i1"),
-    (-(1 << 15), (1 << 15) - 1, 0xD1, ">i2"),
-    (-(1 << 31), (1 << 31) - 1, 0xD2, ">i4"),
-    (-(1 << 63), (1 << 63) - 1, 0xD3, ">i8"),
-)
+    return msgspec.Raw(_pack.pack_ints(values, _PACK_MODES[hashes], what))
 
 
 def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:

@@ -261,24 +261,6 @@ def test_large_numpy_arrays_are_byte_identical_to_lists() -> None:
     assert decode_batch(outs[2]) == decode_batch(outs[1])
 
 
-def test_fixed_int_widths_decode_to_the_same_batch() -> None:
-    tokens = np.array([5, 300, 70_000, 1] * 256, dtype=np.int64)
-    hashes = np.arange(1, 65, dtype=np.uint64)
-    payloads = []
-    for widths in ("minimal", "fixed"):
-        cap = Capture()
-        col = EventCollector(cap, 16, int_widths=widths)  # type: ignore[arg-type]
-        col.stored(hashes, None, tokens)
-        col.flush()
-        b = cap.only()
-        b.ts = 0.0
-        payloads.append(b.encode("map"))
-    assert payloads[0] != payloads[1]
-    assert decode_batch(payloads[0]) == decode_batch(payloads[1])
-    with pytest.raises(ValueError, match="int_widths"):
-        EventCollector(Capture(), 16, int_widths="tiny")  # type: ignore[arg-type]
-
-
 # --- hash formats ------------------------------------------------------------------
 
 

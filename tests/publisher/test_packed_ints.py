@@ -1,7 +1,8 @@
-"""The codec's publisher fast path: packed int arrays and batches built from parts."""
+"""The codec's publisher fast path: natively packed int arrays and batches built from parts."""
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import msgspec
@@ -34,66 +35,60 @@ uint64s = st.lists(st.sampled_from([*EDGES, 2**64 - 1]) | st.integers(0, 2**64 -
 
 @settings(max_examples=300, deadline=None)
 @given(int64s)
-def test_minimal_packing_is_msgspecs_bytes_or_declined(values: list[int]) -> None:
+def test_packing_is_msgspecs_bytes_from_lists_and_every_array_type(values: list[int]) -> None:
+    want = enc.encode(values)
+    assert bytes(pack_int_array(values)) == want
+    assert bytes(pack_int_array(tuple(values))) == want
     arr = np.array(values, dtype=np.int64)
-    packed = pack_int_array(arr)
-    if packed is not None:
-        assert bytes(packed) == enc.encode(values)
-    fixed = pack_int_array(arr, minimal=False)
-    assert fixed is not None
-    assert dec.decode(bytes(fixed)) == values
+    assert bytes(pack_int_array(arr)) == want
+    assert bytes(pack_int_array(array.array("q", values))) == want
+    assert bytes(pack_int_array(np.repeat(arr, 2)[::2])) == want  # strided
+    for dt in (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32):
+        info = np.iinfo(dt)
+        small = [v for v in values if info.min <= v <= info.max]
+        assert bytes(pack_int_array(np.array(small, dtype=dt))) == enc.encode(small)
 
 
 @settings(max_examples=200, deadline=None)
 @given(uint64s)
-def test_unsigned_arrays(values: list[int]) -> None:
-    arr = np.array(values, dtype=np.uint64)
-    packed = pack_int_array(arr)
-    if packed is not None:
-        assert bytes(packed) == enc.encode(values)
-    fixed = pack_int_array(arr, minimal=False)
-    assert fixed is not None and dec.decode(bytes(fixed)) == values
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        [0, 5, 127],
-        [128, 200, 255],
-        [256, 1000, 65535],
-        [65536, 2**31, 2**32 - 1],
-        [2**32, 2**60],
-        [-1, -20, -32],
-        [-33, -100, -128],
-        [-129, -30000],
-        [-(2**31), -40000],
-        [-(2**62), -(2**31) - 1],
-        [2**40, -(2**40), 2**33, -(2**63)],  # signed 64-bit hashes, both signs
-        list(range(40)),
-        list(range(70000, 70000 + 20)),
-    ],
-)
-def test_one_width_arrays_take_the_fast_path(values: list[int]) -> None:
-    packed = pack_int_array(np.array(values, dtype=np.int64))
-    assert packed is not None
-    assert bytes(packed) == enc.encode(values)
-
-
-def test_mixed_widths_decline_in_minimal_mode_and_pack_in_fixed_mode() -> None:
-    values = [5, 300, 70000]
-    assert pack_int_array(np.array(values)) is None
-    fixed = pack_int_array(np.array(values), minimal=False)
-    assert fixed is not None
-    assert bytes(fixed)[1] == 0xCE  # one uint32 width for all three
-    assert dec.decode(bytes(fixed)) == values
-    assert bytes(pack_int_array(np.array([], dtype=np.int64)) or b"") == b"\x90"
+def test_hashes_convert_to_either_wire_form(values: list[int]) -> None:
+    unsigned = np.array(values, dtype=np.uint64)
+    signed = unsigned.view(np.int64)
+    for src in (values, unsigned, signed, signed.tolist()):
+        assert bytes(pack_int_array(src, hashes="unsigned")) == enc.encode(unsigned.tolist())
+        assert bytes(pack_int_array(src, hashes="signed")) == enc.encode(signed.tolist())
+    assert bytes(pack_int_array(unsigned)) == enc.encode(values)
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
 def test_array_headers_match(n: int) -> None:
     values = [2**40 + i for i in range(n)]
-    packed = pack_int_array(np.array(values, dtype=np.uint64))
-    assert packed is not None and bytes(packed) == enc.encode(values)
+    assert bytes(pack_int_array(np.array(values, dtype=np.uint64))) == enc.encode(values)
+    assert bytes(pack_int_array(values)) == enc.encode(values)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([1, "2"], "token id '2' is not an int"),
+        ([1, 2.0], "token id 2.0 is not an int"),
+        ([2**64], "does not fit in 64 bits"),
+        ([-(2**63) - 1], "does not fit in 64 bits"),
+        (np.array([1.5]), "must be integers"),
+        (np.zeros((2, 2), dtype=np.int64), "must be 1-D"),
+        (np.array([1, 2], dtype=">i4"), "big-endian"),
+    ],
+)
+def test_values_that_are_not_64_bit_ints_are_refused_by_name(values: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pack_int_array(values, what="token id")
+
+
+def test_numpy_scalars_and_other_index_types_pack_as_ints() -> None:
+    values = [np.int64(5), np.uint64(2**64 - 1), True, 7]
+    assert bytes(pack_int_array(values)) == enc.encode([5, 2**64 - 1, 1, 7])
+    with pytest.raises(TypeError, match="list, a tuple or an integer array"):
+        pack_int_array({1, 2})
 
 
 @settings(max_examples=100, deadline=None)

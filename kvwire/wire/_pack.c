@@ -1,0 +1,226 @@
+/* Int arrays to msgpack, the publisher's per-token loop.
+ *
+ * pack_ints(values, mode, what) -> bytes: a msgpack array holding every value
+ * in its smallest integer form, byte for byte what msgspec writes for the same
+ * list of Python ints. values: a list or tuple of ints (or objects with
+ * __index__), or a 1-D buffer of native integers (numpy arrays, array.array,
+ * any stride). Reading a numpy array here skips the Python int per element
+ * that tolist() and msgspec would make.
+ *
+ * mode 0: ints as given (each within [-2**63, 2**64));
+ * mode 1: 64-bit hashes, unsigned (negative ones wrap by 2**64);
+ * mode 2: 64-bit hashes, signed (ones above 2**63 - 1 wrap by 2**64).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t u64;
+typedef int64_t i64;
+
+static inline unsigned char *put_be(unsigned char *p, u64 v, int n) {
+    for (int i = n - 1; i >= 0; i--) {
+        p[i] = (unsigned char)v;
+        v >>= 8;
+    }
+    return p + n;
+}
+
+static const unsigned char POS_HEAD[5] = {0, 0xcc, 0xcd, 0xce, 0xcf};
+static const unsigned char NEG_HEAD[5] = {0, 0xd0, 0xd1, 0xd2, 0xd3};
+static const int BODY[5] = {0, 1, 2, 4, 8};
+
+/* One int, `neg` saying whether the 64-bit pattern v is read as negative.
+ * Branch-free on the width (token ids mix widths at random): the head byte,
+ * then the low BODY bytes of v big-endian, written as one 8-byte store into
+ * the slack the caller leaves after the buffer. */
+static inline unsigned char *put_int(unsigned char *p, u64 v, int neg) {
+    int cls;
+    unsigned char head;
+    if (!neg) {
+        cls = (v > 127) + (v > 255) + (v > 65535) + (v > 0xffffffffULL);
+        head = cls ? POS_HEAD[cls] : (unsigned char)v;
+    } else {
+        i64 x = (i64)v;
+        cls = (x < -32) + (x < -128) + (x < -32768) + (x < -2147483648LL);
+        head = cls ? NEG_HEAD[cls] : (unsigned char)v;
+    }
+    int n = BODY[cls];
+    u64 top = n ? v << (64 - 8 * n) : 0;
+    u64 be = __builtin_bswap64(top);
+    p[0] = head;
+    memcpy(p + 1, &be, 8);
+    return p + 1 + n;
+}
+
+/* The 64-bit pattern and sign of value (signed `s`, or unsigned `u` when
+ * is_unsigned) in a mode. */
+static inline unsigned char *put_mode(unsigned char *p, u64 bits, int is_unsigned, int mode) {
+    int neg;
+    switch (mode) {
+        case 1: neg = 0; break;                        /* as unsigned 64 */
+        case 2: neg = (i64)bits < 0; break;            /* as signed 64 */
+        default: neg = !is_unsigned && (i64)bits < 0;  /* as given */
+    }
+    return put_int(p, bits, neg);
+}
+
+static unsigned char *put_header(unsigned char *p, Py_ssize_t n) {
+    if (n < 16) { *p++ = (unsigned char)(0x90 | n); return p; }
+    if (n < 65536) { *p++ = 0xdc; return put_be(p, (u64)n, 2); }
+    *p++ = 0xdd;
+    return put_be(p, (u64)n, 4);
+}
+
+/* One Python int into (bits, is_unsigned); -1 with an exception set. */
+static int read_int(PyObject *o, u64 *bits, int *is_unsigned, const char *what) {
+    PyObject *idx = NULL;
+    if (!PyLong_Check(o)) {
+        if (!Py_TYPE(o)->tp_as_number || !Py_TYPE(o)->tp_as_number->nb_index) {
+            PyErr_Format(PyExc_ValueError, "%s %R is not an int", what, o);
+            return -1;
+        }
+        idx = PyNumber_Index(o);
+        if (!idx) return -1;
+        o = idx;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    int rc = 0;
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) rc = -1;
+        *bits = (u64)v;
+        *is_unsigned = 0;
+    } else if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
+            rc = -1;
+        }
+        *bits = u;
+        *is_unsigned = 1;
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
+        rc = -1;
+    }
+    Py_XDECREF(idx);
+    return rc;
+}
+
+static PyObject *finish(PyObject *out, unsigned char *start, unsigned char *end) {
+    if (_PyBytes_Resize(&out, end - start) < 0) return NULL;
+    return out;
+}
+
+static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
+    if (!out) return NULL;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        u64 bits;
+        int is_unsigned;
+        if (read_int(items[i], &bits, &is_unsigned, what) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        p = put_mode(p, bits, is_unsigned, mode);
+    }
+    return finish(out, start, p);
+}
+
+static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    else if (*f == '>' || *f == '!') {
+        PyErr_Format(PyExc_ValueError, "%s: big-endian arrays are not supported", what);
+        return NULL;
+    }
+    int is_signed;
+    switch (f[0]) {
+        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
+        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
+        default: is_signed = -1;
+    }
+    if (is_signed < 0 || f[1] != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be integers, got buffer format '%s'", what, v->format);
+        return NULL;
+    }
+    if (v->ndim != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be 1-D, got %d dimensions", what, v->ndim);
+        return NULL;
+    }
+    Py_ssize_t n = v->shape[0], w = v->itemsize;
+    Py_ssize_t stride = v->strides ? v->strides[0] : w;
+    if (w != 1 && w != 2 && w != 4 && w != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: unsupported integer width %zd", what, w);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
+    if (!out) return NULL;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
+    const char *b = v->buf;
+#define LOOP(T, UNS)                                                  \
+    for (Py_ssize_t i = 0; i < n; i++) {                              \
+        T x;                                                          \
+        memcpy(&x, b + i * stride, sizeof x);                         \
+        p = put_mode(p, (u64)x, UNS, mode);                           \
+    }
+    if (is_signed) {
+        if (w == 1) { LOOP(int8_t, 0) } else if (w == 2) { LOOP(int16_t, 0) }
+        else if (w == 4) { LOOP(int32_t, 0) } else { LOOP(int64_t, 0) }
+    } else {
+        if (w == 1) { LOOP(uint8_t, 1) } else if (w == 2) { LOOP(uint16_t, 1) }
+        else if (w == 4) { LOOP(uint32_t, 1) } else { LOOP(uint64_t, 1) }
+    }
+#undef LOOP
+    return finish(out, start, p);
+}
+
+static PyObject *pack_ints(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pack_ints(values, mode, what)");
+        return NULL;
+    }
+    PyObject *values = args[0];
+    long mode = PyLong_AsLong(args[1]);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    if (mode < 0 || mode > 2) {
+        PyErr_SetString(PyExc_ValueError, "mode must be 0, 1 or 2");
+        return NULL;
+    }
+    const char *what = PyUnicode_AsUTF8(args[2]);
+    if (!what) return NULL;
+    if (PyList_Check(values) || PyTuple_Check(values)) {
+        PyObject *seq = PySequence_Fast(values, "values");
+        if (!seq) return NULL;
+        PyObject *r = pack_seq(seq, (int)mode, what);
+        Py_DECREF(seq);
+        return r;
+    }
+    if (PyObject_CheckBuffer(values)) {
+        Py_buffer v;
+        if (PyObject_GetBuffer(values, &v, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
+        PyObject *r = pack_buffer(&v, (int)mode, what);
+        PyBuffer_Release(&v);
+        return r;
+    }
+    PyErr_Format(PyExc_TypeError, "%s must be a list, a tuple or an integer array, not %s", what,
+                 Py_TYPE(values)->tp_name);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL,
+     "pack_ints(values, mode, what) -> msgpack array bytes, every int in its smallest form"},
+    {NULL},
+};
+
+static struct PyModuleDef packmodule = {
+    PyModuleDef_HEAD_INIT, "_pack", "Int arrays to msgpack.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__pack(void) { return PyModule_Create(&packmodule); }
