@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch: on these machines it installs from local disk, never a CUDA download.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint unit e2e bench clean venv
+.PHONY: demo test lint unit e2e bench asan clean venv
 
 $(STAMP): pyproject.toml kvwire/wire/_pack.c kvwire/prefix_index/_core.c
 	$(PYTHON) -m venv $(VENV)
@@ -33,16 +33,21 @@ unit: $(STAMP)
 e2e: $(STAMP)
 	$(PY) -m pytest -q -ra -m e2e
 
+# The C extensions rebuilt with AddressSanitizer and UBSan, under their tests.
+asan: $(STAMP)
+	scripts/asan-native.sh $(PY)
+
 # Dynamo's RadixTree, the index benchmark's baseline, in a venv of its own.
 .venv-dynamo/.installed:
 	$(PYTHON) -m venv .venv-dynamo
 	.venv-dynamo/bin/pip install -q ai-dynamo-runtime numpy msgspec
 	touch $@
 
+# One BLAS thread: idle OpenBLAS workers spinning in every numpy process add noise.
 bench: $(STAMP) .venv-dynamo/.installed
-	$(PY) benchmarks/publisher_bench.py
-	$(PY) benchmarks/subscriber_bench.py
-	$(PY) benchmarks/index_bench.py
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/publisher_bench.py
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/subscriber_bench.py
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/index_bench.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# asan-native.sh PYTHON: rebuild the C extensions with AddressSanitizer and
+# UBSan in place, run the tests that drive them (hypothesis feeds them random
+# bytes), then restore the optimised builds. Any memory error aborts the run.
+set -euo pipefail
+PY="${1:-.venv/bin/python}"
+cd "$(dirname "$0")/.."
+INC="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+SAVE="$(mktemp -d)"
+trap 'for m in wire/_pack prefix_index/_core; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
+for m in wire/_pack prefix_index/_core; do
+    cp "kvwire/$m$SUFFIX" "$SAVE/"
+    gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined \
+        -fPIC -shared -I"$INC" "kvwire/$m.c" -o "kvwire/$m$SUFFIX"
+done
+LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
+ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc \
+    "$PY" -m pytest -q -p no:cacheprovider tests/publisher/test_packed_ints.py \
+    tests/publisher/test_collector.py tests/wire tests/prefix_index
