@@ -174,7 +174,8 @@ class EventCollector:
     dropped: losing one would leave consumers believing a block is cached.
 
     Every int goes out in its smallest msgpack form, so the bytes are those of
-    ``encode_batch`` (and vLLM's), packed natively from lists and arrays alike.
+    ``encode_batch`` (and vLLM's): lists through msgspec, arrays and tensors
+    packed natively, without a Python int per element.
     """
 
     def __init__(
