@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.wire import AllBlocksCleared, Dialect, KVEventBatch, decode_batch
+from kvwire.wire._pack import snapshot
 from kvwire.wire.codec import (
     EventParts,
     IntArray,
@@ -109,20 +110,22 @@ def _mark_copies_done(pending: list[_DeviceInts]) -> None:
     pending.clear()
 
 
-_Captured: TypeAlias = "list[int] | tuple[int, ...] | npt.NDArray[np.integer[Any]] | _DeviceInts"
+_Captured: TypeAlias = "list[int] | tuple[int, ...] | memoryview | _DeviceInts"
 
 
 def _capture(values: Any, what: str, pending: list[_DeviceInts]) -> _Captured:
-    """Take a private snapshot of ``values`` as cheaply as the type allows."""
+    """Take a private snapshot of ``values`` as cheaply as the type allows.
+
+    Arrays are copied (engines reuse their buffers) by one native call that
+    also checks them: a typed ``memoryview`` the packer reads later.
+    """
     kind = type(values)
     if kind is list or kind is tuple:
         return values  # type: ignore[no-any-return]
     if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise TypeError(
-                f"{what} must be a 1-D integer array, got {values.dtype} {values.shape}"
-            )
-        return values.copy()
+        if not values.dtype.isnative:
+            values = values.astype(values.dtype.newbyteorder("="))
+        return snapshot(values, what)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex:
@@ -135,8 +138,7 @@ def _capture(values: Any, what: str, pending: list[_DeviceInts]) -> _Captured:
             copy = _DeviceInts(values)
             pending.append(copy)
             return copy
-        out: npt.NDArray[np.integer[Any]] = values.detach().numpy().copy()
-        return out
+        return snapshot(values.detach().numpy(), what)
     if isinstance(values, Sequence) and not isinstance(values, (str, bytes, bytearray)):
         return list(values)
     raise TypeError(

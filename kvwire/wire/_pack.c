@@ -132,12 +132,14 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     return finish(out, start, p);
 }
 
-static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
+/* Whether a buffer holds native-endian integers, 1-D: 1 signed, 0 unsigned,
+ * -1 with `err` (ValueError or TypeError) set naming `what`. */
+static int int_buffer(Py_buffer *v, const char *what, PyObject *err) {
     const char *f = v->format ? v->format : "B";
     if (*f == '@' || *f == '=' || *f == '<') f++;
     else if (*f == '>' || *f == '!') {
-        PyErr_Format(PyExc_ValueError, "%s: big-endian arrays are not supported", what);
-        return NULL;
+        PyErr_Format(err, "%s: big-endian arrays are not supported", what);
+        return -1;
     }
     int is_signed;
     switch (f[0]) {
@@ -145,20 +147,23 @@ static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
         case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
         default: is_signed = -1;
     }
-    if (is_signed < 0 || f[1] != 0) {
-        PyErr_Format(PyExc_ValueError, "%s must be integers, got buffer format '%s'", what, v->format);
-        return NULL;
+    Py_ssize_t w = v->itemsize;
+    if (is_signed < 0 || f[1] != 0 || (w != 1 && w != 2 && w != 4 && w != 8)) {
+        PyErr_Format(err, "%s must be a 1-D integer array; got buffer format '%s'", what, v->format);
+        return -1;
     }
     if (v->ndim != 1) {
-        PyErr_Format(PyExc_ValueError, "%s must be 1-D, got %d dimensions", what, v->ndim);
-        return NULL;
+        PyErr_Format(err, "%s must be a 1-D integer array; got %d dimensions", what, v->ndim);
+        return -1;
     }
+    return is_signed;
+}
+
+static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
+    int is_signed = int_buffer(v, what, PyExc_ValueError);
+    if (is_signed < 0) return NULL;
     Py_ssize_t n = v->shape[0], w = v->itemsize;
     Py_ssize_t stride = v->strides ? v->strides[0] : w;
-    if (w != 1 && w != 2 && w != 4 && w != 8) {
-        PyErr_Format(PyExc_ValueError, "%s: unsupported integer width %zd", what, w);
-        return NULL;
-    }
     PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
     if (!out) return NULL;
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
@@ -213,7 +218,68 @@ static PyObject *pack_ints(PyObject *module, PyObject *const *args, Py_ssize_t n
     return NULL;
 }
 
+static PyObject *FORMATS[8];
+static PyObject *CAST;
+
+/* snapshot(values, what) -> memoryview: a private copy of a 1-D integer
+ * array, for the engine thread: one call instead of numpy's checks and copy.
+ * TypeError when values is not one. */
+static PyObject *snapshot(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "snapshot(values, what)");
+        return NULL;
+    }
+    const char *what = PyUnicode_AsUTF8(args[1]);
+    if (!what) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[0], &v, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D integer array, not %s", what,
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    int is_signed = int_buffer(&v, what, PyExc_TypeError);
+    if (is_signed < 0) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    Py_ssize_t n = v.shape[0], w = v.itemsize, stride = v.strides ? v.strides[0] : w;
+    /* memoryview.cast's format for this width and sign: b h i q, upper case unsigned. */
+    int slot = (w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3) + (is_signed ? 0 : 4);
+    if (!FORMATS[slot]) {
+        static const char *names[8] = {"b", "h", "i", "q", "B", "H", "I", "Q"};
+        FORMATS[slot] = PyUnicode_InternFromString(names[slot]);
+        if (!FORMATS[slot]) {
+            PyBuffer_Release(&v);
+            return NULL;
+        }
+    }
+    PyObject *copy = PyBytes_FromStringAndSize(NULL, n * w);
+    if (!copy) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    char *dst = PyBytes_AS_STRING(copy);
+    if (stride == w) memcpy(dst, v.buf, (size_t)(n * w));
+    else
+        for (Py_ssize_t i = 0; i < n; i++) memcpy(dst + i * w, (const char *)v.buf + i * stride, (size_t)w);
+    PyBuffer_Release(&v);
+    PyObject *raw = PyMemoryView_FromObject(copy);
+    Py_DECREF(copy);
+    if (!raw) return NULL;
+    if (!CAST && !(CAST = PyUnicode_InternFromString("cast"))) {
+        Py_DECREF(raw);
+        return NULL;
+    }
+    PyObject *call[2] = {raw, FORMATS[slot]};
+    PyObject *typed = PyObject_VectorcallMethod(CAST, call, 2, NULL);
+    Py_DECREF(raw);
+    return typed;
+}
+
 static PyMethodDef methods[] = {
+    {"snapshot", (PyCFunction)(void (*)(void))snapshot, METH_FASTCALL,
+     "snapshot(values, what) -> memoryview: a private copy of a 1-D integer array"},
     {"pack_ints", (PyCFunction)(void (*)(void))pack_ints, METH_FASTCALL,
      "pack_ints(values, mode, what) -> msgpack array bytes, every int in its smallest form"},
     {NULL},

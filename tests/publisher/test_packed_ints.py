@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvwire.wire._pack import snapshot
 from kvwire.wire.codec import (
     RemovedParts,
     StoredParts,
@@ -74,14 +75,26 @@ def test_array_headers_match(n: int) -> None:
         ([1, 2.0], "token id 2.0 is not an int"),
         ([2**64], "does not fit in 64 bits"),
         ([-(2**63) - 1], "does not fit in 64 bits"),
-        (np.array([1.5]), "must be integers"),
-        (np.zeros((2, 2), dtype=np.int64), "must be 1-D"),
+        (np.array([1.5]), "must be a 1-D integer array; got buffer format 'd'"),
+        (np.zeros((2, 2), dtype=np.int64), "must be a 1-D integer array; got 2 dimensions"),
         (np.array([1, 2], dtype=">i4"), "big-endian"),
     ],
 )
 def test_values_that_are_not_64_bit_ints_are_refused_by_name(values: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         pack_int_array(values, what="token id")
+
+
+def test_snapshots_are_private_typed_copies() -> None:
+    arr = np.arange(10, dtype=np.int32) * 1000
+    snap = snapshot(arr[::2], "token ids")
+    arr[:] = -1
+    assert snap.tolist() == [0, 2000, 4000, 6000, 8000] and snap.format == "i"
+    assert bytes(pack_int_array(snap)) == enc.encode(snap.tolist())
+    assert snapshot(np.array([2**64 - 1], dtype=np.uint64), "h").tolist() == [2**64 - 1]
+    for bad in (np.array([1.0]), np.array([True]), np.zeros((1, 1), dtype=np.int8), [1, 2]):
+        with pytest.raises(TypeError, match="must be a 1-D integer array"):
+            snapshot(bad, "block hashes")
 
 
 def test_numpy_scalars_and_other_index_types_pack_as_ints() -> None:
