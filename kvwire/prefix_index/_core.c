@@ -607,6 +607,7 @@ typedef struct {
 
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "")) return -1;
+    if (self->nodes.rs) return 0; /* initialised already: keep the tables */
     self->words = 1;
     self->tiers = 1;
     self->nodes.rs = NODE_HEAD + 8;

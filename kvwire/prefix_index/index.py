@@ -115,7 +115,7 @@ class IndexStats:
 
     ``blocks`` counts distinct keys, ``holders`` (block, rank) pairs and
     ``detached`` those on detached chains; they and ``memory_bytes`` (the
-    index's arrays) return to zero when everything is removed.
+    index's tables) return to zero when everything is removed.
     """
 
     blocks: int

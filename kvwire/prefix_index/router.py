@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvwire.prefix_index.index import PrefixIndex, RankKey, TierDepths
-from kvwire.prefix_index.keys import as_token_array
+from kvwire.prefix_index.keys import token_source
 
 __all__ = ["Candidate", "Decision", "KvRouter", "Load"]
 
@@ -149,11 +149,12 @@ class KvRouter:
             raise ValueError(f"temperature must be >= 0, got {temp}")
         index = self.index
         bs = index.block_size
-        arr = as_token_array(tokens)
-        prompt_blocks = arr.shape[0] // bs
+        src, packed, n_tokens = token_source(tokens)
+        prompt_blocks = n_tokens // bs
         matched = index.match_tiers(
-            arr, lora_name=lora_name, extra_keys=extra_keys, cache_salt=cache_salt
-        )
+            tokens if packed else src, lora_name=lora_name, extra_keys=extra_keys,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         gw, cw, sw = self.tier_weights
         scored: dict[RankKey, Candidate] = {}
         for key, raw in candidates.items():
