@@ -109,6 +109,12 @@ static int read_int(PyObject *o, u64 *bits, int *is_unsigned, const char *what) 
     return rc;
 }
 
+/* Room for n packed ints: header, 9 bytes an int at most, 8 bytes of slack. */
+static PyObject *out_for(Py_ssize_t n) {
+    if (n > (PY_SSIZE_T_MAX - 13) / 9) return PyErr_NoMemory();
+    return PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
+}
+
 static PyObject *finish(PyObject *out, unsigned char *start, unsigned char *end) {
     if (_PyBytes_Resize(&out, end - start) < 0) return NULL;
     return out;
@@ -117,7 +123,7 @@ static PyObject *finish(PyObject *out, unsigned char *start, unsigned char *end)
 static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
+    PyObject *out = out_for(n);
     if (!out) return NULL;
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -164,7 +170,7 @@ static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
     if (is_signed < 0) return NULL;
     Py_ssize_t n = v->shape[0], w = v->itemsize;
     Py_ssize_t stride = v->strides ? v->strides[0] : w;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + 9 * n + 8);
+    PyObject *out = out_for(n);
     if (!out) return NULL;
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
     const char *b = v->buf;
@@ -254,7 +260,7 @@ static PyObject *snapshot(PyObject *module, PyObject *const *args, Py_ssize_t na
             return NULL;
         }
     }
-    PyObject *copy = PyBytes_FromStringAndSize(NULL, n * w);
+    PyObject *copy = n > PY_SSIZE_T_MAX / 8 ? PyErr_NoMemory() : PyBytes_FromStringAndSize(NULL, n * w);
     if (!copy) {
         PyBuffer_Release(&v);
         return NULL;
