@@ -67,8 +67,14 @@ static void scratch_free(Scratch *s) {
     s->cap = 0;
 }
 
-/* Why a token input was refused; NULL: accepted. */
-typedef const char *Refusal;
+/* One error channel: every reader below returns 0, or -1 with a Python
+ * exception set: TypeError for input of the wrong kind, ValueError for bad
+ * content, MemoryError. Callers that treat unusable tokens as malformed
+ * clear only the first two. */
+static int refuse(PyObject *type, const char *why) {
+    PyErr_SetString(type, why);
+    return -1;
+}
 
 static inline u64 be(const unsigned char *p, int n) {
     u64 v = 0;
@@ -77,25 +83,26 @@ static inline u64 be(const unsigned char *p, int n) {
 }
 
 /* A msgpack array of integers (what engines put in token_ids). */
-static Refusal tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s,
-                             u64 **out, Py_ssize_t *count) {
-    if (len < 1) return "empty token_ids";
+static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
+                         Py_ssize_t *count) {
+    PyObject *VE = PyExc_ValueError;
+    if (len < 1) return refuse(VE, "empty token_ids");
     Py_ssize_t n, i = 1;
     unsigned char h = p[0];
     if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
-    else if (h == 0xdc) { if (len < 3) return "truncated array header"; n = (Py_ssize_t)be(p + 1, 2); i = 3; }
-    else if (h == 0xdd) { if (len < 5) return "truncated array header"; n = (Py_ssize_t)be(p + 1, 4); i = 5; }
-    else return "token_ids is not an array";
-    if (n > len - i) return "array longer than its bytes";
+    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 2); i = 3; }
+    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 4); i = 5; }
+    else return refuse(VE, "token_ids is not an array");
+    if (n > len - i) return refuse(VE, "array longer than its bytes");
     u64 *t = scratch_get(s, n);
-    if (!t) return NULL;
+    if (!t) return -1;
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (i >= len) return "truncated array";
+        if (i >= len) return refuse(VE, "truncated array");
         unsigned char c = p[i];
         /* The common forms first: fixint and uint16 (most vocabularies). */
         if (c <= 0x7f) { t[k] = c; i++; continue; }
         if (c == 0xcd) {
-            if (len - i < 3) return "truncated integer";
+            if (len - i < 3) return refuse(VE, "truncated integer");
             t[k] = ((u64)p[i + 1] << 8) | p[i + 2];
             i += 3;
             continue;
@@ -110,10 +117,10 @@ static Refusal tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s,
             case 0xd1: w = -2; break;
             case 0xd2: w = -4; break;
             case 0xd3: w = -8; break;
-            default: return "a token id is not an integer";
+            default: return refuse(VE, "a token id is not an integer");
         }
         int bytes = w < 0 ? -w : w;
-        if (len - i - 1 < bytes) return "truncated integer";
+        if (len - i - 1 < bytes) return refuse(VE, "truncated integer");
         u64 v = be(p + i + 1, bytes);
         if (w < 0 && bytes < 8) {
             int shift = 64 - 8 * bytes;
@@ -122,60 +129,63 @@ static Refusal tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s,
         t[k] = v;
         i += 1 + bytes;
     }
-    if (i != len) return "trailing bytes after token_ids";
+    if (i != len) return refuse(VE, "trailing bytes after token_ids");
     *out = t;
     *count = n;
-    return NULL;
+    return 0;
 }
 
-/* A list or tuple of Python ints. Sets *err when a Python error is pending. */
-static Refusal tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count, int *err) {
+/* A list or tuple of Python ints. Reads items only with PyLong_Check'ed
+ * conversions, which run no Python code, so the sequence cannot change
+ * under the loop and borrowed items stay alive. */
+static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     u64 *t = scratch_get(s, n);
-    if (!t) { *err = 1; return NULL; }
+    if (!t) return -1;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *o = items[k];
-        if (!PyLong_Check(o)) return "a token id is not an integer";
+        if (!PyLong_Check(o)) return refuse(PyExc_TypeError, "a token id is not an integer");
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
         if (overflow > 0) {
             unsigned long long u = PyLong_AsUnsignedLongLong(o);
             if (u == (unsigned long long)-1 && PyErr_Occurred()) {
                 PyErr_Clear();
-                return "a token id does not fit 64 bits";
+                return refuse(PyExc_ValueError, "a token id does not fit 64 bits");
             }
             t[k] = u;
         } else if (overflow < 0) {
-            return "a token id does not fit 64 bits";
+            return refuse(PyExc_ValueError, "a token id does not fit 64 bits");
         } else {
-            if (v == -1 && PyErr_Occurred()) { *err = 1; return NULL; }
+            if (v == -1 && PyErr_Occurred()) return -1;
             t[k] = (u64)v;
         }
     }
     *out = t;
     *count = n;
-    return NULL;
+    return 0;
 }
 
 /* A 1-D C-contiguous buffer of native integers (numpy arrays, array.array). */
-static Refusal tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *count, int *err) {
+static int tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *count) {
+    PyObject *TE = PyExc_TypeError;
     const char *f = v->format ? v->format : "B";
     if (*f == '@' || *f == '=' || *f == '<') f++;
-    else if (*f == '>' || *f == '!') return "big-endian token arrays are not supported";
-    if (f[0] == 0 || f[1] != 0) return "token ids must be integers";
+    else if (*f == '>' || *f == '!') return refuse(TE, "big-endian token arrays are not supported");
+    if (f[0] == 0 || f[1] != 0) return refuse(TE, "token ids must be integers");
     int is_signed;
     switch (*f) {
         case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
         case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
-        default: return "token ids must be integers";
+        default: return refuse(TE, "token ids must be integers");
     }
-    if (v->ndim > 1) return "tokens must be 1-D";
+    if (v->ndim > 1) return refuse(PyExc_ValueError, "tokens must be 1-D");
     Py_ssize_t w = v->itemsize;
-    if (w != 1 && w != 2 && w != 4 && w != 8) return "unsupported integer width";
+    if (w != 1 && w != 2 && w != 4 && w != 8) return refuse(TE, "unsupported integer width");
     Py_ssize_t n = v->len / w;
     u64 *t = scratch_get(s, n);
-    if (!t) { *err = 1; return NULL; }
+    if (!t) return -1;
     const char *b = v->buf;
 #define CONVERT(T) for (Py_ssize_t k = 0; k < n; k++) { T x; memcpy(&x, b + k * sizeof(T), sizeof x); t[k] = (u64)x; }
     if (is_signed) {
@@ -188,31 +198,39 @@ static Refusal tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *co
 #undef CONVERT
     *out = t;
     *count = n;
-    return NULL;
+    return 0;
 }
 
 /* tokens: bytes-like msgpack when packed, else a list/tuple or an int buffer. */
-static Refusal read_tokens(PyObject *obj, int packed, Scratch *s, u64 **out, Py_ssize_t *count,
-                           int *err) {
-    *err = 0;
+static int read_tokens(PyObject *obj, int packed, Scratch *s, u64 **out, Py_ssize_t *count) {
     if (!packed && (PyList_Check(obj) || PyTuple_Check(obj))) {
         PyObject *seq = PySequence_Fast(obj, "tokens");
-        if (!seq) { *err = 1; return NULL; }
-        Refusal r = tokens_seq(seq, s, out, count, err);
+        if (!seq) return -1;
+        int r = tokens_seq(seq, s, out, count);
         Py_DECREF(seq);
         return r;
     }
     Py_buffer v;
     if (PyObject_GetBuffer(obj, &v, packed ? PyBUF_SIMPLE : (PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)) < 0) {
-        if (packed) { *err = 1; return NULL; }
+        if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_BufferError))
+            return -1;
         PyErr_Clear();
-        return "tokens must be a list, a tuple or a contiguous integer array";
+        return refuse(PyExc_TypeError, packed ? "packed tokens must be bytes-like"
+                                              : "tokens must be a list, a tuple or a contiguous integer array");
     }
-    Refusal r = packed ? tokens_packed(v.buf, v.len, s, out, count)
-                       : tokens_buffer(&v, s, out, count, err);
-    if (packed && r == NULL && !*out) *err = 1;
+    int r = packed ? tokens_packed(v.buf, v.len, s, out, count) : tokens_buffer(&v, s, out, count);
     PyBuffer_Release(&v);
     return r;
+}
+
+/* Whether the pending exception means "unusable input" (cleared) rather
+ * than a failure to pass on (MemoryError and the like). */
+static int clear_refusal(void) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -322,8 +340,16 @@ static void KeyChain_dealloc(KeyChain *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A KeyChain made without __init__ has no weights: refuse to use it. */
+static int chain_ready(const KeyChain *c) {
+    if (c->w && c->bs > 0) return 0;
+    PyErr_SetString(PyExc_ValueError, "KeyChain used before __init__");
+    return -1;
+}
+
 /* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
 static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (chain_ready(self) < 0) return NULL;
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "keys_into takes 6 arguments");
         return NULL;
@@ -334,13 +360,7 @@ static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ss
         return NULL;
     u64 *tok = NULL;
     Py_ssize_t ntok = 0;
-    int err;
-    Refusal why = read_tokens(args[0], packed, &self->tok, &tok, &ntok, &err);
-    if (err) return NULL;
-    if (why) {
-        PyErr_SetString(PyExc_TypeError, why);
-        return NULL;
-    }
+    if (read_tokens(args[0], packed, &self->tok, &tok, &ntok) < 0) return NULL;
     Py_ssize_t nb = ntok / self->bs;
     Py_buffer ev = {0}, ov;
     const u64 *extra = NULL;
@@ -365,6 +385,7 @@ static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ss
 }
 
 static PyObject *KeyChain_get_block_size(KeyChain *self, void *closure) {
+    if (chain_ready(self) < 0) return NULL;
     return PyLong_FromSsize_t(self->bs);
 }
 
@@ -602,17 +623,30 @@ typedef struct {
     size_t tiers;  /* 1 (GPU only so far) or 3 */
     Rank *ranks;
     size_t nranks;
+    size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     Scratch tok, keys, hashes;
 } Index;
 
-static int Index_init(Index *self, PyObject *args, PyObject *kw) {
-    if (!PyArg_ParseTuple(args, "")) return -1;
-    if (self->nodes.rs) return 0; /* initialised already: keep the tables */
+/* Valid and empty from the start: __init__ only sets the per-rank bound, so
+ * an Index that never ran it (Index.__new__(Index)) is safe to use. */
+static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Index *self = (Index *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
     self->words = 1;
     self->tiers = 1;
     self->nodes.rs = NODE_HEAD + 8;
-    self->nodes.a = NULL;
-    self->nodes.cap = self->nodes.count = 0;
+    return (PyObject *)self;
+}
+
+static int Index_init(Index *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"max_entries", NULL};
+    Py_ssize_t max_entries = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n", kwlist, &max_entries)) return -1;
+    if (max_entries < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
+        return -1;
+    }
+    self->max_entries = (size_t)max_entries;
     return 0;
 }
 
@@ -793,9 +827,22 @@ static u64 *read_hashes(Index *self, PyObject *obj, Py_ssize_t *n) {
 
 #define ORPHAN 1
 #define MALFORMED 2
+#define OVER_CAP 4
+
+/* Whether storing these hashes would take the rank past max_entries. */
+static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssize_t n) {
+    size_t cap = self->max_entries, have = rk->entries.count;
+    if (!cap || have + (size_t)n <= cap) return 0;
+    size_t fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!t_find(&rk->entries, hashes[i], entry_occ)) fresh++;
+    return have + fresh > cap;
+}
 
 /* store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags
  *
+ * OVER_CAP alone: refused whole, nothing changed (the rank would pass
+ * max_entries).
  * One BlockStored: resolve the parent in the rank's table (unknown: a
  * detached chain under it), key every block from its tokens (unusable
  * tokens: unmatchable keys from the hashes), count one more copy of every
@@ -812,6 +859,7 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     KeyChain *chain = (KeyChain *)args[1];
+    if (chain_ready(chain) < 0) return NULL;
     long tier = PyLong_AsLong(args[8]);
     if (tier == -1 && PyErr_Occurred()) return NULL;
     if (tier < 0 || tier > 2) {
@@ -828,6 +876,7 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
     if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return NULL;
 
     Rank *rk = &self->ranks[sid];
+    if (over_cap(self, rk, hashes, n)) return PyLong_FromLong(OVER_CAP);
     u64 start;
     int64_t d0 = 0;
     int detached = 0;
@@ -860,10 +909,9 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
     if (args[4] != Py_None && d0 + n < DEPTH_LIMIT) {
         u64 *tok = NULL;
         Py_ssize_t ntok = 0;
-        int err;
-        Refusal why = read_tokens(args[4], packed, &chain->tok, &tok, &ntok, &err);
-        if (err) return NULL;
-        if (!why && ntok == n * chain->bs) {
+        int bad = read_tokens(args[4], packed, &chain->tok, &tok, &ntok) < 0;
+        if (bad && !clear_refusal()) return NULL;
+        if (!bad && ntok == n * chain->bs) {
             Py_buffer ev;
             const u64 *extra = NULL;
             if (args[7] != Py_None) {
@@ -1068,13 +1116,15 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
         }
     }
     PyBuffer_Release(&kv);
-    Py_ssize_t nn = PyList_GET_SIZE(names);
     size_t S = W << 6;
-    for (size_t sid = 0; sid < S && (Py_ssize_t)sid < nn; sid++) {
+    /* tiers_type and dict insertion may run Python code that changes
+     * `names`: re-read its size each time, and hold the name. */
+    for (size_t sid = 0; sid < S && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
         i32 d = depth[sid];
         if (d <= 0) continue;
         PyObject *name = PyList_GET_ITEM(names, (Py_ssize_t)sid);
         if (name == Py_None) continue;
+        Py_INCREF(name);
         PyObject *v;
         if (tt == Py_None) v = PyLong_FromLong(d);
         else if (!split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
@@ -1084,11 +1134,13 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
         }
         if (!v || PyDict_SetItem(out, name, v) < 0) {
             Py_XDECREF(v);
+            Py_DECREF(name);
             Py_DECREF(out);
             PyMem_Free(buf);
             return NULL;
         }
         Py_DECREF(v);
+        Py_DECREF(name);
     }
     PyMem_Free(buf);
     return out;
@@ -1096,6 +1148,10 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
 
 static size_t rank_bytes(const Rank *r) {
     return r->entries.cap * r->entries.rs + r->multi.cap * r->multi.rs;
+}
+
+static PyObject *Index_get_max_entries(Index *self, void *c) {
+    return PyLong_FromSize_t(self->max_entries);
 }
 
 static PyObject *Index_get_nodes(Index *self, void *c) {
@@ -1124,6 +1180,7 @@ static PyMethodDef Index_methods[] = {
 
 static PyGetSetDef Index_getset[] = {
     {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
+    {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
     {NULL},
 };
@@ -1134,7 +1191,7 @@ static PyTypeObject IndexType = {
     .tp_basicsize = sizeof(Index),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Holder tables of the prefix index.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Index_new,
     .tp_init = (initproc)Index_init,
     .tp_dealloc = (destructor)Index_dealloc,
     .tp_methods = Index_methods,
@@ -1157,6 +1214,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ORPHAN", ORPHAN) < 0 ||
+        PyModule_AddIntConstant(m, "OVER_CAP", OVER_CAP) < 0 ||
         PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0) {
         Py_DECREF(m);
         return NULL;

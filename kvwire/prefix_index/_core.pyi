@@ -5,6 +5,7 @@ from typing import Any
 
 ORPHAN: int
 MALFORMED: int
+OVER_CAP: int
 
 class KeyChain:
     """The chained block key function of one (seed, block size)."""
@@ -21,7 +22,9 @@ class KeyChain:
 class Index:
     """Holder tables of the prefix index."""
 
-    def __init__(self) -> None: ...
+    def __init__(self, max_entries: int = 0) -> None: ...
+    @property
+    def max_entries(self) -> int: ...
     @property
     def nodes(self) -> int: ...
     @property

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.prefix_index._core import MALFORMED, ORPHAN, Index
+from kvwire.prefix_index._core import MALFORMED, ORPHAN, OVER_CAP, Index
 from kvwire.prefix_index.keys import KeyScheme, key_scheme, token_source
 from kvwire.wire import (
     AllBlocksCleared,
@@ -116,6 +116,8 @@ class IndexStats:
     ``blocks`` counts distinct keys, ``holders`` (block, rank) pairs and
     ``detached`` those on detached chains; they and ``memory_bytes`` (the
     index's tables) return to zero when everything is removed.
+    ``refused_stores`` counts stores refused at a rank's block cap, and
+    ``ranks_over_cap`` the ranks whose view is incomplete because of one.
     """
 
     blocks: int
@@ -127,6 +129,8 @@ class IndexStats:
     ignored_events: int
     malformed_stores: int
     memory_bytes: int
+    refused_stores: int = 0
+    ranks_over_cap: int = 0
 
 
 class PrefixIndex:
@@ -137,6 +141,18 @@ class PrefixIndex:
     whose events count (``None`` is what engines without groups send); events
     of other groups are ignored and counted. Events apply as they arrive, so
     a query sees every batch applied before it. Thread-safe.
+
+    Bounds against hostile or broken engines, both counted when hit:
+
+    - ``max_block_size`` (default 4,096; engines use 16 to 1,024): a store
+      whose ``block_size`` is outside ``1..max_block_size`` is malformed: its
+      blocks are held under unmatchable keys (removals still balance), and no
+      per-token work is done for it.
+    - ``max_blocks_per_rank`` (default 2**21, about 70-140 MB of tables for
+      the rank; ``None``: no bound): a store that would take a rank past it is
+      refused whole and the rank is marked over cap (:meth:`over_cap`) until
+      it is cleared. Its view then lacks blocks it may hold but never claims
+      one it does not: a router treats it like a PARTIAL rank.
     """
 
     def __init__(
@@ -145,13 +161,21 @@ class PrefixIndex:
         *,
         seed: int = 0,
         groups: Collection[int | None] = (0, None),
+        max_block_size: int = 4096,
+        max_blocks_per_rank: int | None = 1 << 21,
     ) -> None:
+        if not 1 <= block_size <= max_block_size:
+            raise ValueError(f"block_size must be in 1..{max_block_size}, got {block_size}")
+        if max_blocks_per_rank is not None and max_blocks_per_rank < 1:
+            raise ValueError(f"max_blocks_per_rank must be >= 1, got {max_blocks_per_rank}")
         self.block_size = block_size
+        self.max_block_size = max_block_size
+        self.max_blocks_per_rank = max_blocks_per_rank
         self.seed = seed & _MASK
         self._scheme: KeyScheme = key_scheme(self.seed, block_size)
         self._groups = frozenset(groups)
         self._lock = threading.Lock()
-        self._core = Index()
+        self._core = Index(max_blocks_per_rank or 0)
         self._sids: dict[RankKey, int] = {}
         # Rank slot -> name (None: free), what the native match reports by.
         self._names: list[RankKey | None] = []
@@ -161,6 +185,8 @@ class PrefixIndex:
         self._unknown_removals = 0
         self._ignored = 0
         self._malformed = 0
+        self._refused = 0
+        self._over_cap: set[int] = set()
 
     # --- the sink --------------------------------------------------------------
 
@@ -183,20 +209,24 @@ class PrefixIndex:
                     elif ev.block_hashes:
                         self._remove(sid, ev)
                 elif isinstance(ev, AllBlocksCleared):
-                    self._core.clear_rank(sid)
+                    self._clear_sid(sid)
 
     def clear(self, worker_id: str, rank: int) -> None:
         """Forget every block of one rank (its state is about to be rebuilt)."""
         with self._lock:
             sid = self._sids.get((worker_id, rank))
             if sid is not None:
-                self._core.clear_rank(sid)
+                self._clear_sid(sid)
+
+    def _clear_sid(self, sid: int) -> None:
+        self._core.clear_rank(sid)
+        self._over_cap.discard(sid)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and all its ranks."""
         with self._lock:
             for sid in sorted(self._workers.pop(worker_id, ())):
-                self._core.clear_rank(sid)
+                self._clear_sid(sid)
                 name = self._names[sid]
                 assert name is not None
                 del self._sids[name]
@@ -279,6 +309,18 @@ class PrefixIndex:
         """Whether events from ``(worker_id, rank)`` have been applied."""
         return (worker_id, rank) in self._sids
 
+    def rank_blocks(self, worker_id: str, rank: int) -> int:
+        """How many engine hashes ``(worker_id, rank)`` holds (0 when unknown); O(1)."""
+        with self._lock:
+            sid = self._sids.get((worker_id, rank))
+            return 0 if sid is None else self._core.rank_stats(sid)[0]
+
+    def over_cap(self, worker_id: str, rank: int) -> bool:
+        """Whether a store of this rank was refused at ``max_blocks_per_rank`` since its
+        last clear: its view is incomplete (never wrong in what it claims)."""
+        sid = self._sids.get((worker_id, rank))
+        return sid is not None and sid in self._over_cap
+
     def stats(self) -> IndexStats:
         """Current sizes and lifetime counters."""
         with self._lock:
@@ -293,6 +335,8 @@ class PrefixIndex:
                 ignored_events=self._ignored,
                 malformed_stores=self._malformed,
                 memory_bytes=self._core.memory,
+                refused_stores=self._refused,
+                ranks_over_cap=len(self._over_cap),
             )
 
     # --- applying events ---------------------------------------------------------
@@ -318,7 +362,7 @@ class PrefixIndex:
         """
         scheme = self._scheme
         bs = ev.block_size
-        usable = bs >= 1
+        usable = type(bs) is int and 1 <= bs <= self.max_block_size
         if bs != self.block_size and usable:
             scheme = key_scheme(self.seed, bs)
         tokens: Any = ev.token_ids
@@ -352,6 +396,10 @@ class PrefixIndex:
                 self._malformed += 1
                 return
             flags = self._core.store(sid, scheme.native, hashes, parent, *args)
+        if flags & OVER_CAP:
+            self._refused += 1
+            self._over_cap.add(sid)
+            return
         if flags & ORPHAN:
             self._orphan_stores += 1
         if flags & MALFORMED:

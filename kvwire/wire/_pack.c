@@ -120,6 +120,9 @@ static PyObject *finish(PyObject *out, unsigned char *start, unsigned char *end)
     return out;
 }
 
+/* Ints (and subclasses) convert without running Python code; anything else
+ * goes through its __index__, which may change the list: hold the item
+ * across the call, then re-read the items and refuse a size change. */
 static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -128,8 +131,21 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         u64 bits;
-        int is_unsigned;
-        if (read_int(items[i], &bits, &is_unsigned, what) < 0) {
+        int is_unsigned, rc;
+        PyObject *o = items[i];
+        if (PyLong_Check(o)) {
+            rc = read_int(o, &bits, &is_unsigned, what);
+        } else {
+            Py_INCREF(o);
+            rc = read_int(o, &bits, &is_unsigned, what);
+            Py_DECREF(o);
+            if (rc == 0 && PySequence_Fast_GET_SIZE(seq) != n) {
+                PyErr_Format(PyExc_RuntimeError, "%s values changed size while being packed", what);
+                rc = -1;
+            }
+            items = PySequence_Fast_ITEMS(seq);
+        }
+        if (rc < 0) {
             Py_DECREF(out);
             return NULL;
         }

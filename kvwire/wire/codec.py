@@ -26,6 +26,8 @@ from kvwire.wire.events import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
+    "DecodeLimits",
     "Dialect",
     "EventParts",
     "IntArray",
@@ -260,6 +262,33 @@ def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
 # --- decoding -----------------------------------------------------------------
 
 
+class DecodeLimits(msgspec.Struct, frozen=True):
+    """Bounds :func:`decode_batch` enforces on what a batch may ask of a consumer.
+
+    A batch beyond any of them is a :class:`WireError`, like a malformed one.
+    The payload's size is bounded by the receiving socket (``ZMQ_MAXMSGSIZE``);
+    these bound the work and memory its content asks for downstream (one index
+    entry per block, one weight per token of a block).
+
+    - ``max_events``: events per batch.
+    - ``max_blocks``: block hashes per ``BlockStored`` / ``BlockRemoved``. A
+      128k-token prompt is 8,192 blocks of 16 tokens.
+    - ``max_block_size``: tokens per block; a ``BlockStored`` must have
+      ``1 <= block_size <= max_block_size``. Engines use 16 to 1,024.
+    - ``max_tokens``: token ids per ``BlockStored``.
+    """
+
+    max_events: int = 65_536
+    max_blocks: int = 65_536
+    max_block_size: int = 65_536
+    max_tokens: int = 1 << 22
+
+
+DEFAULT_LIMITS = DecodeLimits()
+"""The limits :func:`decode_batch` applies unless given others."""
+
+
+
 class _ListBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
     """The generic path's ``BlockStored``: token ids arrive as a list."""
 
@@ -354,6 +383,8 @@ def _decode_generic(payload: bytes) -> KVEventBatch:
         raw = _generic_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise WireError(f"payload is not valid msgpack: {exc}") from None
+    except RecursionError:
+        raise WireError("payload nests too deeply") from None
     if not isinstance(raw, list) or len(raw) < 2:
         raise WireError(
             f"envelope must be an array [ts, events, rank?], got {type(raw).__name__}"
@@ -371,33 +402,77 @@ def _decode_generic(payload: bytes) -> KVEventBatch:
     return KVEventBatch(float(ts), decoded, rank)
 
 
-def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
+def decode_batch(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
+) -> KVEventBatch:
     """Decode one batch payload of any dialect in the wild.
 
     Raises :class:`WireError` naming the problem for anything that is not a
-    whole, valid batch. Token ids are checked to be an array here and turned
-    into ints only when first read (:class:`TokenIds`), which raises
-    :class:`WireError` then if they are not ints.
+    whole, valid batch within ``limits`` (nesting too deep included). Token
+    ids are checked to be an array here and turned into ints only when first
+    read (:class:`TokenIds`), which raises :class:`WireError` then if they are
+    not ints.
     """
     try:
         batch = _fast_decoder.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return _decode_generic(bytes(payload))
+        return _check_limits(_decode_generic(bytes(payload)), limits)
+    except RecursionError:
+        raise WireError("payload nests too deeply") from None
+    events = batch.events
+    if len(events) > limits.max_events:
+        raise WireError(f"batch has {len(events)} events, more than {limits.max_events}")
+    max_blocks = limits.max_blocks
     # Fix-ups in place, on events no one else has seen yet: wrap the packed token
     # ids, and mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
-    for e in batch.events:
+    for e in events:
         kind = type(e)
         if kind is BlockStored:
             raw = cast(msgspec.Raw, e.token_ids)  # type: ignore[union-attr]
             if not _ARRAY_HEAD[memoryview(raw)[0]]:
                 raise WireError("a BlockStored event's token_ids must be an array")
-            _set(e, "token_ids", TokenIds(raw))
+            tokens = TokenIds(raw)
+            size = e.block_size  # type: ignore[union-attr]
+            if not 1 <= size <= limits.max_block_size or (
+                len(raw) > limits.max_tokens and len(tokens) > limits.max_tokens
+            ):
+                _check_stored(e, limits)  # type: ignore[arg-type]
+            _set(e, "token_ids", tokens)
             parent = e.parent_block_hash  # type: ignore[union-attr]
             if parent is not None and parent < 0:
                 _set(e, "parent_block_hash", parent & U64_MASK)
         elif kind is not BlockRemoved:
             continue
         hashes = e.block_hashes  # type: ignore[union-attr]
+        if len(hashes) > max_blocks:
+            raise WireError(f"an event lists {len(hashes)} blocks, more than {max_blocks}")
         if hashes and min(hashes) < 0:
             _set(e, "block_hashes", [h & U64_MASK for h in hashes])
+    return batch
+
+
+def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:
+    """Raise :class:`WireError` when a store's block size or token count is out of bounds."""
+    size = e.block_size
+    if not 1 <= size <= limits.max_block_size:
+        raise WireError(f"block_size {size} is outside 1..{limits.max_block_size}")
+    tokens = e.token_ids
+    n = len(TokenIds(tokens) if type(tokens) is msgspec.Raw else tokens)
+    if n > limits.max_tokens:
+        raise WireError(f"an event carries {n} token ids, more than {limits.max_tokens}")
+
+
+def _check_limits(batch: KVEventBatch, limits: DecodeLimits) -> KVEventBatch:
+    """``batch`` when it is within ``limits``; else :class:`WireError`."""
+    if len(batch.events) > limits.max_events:
+        raise WireError(f"batch has {len(batch.events)} events, more than {limits.max_events}")
+    for e in batch.events:
+        if type(e) is AllBlocksCleared:
+            continue
+        if len(e.block_hashes) > limits.max_blocks:  # type: ignore[union-attr]
+            raise WireError(
+                f"an event lists {len(e.block_hashes)} blocks, more than {limits.max_blocks}"  # type: ignore[union-attr]
+            )
+        if type(e) is BlockStored:
+            _check_stored(e, limits)
     return batch

@@ -49,7 +49,7 @@ class TokenIds(Sequence[int]):
         if self._list is None:
             try:
                 self._list = _token_decoder.decode(self.raw)
-            except msgspec.ValidationError as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise WireError(f"token_ids: {exc}") from None
         return self._list
 
@@ -57,6 +57,8 @@ class TokenIds(Sequence[int]):
         if self._list is not None:
             return len(self._list)
         head = memoryview(self.raw)
+        if len(head) == 0:
+            raise WireError("token_ids is empty, not an array")
         first = head[0]
         if 0x90 <= first <= 0x9F:
             return first & 0x0F
