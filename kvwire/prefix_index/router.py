@@ -9,8 +9,9 @@ Cost of sending a prompt of ``P`` full blocks to a candidate::
 where ``credit`` is the candidate's matched prefix weighted by tier (GPU 1.0,
 CPU 0.75, storage 0.5 by default: a block loaded from a slower tier saves less
 prefill than one already on the GPU). A candidate whose rank is not fully
-synced (PARTIAL, still SYNCING, unknown to the subscriber) or that never sent
-an event gets no credit: it stays routable on its load alone.
+synced (PARTIAL, still SYNCING, unknown to the subscriber), whose view is
+incomplete (over the index's per-rank block cap) or that never sent an event
+gets no credit: it stays routable on its load alone.
 
 Temperature 0 takes the cheapest candidate, ties going to the least loaded; a
 positive temperature samples ``softmax(-normalised_cost / temperature)`` with
@@ -23,14 +24,26 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from kvwire.prefix_index.index import PrefixIndex, RankKey, TierDepths
 from kvwire.prefix_index.keys import token_source
+from kvwire.subscriber.state import RankState
 
-__all__ = ["Candidate", "Decision", "KvRouter", "Load"]
+__all__ = ["Candidate", "Decision", "KvRouter", "Load", "RankStateSource", "RankStates"]
 
-RankStates = Callable[[str, int], object] | Mapping[RankKey, object]
+
+@runtime_checkable
+class RankStateSource(Protocol):
+    """Anything that knows each followed rank's state: a ``Subscriber``."""
+
+    def rank_state(self, worker_id: str, rank: int) -> RankState | None:
+        """The rank's current state; ``None`` when it is not followed."""
+        ...
+
+
+RankStates: TypeAlias = RankStateSource | Callable[[str, int], RankState | None]
+"""Where a router reads rank states: a :class:`RankStateSource` or a callable."""
 
 
 class Load(NamedTuple):
@@ -84,21 +97,15 @@ class Decision:
 _NO_CACHE = TierDepths(0, 0, 0)
 
 
-def _state_name(state: object) -> str | None:
-    """A rank state as an upper-case name: enums, strings, anything with ``name``."""
-    if state is None:
-        return None
-    name = getattr(state, "name", state)
-    return str(name).upper()
-
-
 class KvRouter:
     """Chooses where a prompt goes, from a :class:`PrefixIndex` and candidate loads.
 
-    ``rank_states`` tells which ranks' index state is complete: a mapping or a
-    callable ``(worker_id, rank) -> state`` (the subscriber's rank status);
-    only SYNCED ranks get cache credit when it is given. ``rng`` (or ``seed``)
-    drives sampling at positive temperature.
+    ``rank_states`` tells which ranks' index state is exact: the
+    ``Subscriber`` feeding the index (anything with ``rank_state(worker_id,
+    rank)``), or a callable ``(worker_id, rank) -> RankState | None``; only
+    :attr:`RankState.SYNCED` ranks get cache credit when it is given. Without
+    it every rank with events counts as synced. ``rng`` (or ``seed``) drives
+    sampling at positive temperature.
     """
 
     def __init__(
@@ -120,16 +127,23 @@ class KvRouter:
         self.overlap_credit = overlap_credit
         self.tier_weights = tier_weights
         self.temperature = temperature
-        self.rank_states = rank_states
+        self._state_of: Callable[[str, int], RankState | None] | None = (
+            rank_states.rank_state if isinstance(rank_states, RankStateSource) else rank_states
+        )
         self.rng = rng if rng is not None else random.Random(seed)
 
-    def _state(self, key: RankKey) -> str | None:
-        states = self.rank_states
-        if states is None:
-            return "SYNCED"
-        if isinstance(states, Mapping):
-            return _state_name(states.get(key))
-        return _state_name(states(*key))
+    def _no_credit(self, key: RankKey) -> str | None:
+        """Why a candidate gets no cache credit; None when it does."""
+        index = self.index
+        if not index.has_rank(*key):
+            return "no events"
+        if self._state_of is not None:
+            state = self._state_of(*key)
+            if state is not RankState.SYNCED:
+                return "no rank status" if state is None else state.name
+        if index.over_cap(*key):
+            return "over the index's block cap"
+        return None
 
     def choose(
         self,
@@ -159,13 +173,11 @@ class KvRouter:
         scored: dict[RankKey, Candidate] = {}
         for key, raw in candidates.items():
             load = raw if isinstance(raw, Load) else Load(*raw)
-            state = self._state(key)
-            if not index.has_rank(*key):
-                cached, used, note = _NO_CACHE, False, "no events"
-            elif state != "SYNCED":
-                cached, used, note = _NO_CACHE, False, state or "no rank status"
-            else:
+            why = self._no_credit(key)
+            if why is None:
                 cached, used, note = matched.get(key, _NO_CACHE), True, ""
+            else:
+                cached, used, note = _NO_CACHE, False, why
             credit = gw * cached.gpu + cw * cached.cpu + sw * cached.storage
             new_blocks = max(prompt_blocks - self.overlap_credit * credit, 0.0)
             cost = self.prefill_weight * (load.prefill_tokens / bs + new_blocks)

@@ -456,7 +456,7 @@ def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:
     size = e.block_size
     if not 1 <= size <= limits.max_block_size:
         raise WireError(f"block_size {size} is outside 1..{limits.max_block_size}")
-    tokens = e.token_ids
+    tokens: Any = e.token_ids
     n = len(TokenIds(tokens) if type(tokens) is msgspec.Raw else tokens)
     if n > limits.max_tokens:
         raise WireError(f"an event carries {n} token ids, more than {limits.max_tokens}")

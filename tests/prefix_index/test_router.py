@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
+from kvwire.subscriber import RankState
 from kvwire.wire import BlockStored, KVEventBatch
 
 BS = 4
@@ -96,19 +97,33 @@ def test_tiers_weigh_cached_blocks() -> None:
     assert d.target == ("wb", 0)
 
 
+class Follower:
+    """A stand-in for the Subscriber: rank states by (worker, rank)."""
+
+    def __init__(self, states: dict[tuple[str, int], RankState]) -> None:
+        self.states = states
+
+    def rank_state(self, worker_id: str, rank: int) -> RankState | None:
+        return self.states.get((worker_id, rank))
+
+
 def test_partial_and_eventless_ranks_route_on_load(index: PrefixIndex) -> None:
-    states = {("wa", 0): State.PARTIAL, ("wb", 0): State.SYNCED}
+    states = {("wa", 0): RankState.PARTIAL, ("wb", 0): RankState.SYNCED}
     cands = {("wa", 0): Load(), ("wb", 0): Load(0, 3), ("wz", 0): Load(0, 1)}
-    d = KvRouter(index, rank_states=states).choose(PROMPT, cands)
+    d = KvRouter(index, rank_states=Follower(states)).choose(PROMPT, cands)
     assert not d.candidates[("wa", 0)].cache_used
     assert d.candidates[("wa", 0)].cost == 10
     assert d.candidates[("wb", 0)].cost == 8 + 3
     assert d.candidates[("wz", 0)].note == "no events"
     assert d.target == ("wa", 0)
     assert "PARTIAL" in d.reason and "no events" in d.reason
-    # A callable works too, and plain strings as states.
-    d = KvRouter(index, rank_states=lambda w, r: "synced").choose(PROMPT, cands)
+    # A callable works too; only the SYNCED member counts, not a look-alike.
+    d = KvRouter(index, rank_states=lambda w, r: RankState.SYNCED).choose(PROMPT, cands)
     assert d.target == ("wa", 0) and d.candidates[("wa", 0)].cache_used
+    d = KvRouter(index, rank_states=lambda w, r: State.SYNCED).choose(PROMPT, cands)  # type: ignore[arg-type, return-value]
+    assert not any(c.cache_used for c in d.candidates.values())
+    d = KvRouter(index, rank_states=lambda w, r: RankState.SYNCING).choose(PROMPT, cands)
+    assert d.candidates[("wa", 0)].note == "SYNCING"
     d = KvRouter(index, rank_states=lambda w, r: None).choose(PROMPT, cands)
     assert all(not c.cache_used for c in d.candidates.values())
     assert d.target == ("wa", 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -51,7 +52,7 @@ def stored_map(**fields: object) -> bytes:
     ids=["envelope", "events", "any-field", "positional", "extra-keys"],
 )
 def test_deep_nesting_is_a_wire_error(payload: bytes) -> None:
-    with pytest.raises(WireError, match="nests too deeply|not valid msgpack|must be"):
+    with pytest.raises(WireError, match="nests too deeply"):
         decode_batch(payload)
 
 
@@ -92,7 +93,7 @@ def test_token_ids_that_are_not_an_array_or_not_ints_are_wire_errors() -> None:
 
 VALID = [
     encode_batch(KVEventBatch(1.0, [BlockStored([1, 2], 7, [1, 2, 3, 4], 2), BlockRemoved([5])], 0),
-                 dialect=d)  # fmt: skip
+                 dialect=d)
     for d in ("map", "array")
 ]
 
@@ -110,10 +111,8 @@ def test_mutated_payloads_decode_or_raise_wire_error(base: bytes, edits: list[tu
         return
     for e in batch.events:
         if isinstance(e, BlockStored):
-            try:
+            with contextlib.suppress(WireError):
                 list(e.token_ids)
-            except WireError:
-                pass
 
 
 values = st.recursive(
@@ -129,10 +128,8 @@ values = st.recursive(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(values, st.lists(values, max_size=3), values)
 def test_generated_envelopes_decode_or_raise_wire_error(ts: object, evs: list[object], rank: object) -> None:
-    try:
+    with contextlib.suppress(WireError):
         decode_batch(msgspec.msgpack.encode([ts, evs, rank]))
-    except WireError:
-        pass
 
 
 def test_pack_survives_index_methods_that_mutate_the_list() -> None:
