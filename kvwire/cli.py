@@ -2,7 +2,8 @@
 
 ``kvwire watch ENDPOINT``: a live per-rank view of an engine's KV-event
 stream (state, seq, events/s, gaps, replays, blocks held). ``kvwire dump
-ENDPOINT``: every decoded batch as a JSON line. Both work against any engine
+ENDPOINT``: every decoded batch as a JSON line. ``kvwire keygen NAME``: a CURVE
+key pair for authenticated, encrypted sockets. watch and dump work against any engine
 publishing KV events (vLLM, SGLang, TensorRT-LLM, kvwire's publisher): pass
 the engine's base endpoint, its replay endpoint if it has one, and its number
 of data-parallel ranks. Subcommands register themselves on the parser, so
@@ -21,9 +22,10 @@ from typing import BinaryIO, TextIO
 
 import msgspec
 
+from kvwire.security import SecurityError, generate_keypair
 from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber
 from kvwire.subscriber.view import BatchRecord, ClearRecord, WatchView
-from kvwire.wire import EndpointError, enc_hook
+from kvwire.wire import EndpointError, WireError, enc_hook
 
 __all__ = ["build_parser", "main"]
 
@@ -140,17 +142,19 @@ def add_dump_command(commands: argparse._SubParsersAction[argparse.ArgumentParse
 
 def _run_dump(args: argparse.Namespace) -> int:
     with contextlib.suppress(BrokenPipeError):
-        return asyncio.run(_dump(args, sys.stdout.buffer))
+        return asyncio.run(_dump(args, sys.stdout.buffer, sys.stderr))
     return 0  # the reader went away (kvwire dump ... | head)
 
 
-async def _dump(args: argparse.Namespace, out: BinaryIO) -> int:
+async def _dump(args: argparse.Namespace, out: BinaryIO, err: TextIO) -> int:
+    """Print batches as they come; one that cannot be printed is reported and skipped."""
     encoder = msgspec.json.Encoder(enc_hook=enc_hook)
     batches = 0
+    bad = 0
     async with Subscriber([_source(args)]) as sub:
 
         async def consume() -> None:
-            nonlocal batches
+            nonlocal batches, bad
             async for item in sub:
                 record: BatchRecord | ClearRecord
                 if isinstance(item, Applied):
@@ -161,13 +165,47 @@ async def _dump(args: argparse.Namespace, out: BinaryIO) -> int:
                     batches += 1
                 else:
                     record = ClearRecord(item.worker_id, item.rank, item.reason)
-                out.write(encoder.encode(record) + b"\n")
-                out.flush()
+                try:
+                    line = encoder.encode(record)
+                except WireError as exc:
+                    # Token ids are decoded lazily: content the decoder let
+                    # through can still be refused here.
+                    bad += 1
+                    seq = item.seq if isinstance(item, Applied) else None
+                    print(f"kvwire dump: {item.worker_id}/{item.rank} seq {seq}: "
+                          f"batch skipped: {exc}", file=err, flush=True)  # fmt: skip
+                else:
+                    out.write(line + b"\n")
+                    out.flush()
                 if args.count is not None and batches >= args.count:
                     return
 
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(consume(), args.duration)
+    if bad:
+        print(f"kvwire dump: {bad} batch(es) could not be printed", file=err)
+    return 0
+
+
+# --- keygen --------------------------------------------------------------------------------
+
+
+def add_keygen_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "keygen",
+        help="write a CURVE key pair (zmq.auth certificate files)",
+        description="Write NAME.key (the public key: give it to the other side; a client's goes "
+        "into the server's allow-list directory) and NAME.key_secret (keep it private; "
+        "written with mode 0600) in zmq.auth's certificate format.",
+    )
+    p.add_argument("name", metavar="NAME", help="the key pair's file name, without suffix")
+    p.add_argument("--dir", default=".", metavar="D", help="directory to write to (default: .)")
+    p.set_defaults(func=_run_keygen)
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    public, secret = generate_keypair(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret}")
     return 0
 
 
@@ -181,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_watch_command(commands)
     add_dump_command(commands)
+    add_keygen_command(commands)
     return parser
 
 
@@ -194,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Command = args.func
     try:
         return command(args)
-    except (EndpointError, ValueError) as exc:
+    except (EndpointError, SecurityError, ValueError) as exc:
         print(f"kvwire {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import pytest
 
 from kvwire.cli import _watch, build_parser, main
 from kvwire.publisher import EventPublisher
+from kvwire.wire import BlockStored, KVEventBatch
 from tests.subscriber.helpers import Engine, tcp_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +47,27 @@ def test_dump_prints_history_and_live_batches_as_json_lines() -> None:
         want = [e for e in batch.events if type(e).__name__ == "BlockStored"]
         assert [e["block_hashes"] for e in stored] == [e.block_hashes for e in want]  # type: ignore[union-attr]
         assert [e["token_ids"] for e in stored] == [e.token_ids for e in want]  # type: ignore[union-attr]
+
+
+def test_dump_reports_a_batch_it_cannot_print_and_keeps_going() -> None:
+    ep, rep = tcp_endpoints(1)
+    bad = KVEventBatch(1.0, [BlockStored([7], None, ["a", "b"], 2)], 0)  # type: ignore[list-item]
+    good = KVEventBatch(2.0, [BlockStored([8], None, [1, 2], 2)], 0)
+    with EventPublisher(ep, rep) as pub:
+        for b in (good, bad, good, bad, good):
+            assert pub.publish(b)
+        argv = ["dump", ep, "--replay", rep, "--count", "5", "--duration", "20"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvwire.cli", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [0, 2, 4]
+    assert "seq 1: batch skipped" in proc.stderr and "seq 3: batch skipped" in proc.stderr
+    assert "2 batch(es) could not be printed" in proc.stderr
 
 
 def test_dump_stops_after_its_duration_without_traffic(
@@ -107,6 +129,19 @@ def test_bad_endpoints_exit_with_a_clear_message(capsys: pytest.CaptureFixture[s
     assert "bind address" in capsys.readouterr().err
     assert main(["watch", "udp://127.0.0.1:1"]) == 2
     assert "unknown scheme" in capsys.readouterr().err
+
+
+def test_keygen_writes_a_zmq_auth_key_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import zmq.auth
+
+    assert main(["keygen", "router-1", "--dir", str(tmp_path / "keys")]) == 0
+    public, secret = tmp_path / "keys" / "router-1.key", tmp_path / "keys" / "router-1.key_secret"
+    assert str(public) in capsys.readouterr().out
+    pub, none = zmq.auth.load_certificate(public)
+    pub2, sec = zmq.auth.load_certificate(secret)
+    assert none is None and pub == pub2 and len(pub) == 40 and sec is not None and len(sec) == 40
+    assert secret.stat().st_mode & 0o077 == 0
+    assert main(["keygen", "../escape", "--dir", str(tmp_path)]) == 2
 
 
 def test_subcommands_are_required() -> None:
