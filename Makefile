@@ -24,7 +24,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvwire tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint
+# The native tests under the sanitizers first (about 30 s), then the whole suite.
+test: $(STAMP) lint asan
 	$(PY) -m pytest -q -ra
 
 unit: $(STAMP)
@@ -33,7 +34,8 @@ unit: $(STAMP)
 e2e: $(STAMP)
 	$(PY) -m pytest -q -ra -m e2e
 
-# The C extensions rebuilt with AddressSanitizer and UBSan, under their tests.
+# The C extensions rebuilt with AddressSanitizer and UBSan, under their tests
+# and the short fuzz run; part of `make test`, so CI (.ci/run) runs it.
 asan: $(STAMP)
 	scripts/asan-native.sh $(PY)
 
