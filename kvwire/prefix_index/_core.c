@@ -1044,49 +1044,43 @@ static void record_lost(u64 lost, size_t base, i32 *depth, i32 at) {
     }
 }
 
-/* match(keys, names, tiers_type) -> {names[sid]: depth}
- *
- * The longest run of the prompt's keys from the first that each rank holds.
- * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
- * the runs held on GPU, on GPU or CPU, and anywhere. */
-static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "match takes 3 arguments");
-        return NULL;
-    }
-    if (!PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "names must be a list");
-        return NULL;
-    }
-    PyObject *names = args[1], *tt = args[2];
-    Py_buffer kv;
-    if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
-    const u64 *keys = kv.buf;
-    Py_ssize_t n = kv.len / 8;
-    PyObject *out = PyDict_New();
-    if (!out) { PyBuffer_Release(&kv); return NULL; }
-    if (n == 0 || self->nodes.count == 0 || self->nranks == 0) {
-        PyBuffer_Release(&kv);
-        return out;
-    }
-    const size_t W = self->words, T = self->tiers;
-    const int split = tt != Py_None && T == 3;
-    /* acc[0]: held anywhere, acc[1]: on GPU, acc[2]: on GPU or CPU */
-    size_t need = 3 * W * 2 + 3 * (W << 6);
-    u64 *buf = PyMem_Malloc(need * sizeof(u64));
-    if (!buf) { PyBuffer_Release(&kv); Py_DECREF(out); return PyErr_NoMemory(); }
-    u64 *acc = buf;                  /* [3][W] */
-    i32 *depth = (i32 *)(buf + 3 * W); /* [3][64W] */
-    memset(depth, 0, 3 * (W << 6) * sizeof(i32));
-    for (size_t w = 0; w < 3 * W; w++) acc[w] = ~0ULL;
+/* The walk of a match: the prompt's keys in order, ANDing each node's
+ * holder masks into acc until no rank holds the prefix. depth[sid] records
+ * where each rank dropped out (tiers split: three such arrays). */
+typedef struct {
+    size_t W, T;
+    int split, dead;
+    Py_ssize_t at; /* keys walked so far */
+    u64 *acc;      /* [3][W]: held anywhere, on GPU, on GPU or CPU */
+    i32 *depth;    /* [3][64W] */
+} Walk;
 
-    /* Keep PREFETCH lookups in flight ahead of the walk. */
+static int walk_begin(Walk *wk, const Index *self, int tiers) {
+    wk->W = self->words;
+    wk->T = self->tiers;
+    wk->split = tiers && wk->T == 3;
+    wk->dead = self->nodes.count == 0 || self->nranks == 0;
+    wk->at = 0;
+    size_t W = wk->W;
+    wk->acc = PyMem_Malloc(3 * W * sizeof(u64) + 3 * (W << 6) * sizeof(i32));
+    if (!wk->acc) { PyErr_NoMemory(); return -1; }
+    wk->depth = (i32 *)(wk->acc + 3 * W);
+    memset(wk->depth, 0, 3 * (W << 6) * sizeof(i32));
+    for (size_t w = 0; w < 3 * W; w++) wk->acc[w] = ~0ULL;
+    return 0;
+}
+
+/* Walk n more keys (stops early once nobody holds the prefix). */
+static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
+    const size_t W = wk->W, T = wk->T;
+    u64 *acc = wk->acc;
+    i32 *depth = wk->depth;
     for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
-    Py_ssize_t i = 0;
-    for (; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
         if (i + PREFETCH < n) t_prefetch(&self->nodes, keys[i + PREFETCH]);
         char *r = t_find(&self->nodes, keys[i], node_occ);
-        if (!r) break;
+        if (!r) { wk->dead = 1; break; }
+        i32 pos = (i32)wk->at;
         u64 alive = 0;
         const u64 *m = node_masks(r);
         for (size_t w = 0; w < W; w++) {
@@ -1095,28 +1089,36 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
             if (T == 1) a = mw[0];
             else { g = mw[0]; f = g | mw[1]; a = f | mw[2]; }
             u64 na = acc[w] & a;
-            if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, (i32)i);
+            if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, pos);
             acc[w] = na;
             alive |= na;
-            if (split) {
+            if (wk->split) {
                 u64 ng = acc[W + w] & g, nf = acc[2 * W + w] & f;
-                if (acc[W + w] != ng) record_lost(acc[W + w] & ~ng, (W + w) << 6, depth, (i32)i);
-                if (acc[2 * W + w] != nf) record_lost(acc[2 * W + w] & ~nf, (2 * W + w) << 6, depth, (i32)i);
+                if (acc[W + w] != ng) record_lost(acc[W + w] & ~ng, (W + w) << 6, depth, pos);
+                if (acc[2 * W + w] != nf) record_lost(acc[2 * W + w] & ~nf, (2 * W + w) << 6, depth, pos);
                 acc[W + w] = ng;
                 acc[2 * W + w] = nf;
             }
         }
-        if (!alive) break;
+        if (!alive) { wk->dead = 1; break; }
+        wk->at++;
     }
+}
+
+/* {names[sid]: depth} (or tiers_type(gpu, cpu, storage)); frees the walk. */
+static PyObject *walk_result(Walk *wk, PyObject *names, PyObject *tt) {
+    const size_t W = wk->W, S = W << 6;
+    u64 *acc = wk->acc;
+    i32 *depth = wk->depth, at = (i32)wk->at;
     for (size_t w = 0; w < W; w++) {
-        record_lost(acc[w], w << 6, depth, (i32)i);
-        if (split) {
-            record_lost(acc[W + w], (W + w) << 6, depth, (i32)i);
-            record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, (i32)i);
+        record_lost(acc[w], w << 6, depth, at);
+        if (wk->split) {
+            record_lost(acc[W + w], (W + w) << 6, depth, at);
+            record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, at);
         }
     }
-    PyBuffer_Release(&kv);
-    size_t S = W << 6;
+    PyObject *out = PyDict_New();
+    if (!out) goto fail;
     /* tiers_type and dict insertion may run Python code that changes
      * `names`: re-read its size each time, and hold the name. */
     for (size_t sid = 0; sid < S && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
@@ -1127,23 +1129,147 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
         Py_INCREF(name);
         PyObject *v;
         if (tt == Py_None) v = PyLong_FromLong(d);
-        else if (!split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
+        else if (!wk->split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
         else {
             i32 g = depth[S + sid], f = depth[2 * S + sid];
             v = PyObject_CallFunction(tt, "iii", g, f - g, d - f);
         }
-        if (!v || PyDict_SetItem(out, name, v) < 0) {
-            Py_XDECREF(v);
-            Py_DECREF(name);
-            Py_DECREF(out);
-            PyMem_Free(buf);
-            return NULL;
-        }
-        Py_DECREF(v);
+        int rc = v ? PyDict_SetItem(out, name, v) : -1;
+        Py_XDECREF(v);
         Py_DECREF(name);
+        if (rc < 0) {
+            Py_DECREF(out);
+            goto fail;
+        }
     }
-    PyMem_Free(buf);
+    PyMem_Free(wk->acc);
     return out;
+fail:
+    PyMem_Free(wk->acc);
+    return NULL;
+}
+
+static int names_arg(PyObject *names) {
+    if (PyList_Check(names)) return 0;
+    PyErr_SetString(PyExc_TypeError, "names must be a list");
+    return -1;
+}
+
+/* match(keys, names, tiers_type) -> {names[sid]: depth}
+ *
+ * The longest run of the prompt's keys from the first that each rank holds.
+ * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
+ * the runs held on GPU, on GPU or CPU, and anywhere. */
+static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "match takes 3 arguments");
+        return NULL;
+    }
+    if (names_arg(args[1]) < 0) return NULL;
+    Py_buffer kv;
+    if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
+    Walk wk;
+    if (walk_begin(&wk, self, args[2] != Py_None) < 0) {
+        PyBuffer_Release(&kv);
+        return NULL;
+    }
+    walk_keys(&wk, self, kv.buf, kv.len / 8);
+    PyBuffer_Release(&kv);
+    return walk_result(&wk, args[1], args[2]);
+}
+
+/* Blocks keyed and walked at a time: a prompt whose match ends early is
+ * hashed only a chunk past it. */
+#define MATCH_CHUNK 16
+
+/* match_tokens(chain, tokens, packed, start, extra, names, tiers_type)
+ *
+ * match() from token ids in one call: keys are computed a chunk at a time
+ * as the walk goes, and list items are read only as far as that. */
+static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "match_tokens takes 7 arguments");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[0], &KeyChainType)) {
+        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+        return NULL;
+    }
+    KeyChain *chain = (KeyChain *)args[0];
+    if (chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
+    int packed = PyObject_IsTrue(args[2]);
+    u64 state;
+    if (packed < 0 || u64_arg(args[3], &state, "start") < 0) return NULL;
+    PyObject *obj = args[1], *seq = NULL;
+    const u64 *all = NULL; /* tokens read up front (buffers, packed) */
+    Py_ssize_t ntok;
+    if (!packed && (PyList_Check(obj) || PyTuple_Check(obj))) {
+        seq = PySequence_Fast(obj, "tokens");
+        if (!seq) return NULL;
+        ntok = PySequence_Fast_GET_SIZE(seq);
+    } else {
+        u64 *t;
+        if (read_tokens(obj, packed, &chain->tok, &t, &ntok) < 0) return NULL;
+        all = t;
+    }
+    const Py_ssize_t bs = chain->bs, nb = ntok / bs;
+    Py_buffer ev = {0};
+    const u64 *extra = NULL;
+    Walk wk = {0};
+    PyObject *result = NULL;
+    if (args[4] != Py_None) {
+        if (get_u64s(args[4], &ev, nb, "extra") < 0) goto done;
+        extra = ev.buf;
+    }
+    if (walk_begin(&wk, self, args[6] != Py_None) < 0) goto done;
+    u64 keys[MATCH_CHUNK];
+    u64 *tok = NULL;
+    if (seq && !(tok = scratch_get(&chain->tok, MATCH_CHUNK * bs))) {
+        PyMem_Free(wk.acc);
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < nb && !wk.dead; b += MATCH_CHUNK) {
+        Py_ssize_t m = nb - b < MATCH_CHUNK ? nb - b : MATCH_CHUNK;
+        const u64 *t;
+        if (seq) {
+            /* PyLong_Check'ed conversions run no Python code: the list
+             * cannot change under us. */
+            PyObject **items = PySequence_Fast_ITEMS(seq) + b * bs;
+            for (Py_ssize_t k = 0; k < m * bs; k++) {
+                PyObject *o = items[k];
+                if (!PyLong_Check(o)) {
+                    refuse(PyExc_TypeError, "a token id is not an integer");
+                    PyMem_Free(wk.acc);
+                    goto done;
+                }
+                int overflow;
+                long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+                if (overflow) {
+                    unsigned long long u = overflow > 0 ? PyLong_AsUnsignedLongLong(o) : 0;
+                    if (overflow < 0 || (u == (unsigned long long)-1 && PyErr_Occurred())) {
+                        PyErr_Clear();
+                        refuse(PyExc_ValueError, "a token id does not fit 64 bits");
+                        PyMem_Free(wk.acc);
+                        goto done;
+                    }
+                    tok[k] = u;
+                } else {
+                    tok[k] = (u64)v;
+                }
+            }
+            t = tok;
+        } else {
+            t = all + b * bs;
+        }
+        chain_keys(chain, t, m, state, (u64)b, extra ? extra + b : NULL, keys);
+        state = keys[m - 1];
+        walk_keys(&wk, self, keys, m);
+    }
+    result = walk_result(&wk, args[5], args[6]);
+done:
+    if (extra) PyBuffer_Release(&ev);
+    Py_XDECREF(seq);
+    return result;
 }
 
 static size_t rank_bytes(const Rank *r) {
@@ -1175,6 +1301,8 @@ static PyMethodDef Index_methods[] = {
     {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(keys, names, tiers_type) -> {name: depth}"},
+    {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
+     "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> {name: depth}"},
     {NULL},
 };
 

@@ -47,3 +47,13 @@ class Index:
     def blocks(self, sid: int) -> list[int]: ...
     def rank_stats(self, sid: int) -> tuple[int, int]: ...
     def match(self, keys: Any, names: list[Any], tiers_type: Any) -> dict[Any, Any]: ...
+    def match_tokens(
+        self,
+        chain: KeyChain,
+        tokens: Any,
+        packed: bool,
+        start: int,
+        extra: Any,
+        names: list[Any],
+        tiers_type: Any,
+    ) -> dict[Any, Any]: ...

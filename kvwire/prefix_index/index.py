@@ -173,6 +173,7 @@ class PrefixIndex:
         self.max_blocks_per_rank = max_blocks_per_rank
         self.seed = seed & _MASK
         self._scheme: KeyScheme = key_scheme(self.seed, block_size)
+        self._root = self._scheme.root()
         self._groups = frozenset(groups)
         self._lock = threading.Lock()
         self._core = Index(max_blocks_per_rank or 0)
@@ -263,11 +264,10 @@ class PrefixIndex:
         """Matched blocks per (worker, rank): the longest prefix it holds from block 0.
 
         Ranks holding nothing of the prompt are left out. A partial last block
-        is not counted.
+        is not counted. Keys are computed as the match goes (one native call):
+        a list's items past the end of the longest match are not read.
         """
-        keys = self.keys(tokens, lora_name=lora_name, extra_keys=extra_keys, cache_salt=cache_salt)
-        with self._lock:
-            return self._core.match(keys, self._names, None)
+        return self._match_tokens(tokens, lora_name, extra_keys, cache_salt, None)
 
     def match_tiers(
         self,
@@ -278,9 +278,30 @@ class PrefixIndex:
         cache_salt: Any = None,
     ) -> dict[RankKey, TierDepths]:
         """Like :meth:`match`, split by tier (see :class:`TierDepths`)."""
-        keys = self.keys(tokens, lora_name=lora_name, extra_keys=extra_keys, cache_salt=cache_salt)
+        return self._match_tokens(tokens, lora_name, extra_keys, cache_salt, TierDepths)
+
+    def _match_tokens(
+        self,
+        tokens: Any,
+        lora_name: str | None,
+        extra_keys: Sequence[Any] | None,
+        cache_salt: Any,
+        tiers_type: type[TierDepths] | None,
+    ) -> dict[RankKey, Any]:
+        scheme = self._scheme
+        t = type(tokens)
+        if t is list or t is tuple:
+            src, packed, n_tokens = tokens, False, len(tokens)
+        else:
+            src, packed, n_tokens = token_source(tokens)
+        extra = None
+        if extra_keys is not None:
+            extra = scheme.extra_hashes(extra_keys, n_tokens // self.block_size)
+        start = scheme.root(lora_name, cache_salt) if lora_name is not None or cache_salt is not None else self._root
         with self._lock:
-            return self._core.match(keys, self._names, TierDepths)
+            return self._core.match_tokens(
+                scheme.native, src, packed, start, extra, self._names, tiers_type
+            )
 
     def match_keys(self, keys: U64) -> dict[RankKey, int]:
         """:meth:`match` for keys computed already (with this index's seed)."""

@@ -12,6 +12,7 @@ import struct
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,3 +150,37 @@ def test_token_arrays_of_every_width_and_order_key_alike() -> None:
         assert (block_keys(arr, BS) == want).all(), dt
         assert (block_keys(arr[::-1][::-1], BS) == want).all(), dt
     assert (block_keys(np.repeat(base, 2)[::2], BS) == want).all()  # strided
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 40), st.integers(0, 3))
+def test_match_from_tokens_agrees_with_match_from_keys(seed: int, n_blocks: int, salt: int) -> None:
+    """Keys computed chunk by chunk during the walk equal the precomputed ones."""
+    rnd = random.Random(seed)
+    idx = PrefixIndex(BS)
+    base = [rnd.randrange(50) for _ in range(n_blocks * BS)]
+    for w in range(70):  # past one mask word
+        cut = rnd.randrange(n_blocks + 1)
+        if cut:
+            toks = base[: cut * BS]
+            idx.apply(f"w{w}", 0, KVEventBatch(0.0, [BlockStored(
+                [hash((w, i)) & 0xFFFF for i in range(cut)], None, toks, BS, medium="GPU" if w % 3 else "CPU",
+            )], 0))  # fmt: skip
+    prompt = base[: rnd.randrange(n_blocks * BS + BS)] + [rnd.randrange(50) for _ in range(salt)]
+    keys = idx.keys(prompt)
+    for form in (prompt, tuple(prompt), np.array(prompt, dtype=np.int32), packed(prompt)):
+        assert idx.match(form) == idx.match_keys(keys)
+        assert idx.match_tiers(form) == idx.match_keys_tiers(keys)
+
+
+def test_match_reads_a_list_only_as_far_as_it_matches() -> None:
+    idx = PrefixIndex(BS)
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(2 * BS)), BS)], 0))
+    tail: list[object] = ["not a token"] * (40 * BS)
+    # Keys go a chunk of 16 blocks at a time: the walk ends in the first.
+    assert idx.match([*range(2 * BS), *[99] * (14 * BS), *tail]) == {("w", 0): 2}
+    with pytest.raises(TypeError):
+        idx.match(["x", *range(2 * BS)])
+    with pytest.raises(ValueError):
+        idx.match([2**64, *range(2 * BS)])
+    assert idx.match([2**64 - 1] * BS) == {}
