@@ -82,6 +82,42 @@ static inline u64 be(const unsigned char *p, int n) {
     return v;
 }
 
+/* A token id as u64 (two's complement); 0, or -1 with TypeError or
+ * ValueError set. Runs no Python code (PyLong_Check'ed conversions only),
+ * so a caller reading a list's items cannot see the list change. Small
+ * exact ints, which every token id is, skip the general conversion. */
+static inline int token_of(PyObject *o, u64 *out) {
+    if (PyLong_CheckExact(o)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            *out = (u64)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            return 0;
+        }
+#else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size >= -1 && size <= 1) {
+            *out = size ? (u64)((int64_t)size * (int64_t)((PyLongObject *)o)->ob_digit[0]) : 0;
+            return 0;
+        }
+#endif
+    } else if (!PyLong_Check(o)) {
+        return refuse(PyExc_TypeError, "a token id is not an integer");
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (!overflow) {
+        *out = (u64)v;
+        return (v == -1 && PyErr_Occurred()) ? -1 : 0;
+    }
+    unsigned long long u = overflow > 0 ? PyLong_AsUnsignedLongLong(o) : 0;
+    if (overflow < 0 || (u == (unsigned long long)-1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return refuse(PyExc_ValueError, "a token id does not fit 64 bits");
+    }
+    *out = u;
+    return 0;
+}
+
 /* A msgpack array of integers (what engines put in token_ids). */
 static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
                          Py_ssize_t *count) {
@@ -143,25 +179,8 @@ static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *o = items[k];
-        if (!PyLong_Check(o)) return refuse(PyExc_TypeError, "a token id is not an integer");
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (overflow > 0) {
-            unsigned long long u = PyLong_AsUnsignedLongLong(o);
-            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                return refuse(PyExc_ValueError, "a token id does not fit 64 bits");
-            }
-            t[k] = u;
-        } else if (overflow < 0) {
-            return refuse(PyExc_ValueError, "a token id does not fit 64 bits");
-        } else {
-            if (v == -1 && PyErr_Occurred()) return -1;
-            t[k] = (u64)v;
-        }
-    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (token_of(items[k], &t[k]) < 0) return -1;
     *out = t;
     *count = n;
     return 0;
@@ -1117,7 +1136,9 @@ static PyObject *walk_result(Walk *wk, PyObject *names, PyObject *tt) {
             record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, at);
         }
     }
-    PyObject *out = PyDict_New();
+    Py_ssize_t held = 0;
+    for (size_t sid = 0; sid < S; sid++) held += depth[sid] > 0;
+    PyObject *out = held > 5 ? _PyDict_NewPresized(held) : PyDict_New();
     if (!out) goto fail;
     /* tiers_type and dict insertion may run Python code that changes
      * `names`: re-read its size each time, and hold the name. */
@@ -1236,25 +1257,9 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
              * cannot change under us. */
             PyObject **items = PySequence_Fast_ITEMS(seq) + b * bs;
             for (Py_ssize_t k = 0; k < m * bs; k++) {
-                PyObject *o = items[k];
-                if (!PyLong_Check(o)) {
-                    refuse(PyExc_TypeError, "a token id is not an integer");
+                if (token_of(items[k], &tok[k]) < 0) {
                     PyMem_Free(wk.acc);
                     goto done;
-                }
-                int overflow;
-                long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-                if (overflow) {
-                    unsigned long long u = overflow > 0 ? PyLong_AsUnsignedLongLong(o) : 0;
-                    if (overflow < 0 || (u == (unsigned long long)-1 && PyErr_Occurred())) {
-                        PyErr_Clear();
-                        refuse(PyExc_ValueError, "a token id does not fit 64 bits");
-                        PyMem_Free(wk.acc);
-                        goto done;
-                    }
-                    tok[k] = u;
-                } else {
-                    tok[k] = (u64)v;
                 }
             }
             t = tok;
