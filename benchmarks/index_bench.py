@@ -1,33 +1,47 @@
-"""Prefix index speed and memory, side by side with Dynamo's Rust RadixTree.
+"""Prefix index speed and memory, side by side with Dynamo's Rust RadixTree, in one process.
 
-Workload (per W in 16 and 64 workers, one rank each): 50 shared roots of
-32 blocks; per worker 200 sequences of 128 blocks x 16 tokens, each a random
-root plus 96 blocks of its own. Engine hashes are content-chained (the same
-prefix has the same hash on every worker, as vLLM's are). A worker's first
-sequence on a root stores all 128 blocks; later ones store the 96 new blocks
-under the root's last block. One BlockStored per engine batch, workers
-interleaved. Then 2,000 lookups of stored sequences.
+Workloads (one rank per worker, 16-token blocks, engine hashes content-chained: the
+same prefix has the same hash on every worker, as vLLM's do):
 
-Figures (medians of repeats):
-- apply: msgpack payload bytes -> kvwire.wire.decode_batch -> PrefixIndex.apply,
-  blocks/s; Dynamo: RadixTree.apply_event on its JSON events, timed until a
-  find_matches queued behind them returns (tokens_hash precomputed with
-  compute_block_hash_for_seq outside the timing; a second line adds that
-  hashing, which a router fed token ids must do).
-- match of a 128-block prompt: PrefixIndex.match from numpy tokens (keys
-  included) and from precomputed keys; Dynamo: find_matches on precomputed
-  local hashes.
-- block keys from numpy tokens, tokens/s.
-- memory per (block, holder): IndexStats.memory_bytes (the nbytes of every
-  numpy array the index holds) / holders, and the growth of the process's
-  resident set (/proc/self/statm) across the first build, at the workload
-  scale and at 10 M (block, holder) pairs (--memory-10m, 64 workers).
+- ``shared-roots`` (W = 16 and 64): 50 shared roots of 32 blocks; per worker 200
+  sequences of 128 blocks, each a random root plus 96 blocks of its own. A worker's
+  first sequence on a root stores all 128 blocks in one event; later ones store
+  the 96 new blocks under the root's last block.
+- ``independent`` (W = 64; the workload of issue 13): as above, but a worker stores
+  each root once, as an event of its own, and then only its 96-block sequences
+  under the root's last block.
+- ``re-store``: the ``independent`` index after every worker's reset
+  (``AllBlocksCleared``), its content stored again under new engine hashes (as after
+  a resync or an engine restart with another hash seed): the same content arrives
+  under hashes never seen, from every worker at once.
 
-Dynamo runs in a subprocess with its own interpreter (DYNAMO_PYTHON, default
-.venv-dynamo/bin/python as `make bench` sets it up, else this one), reading the same workload from
-a file. Without Dynamo the kvwire figures still print, with a note.
+One engine batch per event, workers interleaved. Then 2,000 lookups of stored
+128-block prompts, given as Python lists of token ids (as tokenizers return them).
 
-    python benchmarks/index_bench.py [--workers 16 64] [--repeats 3] [--memory-10m]
+Figures. Both sides run in this process, alternated (kvwire first on even repeats,
+Dynamo first on odd ones) so that this VM's speed drifting within a run hits both;
+ratios are medians of the per-repeat ratios.
+
+- apply: payload bytes -> ``kvwire.wire.decode_batch`` -> ``PrefixIndex.apply``;
+  Dynamo: ``RadixTree.apply_event`` on its JSON events (block hashes precomputed,
+  outside the timing), timed until a ``find_matches`` queued behind them returns.
+  Dynamo applies on a background thread, a second core here: the wall-clock
+  figure lets it use two cores, the CPU figure (process CPU time, all threads)
+  counts what both cost.
+- match from a token list: ``PrefixIndex.match(list)``; Dynamo:
+  ``compute_block_hash_for_seq(list)`` + ``find_matches``.
+- match from precomputed keys: ``PrefixIndex.match_keys``; Dynamo: ``find_matches``
+  on precomputed hashes, and (second line) reading its ``.scores``, which a router
+  needs and kvwire's figure includes (its result is a dict already).
+- block keys from numpy tokens; memory per (block, holder) (tables, and RSS growth)
+  at the workload scale and at 10 M pairs (--memory-10m).
+
+Dynamo comes from ``ai-dynamo-runtime`` 1.6.1: importable here, or from the
+``.venv-dynamo`` that ``make bench`` creates (its site-packages is put at the end of
+``sys.path``; the wheel is abi3). Without it the kvwire figures still print.
+
+    python benchmarks/index_bench.py [--workloads shared-roots independent re-store]
+        [--workers 16 64] [--repeats 5] [--memory-10m]
 """
 
 from __future__ import annotations
@@ -37,10 +51,9 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,69 +67,85 @@ SEQS_PER_WORKER = 200
 LOOKUPS = 2000
 VOCAB = 32_000
 ENGINE_SEED = 0x5EED
-TARGETS = {
-    "apply_ratio": 2.0,
-    "match_ratio": 0.25,
-    "keys_mtok_s": 100.0,
-    "bytes_per_holder": 150.0,
-}
+RESTORE_SEED = 0x5EEE
+TARGETS = {"apply": 2.0, "match_list": 0.25, "match_keys": 0.15}
 
 
 # --- workload -------------------------------------------------------------------
 
 
-def make_workload(workers: int, seqs_per_worker: int, seed: int) -> dict[str, Any]:
-    """Token ids, root choice and engine hashes of every sequence."""
-    from kvwire.prefix_index import block_keys
+class Workload:
+    """Token ids and engine hashes of every sequence, and the event order."""
 
-    rng = np.random.default_rng(seed)
-    roots = rng.integers(0, VOCAB, (ROOTS, ROOT_BLOCKS * BLOCK), dtype=np.int32)
-    n = workers * seqs_per_worker
-    root_of = rng.integers(0, ROOTS, n).astype(np.int32)
-    tokens = np.empty((n, SEQ_BLOCKS * BLOCK), dtype=np.int32)
-    tokens[:, : ROOT_BLOCKS * BLOCK] = roots[root_of]
-    tokens[:, ROOT_BLOCKS * BLOCK :] = rng.integers(
-        0, VOCAB, (n, (SEQ_BLOCKS - ROOT_BLOCKS) * BLOCK), dtype=np.int32
-    )
-    # Engine hashes: an unrelated content-chained hash (another seed), 63-bit.
-    hashes = np.empty((n, SEQ_BLOCKS), dtype=np.uint64)
-    for i in range(n):
-        hashes[i] = block_keys(tokens[i], BLOCK, seed=ENGINE_SEED) >> np.uint64(1)
-    return {"tokens": tokens, "root_of": root_of, "hashes": hashes, "workers": workers}
+    def __init__(self, name: str, workers: int, seqs_per_worker: int, seed: int) -> None:
+        from kvwire.prefix_index import block_keys
 
-
-def schedule(workers: int, seqs_per_worker: int, root_of: np.ndarray) -> list[tuple[int, int, int]]:
-    """(worker, sequence, first stored block) in arrival order: workers interleaved."""
-    have: list[set[int]] = [set() for _ in range(workers)]
-    out = []
-    for j in range(seqs_per_worker):
-        for w in range(workers):
-            i = w * seqs_per_worker + j
-            r = int(root_of[i])
-            first = ROOT_BLOCKS if r in have[w] else 0
-            have[w].add(r)
-            out.append((w, i, first))
-    return out
-
-
-# --- kvwire half ----------------------------------------------------------------
-
-
-def kvwire_payloads(wl: dict[str, Any], order: list[tuple[int, int, int]]) -> list[tuple[str, bytes]]:
-    from kvwire.wire import BlockStored, KVEventBatch, encode_batch
-
-    tokens, hashes = wl["tokens"], wl["hashes"]
-    out = []
-    for w, i, first in order:
-        ev = BlockStored(
-            block_hashes=hashes[i, first:].tolist(),
-            parent_block_hash=int(hashes[i, first - 1]) if first else None,
-            token_ids=tokens[i, first * BLOCK :].tolist(),
-            block_size=BLOCK,
-            medium="GPU",
+        self.name = name
+        self.workers = workers
+        rng = np.random.default_rng(seed)
+        roots = rng.integers(0, VOCAB, (ROOTS, ROOT_BLOCKS * BLOCK), dtype=np.int64)
+        n = workers * seqs_per_worker
+        self.spw = seqs_per_worker
+        self.root_of = rng.integers(0, ROOTS, n)
+        tokens = np.empty((n, SEQ_BLOCKS * BLOCK), dtype=np.int64)
+        tokens[:, : ROOT_BLOCKS * BLOCK] = roots[self.root_of]
+        tokens[:, ROOT_BLOCKS * BLOCK :] = rng.integers(
+            0, VOCAB, (n, (SEQ_BLOCKS - ROOT_BLOCKS) * BLOCK), dtype=np.int64
         )
-        out.append((f"worker-{w}", encode_batch(KVEventBatch(time.time(), [ev], 0))))
-    return out
+        self.tokens = tokens
+        engine_seed = RESTORE_SEED if name == "re-store" else ENGINE_SEED
+        # Engine hashes: an unrelated content-chained hash (another seed), 63-bit.
+        self.hashes = np.stack([block_keys(t, BLOCK, seed=engine_seed) >> np.uint64(1) for t in tokens])
+        if name == "re-store":
+            self.prior = Workload("independent", workers, seqs_per_worker, seed)
+        # (worker, sequence, first block, last block) in arrival order, workers interleaved.
+        self.order: list[tuple[int, int, int, int]] = []
+        have: list[set[int]] = [set() for _ in range(workers)]
+        for j in range(seqs_per_worker):
+            for w in range(workers):
+                i = w * seqs_per_worker + j
+                r = int(self.root_of[i])
+                fresh = r not in have[w]
+                have[w].add(r)
+                if name == "shared-roots":
+                    self.order.append((w, i, 0 if fresh else ROOT_BLOCKS, SEQ_BLOCKS))
+                    continue
+                if fresh:
+                    self.order.append((w, i, 0, ROOT_BLOCKS))
+                self.order.append((w, i, ROOT_BLOCKS, SEQ_BLOCKS))
+        self.blocks = sum(b - a for _, _, a, b in self.order)
+        picks = np.random.default_rng(seed + 1).integers(0, n, LOOKUPS)
+        self.picks = picks
+        self.prompts = [tokens[i].tolist() for i in picks]
+        self.owner = [(f"worker-{i // seqs_per_worker}", 0) for i in picks]
+
+    def payloads(self) -> list[tuple[str, bytes]]:
+        from kvwire.wire import BlockStored, KVEventBatch, encode_batch
+
+        out = []
+        for w, i, a, b in self.order:
+            ev = BlockStored(
+                block_hashes=self.hashes[i, a:b].tolist(),
+                parent_block_hash=int(self.hashes[i, a - 1]) if a else None,
+                token_ids=self.tokens[i, a * BLOCK : b * BLOCK].tolist(),
+                block_size=BLOCK,
+                medium="GPU",
+            )
+            out.append((f"worker-{w}", encode_batch(KVEventBatch(time.time(), [ev], 0))))
+        return out
+
+    def dynamo_events(self, local: list[list[int]], first_id: int = 0) -> list[tuple[int, bytes]]:
+        out = []
+        for eid, (w, i, a, b) in enumerate(self.order, first_id):
+            blocks = [
+                {"block_hash": int(self.hashes[i, k]), "tokens_hash": int(local[i][k])}
+                for k in range(a, b)
+            ]
+            parent = int(self.hashes[i, a - 1]) if a else None
+            ev = {"event_id": eid, "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
+                  "dp_rank": 0}  # fmt: skip
+            out.append((w, json.dumps(ev).encode()))
+        return out
 
 
 def rss_bytes() -> int:
@@ -124,203 +153,211 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_kvwire(wl: dict[str, Any], repeats: int, seed: int) -> dict[str, Any]:
-    from kvwire.prefix_index import PrefixIndex, block_keys
-    from kvwire.wire import decode_batch
+def _median_us(ns: list[int]) -> float:
+    return float(np.median(np.array(ns, dtype=np.float64))) / 1e3
 
-    workers = wl["workers"]
-    spw = wl["tokens"].shape[0] // workers
-    order = schedule(workers, spw, wl["root_of"])
-    payloads = kvwire_payloads(wl, order)
-    n_blocks = sum(SEQ_BLOCKS - first for _, _, first in order)
-    res: dict[str, Any] = {"blocks_applied": n_blocks}
 
-    rates = []
-    index = None
-    for rep in range(repeats):
-        index = None
+def _p99_us(ns: list[int]) -> float:
+    return float(np.percentile(np.array(ns, dtype=np.float64), 99)) / 1e3
+
+
+def timed(fn: Callable[[Any], object], args: list[Any]) -> list[int]:
+    out = []
+    for a in args:
+        t0 = time.perf_counter_ns()
+        fn(a)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+# --- the two sides ----------------------------------------------------------------
+
+
+class KvwireSide:
+    name = "kvwire"
+
+    def __init__(self, wl: Workload) -> None:
+        self.wl = wl
+        self.payloads = wl.payloads()
+        self.prior = wl.prior.payloads() if wl.name == "re-store" else None
+        self.index: Any = None
+
+    def build(self) -> tuple[float, float, int]:
+        """(wall s, CPU s, RSS growth) of applying every payload to a fresh index."""
+        from kvwire.prefix_index import PrefixIndex
+        from kvwire.wire import AllBlocksCleared, KVEventBatch, decode_batch
+
+        self.index = None
+        gc.collect()
+        index = PrefixIndex(BLOCK)
+        if self.prior is not None:
+            for wid, payload in self.prior:
+                index.apply(wid, 0, decode_batch(payload))
+            reset = KVEventBatch(0.0, [AllBlocksCleared()], 0)
+            for w in range(self.wl.workers):
+                index.apply(f"worker-{w}", 0, reset)
         gc.collect()
         rss0 = rss_bytes()
-        index = PrefixIndex(BLOCK)
-        t0 = time.perf_counter()
-        for wid, payload in payloads:
+        w0, c0 = time.perf_counter(), time.process_time()
+        for wid, payload in self.payloads:
             index.apply(wid, 0, decode_batch(payload))
-        dt = time.perf_counter() - t0
-        rates.append(n_blocks / dt)
-        if rep == 0:
-            # Later repeats reuse memory the allocator kept: only the first counts.
-            res["rss_growth"] = rss_bytes() - rss0
-    assert index is not None
-    res["apply_blocks_s"] = statistics.median(rates)
-    res["apply_runs"] = rates
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        self.index = index
+        return wall, cpu, rss_bytes() - rss0
 
-    # Decode alone, to show what the index itself costs.
-    t0 = time.perf_counter()
-    for _, payload in payloads:
-        decode_batch(payload)
-    res["decode_blocks_s"] = n_blocks / (time.perf_counter() - t0)
+    def check(self) -> None:
+        for p, owner in zip(self.wl.prompts[:50], self.wl.owner[:50], strict=True):
+            got = self.index.match(p).get(owner)
+            if got != SEQ_BLOCKS:
+                raise AssertionError(f"kvwire matched {got} blocks of a stored sequence")
 
-    st = index.stats()
-    res["stats"] = st.__dict__
+    def match_list(self) -> list[int]:
+        return timed(self.index.match, self.wl.prompts)
+
+    def keys(self) -> list[Any]:
+        return [self.index.keys(p) for p in self.wl.prompts]
+
+    def match_keys(self, keys: list[Any]) -> list[int]:
+        return timed(self.index.match_keys, keys)
+
+
+def import_dynamo() -> Any:
+    """dynamo.llm from this interpreter, else from .venv-dynamo's site-packages."""
+    try:
+        import dynamo.llm as llm
+    except ImportError:
+        venv = Path(__file__).resolve().parents[1] / ".venv-dynamo"
+        found = sorted(venv.glob("lib/python3*/site-packages"))
+        if not found:
+            return None
+        sys.path.append(str(found[0]))
+        try:
+            import dynamo.llm as llm
+        except ImportError:
+            return None
+    return llm
+
+
+class DynamoSide:
+    name = "Dynamo"
+
+    def __init__(self, wl: Workload, llm: Any) -> None:
+        self.llm = llm
+        self.wl = wl
+        h = llm.compute_block_hash_for_seq
+        self.local = [h(t.tolist(), BLOCK) for t in wl.tokens]
+        self.events = wl.dynamo_events(self.local)
+        self.prior = None
+        if wl.name == "re-store":
+            prior = wl.prior
+            self.prior = prior.dynamo_events([h(t.tolist(), BLOCK) for t in prior.tokens])
+            base = len(self.prior) + wl.workers
+            self.events = wl.dynamo_events(self.local, base)
+        self.tree: Any = None
+
+    def build(self) -> tuple[float, float, int]:
+        self.tree = None
+        gc.collect()
+        tree = self.llm.RadixTree()
+        if self.prior is not None:
+            for w, payload in self.prior:
+                tree.apply_event(w, payload)
+            for w in range(self.wl.workers):
+                ev = {"event_id": len(self.prior) + w, "data": "cleared", "dp_rank": 0}
+                tree.apply_event(w, json.dumps(ev).encode())
+            tree.find_matches(self.local[0])
+        gc.collect()
+        rss0 = rss_bytes()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for w, payload in self.events:
+            tree.apply_event(w, payload)
+        tree.find_matches(self.local[0])  # queued behind the events: waits for them
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        self.tree = tree
+        return wall, cpu, rss_bytes() - rss0
+
+    def check(self) -> None:
+        for i in self.wl.picks[:50]:
+            got = self.tree.find_matches(self.local[i]).scores.get((int(i) // self.wl.spw, 0))
+            if got != SEQ_BLOCKS:
+                raise AssertionError(f"Dynamo matched {got} blocks of a stored sequence")
+
+    def match_list(self) -> list[int]:
+        h, find = self.llm.compute_block_hash_for_seq, self.tree.find_matches
+        return timed(lambda p: find(h(p, BLOCK)), self.wl.prompts)
+
+    def keys(self) -> list[Any]:
+        return [self.local[i] for i in self.wl.picks]
+
+    def match_keys(self, keys: list[Any]) -> list[int]:
+        return timed(self.tree.find_matches, keys)
+
+    def match_keys_scores(self, keys: list[Any]) -> list[int]:
+        find = self.tree.find_matches
+        return timed(lambda k: find(k).scores, keys)
+
+
+# --- one workload, both sides alternated -----------------------------------------
+
+
+def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
+    sides: list[Any] = [KvwireSide(wl)]
+    if llm is not None:
+        sides.append(DynamoSide(wl, llm))
+    runs: dict[str, dict[str, list[float]]] = {s.name: {} for s in sides}
+
+    def add(side: str, what: str, value: float) -> None:
+        runs[side].setdefault(what, []).append(value)
+
+    rss: dict[str, int] = {}
+    for rep in range(repeats):
+        order = sides if rep % 2 == 0 else sides[::-1]
+        for side in order:
+            wall, cpu, grown = side.build()
+            add(side.name, "apply_wall", wl.blocks / wall)
+            add(side.name, "apply_cpu", wl.blocks / cpu)
+            rss.setdefault(side.name, grown)  # later repeats reuse freed memory
+        for side in order:
+            if rep == 0:
+                side.check()
+            add(side.name, "match_list", _median_us(side.match_list()))
+            keys = side.keys()
+            lat = side.match_keys(keys)
+            add(side.name, "match_keys", _median_us(lat))
+            add(side.name, "match_keys_p99", _p99_us(lat))
+            if isinstance(side, DynamoSide):
+                add(side.name, "match_keys_scores", _median_us(side.match_keys_scores(keys)))
+    res: dict[str, Any] = {"runs": runs, "rss": rss}
+    k = sides[0]
+    st = k.index.stats()
+    res["holders"] = st.holders
     res["bytes_per_holder"] = st.memory_bytes / st.holders
-    res["rss_per_holder"] = res["rss_growth"] / st.holders
-
-    rng = np.random.default_rng(seed + 1)
-    picks = rng.integers(0, wl["tokens"].shape[0], LOOKUPS)
-    tokens = wl["tokens"]
-    prompts = [np.ascontiguousarray(tokens[i]).astype(np.int64) for i in picks]
-    expect = [(f"worker-{i // spw}", 0) for i in picks]
-    for p, e in zip(prompts[:50], expect[:50], strict=True):
-        got = index.match(p)
-        if got.get(e) != SEQ_BLOCKS:
-            raise AssertionError(f"lookup of a stored sequence matched {got.get(e)} blocks")
-    lat = []
-    for p in prompts:
-        t0 = time.perf_counter_ns()
-        index.match(p)
-        lat.append(time.perf_counter_ns() - t0)
-    res["match_us"] = _pct(lat)
-    keys = [index.keys(p) for p in prompts]
-    lat = []
-    for k in keys:
-        t0 = time.perf_counter_ns()
-        index.match_keys(k)
-        lat.append(time.perf_counter_ns() - t0)
-    res["match_keys_us"] = _pct(lat)
-    lists = [p.tolist() for p in prompts[:500]]
-    lat = []
-    for p in lists:
-        t0 = time.perf_counter_ns()
-        index.match(p)
-        lat.append(time.perf_counter_ns() - t0)
-    res["match_list_us"] = _pct(lat)
-
-    # Block keys from numpy tokens: one prompt at a time, and in bulk.
-    lat = []
-    for p in prompts:
-        t0 = time.perf_counter_ns()
-        block_keys(p, BLOCK, seed=0)
-        lat.append(time.perf_counter_ns() - t0)
-    res["keys_prompt_mtok_s"] = SEQ_BLOCKS * BLOCK / (statistics.median(lat) / 1e3)
-    flat = np.ascontiguousarray(tokens[: min(tokens.shape[0], 4096)]).reshape(-1).astype(np.int64)
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        block_keys(flat, BLOCK, seed=0)
-        runs.append(flat.shape[0] / (time.perf_counter() - t0) / 1e6)
-    res["keys_bulk_mtok_s"] = statistics.median(runs)
     return res
 
 
-def _pct(ns: list[int]) -> dict[str, float]:
-    a = np.array(ns, dtype=np.float64) / 1e3
-    return {"median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
 
 
-# --- Dynamo half (runs in Dynamo's interpreter: numpy + dynamo only) --------------
+def ratio(a: list[float], b: list[float]) -> float:
+    return med([x / y for x, y in zip(a, b, strict=True)])
 
 
-def dynamo_worker(workload_path: str, out_path: str, repeats: int, seed: int) -> None:
-    from dynamo.llm import RadixTree, compute_block_hash_for_seq
+def keys_throughput(seed: int) -> tuple[float, float]:
+    """Block keys from numpy tokens: one 2,048-token prompt, and 4,096 of them at once."""
+    from kvwire.prefix_index import block_keys
 
-    data = np.load(workload_path)
-    tokens, hashes, root_of = data["tokens"], data["hashes"], data["root_of"]
-    workers = int(data["workers"])
-    spw = tokens.shape[0] // workers
-    order = schedule(workers, spw, root_of)
-    local = [compute_block_hash_for_seq(tokens[i].tolist(), BLOCK) for i in range(tokens.shape[0])]
-    # Hashing what each event stores, as a router fed token ids must.
-    stored_tokens = [tokens[i, first * BLOCK :].tolist() for _, i, first in order]
-    t0 = time.perf_counter()
-    for toks in stored_tokens:
-        compute_block_hash_for_seq(toks, BLOCK)
-    hash_s = time.perf_counter() - t0
-    events = []
-    for eid, (w, i, first) in enumerate(order):
-        blocks = [
-            {"block_hash": int(hashes[i, b]), "tokens_hash": int(local[i][b])}
-            for b in range(first, SEQ_BLOCKS)
-        ]
-        parent = int(hashes[i, first - 1]) if first else None
-        ev = {"event_id": eid, "data": {"stored": {"parent_hash": parent, "blocks": blocks}}, "dp_rank": 0}
-        events.append((w, json.dumps(ev).encode()))
-    n_blocks = sum(SEQ_BLOCKS - first for _, _, first in order)
-    rates = []
-    tree = None
-    for _ in range(repeats):
-        tree = None
-        tree = RadixTree()
+    rng = np.random.default_rng(seed)
+    flat = rng.integers(0, VOCAB, 4096 * SEQ_BLOCKS * BLOCK, dtype=np.int64)
+    prompts = [flat[i * 2048 : (i + 1) * 2048] for i in range(2000)]
+    lat = timed(lambda p: block_keys(p, BLOCK), prompts)
+    one = SEQ_BLOCKS * BLOCK / (_median_us(lat))
+    bulk = []
+    for _ in range(5):
         t0 = time.perf_counter()
-        for w, payload in events:
-            tree.apply_event(w, payload)
-        tree.find_matches(local[0])  # queued behind the events: waits for them
-        rates.append(n_blocks / (time.perf_counter() - t0))
-    assert tree is not None
-    rng = np.random.default_rng(seed + 1)
-    picks = rng.integers(0, tokens.shape[0], LOOKUPS)
-    for i in picks[:50]:
-        got = tree.find_matches(local[i]).scores.get((int(i) // spw, 0))
-        if got != SEQ_BLOCKS:
-            raise AssertionError(f"Dynamo matched {got} blocks of a stored sequence")
-    lat = []
-    for i in picks:
-        seq = local[i]
-        t0 = time.perf_counter_ns()
-        tree.find_matches(seq)
-        lat.append(time.perf_counter_ns() - t0)
-    prompt_lists = [tokens[i].tolist() for i in picks]
-    lat_tok = []
-    for toks in prompt_lists:
-        t0 = time.perf_counter_ns()
-        tree.find_matches(compute_block_hash_for_seq(toks, BLOCK))
-        lat_tok.append(time.perf_counter_ns() - t0)
-    lat_hash = []
-    for toks in prompt_lists[:500]:
-        t0 = time.perf_counter_ns()
-        compute_block_hash_for_seq(toks, BLOCK)
-        lat_hash.append(time.perf_counter_ns() - t0)
-    apply_s = n_blocks / statistics.median(rates)
-    res = {
-        "apply_blocks_s": statistics.median(rates),
-        "apply_hashed_blocks_s": n_blocks / (apply_s + hash_s),
-        "apply_runs": rates,
-        "match_us": _pct(lat),
-        "match_tokens_us": _pct(lat_tok),
-        "hash_prompt_us": _pct(lat_hash)["median"],
-        "hash_all_s": hash_s,
-    }
-    Path(out_path).write_text(json.dumps(res))
-
-
-def dynamo_python() -> str | None:
-    env = os.environ.get("DYNAMO_PYTHON")
-    candidates = [env] if env else [str(Path(__file__).resolve().parents[1] / ".venv-dynamo" / "bin" / "python"), sys.executable]
-    for py in candidates:
-        if not py or not Path(py).exists():
-            continue
-        probe = subprocess.run(
-            [py, "-c", "import dynamo.llm as m; m.RadixTree; m.compute_block_hash_for_seq"],
-            capture_output=True,
-        )
-        if probe.returncode == 0:
-            return py
-    return None
-
-
-def run_dynamo(py: str, wl: dict[str, Any], repeats: int, seed: int) -> dict[str, Any] | str:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "workload.npz"
-        out = Path(tmp) / "dynamo.json"
-        np.savez(path, tokens=wl["tokens"], hashes=wl["hashes"], root_of=wl["root_of"],
-                 workers=np.int64(wl["workers"]))  # fmt: skip
-        cmd = [py, __file__, "--dynamo-worker", str(path), str(out),
-               "--repeats", str(repeats), "--seed", str(seed)]  # fmt: skip
-        env = dict(os.environ, RUST_LOG="error")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0 or not out.exists():
-            return f"Dynamo run failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"
-        result: dict[str, Any] = json.loads(out.read_text())
-        return result
+        block_keys(flat, BLOCK)
+        bulk.append(flat.shape[0] / (time.perf_counter() - t0) / 1e6)
+    return one, med(bulk)
 
 
 # --- memory at 10 M blocks ----------------------------------------------------------
@@ -373,72 +410,63 @@ def memory_10m(target: int, workers: int, seed: int) -> dict[str, Any]:
 # --- report ---------------------------------------------------------------------------
 
 
-def report(w: int, ours: dict[str, Any], dyn: dict[str, Any] | str) -> None:
-    print(f"\n=== W = {w} workers: {ours['blocks_applied']:,} blocks stored, "
-          f"{ours['stats']['holders']:,} (block, holder) pairs ===")  # fmt: skip
-    have = isinstance(dyn, dict)
-    if not have:
-        print(f"  (no Dynamo figures: {dyn})")
+def report(wl: Workload, res: dict[str, Any]) -> None:
+    runs = res["runs"]
+    k = runs["kvwire"]
+    d = runs.get("Dynamo")
+    print(f"\n=== {wl.name}, W = {wl.workers} workers: {wl.blocks:,} blocks stored in "
+          f"{len(wl.order):,} events, {res['holders']:,} (block, holder) pairs; "
+          f"{len(k['apply_wall'])} alternated repeats, medians ===")  # fmt: skip
 
-    def line(name: str, mine: float, theirs: float | None, unit: str, target: str) -> None:
-        if theirs is None:
-            print(f"  {name:<34} kvwire {mine:>10.2f} {unit:<9} target {target}")
-        else:
-            print(f"  {name:<34} kvwire {mine:>10.2f} {unit:<9} Dynamo {theirs:>10.2f}  "
-                  f"ratio {mine / theirs:5.2f}x  target {target}")  # fmt: skip
+    def line(name: str, what: str, unit: str, scale: float, target: str, theirs: str = "") -> None:
+        mine = med(k[what]) * scale
+        if d is None:
+            print(f"  {name:<38} kvwire {mine:>9.2f} {unit}")
+            return
+        other = d[theirs or what]
+        print(f"  {name:<38} kvwire {mine:>9.2f} {unit:<8} Dynamo {med(other) * scale:>9.2f}  "
+              f"ratio {ratio(k[what], other):5.2f}  target {target}")  # fmt: skip
 
-    d = dyn if isinstance(dyn, dict) else {}
-    line("apply (payload bytes -> index)", ours["apply_blocks_s"] / 1e6,
-         d["apply_blocks_s"] / 1e6 if have else None, "M blk/s", ">= 2x Dynamo")  # fmt: skip
-    if have:
-        line("  vs Dynamo incl. its block hashing", ours["apply_blocks_s"] / 1e6,
-             d["apply_hashed_blocks_s"] / 1e6, "M blk/s", "(reported)")  # fmt: skip
-    print(f"  {'':<34} (decode_batch alone: {ours['decode_blocks_s'] / 1e6:.2f} M blk/s)")
-    line("match 128 blocks, numpy tokens: p50", ours["match_us"]["median"],
-         d["match_us"]["median"] if have else None, "us", "<= 0.25x Dynamo")  # fmt: skip
-    line("                                 p99", ours["match_us"]["p99"],
-         d["match_us"]["p99"] if have else None, "us", "(reported)")  # fmt: skip
-    line("match, precomputed keys: p50", ours["match_keys_us"]["median"],
-         d["match_us"]["median"] if have else None, "us", "(reported)")  # fmt: skip
-    line("match, token list: p50", ours["match_list_us"]["median"],
-         d["match_tokens_us"]["median"] if have else None, "us",
-         "(Dynamo: hash + find_matches)")  # fmt: skip
-    if have:
-        print(f"  {'Dynamo compute_block_hash_for_seq':<34} {d['hash_prompt_us']:.1f} us per "
-              "2,048-token prompt (not in its find_matches figure)")  # fmt: skip
-    line("keys, one 2,048-token prompt", ours["keys_prompt_mtok_s"], None, "M tok/s", ">= 100")
-    line("keys, bulk numpy tokens", ours["keys_bulk_mtok_s"], None, "M tok/s", ">= 100")
-    line("memory: index array bytes/holder", ours["bytes_per_holder"], None, "B", "<= 150")
-    line("memory: RSS growth/holder", ours["rss_per_holder"], None, "B",
-         "(reported; includes decoded events in flight)")  # fmt: skip
+    line("apply, wall clock", "apply_wall", "M blk/s", 1e-6, ">= 2x")
+    line("apply, per CPU second (all threads)", "apply_cpu", "M blk/s", 1e-6, "(reported)")
+    line("match 128 blocks from a token list", "match_list", "us", 1, "<= 0.25")
+    line("match from precomputed keys", "match_keys", "us", 1, "<= 0.15")
+    if d is not None:
+        line("  vs Dynamo reading .scores", "match_keys", "us", 1, "(reported)", "match_keys_scores")
+    line("  p99", "match_keys_p99", "us", 1, "(reported)")
+    runs_txt = ", ".join(f"{x / 1e6:.2f}" for x in k["apply_wall"])
+    print(f"  kvwire apply runs (M blk/s): {runs_txt}"
+          + ("" if d is None else "; Dynamo: " + ", ".join(f"{x / 1e6:.2f}" for x in d["apply_wall"])))
+    print(f"  memory: tables {res['bytes_per_holder']:.1f} B/holder; RSS growth over the first "
+          f"build {res['rss']['kvwire'] / res['holders']:.1f} B/holder (kvwire)"
+          + ("" if d is None else f", {res['rss']['Dynamo'] / res['holders']:.1f} B/holder (Dynamo)"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--workloads", nargs="+", default=["shared-roots", "independent", "re-store"],
+                    choices=["shared-roots", "independent", "re-store"])  # fmt: skip
+    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64],
+                    help="worker counts of the shared-roots workload (the others use 64)")  # fmt: skip
     ap.add_argument("--seqs", type=int, default=SEQS_PER_WORKER)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--memory-10m", action="store_true", help="also fill an index to 10 M pairs")
     ap.add_argument("--memory-pairs", type=int, default=10_000_000)
-    ap.add_argument("--dynamo-worker", nargs=2, metavar=("WORKLOAD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.dynamo_worker:
-        dynamo_worker(*args.dynamo_worker, args.repeats, args.seed)
-        return
-    py = dynamo_python()
-    if py is None:
-        print("Dynamo is not importable (pip install ai-dynamo-runtime, or set DYNAMO_PYTHON to "
-              "an interpreter that has it): printing kvwire figures only.")  # fmt: skip
+    llm = import_dynamo()
+    if llm is None:
+        print("Dynamo is not importable (pip install ai-dynamo-runtime==1.6.1, or `make bench`, "
+              "which puts it in .venv-dynamo): printing kvwire figures only.")  # fmt: skip
     else:
-        print(f"Dynamo: dynamo.llm.RadixTree via {py}")
-    for w in args.workers:
-        wl = make_workload(w, args.seqs, args.seed)
-        dyn: dict[str, Any] | str = "not installed" if py is None else run_dynamo(
-            py, wl, args.repeats, args.seed
-        )
-        ours = run_kvwire(wl, args.repeats, args.seed)
-        report(w, ours, dyn)
+        print(f"Dynamo: dynamo.llm.RadixTree from {Path(llm.__file__).parent}, in this process")
+    for name in args.workloads:
+        for w in args.workers if name == "shared-roots" else [64]:
+            wl = Workload(name, w, args.seqs, args.seed)
+            report(wl, run_workload(wl, llm, args.repeats))
+    one, bulk = keys_throughput(args.seed)
+    print(f"\nblock keys from numpy tokens: {one:.0f} M tokens/s for one 2,048-token prompt, "
+          f"{bulk:.0f} M tokens/s in bulk (target >= 100)")  # fmt: skip
     if args.memory_10m:
         m = memory_10m(args.memory_pairs, 64, args.seed)
         print(f"\n=== memory at {m['holders']:,} (block, holder) pairs, {m['blocks']:,} blocks, "
