@@ -1,0 +1,563 @@
+"""A fuzzing campaign against a live router, on loopback: nothing crashes, hangs or grows.
+
+One ``Subscriber`` with a ``PrefixIndex`` sink follows two engines:
+
+- ``legit``: a real ``EventPublisher`` rank (in a process of its own) publishing
+  an engine model's batches (stores of chained blocks, removals) throughout;
+- ``hostile``: a fake engine (another process): a PUB socket sending mutated and
+  generated frames, and a replay ROUTER answering every replay request with junk.
+
+Meanwhile a third process sends malformed requests to the legit publisher's
+replay socket, and a fourth to the reference engine's control endpoint.
+
+Pass: the subscriber never dies or stops answering (``status()`` within a
+deadline, polled throughout); its RSS stays bounded (printed: start, peak, end);
+the legit rank ends SYNCED and exact (the index holds exactly the model's blocks);
+every bad input is counted (the hostile rank's decode errors cover at least every
+frame built to be undecodable, the publisher's ``replay_invalid`` every request
+built to be invalid, the engine's control errors every junk request); and the
+legit publisher and the reference engine still serve a good request afterwards.
+Every loop is bounded; the campaign stops by itself.
+
+The hostile PUB is an XPUB with ``XPUB_NODROP``: it waits for the subscriber instead
+of dropping, so every frame sent is received (the counts are exact, not sampled).
+
+    python benchmarks/fuzz_campaign.py [--frames 1000000] [--replay-requests 100000]
+        [--control-requests 10000] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+TOPIC = b""
+BLOCK = 16
+# The payload of a frame built to be undecodable starts with 0xc1, the one byte
+# msgpack never uses.
+NEVER_USED = b"\xc1"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def rss_mb(pid: int | None = None) -> float:
+    with open(f"/proc/{pid or 'self'}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# --- the legit engine -------------------------------------------------------------
+
+
+class EngineModel:
+    """Chains of blocks stored and removed; ``held`` is the truth an exact view equals."""
+
+    def __init__(self, seed: int) -> None:
+        self.rnd = random.Random(seed)
+        self.keys: list[int] = []  # held hashes, for O(1) sampling and removal
+        self.pos: dict[int, int] = {}
+        self.next_hash = 1
+
+    @property
+    def held(self) -> set[int]:
+        return set(self.keys)
+
+    def _drop(self, h: int) -> None:
+        i = self.pos.pop(h)
+        last = self.keys.pop()
+        if last != h:
+            self.keys[i] = last
+            self.pos[last] = i
+
+    def batch(self) -> Any:
+        from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch
+
+        rnd = self.rnd
+        events: list[Any] = []
+        n = rnd.randint(1, 8)
+        parent = rnd.choice(self.keys) if self.keys and rnd.random() < 0.7 else None
+        hashes = list(range(self.next_hash, self.next_hash + n))
+        self.next_hash += n
+        tokens = [rnd.randrange(32_000) for _ in range(n * BLOCK)]
+        events.append(BlockStored(hashes, parent, tokens, BLOCK))
+        for h in hashes:
+            self.pos[h] = len(self.keys)
+            self.keys.append(h)
+        if len(self.keys) > 2000:
+            gone = list({rnd.choice(self.keys) for _ in range(rnd.randint(1, 16))})
+            for h in gone:
+                self._drop(h)
+            events.append(BlockRemoved(gone))
+        return KVEventBatch(time.time(), events, 0)
+
+
+def legit_engine(conn: Connection, pub: str, replay: str, seed: int) -> None:
+    """Publish the model's batches until told to stop; report the truth and stats."""
+    from kvwire.publisher import EventPublisher
+
+    model = EngineModel(seed)
+    with EventPublisher(pub, replay, rank=0) as publisher:
+        conn.send("ready")
+        sent = 0
+        while not conn.poll(0):
+            for _ in range(20):
+                publisher.publish(model.batch())
+                sent += 1
+            time.sleep(0.01)
+        conn.recv()
+        st = publisher.stats()
+        conn.send({"held": sorted(model.held), "last_seq": st.last_seq, "batches": sent,
+                   "stats": st.as_dict()})  # fmt: skip
+        conn.recv()  # wait for the verdict before closing the replay socket
+
+
+# --- the hostile engine -------------------------------------------------------------
+
+
+def _rv(rnd: random.Random, depth: int = 0) -> Any:
+    c = rnd.randrange(12 if depth < 4 else 7)
+    if c == 0:
+        return rnd.randrange(-(2**63), 2**64)
+    if c == 1:
+        return rnd.choice([None, True, False])
+    if c == 2:
+        return rnd.random()
+    if c == 3:
+        return rnd.choice(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "type"])
+    if c == 4:
+        return rnd.randbytes(rnd.randrange(10))
+    if c == 5:
+        return rnd.randrange(-40, 300)
+    if c == 6:
+        return rnd.choice([0, 1, 2**16, 10**6, 2**40, 2**63 - 1])
+    if c in (7, 8):
+        return [_rv(rnd, depth + 1) for _ in range(rnd.randrange(6))]
+    if c == 9:
+        keys = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                "medium", "lora_name", "extra_keys", "group_idx"]  # fmt: skip
+        return {rnd.choice(keys): _rv(rnd, depth + 1) for _ in range(rnd.randrange(6))}
+    if c == 10:
+        return msgspec.msgpack.Ext(rnd.randrange(-128, 128), rnd.randbytes(3))
+    return "x" * rnd.randrange(40)
+
+
+class FrameMaker:
+    """Mutated and generated frames; counts the ones built to be undecodable."""
+
+    def __init__(self, seed: int) -> None:
+        self.rnd = random.Random(seed)
+        self.model = EngineModel(seed + 1)
+        self.seq = 0
+        self.undecodable = 0
+        self.kinds: dict[str, int] = {}
+
+    def _payload(self) -> bytes:
+        from kvwire.wire import encode_batch
+
+        return encode_batch(self.model.batch(), dialect=self.rnd.choice(["map", "array"]))
+
+    def _mutate(self, b: bytes) -> bytes:
+        rnd = self.rnd
+        out = bytearray(b)
+        for _ in range(rnd.randint(1, 6)):
+            op = rnd.randrange(5)
+            pos = rnd.randrange(len(out)) if out else 0
+            if op == 0 and out:
+                out[pos] = rnd.randrange(256)
+            elif op == 1 and out:
+                out[pos] ^= 1 << rnd.randrange(8)
+            elif op == 2:
+                del out[pos:]
+            elif op == 3:
+                out[pos:pos] = rnd.randbytes(rnd.randrange(1, 9))
+            else:
+                out[pos : pos + 2] = rnd.choice([b"\xdd\xff", b"\xdc\xff", b"\xcf\xff", b"\xc0"])
+        return bytes(out)
+
+    def _generated(self) -> bytes:
+        rnd = self.rnd
+        kind = rnd.randrange(5)
+        if kind == 0:  # nesting far past any decoder's recursion limit
+            return b"\x93\xcb" + b"\0" * 8 + b"\x91" * rnd.randint(500, 20_000) + b"\xc0"
+        if kind == 1:  # absurd sizes in an otherwise valid store
+            ev = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                  "token_ids": [1] * rnd.choice([0, 3, 32]),
+                  "block_size": rnd.choice([0, -1, 10**6, 2**40, 2**63 - 1])}  # fmt: skip
+            return msgspec.msgpack.encode([0.0, [ev], 0])
+        if kind == 2:  # many blocks (within any sane size limit)
+            n = 70_000 if rnd.random() < 0.01 else rnd.choice([100, 1000, 10_000])
+            ev = {"type": "BlockRemoved", "block_hashes": list(range(n))}
+            return msgspec.msgpack.encode([0.0, [ev], 0])
+        if kind == 3:  # string token ids, mixed hash forms
+            ev = {"type": "BlockStored", "block_hashes": [b"\x01" * 9, -5], "parent_block_hash": -1,
+                  "token_ids": ["a"] * 32, "block_size": 16}  # fmt: skip
+            return msgspec.msgpack.encode([0.0, [ev], 0])
+        try:
+            return msgspec.msgpack.encode([_rv(rnd), [_rv(rnd) for _ in range(rnd.randrange(4))], _rv(rnd)])
+        except (TypeError, ValueError, OverflowError):
+            return NEVER_USED
+
+    def frame(self) -> list[bytes]:
+        """One live message, sometimes malformed in its framing or seq."""
+        rnd = self.rnd
+        r = rnd.random()
+        seq = self.seq
+        self.seq += 1
+        if r < 0.35:
+            kind, payload = "mutated", self._mutate(self._payload())
+        elif r < 0.55:
+            kind, payload = "generated", self._generated()
+        elif r < 0.70:
+            kind, payload = "undecodable", NEVER_USED + rnd.randbytes(rnd.randrange(40))
+        elif r < 0.80:
+            self.undecodable += 1
+            self._count("framing")
+            shape = rnd.randrange(4)
+            if shape == 0:
+                return [TOPIC]
+            if shape == 1:
+                return [TOPIC, seq.to_bytes(8, "big")]
+            if shape == 2:
+                return [TOPIC, rnd.randbytes(rnd.choice([0, 4, 9])), self._payload()]
+            return [TOPIC, seq.to_bytes(8, "big"), self._payload(), b"extra"]
+        elif r < 0.90:
+            # Seq chaos with valid payloads: far jumps, old seqs, the top of the range.
+            kind, payload = "seq", self._payload()
+            seq = rnd.choice([seq + rnd.randrange(2, 5000), max(0, seq - rnd.randrange(1, 100)),
+                              2**63, 2**64 - 2, rnd.randrange(2**64 - 1)])  # fmt: skip
+        else:
+            kind, payload = "valid", self._payload()
+        if payload[:1] == NEVER_USED:
+            self.undecodable += 1
+        self._count(kind)
+        return [TOPIC, seq.to_bytes(8, "big"), payload]
+
+    def replay_reply(self, request: list[bytes]) -> list[list[bytes]]:
+        """An answer to one replay request: half plausible (the asked seqs, mutated or
+        generated payloads, an END), half junk; zero or more messages."""
+        from kvwire.wire import END_SEQ
+
+        rnd = self.rnd
+        identity = request[0]
+        out: list[list[bytes]] = []
+        if len(request) == 3 and len(request[2]) == 8 and rnd.random() < 0.5:
+            start = int.from_bytes(request[2], "big")
+            for seq in range(start, min(start + rnd.randrange(1, 50), self.seq)):
+                payload = self._payload() if rnd.random() < 0.5 else self._mutate(self._payload())
+                out.append([identity, b"", TOPIC, seq.to_bytes(8, "big"), payload])
+            out.append([identity, b"", TOPIC, END_SEQ, b""])
+            return out
+        for _ in range(rnd.randrange(0, 6)):
+            shape = rnd.randrange(5)
+            seq = rnd.randrange(2**64 - 1).to_bytes(8, "big")
+            if shape == 0:
+                out.append([identity, b"", TOPIC, seq, self._mutate(self._payload())])
+            elif shape == 1:
+                out.append([identity, b"", seq, NEVER_USED])
+            elif shape == 2:
+                out.append([identity, *[rnd.randbytes(rnd.randrange(12)) for _ in range(rnd.randrange(1, 6))]])
+            elif shape == 3:
+                out.append([identity, b"", TOPIC, END_SEQ, rnd.randbytes(rnd.randrange(3))])
+            else:
+                out.append([identity, b"", TOPIC, seq, self._generated()])
+        return out
+
+    def _count(self, kind: str) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+
+def hostile_engine(conn: Connection, pub_port: int, replay_port: int, frames: int, seed: int) -> None:
+    """Send ``frames`` live frames (never dropped) and answer replay requests with junk."""
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.setsockopt(zmq.SNDHWM, 2000)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    maker = FrameMaker(seed)
+    poller = zmq.Poller()
+    poller.register(pub, zmq.POLLIN | zmq.POLLOUT)
+    poller.register(router, zmq.POLLIN)
+    conn.send("ready")
+    subscribed = False
+    sent = requests = replies = 0
+    deadline = time.monotonic() + 3600
+    while sent < frames and time.monotonic() < deadline:
+        events = dict(poller.poll(1000))
+        if pub in events and events[pub] & zmq.POLLIN:
+            pub.recv()  # a subscription
+            subscribed = True
+        if router in events:
+            for _ in range(64):
+                try:
+                    msg = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                requests += 1
+                for reply in maker.replay_reply(msg):
+                    router.send_multipart(reply)
+                    replies += 1
+        if subscribed and pub in events and events[pub] & zmq.POLLOUT:
+            for _ in range(256):
+                if sent >= frames:
+                    break
+                try:
+                    pub.send_multipart(maker.frame(), zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                sent += 1
+    conn.send({"sent": sent, "undecodable": maker.undecodable, "kinds": maker.kinds,
+               "replay_requests": requests, "replay_replies": replies})  # fmt: skip
+    # Keep answering replay requests with junk until told to stop.
+    while not conn.poll(0):
+        if router.poll(100):
+            msg = router.recv_multipart()
+            for reply in maker.replay_reply(msg):
+                router.send_multipart(reply)
+    pub.close(0)
+    router.close(0)
+    ctx.term()
+
+
+# --- malformed replay requests -------------------------------------------------------
+
+
+def replay_attacker(conn: Connection, replay: str, requests: int, seed: int) -> None:
+    """Send malformed requests to a publisher's replay ROUTER from a few DEALERs."""
+    import zmq
+
+    rnd = random.Random(seed)
+    ctx = zmq.Context()
+    dealers = [ctx.socket(zmq.DEALER) for _ in range(4)]
+    for d in dealers:
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.SNDHWM, 100_000)
+        d.connect(replay)
+    time.sleep(0.2)  # let the connections complete before the first send
+    invalid = 0
+    for i in range(requests):
+        shape = rnd.randrange(6)
+        if shape == 0:
+            frames = [b"", rnd.randbytes(rnd.choice([0, 1, 7, 9, 16]))]
+        elif shape == 1:
+            frames = [rnd.randbytes(3), (0).to_bytes(8, "big")]
+        elif shape == 2:
+            frames = [b""] + [b"x"] * rnd.randrange(2, 6)
+        elif shape == 3:
+            frames = [b"", b"\xff" * 8]  # END_SEQ as a start seq
+        elif shape == 4:
+            frames = [rnd.randbytes(rnd.randrange(1, 50))]
+        else:
+            frames = [b"", rnd.randbytes(8), b"trailing"]
+        invalid += 1
+        dealers[i % len(dealers)].send_multipart(frames)
+        if i % 1000 == 999:
+            for d in dealers:  # drain any replies so nothing backs up
+                while d.poll(0):
+                    d.recv_multipart()
+            time.sleep(0.001)
+    time.sleep(0.5)
+    conn.send({"sent": requests, "invalid": invalid})
+    for d in dealers:
+        d.close(0)
+    ctx.term()
+
+
+# --- the campaign ----------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def control_campaign(requests: int, seed: int) -> dict[str, Any] | str:
+    """Malformed requests to the reference engine's control endpoint (see control_fuzz)."""
+    try:
+        from control_fuzz import run as run_control  # type: ignore[import-not-found]
+    except ImportError:
+        return "skipped: no control fuzzing in this tree"
+    result: dict[str, Any] = run_control(requests, seed)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--frames", type=int, default=1_000_000)
+    ap.add_argument("--replay-requests", type=int, default=100_000)
+    ap.add_argument("--control-requests", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=3600, help="give up (and fail) after this long")
+    ap.add_argument("--rss-limit-mb", type=float, default=512, help="fail when RSS grows past this")
+    args = ap.parse_args(argv)
+
+    from kvwire.prefix_index import PrefixIndex
+    from kvwire.subscriber import EngineSource, RankState, Subscriber
+
+    spawn = mp.get_context("spawn")
+    legit_pub, legit_rep, hostile_pub, hostile_rep = free_ports(4)
+    legit_ep = f"tcp://127.0.0.1:{legit_pub}"
+    legit_replay = f"tcp://127.0.0.1:{legit_rep}"
+    engine_end, engine_conn = spawn.Pipe()
+    hostile_end, hostile_conn = spawn.Pipe()
+    attacker_end, attacker_conn = spawn.Pipe()
+    procs = [
+        spawn.Process(target=legit_engine, args=(engine_end, legit_ep, legit_replay, args.seed)),
+        spawn.Process(target=hostile_engine,
+                      args=(hostile_end, hostile_pub, hostile_rep, args.frames, args.seed + 7)),
+    ]
+    for p in procs:
+        p.start()
+    for c in (engine_conn, hostile_conn):
+        if not c.poll(60):
+            raise SystemExit("an engine process did not start")
+        c.recv()
+
+    index = PrefixIndex(BLOCK)
+    sources = [
+        EngineSource("legit", legit_ep, legit_replay),
+        EngineSource("hostile", f"tcp://127.0.0.1:{hostile_pub}", f"tcp://127.0.0.1:{hostile_rep}"),
+    ]
+    rss0 = rss_mb()
+    peak = rss0
+    failures: list[str] = []
+    t0 = time.monotonic()
+    sub = Subscriber(sources, index).start()
+    attacker = spawn.Process(target=replay_attacker,
+                             args=(attacker_end, legit_replay, args.replay_requests, args.seed + 3))  # fmt: skip
+    attacker.start()
+    hostile: dict[str, Any] | None = None
+    attack: dict[str, Any] | None = None
+    truth: dict[str, Any] | None = None
+    control: dict[str, Any] | str = "not run"
+    elapsed = 0.0
+    last_report = t0
+    slowest_status = 0.0
+    try:
+        while time.monotonic() - t0 < args.timeout:
+            s0 = time.monotonic()
+            status = {(s.worker_id, s.rank): s for s in sub.status()}
+            slowest_status = max(slowest_status, time.monotonic() - s0)
+            peak = max(peak, rss_mb())
+            if hostile is None and hostile_conn.poll(0):
+                hostile = hostile_conn.recv()
+            if attack is None and attacker_conn.poll(0):
+                attack = attacker_conn.recv()
+            if time.monotonic() - last_report > 10:
+                last_report = time.monotonic()
+                h = status[("hostile", 0)].counters
+                print(f"  {time.monotonic() - t0:6.0f} s  hostile decode errors {h.decode_errors:,}  "
+                      f"RSS {rss_mb():.0f} MB", flush=True)  # fmt: skip
+            if hostile is not None and attack is not None:
+                break
+            if not all(p.is_alive() for p in procs):
+                failures.append("an engine process died")
+                break
+            time.sleep(0.2)
+        else:
+            failures.append(f"timed out after {args.timeout:.0f} s")
+        control = control_campaign(args.control_requests, args.seed + 5)
+        # Stop the legit engine and check the rank ends exact.
+        engine_conn.send("stop")
+        truth = engine_conn.recv() if engine_conn.poll(60) else None
+        if truth is None:
+            failures.append("the legit engine did not report")
+        else:
+            want_next = truth["last_seq"] + 1
+            synced = wait_for(
+                lambda: any(s.worker_id == "legit" and s.state is RankState.SYNCED
+                            and s.expected_seq == want_next for s in sub.status()),
+                timeout=30,
+            )  # fmt: skip
+            if not synced:
+                failures.append("the legit rank did not end SYNCED at the publisher's last seq")
+            held = index.blocks("legit", 0)
+            if held != set(truth["held"]):
+                failures.append(f"legit rank inexact: {len(held ^ set(truth['held']))} blocks differ")
+            invalid = truth["stats"]["replay_invalid"]
+            if attack is not None and invalid < attack["invalid"]:
+                failures.append(f"publisher counted {invalid} invalid replay requests of {attack['invalid']}")
+        elapsed = time.monotonic() - t0
+        final = {(s.worker_id, s.rank): s for s in sub.status()}
+        h = final[("hostile", 0)].counters
+        lc = final[("legit", 0)]
+        if hostile is not None:
+            if hostile["sent"] < args.frames:
+                failures.append(f"only {hostile['sent']:,} hostile frames sent")
+            if h.decode_errors < hostile["undecodable"]:
+                failures.append(f"{h.decode_errors:,} decode errors counted for "
+                                f"{hostile['undecodable']:,} undecodable frames")  # fmt: skip
+        if peak - rss0 > args.rss_limit_mb:
+            failures.append(f"RSS grew {peak - rss0:.0f} MB")
+        if isinstance(control, dict) and control.get("failures"):
+            failures.extend(control["failures"])
+    finally:
+        sub.stop()
+        for c in (engine_conn, hostile_conn):
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for p in [*procs, attacker]:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                failures.append(f"{p.name} did not stop")
+
+    print(f"\nfuzz campaign, seed {args.seed}: {elapsed:.0f} s")
+    if hostile is not None:
+        kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(hostile["kinds"].items()))
+        print(f"  hostile live frames sent {hostile['sent']:,} ({kinds}); "
+              f"{hostile['undecodable']:,} built undecodable")  # fmt: skip
+        print(f"  hostile replay: {hostile['replay_requests']:,} requests answered with "
+              f"{hostile['replay_replies']:,} junk messages")  # fmt: skip
+    print(f"  hostile rank counted: decode errors {h.decode_errors:,}, batches {h.batches:,}, "
+          f"gaps {h.gaps:,}, seqs lost {h.seqs_lost:,}, late {h.late:,}, duplicates "
+          f"{h.duplicates:,}, stale replay frames {h.stale_replies:,}, replays requested "
+          f"{h.replays_requested:,}, failed {h.replays_failed:,}, resyncs {h.resyncs:,}; "
+          f"state {final[('hostile', 0)].state.name}")  # fmt: skip
+    if attack is not None and truth is not None:
+        print(f"  replay socket: {attack['sent']:,} malformed requests sent, publisher counted "
+              f"{truth['stats']['replay_invalid']:,} invalid")  # fmt: skip
+    if truth is not None:
+        print(f"  legit rank: {truth['batches']:,} batches, state {lc.state.name}, "
+              f"{len(truth['held']):,} blocks held, index {'exact' if index.blocks('legit', 0) == set(truth['held']) else 'INEXACT'}; "
+              f"gaps {lc.counters.gaps}, replays {lc.counters.replays_requested}")  # fmt: skip
+    print(f"  control endpoint: {control if isinstance(control, str) else control['summary']}")
+    st = index.stats()
+    print(f"  index: malformed stores {st.malformed_stores:,}, blocks {st.blocks:,}")
+    print(f"  subscriber RSS: start {rss0:.0f} MB, peak {peak:.0f} MB, end {rss_mb():.0f} MB; "
+          f"slowest status() {slowest_status * 1e3:.0f} ms")  # fmt: skip
+    for f in failures:
+        print(f"  FAIL: {f}")
+    print("  PASS" if not failures else "  FAILED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
