@@ -398,14 +398,127 @@ def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bo
     return cond()
 
 
-def control_campaign(requests: int, seed: int) -> dict[str, Any] | str:
-    """Malformed requests to the reference engine's control endpoint (see control_fuzz)."""
+def _control_modules() -> tuple[Any, str]:
+    """The reference engine's control module and server module, wherever this tree has them."""
     try:
-        from control_fuzz import run as run_control  # type: ignore[import-not-found]
+        import kvwire.reference.control as control
+
+        return control, "kvwire.reference.serve"
     except ImportError:
-        return "skipped: no control fuzzing in this tree"
-    result: dict[str, Any] = run_control(requests, seed)
-    return result
+        import kvwire.publisher.control as control  # type: ignore[no-redef]
+
+        return control, "kvwire.publisher.serve"
+
+
+def _junk_command(rnd: random.Random, control: Any) -> bytes:
+    """One malformed control request: never a valid command (so never Shutdown)."""
+    enc = msgspec.msgpack.encode
+    shape = rnd.randrange(8)
+    ident = rnd.randrange(1, 2**31)
+    if shape == 0:
+        return rnd.randbytes(rnd.randrange(0, 64))
+    if shape == 1:
+        return enc([ident, {"type": rnd.choice(["Nope", "", "shutdown", 7])}])
+    if shape == 2:  # a known command with fields of the wrong type or out of range
+        return enc([ident, {"type": "Submit", "rank": rnd.choice([-1, 99, 2**40, "0"]),
+                            "request_id": 5, "token_ids": ["a", None]}])  # fmt: skip
+    if shape == 3:
+        return enc([ident, {"type": "Drive", "rate": rnd.choice([float("nan"), float("inf"), -1.0]),
+                            "seed": 0, "hold": rnd.choice([-5, 2**40])}])  # fmt: skip
+    if shape == 4:
+        return enc([ident, {"type": "Probe", "rank": 0, "token_ids": "not a list"}])
+    if shape == 5:
+        return b"\x92" + b"\x91" * rnd.randrange(100, 5000) + b"\xc0"
+    if shape == 6:
+        return enc({"ident": ident, "body": None})
+    return enc([ident])
+
+
+def control_campaign(requests: int, seed: int) -> dict[str, Any]:
+    """:func:`control_run` with the engine's log in a temporary file."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as log:
+        return control_run(requests, seed, log)
+
+
+def control_run(requests: int, seed: int, log: Any) -> dict[str, Any]:
+    """Malformed requests to a reference engine's control endpoint, then a good one.
+
+    Every junk request must be answered ``Failed`` (or, for frames that are not
+    even a request, counted by the engine and dropped); the engine must stay up
+    and answer ``Stats`` and a ``Probe`` afterwards.
+    """
+    import subprocess
+
+    import zmq
+
+    control, server = _control_modules()
+    rnd = random.Random(seed)
+    ctl, pub, rep = free_ports(3)
+    cmd = [sys.executable, "-m", server, "--ranks", "1", "--port", str(pub), "--replay-port",
+           str(rep), "--control-port", str(ctl), "--device", "cpu"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    failures: list[str] = []
+    endpoint = f"tcp://127.0.0.1:{ctl}"
+    client = control.ControlClient(endpoint, timeout=10)
+    failed = unanswered = 0
+    t0 = time.monotonic()
+    try:
+        client.wait_ready(120, alive=lambda: proc.poll() is None)
+        ctx = zmq.Context.instance()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        window = 64
+        pending = sent = 0
+        for i in range(requests):
+            dealer.send_multipart([b"", _junk_command(rnd, control)])
+            pending += 1
+            sent += 1
+            while pending >= window or (i == requests - 1 and pending):
+                if not dealer.poll(10_000):
+                    unanswered += pending
+                    pending = 0
+                    break
+                frames = dealer.recv_multipart()
+                pending -= 1
+                try:
+                    _, reply = control.reply_decoder.decode(frames[-1])
+                except msgspec.DecodeError:
+                    failures.append("the engine sent an unreadable reply")
+                    continue
+                if isinstance(reply, control.Failed):
+                    failed += 1
+            if proc.poll() is not None:
+                failures.append(f"the reference engine died (exit {proc.returncode})")
+                break
+        dealer.close(0)
+        if proc.poll() is None:
+            client.stats()
+            client.probe(0, list(range(64)))
+        if unanswered:
+            failures.append(f"{unanswered} junk control requests got no reply")
+        if failed != sent - unanswered:
+            failures.append(f"{sent - unanswered - failed} junk control requests were not refused")
+    except control.ControlError as exc:
+        failures.append(f"the reference engine stopped answering: {exc}")
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            failures.append("the reference engine did not stop on SIGTERM")
+        if failures:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+            failures.extend(f"engine log: {line}" for line in tail)
+    summary = (f"{requests:,} malformed requests to {server}'s control endpoint in "
+               f"{time.monotonic() - t0:.0f} s: {failed:,} refused (Failed), {unanswered} unanswered; "
+               f"engine {'answered Stats and Probe after' if not failures else 'FAILED'}")  # fmt: skip
+    return {"summary": summary, "failures": failures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     hostile: dict[str, Any] | None = None
     attack: dict[str, Any] | None = None
     truth: dict[str, Any] | None = None
-    control: dict[str, Any] | str = "not run"
+    control: dict[str, Any] = {"summary": "not run", "failures": []}
     elapsed = 0.0
     last_report = t0
     slowest_status = 0.0
@@ -483,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         else:
             failures.append(f"timed out after {args.timeout:.0f} s")
-        control = control_campaign(args.control_requests, args.seed + 5)
+        if args.control_requests:
+            control = control_campaign(args.control_requests, args.seed + 5)
         # Stop the legit engine and check the rank ends exact.
         engine_conn.send("stop")
         truth = engine_conn.recv() if engine_conn.poll(60) else None
@@ -516,8 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{hostile['undecodable']:,} undecodable frames")  # fmt: skip
         if peak - rss0 > args.rss_limit_mb:
             failures.append(f"RSS grew {peak - rss0:.0f} MB")
-        if isinstance(control, dict) and control.get("failures"):
-            failures.extend(control["failures"])
+        failures.extend(control["failures"])
     finally:
         sub.stop()
         for c in (engine_conn, hostile_conn):
@@ -548,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  legit rank: {truth['batches']:,} batches, state {lc.state.name}, "
               f"{len(truth['held']):,} blocks held, index {'exact' if index.blocks('legit', 0) == set(truth['held']) else 'INEXACT'}; "
               f"gaps {lc.counters.gaps}, replays {lc.counters.replays_requested}")  # fmt: skip
-    print(f"  control endpoint: {control if isinstance(control, str) else control['summary']}")
+    print(f"  control endpoint: {control['summary']}")
     st = index.stats()
     print(f"  index: malformed stores {st.malformed_stores:,}, blocks {st.blocks:,}")
     print(f"  subscriber RSS: start {rss0:.0f} MB, peak {peak:.0f} MB, end {rss_mb():.0f} MB; "
