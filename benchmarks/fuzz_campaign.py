@@ -528,11 +528,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control-requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="give up (and fail) after this long")
-    ap.add_argument("--rss-limit-mb", type=float, default=512, help="fail when RSS grows past this")
+    ap.add_argument("--rss-limit-mb", type=float, default=1024,
+                    help="fail when the subscriber's RSS grows more than this")  # fmt: skip
+    ap.add_argument("--max-held", type=int, default=None,
+                    help="StreamConfig.max_held (default: the subscriber's)")  # fmt: skip
     args = ap.parse_args(argv)
 
     from kvwire.prefix_index import PrefixIndex
-    from kvwire.subscriber import EngineSource, RankState, Subscriber
+    from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
 
     spawn = mp.get_context("spawn")
     legit_pub, legit_rep, hostile_pub, hostile_rep = free_ports(4)
@@ -562,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = rss0
     failures: list[str] = []
     t0 = time.monotonic()
-    sub = Subscriber(sources, index).start()
+    config = None if args.max_held is None else StreamConfig(max_held=args.max_held)
+    sub = Subscriber(sources, index, config=config).start()
     attacker = spawn.Process(target=replay_attacker,
                              args=(attacker_end, legit_replay, args.replay_requests, args.seed + 3))  # fmt: skip
     attacker.start()
