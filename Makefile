@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvwire tests benchmarks examples
 	$(VENV)/bin/mypy
 
-# The native tests under the sanitizers first (about 30 s), then the whole suite.
+# The native tests under the sanitizers first (about 40 s), then the whole suite.
 test: $(STAMP) lint asan
 	$(PY) -m pytest -q -ra
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # asan-native.sh PYTHON: rebuild the C extensions with AddressSanitizer and
 # UBSan in place, run the tests that drive them (hypothesis feeds them random
-# bytes), then restore the optimised builds. Any memory error aborts the run.
+# bytes) and the short fuzz campaign (a live subscriber fed junk frames), then
+# restore the optimised builds. Any memory error aborts the run. `make test`
+# runs it first (about 40 s).
 set -euo pipefail
 PY="${1:-.venv/bin/python}"
 cd "$(dirname "$0")/.."
@@ -17,4 +19,5 @@ done
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc \
     "$PY" -m pytest -q -p no:cacheprovider tests/publisher/test_packed_ints.py \
-    tests/publisher/test_collector.py tests/wire tests/prefix_index
+    tests/publisher/test_collector.py tests/wire tests/prefix_index \
+    "tests/fuzz/test_fuzz_short.py::test_subscriber_and_replay_socket_survive_junk_and_legit_rank_ends_exact"
