@@ -644,6 +644,12 @@ typedef struct {
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     Scratch tok, keys, hashes;
+    /* Per rank slot, the name last reported and its hash: a match result
+     * is built without touching (or re-hashing) every name's objects. Only
+     * exact (str, int) tuples are kept: they cannot be part of a cycle. */
+    PyObject **names;
+    Py_hash_t *name_hash;
+    size_t name_cap;
 } Index;
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -676,6 +682,9 @@ static void rank_free(Rank *r) {
 }
 
 static void Index_dealloc(Index *self) {
+    for (size_t i = 0; i < self->name_cap; i++) Py_XDECREF(self->names[i]);
+    PyMem_Free(self->names);
+    PyMem_Free(self->name_hash);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -1124,8 +1133,45 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
     }
 }
 
+static int plain_name(PyObject *o) {
+    return PyTuple_CheckExact(o) && PyTuple_GET_SIZE(o) == 2 &&
+           PyUnicode_CheckExact(PyTuple_GET_ITEM(o, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(o, 1));
+}
+
+/* The hash of names[sid], from the cache when it is the same object. */
+static Py_hash_t name_hash(Index *self, size_t sid, PyObject *name) {
+    if (sid < self->name_cap && self->names[sid] == name) return self->name_hash[sid];
+    Py_hash_t h = PyObject_Hash(name);
+    if (h == -1 || !plain_name(name)) return h;
+    if (sid >= self->name_cap) {
+        size_t cap = self->name_cap ? self->name_cap : 64;
+        while (cap <= sid) cap *= 2;
+        PyObject **n = PyMem_Realloc(self->names, cap * sizeof(PyObject *));
+        if (!n) return h; /* no cache, still a hash */
+        self->names = n;
+        Py_hash_t *hh = PyMem_Realloc(self->name_hash, cap * sizeof(Py_hash_t));
+        if (!hh) return h;
+        self->name_hash = hh;
+        memset(n + self->name_cap, 0, (cap - self->name_cap) * sizeof(PyObject *));
+        self->name_cap = cap;
+    }
+    Py_INCREF(name);
+    Py_XSETREF(self->names[sid], name);
+    self->name_hash[sid] = h;
+    return h;
+}
+
+static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
+#if PY_VERSION_HEX < 0x030D0000
+    return _PyDict_SetItem_KnownHash(d, k, v, h);
+#else
+    (void)h;
+    return PyDict_SetItem(d, k, v);
+#endif
+}
+
 /* {names[sid]: depth} (or tiers_type(gpu, cpu, storage)); frees the walk. */
-static PyObject *walk_result(Walk *wk, PyObject *names, PyObject *tt) {
+static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *tt) {
     const size_t W = wk->W, S = W << 6;
     u64 *acc = wk->acc;
     i32 *depth = wk->depth, at = (i32)wk->at;
@@ -1138,7 +1184,11 @@ static PyObject *walk_result(Walk *wk, PyObject *names, PyObject *tt) {
     }
     Py_ssize_t held = 0;
     for (size_t sid = 0; sid < S; sid++) held += depth[sid] > 0;
+#if PY_VERSION_HEX < 0x030D0000
     PyObject *out = held > 5 ? _PyDict_NewPresized(held) : PyDict_New();
+#else
+    PyObject *out = PyDict_New();
+#endif
     if (!out) goto fail;
     /* tiers_type and dict insertion may run Python code that changes
      * `names`: re-read its size each time, and hold the name. */
@@ -1155,7 +1205,8 @@ static PyObject *walk_result(Walk *wk, PyObject *names, PyObject *tt) {
             i32 g = depth[S + sid], f = depth[2 * S + sid];
             v = PyObject_CallFunction(tt, "iii", g, f - g, d - f);
         }
-        int rc = v ? PyDict_SetItem(out, name, v) : -1;
+        Py_hash_t h = v ? name_hash(self, sid, name) : -1;
+        int rc = h != -1 ? set_known(out, name, v, h) : -1;
         Py_XDECREF(v);
         Py_DECREF(name);
         if (rc < 0) {
@@ -1196,7 +1247,7 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
     }
     walk_keys(&wk, self, kv.buf, kv.len / 8);
     PyBuffer_Release(&kv);
-    return walk_result(&wk, args[1], args[2]);
+    return walk_result(self, &wk, args[1], args[2]);
 }
 
 /* Blocks keyed and walked at a time: a prompt whose match ends early is
@@ -1270,7 +1321,7 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
         state = keys[m - 1];
         walk_keys(&wk, self, keys, m);
     }
-    result = walk_result(&wk, args[5], args[6]);
+    result = walk_result(self, &wk, args[5], args[6]);
 done:
     if (extra) PyBuffer_Release(&ev);
     Py_XDECREF(seq);
