@@ -3,6 +3,7 @@
 from kvwire.wire.codec import Dialect, decode_batch, encode_batch, normalise_hash
 from kvwire.wire.endpoints import (
     EndpointError,
+    is_ephemeral,
     offset_endpoint,
     validate_endpoint,
     validate_endpoints,
@@ -49,6 +50,7 @@ __all__ = [
     "decode_batch",
     "enc_hook",
     "encode_batch",
+    "is_ephemeral",
     "normalise_hash",
     "offset_endpoint",
     "pack_seq",
