@@ -4,7 +4,8 @@
   blocks each (worker, rank) reported.
 - :func:`block_keys`: the chained block keys the index uses, for routers that
   compute them once per prompt.
-- :class:`KvRouter`: the routing decision from cache overlap and load.
+- :class:`KvRouter`: the routing decision from cache overlap and load; it reads
+  rank states from the ``Subscriber`` (any :class:`RankStateSource`).
 """
 
 from kvwire.prefix_index.index import (
@@ -18,7 +19,14 @@ from kvwire.prefix_index.index import (
     tier_of,
 )
 from kvwire.prefix_index.keys import as_token_array, block_keys
-from kvwire.prefix_index.router import Candidate, Decision, KvRouter, Load
+from kvwire.prefix_index.router import (
+    Candidate,
+    Decision,
+    KvRouter,
+    Load,
+    RankStates,
+    RankStateSource,
+)
 
 __all__ = [
     "CPU",
@@ -31,6 +39,8 @@ __all__ = [
     "Load",
     "PrefixIndex",
     "RankKey",
+    "RankStateSource",
+    "RankStates",
     "TierDepths",
     "as_token_array",
     "block_keys",
