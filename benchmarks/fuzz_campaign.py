@@ -304,6 +304,7 @@ def hostile_engine(conn: Connection, pub_port: int, replay_port: int, frames: in
     conn.send("ready")
     subscribed = False
     sent = requests = replies = 0
+    pending: list[bytes] | None = None  # made, not sent yet: counted once, sent once
     deadline = time.monotonic() + 3600
     while sent < frames and time.monotonic() < deadline:
         events = dict(poller.poll(1000))
@@ -324,10 +325,13 @@ def hostile_engine(conn: Connection, pub_port: int, replay_port: int, frames: in
             for _ in range(256):
                 if sent >= frames:
                     break
+                if pending is None:
+                    pending = maker.frame()
                 try:
-                    pub.send_multipart(maker.frame(), zmq.NOBLOCK)
+                    pub.send_multipart(pending, zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                pending = None
                 sent += 1
     conn.send({"sent": sent, "undecodable": maker.undecodable, "kinds": maker.kinds,
                "replay_requests": requests, "replay_replies": replies})  # fmt: skip

@@ -377,30 +377,38 @@ static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ss
     u64 start, position;
     if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
         return NULL;
-    u64 *tok = NULL;
-    Py_ssize_t ntok = 0;
-    if (read_tokens(args[0], packed, &self->tok, &tok, &ntok) < 0) return NULL;
-    Py_ssize_t nb = ntok / self->bs;
+    /* Every buffer before the tokens: getting one may run Python code (3.12's
+     * __buffer__), which must not see our scratch pointer. */
     Py_buffer ev = {0}, ov;
     const u64 *extra = NULL;
     if (args[4] != Py_None) {
-        if (get_u64s(args[4], &ev, nb, "extra") < 0) return NULL;
+        if (get_u64s(args[4], &ev, 0, "extra") < 0) return NULL;
         extra = ev.buf;
     }
     if (PyObject_GetBuffer(args[5], &ov, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         if (extra) PyBuffer_Release(&ev);
         return NULL;
     }
-    if (ov.len < nb * 8) {
-        PyBuffer_Release(&ov);
-        if (extra) PyBuffer_Release(&ev);
-        PyErr_SetString(PyExc_ValueError, "out is too small");
-        return NULL;
+    u64 *tok = NULL;
+    Py_ssize_t ntok = 0, nb = 0;
+    const char *why = NULL;
+    if (read_tokens(args[0], packed, &self->tok, &tok, &ntok) < 0) goto fail;
+    if (chain_ready(self) < 0) goto fail;
+    nb = ntok / self->bs;
+    if (extra && ev.len / 8 < nb) why = "extra has fewer entries than blocks";
+    else if (ov.len < nb * 8) why = "out is too small";
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
+        goto fail;
     }
     chain_keys(self, tok, nb, start, position, extra, ov.buf);
     PyBuffer_Release(&ov);
     if (extra) PyBuffer_Release(&ev);
     return PyLong_FromSsize_t(nb);
+fail:
+    PyBuffer_Release(&ov);
+    if (extra) PyBuffer_Release(&ev);
+    return NULL;
 }
 
 static PyObject *KeyChain_get_block_size(KeyChain *self, void *closure) {
@@ -875,30 +883,10 @@ static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssi
  * detached chain under it), key every block from its tokens (unusable
  * tokens: unmatchable keys from the hashes), count one more copy of every
  * block in `tier`. tokens None forces the unmatchable keys. */
-static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "store takes 9 arguments");
-        return NULL;
-    }
-    size_t sid;
-    if (check_sid(self, args[0], &sid) < 0) return NULL;
-    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
-    KeyChain *chain = (KeyChain *)args[1];
-    if (chain_ready(chain) < 0) return NULL;
-    long tier = PyLong_AsLong(args[8]);
-    if (tier == -1 && PyErr_Occurred()) return NULL;
-    if (tier < 0 || tier > 2) {
-        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
-        return NULL;
-    }
-    int packed = PyObject_IsTrue(args[5]);
-    if (packed < 0) return NULL;
-    Py_ssize_t n;
-    u64 *hashes = read_hashes(self, args[2], &n);
-    if (!hashes) return NULL;
+/* The store itself, once every input is read: no Python code runs here. */
+static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tier, const u64 *hashes,
+                              Py_ssize_t n, PyObject *parent_obj, PyObject *start_obj,
+                              const u64 *tok, Py_ssize_t ntok, const u64 *extra) {
     int flags = 0;
     if (n == 0) return PyLong_FromLong(0);
     if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return NULL;
@@ -908,11 +896,11 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
     u64 start;
     int64_t d0 = 0;
     int detached = 0;
-    if (args[3] == Py_None) {
-        if (u64_arg(args[6], &start, "start") < 0) return NULL;
+    if (parent_obj == Py_None) {
+        if (u64_arg(start_obj, &start, "start") < 0) return NULL;
     } else {
         u64 parent;
-        if (u64_arg(args[3], &parent, "parent") < 0) return NULL;
+        if (u64_arg(parent_obj, &parent, "parent") < 0) return NULL;
         Entry *pe = (Entry *)t_find(&rk->entries, parent, entry_occ);
         int64_t dd;
         if (pe) {
@@ -934,22 +922,9 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
     u64 *keys = scratch_get(&self->keys, n);
     if (!keys) return NULL;
     int ok = 0;
-    if (args[4] != Py_None && d0 + n < DEPTH_LIMIT) {
-        u64 *tok = NULL;
-        Py_ssize_t ntok = 0;
-        int bad = read_tokens(args[4], packed, &chain->tok, &tok, &ntok) < 0;
-        if (bad && !clear_refusal()) return NULL;
-        if (!bad && ntok == n * chain->bs) {
-            Py_buffer ev;
-            const u64 *extra = NULL;
-            if (args[7] != Py_None) {
-                if (get_u64s(args[7], &ev, n, "extra") < 0) return NULL;
-                extra = ev.buf;
-            }
-            chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
-            if (extra) PyBuffer_Release(&ev);
-            ok = 1;
-        }
+    if (tok && ntok == n * chain->bs && d0 + n < DEPTH_LIMIT) {
+        chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
+        ok = 1;
     }
     if (!ok) {
         /* Unmatchable keys, all at position 0 so a key keeps one depth. */
@@ -984,6 +959,61 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
         if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return NULL;
     }
     return PyLong_FromLong(flags);
+}
+
+static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "store takes 9 arguments");
+        return NULL;
+    }
+    size_t sid;
+    if (check_sid(self, args[0], &sid) < 0) return NULL;
+    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
+        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+        return NULL;
+    }
+    KeyChain *chain = (KeyChain *)args[1];
+    long tier = PyLong_AsLong(args[8]);
+    if (tier == -1 && PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier > 2) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
+        return NULL;
+    }
+    int packed = PyObject_IsTrue(args[5]);
+    if (packed < 0) return NULL;
+    if (!PyList_Check(args[2]) && !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "block hashes must be a list or a tuple");
+        return NULL;
+    }
+    /* Buffers first (getting one may run Python code: 3.12's __buffer__),
+     * then the tokens into the chain's scratch, then the hashes (a list's
+     * ints convert without running Python code): nothing can change under
+     * the pointers taken from here on. */
+    Py_buffer ev = {0};
+    const u64 *extra = NULL;
+    PyObject *result = NULL;
+    if (args[7] != Py_None) {
+        if (get_u64s(args[7], &ev, 0, "extra") < 0) return NULL;
+        extra = ev.buf;
+    }
+    u64 *tok = NULL;
+    Py_ssize_t ntok = 0;
+    if (args[4] != Py_None && read_tokens(args[4], packed, &chain->tok, &tok, &ntok) < 0) {
+        if (!clear_refusal()) goto done; /* unusable tokens: unmatchable keys below */
+        tok = NULL;
+    }
+    if (chain_ready(chain) < 0 || check_sid(self, args[0], &sid) < 0) goto done;
+    Py_ssize_t n;
+    u64 *hashes = read_hashes(self, args[2], &n);
+    if (!hashes) goto done;
+    if (extra && ev.len / 8 < n) {
+        PyErr_Format(PyExc_ValueError, "extra has %zd entries for %zd blocks", ev.len / 8, n);
+        goto done;
+    }
+    result = store_blocks(self, sid, chain, tier, hashes, n, args[3], args[6], tok, ntok, extra);
+done:
+    if (extra) PyBuffer_Release(&ev);
+    return result;
 }
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
