@@ -174,6 +174,7 @@ class PrefixIndex:
         self.seed = seed & _MASK
         self._scheme: KeyScheme = key_scheme(self.seed, block_size)
         self._root = self._scheme.root()
+        self._chain = self._scheme.native
         self._groups = frozenset(groups)
         self._lock = threading.Lock()
         self._core = Index(max_blocks_per_rank or 0)
@@ -267,6 +268,12 @@ class PrefixIndex:
         is not counted. Keys are computed as the match goes (one native call):
         a list's items past the end of the longest match are not read.
         """
+        if type(tokens) is list and lora_name is None and extra_keys is None and cache_salt is None:
+            # The common call, a tokenizer's list: straight to the native walk.
+            with self._lock:
+                return self._core.match_tokens(
+                    self._chain, tokens, False, self._root, None, self._names, None
+                )
         return self._match_tokens(tokens, lora_name, extra_keys, cache_salt, None)
 
     def match_tiers(
@@ -305,15 +312,21 @@ class PrefixIndex:
 
     def match_keys(self, keys: U64) -> dict[RankKey, int]:
         """:meth:`match` for keys computed already (with this index's seed)."""
-        keys = np.ascontiguousarray(keys, dtype=np.uint64)
-        with self._lock:
-            return self._core.match(keys, self._names, None)
+        return self._match_keys(keys, None)
 
     def match_keys_tiers(self, keys: U64) -> dict[RankKey, TierDepths]:
         """:meth:`match_tiers` for keys computed already."""
+        return self._match_keys(keys, TierDepths)
+
+    def _match_keys(self, keys: Any, tiers_type: type[TierDepths] | None) -> dict[RankKey, Any]:
+        with self._lock:
+            try:  # a contiguous 64-bit array goes straight in
+                return self._core.match(keys, self._names, tiers_type)
+            except (TypeError, ValueError, BufferError):
+                pass
         keys = np.ascontiguousarray(keys, dtype=np.uint64)
         with self._lock:
-            return self._core.match(keys, self._names, TierDepths)
+            return self._core.match(keys, self._names, tiers_type)
 
     def blocks(self, worker_id: str, rank: int) -> set[int]:
         """The engine hashes this index believes ``(worker_id, rank)`` holds."""
