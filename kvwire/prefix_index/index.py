@@ -296,15 +296,13 @@ class PrefixIndex:
         tiers_type: type[TierDepths] | None,
     ) -> dict[RankKey, Any]:
         scheme = self._scheme
-        t = type(tokens)
-        if t is list or t is tuple:
-            src, packed, n_tokens = tokens, False, len(tokens)
-        else:
-            src, packed, n_tokens = token_source(tokens)
+        src, packed, n_tokens = token_source(tokens)
         extra = None
         if extra_keys is not None:
             extra = scheme.extra_hashes(extra_keys, n_tokens // self.block_size)
-        start = scheme.root(lora_name, cache_salt) if lora_name is not None or cache_salt is not None else self._root
+        start = self._root
+        if lora_name is not None or cache_salt is not None:
+            start = scheme.root(lora_name, cache_salt)
         with self._lock:
             return self._core.match_tokens(
                 scheme.native, src, packed, start, extra, self._names, tiers_type

@@ -288,7 +288,6 @@ DEFAULT_LIMITS = DecodeLimits()
 """The limits :func:`decode_batch` applies unless given others."""
 
 
-
 class _ListBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
     """The generic path's ``BlockStored``: token ids arrive as a list."""
 
