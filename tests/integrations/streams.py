@@ -160,3 +160,58 @@ def follow_until_exact(
             time.sleep(0.02)  # a poll under a deadline
     finally:
         sub.stop()
+
+
+def assert_same_streams(
+    zctx: zmq.Context[Any],
+    own: Any,
+    ours: Any,
+    endpoints: tuple[tuple[str, str], tuple[str, str]],
+    structs: EngineStructs,
+    batches: int = 200,
+) -> list[Frames]:
+    """Feed the engine's own publisher and kvwire's the same batches; their bytes must match.
+
+    ``endpoints``: (live, replay) of ``own``, then of ``ours``. Returns kvwire's
+    live messages.
+    """
+    (own_live, own_replay), (ours_live, ours_replay) = endpoints
+    subs = [subscribe(zctx, own_live), subscribe(zctx, ours_live)]
+    try:
+        join_in_lockstep([own, ours], subs, lambda: structs.batch([structs.cleared()]))
+        a, b = Workload(structs, seed=3), Workload(structs, seed=3)
+        for _ in range(batches):
+            batch_a, batch_b = a.step(), b.step()
+            batch_b.ts = batch_a.ts
+            own.publish(batch_a)
+            ours.publish(batch_b)
+        live_own, live_ours = receive(subs[0], batches), receive(subs[1], batches)
+        assert live_ours == live_own
+        replay_own, replay_ours = replay(zctx, own_replay, start=5), replay(zctx, ours_replay, start=5)
+        assert replay_ours == replay_own
+        assert len(replay_ours) == ours.publisher.last_seq - 5 + 2  # seqs 5.., then the end marker
+        return live_ours
+    finally:
+        for sub in subs:
+            sub.close(0)
+
+
+def assert_late_join_exact(pub: Any, structs: EngineStructs, source: EngineSource) -> None:
+    """A scheduler publishes; a router that joins late is served by replay, then follows live; shutdown is clean."""
+    workload = Workload(structs, seed=11)
+    try:
+        for _ in range(300):
+            pub.publish(workload.step())
+        joined = follow_until_exact(source, workload.expected, last_seq=pub.publisher.last_seq)
+        assert joined.counters.replayed >= 300
+        for _ in range(100):
+            pub.publish(workload.step())
+        follow_until_exact(source, workload.expected, last_seq=pub.publisher.last_seq)
+        assert len(workload.held) > 5
+    finally:
+        pub.shutdown()
+    stats = pub.publisher.stats()
+    assert stats.published == 400 and stats.dropped_closed == 0 and stats.queue_depth == 0
+    pub.shutdown()  # idempotent
+    pub.publish(workload.step())  # after shutdown: counted, never raised into the scheduler
+    assert pub.publisher.stats().dropped_closed == 1

@@ -17,13 +17,9 @@ from kvwire.subscriber import EngineSource
 from .streams import (
     BLOCK_SIZE,
     EngineStructs,
-    Workload,
-    follow_until_exact,
-    join_in_lockstep,
+    assert_late_join_exact,
+    assert_same_streams,
     raw_digest,
-    receive,
-    replay,
-    subscribe,
 )
 
 Engine = types.SimpleNamespace
@@ -146,35 +142,17 @@ def test_side_by_side_byte_identical_live_and_replay(
     """vLLM's own publisher and kvwire's, fed the same batches: the same bytes, live and replayed."""
     kv = vllm.kv_events
     factory = kv.EventPublisherFactory
-    own = factory.create(
-        config(vllm, endpoint=f"ipc://{ipc_dir}/own", replay_endpoint=f"ipc://{ipc_dir}/own-r", topic="kv"), 0
-    )
+    eps = (f"ipc://{ipc_dir}/own", f"ipc://{ipc_dir}/own-r"), (f"ipc://{ipc_dir}/ours", f"ipc://{ipc_dir}/ours-r")
+    own = factory.create(config(vllm, endpoint=eps[0][0], replay_endpoint=eps[0][1], topic="kv"), 0)
     monkeypatch.setenv("KVWIRE_PUBLISHER", "1")
     load_plugins(vllm)
-    ours = factory.create(
-        config(vllm, endpoint=f"ipc://{ipc_dir}/ours", replay_endpoint=f"ipc://{ipc_dir}/ours-r", topic="kv"), 0
-    )
-    assert type(own) is kv.ZmqEventPublisher and isinstance(ours, VllmEventPublisher)
-    subs = [subscribe(zctx, f"ipc://{ipc_dir}/own"), subscribe(zctx, f"ipc://{ipc_dir}/ours")]
+    ours = factory.create(config(vllm, endpoint=eps[1][0], replay_endpoint=eps[1][1], topic="kv"), 0)
     try:
-        join_in_lockstep([own, ours], subs, lambda: kv.KVEventBatch(ts=0.0, events=[kv.AllBlocksCleared()]))
-        a, b = Workload(structs(kv), seed=3), Workload(structs(kv), seed=3)
-        for _ in range(200):
-            batch_a, batch_b = a.step(), b.step()
-            batch_b.ts = batch_a.ts
-            own.publish(batch_a)
-            ours.publish(batch_b)
-        live_own, live_ours = receive(subs[0], 200), receive(subs[1], 200)
-        assert live_ours == live_own
-        decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
-        decoded = [decoder.decode(m[2]) for m in live_ours]
+        assert type(own) is kv.ZmqEventPublisher and isinstance(ours, VllmEventPublisher)
+        live = assert_same_streams(zctx, own, ours, eps, structs(kv))
+        decoded = [msgspec.msgpack.decode(m[2], type=kv.KVEventBatch) for m in live]  # vLLM's own decoder
         assert all(d.data_parallel_rank == 0 for d in decoded)
-        assert sum(len(d.events) for d in decoded) > 200
-        assert isinstance(decoded[0].events[0], kv.BlockStored | kv.BlockRemoved | kv.AllBlocksCleared)
-        replay_own = replay(zctx, f"ipc://{ipc_dir}/own-r", start=5)
-        replay_ours = replay(zctx, f"ipc://{ipc_dir}/ours-r", start=5)
-        assert replay_ours == replay_own
-        assert len(replay_ours) == ours.publisher.last_seq - 5 + 2  # seqs 5.., then the end marker
+        assert {type(e) for d in decoded for e in d.events} == {kv.BlockStored, kv.BlockRemoved, kv.AllBlocksCleared}
     finally:
         own.shutdown()
         ours.shutdown()
@@ -191,21 +169,5 @@ def test_scheduler_loop_late_join_ends_exact_and_shuts_down(
     pub = kv.EventPublisherFactory.create(
         config(vllm, endpoint=f"ipc://{ipc_dir}/ev", replay_endpoint=f"ipc://{ipc_dir}/rp"), 0
     )
-    workload = Workload(structs(kv), seed=11)
-    try:
-        for _ in range(300):
-            pub.publish(workload.step())
-        source = EngineSource("vllm", f"ipc://{ipc_dir}/ev", f"ipc://{ipc_dir}/rp")
-        joined = follow_until_exact(source, workload.expected, last_seq=pub.publisher.last_seq)
-        assert joined.counters.replayed >= 300
-        for _ in range(100):  # and live traffic after the join
-            pub.publish(workload.step())
-        follow_until_exact(source, workload.expected, last_seq=pub.publisher.last_seq)
-        assert len(workload.held) > 5
-    finally:
-        pub.shutdown()
-    stats = pub.publisher.stats()
-    assert stats.published == 400 and stats.dropped_closed == 0 and stats.queue_depth == 0
-    pub.shutdown()  # idempotent
-    pub.publish(workload.step())  # after shutdown: counted, never raised into the scheduler
-    assert pub.publisher.stats().dropped_closed == 1
+    assert isinstance(pub, VllmEventPublisher)
+    assert_late_join_exact(pub, structs(kv), EngineSource("vllm", f"ipc://{ipc_dir}/ev", f"ipc://{ipc_dir}/rp"))
