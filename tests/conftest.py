@@ -1,4 +1,4 @@
-"""Shared test helpers: where the captured wire fixtures live."""
+"""Shared test helpers: where the captured wire fixtures live (in this repository)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-FIXTURE_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "wire"
+FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "wire"
+"""Captured engine traffic, copied byte for byte (see its README); never regenerated."""
 
 
 FIXTURE_FILES = sorted(FIXTURE_DIR.glob("*.json"))

@@ -5,7 +5,14 @@
 :class:`EventSink` (or an async iterator of :data:`SinkItem`).
 """
 
-from kvwire.subscriber.actions import Action, Apply, ClearRank, RequestReplay, StateChanged
+from kvwire.subscriber.actions import (
+    Action,
+    Apply,
+    ClearRank,
+    RequestReplay,
+    RequestSnapshot,
+    StateChanged,
+)
 from kvwire.subscriber.sink import Applied, BlockSetSink, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import (
@@ -34,6 +41,7 @@ __all__ = [
     "RankStatus",
     "RankStream",
     "RequestReplay",
+    "RequestSnapshot",
     "SinkItem",
     "StateChanged",
     "StreamConfig",

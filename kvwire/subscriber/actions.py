@@ -13,7 +13,7 @@ import msgspec
 from kvwire.subscriber.state import RankState
 from kvwire.wire import KVEventBatch
 
-__all__ = ["Action", "Apply", "ClearRank", "RequestReplay", "StateChanged"]
+__all__ = ["Action", "Apply", "ClearRank", "RequestReplay", "RequestSnapshot", "StateChanged"]
 
 
 class Apply(msgspec.Struct, frozen=True, gc=False):
@@ -47,6 +47,17 @@ class RequestReplay(msgspec.Struct, frozen=True, gc=False):
     fresh: bool
 
 
+class RequestSnapshot(msgspec.Struct, frozen=True, gc=False):
+    """Ask a kvwire publisher's replay socket for a snapshot of the rank's state.
+
+    Sent like :class:`RequestReplay` (same socket, same ``fresh`` rule, replies
+    fed back with ``token``), as :func:`kvwire.wire.snapshot_request_frames`.
+    """
+
+    token: int
+    fresh: bool
+
+
 class StateChanged(msgspec.Struct, frozen=True, gc=False):
     """The rank's state changed, and why."""
 
@@ -55,4 +66,4 @@ class StateChanged(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
-Action: TypeAlias = Apply | ClearRank | RequestReplay | StateChanged
+Action: TypeAlias = Apply | ClearRank | RequestReplay | RequestSnapshot | StateChanged

@@ -56,6 +56,7 @@ from kvwire.wire import (
     AllBlocksCleared,
     KVEventBatch,
     ReplayEnd,
+    ReplayItem,
     WireError,
     decode_batch,
     parse_replay_reply,
@@ -274,8 +275,10 @@ class RankStream:
             return self._finish(now)
         if isinstance(msg, ReplayEnd):
             self._replay_end(r, now)
-        else:
+        elif isinstance(msg, ReplayItem):
             self._replay_item(r, msg.seq, msg.payload, now)
+        else:  # a snapshot reply to a request this stream never makes
+            self.counters.decode_errors += 1
         self._ensure_replay(now)
         return self._finish(now)
 

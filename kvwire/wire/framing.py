@@ -3,9 +3,20 @@
 Live:          ``[topic, seq, payload]``
 Replay ask:    ``[b"", start_seq]`` from a DEALER (a REQ adds the ``b""`` itself)
 Replay reply:  ``[b"", topic, seq, payload]`` (current) or ``[b"", seq, payload]``
-               (older), closed by ``[b"", b"", END_SEQ, b""]`` / ``[b"", END_SEQ, b""]``.
+               (older), closed by ``[b"", topic?, END_SEQ, b""]`` / ``[b"", END_SEQ, b""]``.
 
-``seq`` is always 8 bytes, big-endian, unsigned.
+kvwire's own publishers add, without changing what those frames mean to anyone else:
+
+Epoch:         ``topic + b"\x00sgl-kv-epoch=" + epoch`` on every live message and reply
+               (SGLang's convention: prefix subscriptions still match).
+Snapshot ask:  ``[b"", b"kvwire-snapshot"]`` on the replay socket. Engines' own
+               publishers read it as a start seq past anything buffered and answer END.
+Snapshot:      ``[b"", b"kvwire-snapshot", topic, next_seq, number, payload]`` chunks, closed by
+               ``[b"", b"kvwire-snapshot", topic, next_seq, END_SEQ, chunk_count]``, or refused
+               with ``[b"", b"kvwire-snapshot", topic, END_SEQ, END_SEQ, reason]``.
+
+``seq`` (and ``number``, ``chunk_count``) is always 8 bytes, big-endian, unsigned.
+See ``docs/wire.md``.
 """
 
 from __future__ import annotations
@@ -18,16 +29,34 @@ from kvwire.wire.errors import WireError
 
 __all__ = [
     "END_SEQ",
+    "EPOCH_MARK",
+    "SNAPSHOT_MARK",
+    "Epoch",
     "LiveMessage",
     "ReplayEnd",
     "ReplayItem",
+    "ReplayReply",
+    "ReplayRequest",
+    "SnapshotChunk",
+    "SnapshotEnd",
+    "SnapshotRefused",
+    "SnapshotRequest",
+    "epoch_topic",
+    "format_epoch",
     "pack_seq",
+    "parse_epoch",
     "parse_live",
     "parse_replay_reply",
     "parse_replay_request",
+    "parse_request",
     "replay_end_frames",
     "replay_item_frames",
     "replay_request_frames",
+    "snapshot_chunk_frames",
+    "snapshot_end_frames",
+    "snapshot_refused_frames",
+    "snapshot_request_frames",
+    "split_topic",
     "unpack_seq",
 ]
 
@@ -96,9 +125,9 @@ def replay_item_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
     return [b"", topic, pack_seq(seq), payload]
 
 
-def replay_end_frames() -> list[bytes]:
-    """The marker that closes a replay reply."""
-    return [b"", b"", END_SEQ, b""]
+def replay_end_frames(topic: bytes = b"") -> list[bytes]:
+    """The marker that closes a replay reply (kvwire publishers put their epoch topic in it)."""
+    return [b"", topic, END_SEQ, b""]
 
 
 class ReplayItem(NamedTuple):
@@ -110,13 +139,170 @@ class ReplayItem(NamedTuple):
 
 
 class ReplayEnd(NamedTuple):
-    """The end of a replay reply."""
+    """The end of a replay reply; ``topic`` as the publisher sent it (engines: empty)."""
+
+    topic: bytes | None = None
 
 
-def parse_replay_reply(frames: Sequence[Frame]) -> ReplayItem | ReplayEnd:
-    """Read one reply message as a DEALER receives it, in either layout."""
+# --- publisher epochs -----------------------------------------------------------
+
+EPOCH_MARK = b"\x00sgl-kv-epoch="
+"""What separates a topic from the publisher's epoch (SGLang's convention)."""
+
+_KVWIRE_EPOCH = b"kvw1."
+_EPOCH_ID_LEN = 16  # hex digits of a random 64-bit id
+_MAX_EPOCH_LEN = 64
+_MAX_HEARTBEAT_MS = 3_600_000
+
+
+class Epoch(NamedTuple):
+    """What a publisher's epoch tells a subscriber.
+
+    ``value`` identifies one publisher instance: a different value is a
+    restart. kvwire's own publishers also say whether they heartbeat (and how
+    often) and whether their replay socket serves snapshots; any other epoch
+    (SGLang's) gives neither promise.
+    """
+
+    value: bytes
+    heartbeat_s: float | None = None
+    snapshot: bool = False
+
+
+def format_epoch(instance: int, *, heartbeat_s: float | None, snapshot: bool) -> bytes:
+    """A kvwire publisher's epoch: ``kvw1.<16 hex>[.hb<ms>][.snap]``."""
+    if not 0 <= instance < 1 << 64:
+        raise WireError(f"epoch instance {instance} is not a 64-bit unsigned int")
+    out = _KVWIRE_EPOCH + b"%016x" % instance
+    if heartbeat_s is not None:
+        ms = round(heartbeat_s * 1000)
+        if not 1 <= ms <= _MAX_HEARTBEAT_MS:
+            raise WireError(f"heartbeat {heartbeat_s} s is outside 1 ms..1 h")
+        out += b".hb%d" % ms
+    if snapshot:
+        out += b".snap"
+    return out
+
+
+def parse_epoch(epoch: bytes) -> Epoch:
+    """Read an epoch; anything not in kvwire's form is an opaque epoch (no promises)."""
+    if len(epoch) > _MAX_EPOCH_LEN or not epoch.startswith(_KVWIRE_EPOCH):
+        return Epoch(epoch)
+    parts = epoch[len(_KVWIRE_EPOCH) :].split(b".")
+    ident = parts[0]
+    if len(ident) != _EPOCH_ID_LEN or not all(c in b"0123456789abcdef" for c in ident):
+        return Epoch(epoch)
+    heartbeat: float | None = None
+    snapshot = False
+    for part in parts[1:]:
+        if part == b"snap":
+            snapshot = True
+        elif part.startswith(b"hb") and part[2:].isdigit() and len(part) <= 10:
+            ms = int(part[2:])
+            if 1 <= ms <= _MAX_HEARTBEAT_MS:
+                heartbeat = ms / 1000
+    return Epoch(epoch, heartbeat, snapshot)
+
+
+def epoch_topic(topic: bytes, epoch: bytes | None) -> bytes:
+    """The topic frame a publisher sends: its topic, then its epoch if it has one."""
+    return topic if epoch is None else topic + EPOCH_MARK + epoch
+
+
+def split_topic(topic: bytes) -> tuple[bytes, bytes | None]:
+    """``(topic, epoch)`` of a received topic frame; ``None`` when it carries no epoch."""
+    at = topic.find(EPOCH_MARK)
+    if at < 0:
+        return topic, None
+    return topic[:at], topic[at + len(EPOCH_MARK) :]
+
+
+# --- snapshots ----------------------------------------------------------------------
+
+SNAPSHOT_MARK = b"kvwire-snapshot"
+"""The second frame of every snapshot request and reply message."""
+
+
+def snapshot_request_frames() -> list[bytes]:
+    """What a DEALER sends to ask a kvwire publisher's replay socket for a snapshot."""
+    return [b"", SNAPSHOT_MARK]
+
+
+class SnapshotRequest(NamedTuple):
+    """A snapshot request as the publisher's ROUTER read it."""
+
+    identity: bytes
+
+
+class ReplayRequest(NamedTuple):
+    """A replay request as the publisher's ROUTER read it."""
+
+    identity: bytes
+    start_seq: int
+
+
+def parse_request(frames: Sequence[Frame]) -> ReplayRequest | SnapshotRequest:
+    """Read what a ROUTER received on a replay socket: a replay or a snapshot request."""
+    if len(frames) == 3 and len(frames[1]) == 0 and bytes(frames[2]) == SNAPSHOT_MARK:
+        return SnapshotRequest(bytes(frames[0]))
+    identity, start = parse_replay_request(frames)
+    return ReplayRequest(identity, start)
+
+
+def snapshot_chunk_frames(topic: bytes, next_seq: int, number: int, payload: bytes) -> list[bytes]:
+    """Chunk ``number`` (from 0) of a snapshot of the state before batch ``next_seq``.
+
+    ``payload`` is an ordinary batch payload whose ``BlockStored`` events
+    rebuild the state; across the chunks of one snapshot a parent always
+    comes before its children.
+    """
+    return [b"", SNAPSHOT_MARK, topic, pack_seq(next_seq), pack_seq(number), payload]
+
+
+def snapshot_end_frames(topic: bytes, next_seq: int, chunks: int) -> list[bytes]:
+    """Closes a snapshot that was sent whole: ``chunks`` chunks, then go on at ``next_seq``."""
+    return [b"", SNAPSHOT_MARK, topic, pack_seq(next_seq), END_SEQ, pack_seq(chunks)]
+
+
+def snapshot_refused_frames(topic: bytes, reason: str) -> list[bytes]:
+    """The publisher cannot serve a trustworthy snapshot (say why)."""
+    return [b"", SNAPSHOT_MARK, topic, END_SEQ, END_SEQ, reason.encode()[:1024]]
+
+
+class SnapshotChunk(NamedTuple):
+    """One chunk of a snapshot reply."""
+
+    topic: bytes
+    next_seq: int
+    number: int
+    """The chunk's place in the snapshot, from 0 (a missing number is a broken snapshot)."""
+    payload: bytes
+
+
+class SnapshotEnd(NamedTuple):
+    """A snapshot reply is complete after ``chunks`` chunks; continue from ``next_seq``."""
+
+    topic: bytes
+    next_seq: int
+    chunks: int
+
+
+class SnapshotRefused(NamedTuple):
+    """The publisher refused the snapshot (its state cannot be trusted, or it is busy)."""
+
+    topic: bytes
+    reason: str
+
+
+ReplayReply = ReplayItem | ReplayEnd | SnapshotChunk | SnapshotEnd | SnapshotRefused
+
+
+def parse_replay_reply(frames: Sequence[Frame]) -> ReplayReply:
+    """Read one reply message as a DEALER receives it: either replay layout, or a snapshot."""
     if not frames or len(frames[0]) != 0:
         raise WireError("replay reply must start with the empty delimiter frame")
+    if len(frames) == 6 and bytes(frames[1]) == SNAPSHOT_MARK:
+        return _parse_snapshot(frames)
     if len(frames) == 4:
         _, topic, seq, payload = frames
         topic_b: bytes | None = bytes(topic)
@@ -126,5 +312,18 @@ def parse_replay_reply(frames: Sequence[Frame]) -> ReplayItem | ReplayEnd:
     else:
         raise WireError(f"replay reply must have 3 or 4 frames, got {len(frames)}")
     if bytes(seq) == END_SEQ:
-        return ReplayEnd()
+        return ReplayEnd(topic_b)
     return ReplayItem(topic_b, unpack_seq(seq), bytes(payload))
+
+
+def _parse_snapshot(frames: Sequence[Frame]) -> SnapshotChunk | SnapshotEnd | SnapshotRefused:
+    _, _, topic, seq, index, last = frames
+    topic_b = bytes(topic)
+    if bytes(seq) == END_SEQ:
+        if bytes(index) != END_SEQ:
+            raise WireError("snapshot refusal must carry END_SEQ in both seq frames")
+        return SnapshotRefused(topic_b, bytes(last).decode("utf-8", "replace"))
+    next_seq = unpack_seq(seq)
+    if bytes(index) == END_SEQ:
+        return SnapshotEnd(topic_b, next_seq, unpack_seq(last))
+    return SnapshotChunk(topic_b, next_seq, unpack_seq(index), bytes(last))
