@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,23 +17,41 @@ def test_defaults_are_inert_and_loopback() -> None:
     assert config == IntegrationConfig()
     assert not config.enabled and not config.expose
     assert config.endpoint == "tcp://127.0.0.1:5557"
-    assert config.publisher_options(500) == {"linger_s": 0.002, "max_replay_batches": 500}
+    options = config.publisher_options(500)
+    assert options["max_replay_batches"] == 500
+    assert options.get("epoch", False) is False and options.get("heartbeat") is None
+    assert options.get("snapshot", False) is False and options.get("server_keys") is None
 
 
 def test_every_variable_is_read() -> None:
     config = IntegrationConfig.from_env({
-        "KVWIRE_PUBLISHER": "1", "KVWIRE_EXPOSE": "true", "KVWIRE_LINGER_MS": "0",
+        "KVWIRE_PUBLISHER": "1", "KVWIRE_EXPOSE": "true", "KVWIRE_COALESCE_MS": "0",
+        "KVWIRE_EPOCH": "1", "KVWIRE_HEARTBEAT_S": "0.5",
         "KVWIRE_MAX_REPLAY_BATCHES": "7", "KVWIRE_ENDPOINT": "tcp://10.0.0.1:6000",
         "KVWIRE_REPLAY_ENDPOINT": "tcp://10.0.0.1:6100", "KVWIRE_BLOCK_SIZE": "64",
         "KVWIRE_BUFFER_STEPS": "9", "KVWIRE_MAX_QUEUE_SIZE": "11", "KVWIRE_HWM": "13",
         "KVWIRE_TOPIC": "kv",
     })  # fmt: skip
     assert config == IntegrationConfig(
-        enabled=True, expose=True, linger_ms=0, max_replay_batches=7, endpoint="tcp://10.0.0.1:6000",
+        enabled=True, expose=True, coalesce_ms=0, max_replay_batches=7, epoch=True, heartbeat_s=0.5,
+        endpoint="tcp://10.0.0.1:6000",
         replay_endpoint="tcp://10.0.0.1:6100", block_size=64, buffer_steps=9, max_queue_size=11,
         hwm=13, topic="kv",
     )  # fmt: skip
-    assert config.publisher_options(500) == {"linger_s": 0.0, "max_replay_batches": 7}
+
+    def new_publisher(*, coalesce_s: float, max_replay_batches: int, epoch: bool, heartbeat: float | None,
+                      snapshot: bool, server_keys: Any) -> None: ...
+
+    assert config.publisher_options(500, new_publisher) == {
+        "coalesce_s": 0.0, "max_replay_batches": 7, "epoch": True, "heartbeat": 0.5, "snapshot": False,
+        "server_keys": None,
+    }  # fmt: skip
+
+    def old_publisher(*, linger_s: float, max_replay_batches: int) -> None: ...
+
+    with pytest.raises(ValueError, match="KVWIRE_EPOCH is set"):
+        config.publisher_options(500, old_publisher)
+    assert IntegrationConfig().publisher_options(9, old_publisher) == {"linger_s": 0.002, "max_replay_batches": 9}
 
 
 @pytest.mark.parametrize("value", ["0", "yes please", "2"])
@@ -43,8 +62,11 @@ def test_only_a_clear_yes_enables(value: str) -> None:
 @pytest.mark.parametrize(
     ("name", "value", "fragment"),
     [
-        ("KVWIRE_LINGER_MS", "two", "is not an integer"),
-        ("KVWIRE_LINGER_MS", "-1", "must be >= 0"),
+        ("KVWIRE_COALESCE_MS", "two", "is not an integer"),
+        ("KVWIRE_COALESCE_MS", "-1", "must be >= 0"),
+        ("KVWIRE_HEARTBEAT_S", "nan", "positive number of seconds"),
+        ("KVWIRE_HEARTBEAT_S", "often", "not a number of seconds"),
+        ("KVWIRE_SECRET_KEY", "/x.key_secret", "go together"),
         ("KVWIRE_BLOCK_SIZE", "0", "must be >= 1"),
         ("KVWIRE_MAX_REPLAY_BATCHES", "0", "must be >= 1"),
     ],
@@ -53,6 +75,14 @@ def test_a_bad_value_is_named(name: str, value: str, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment) as info:
         IntegrationConfig.from_env({name: value})
     assert name in str(info.value)
+
+
+def test_curve_keys_from_the_environment(tmp_path: Path) -> None:
+    from kvwire.security import ServerKeys, generate_keypair
+
+    _, secret = generate_keypair(tmp_path, "engine")
+    config = IntegrationConfig.from_env({"KVWIRE_SECRET_KEY": str(secret), "KVWIRE_ALLOW_DIR": str(tmp_path)})
+    assert config.server_keys == ServerKeys(secret, tmp_path)
 
 
 @pytest.mark.parametrize(
