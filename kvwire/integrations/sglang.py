@@ -18,6 +18,7 @@ from typing import Any
 
 from kvwire.integrations.adapter import EngineEventPublisher, install
 from kvwire.integrations.config import IntegrationConfig
+from kvwire.wire import local_endpoint
 
 __all__ = ["SglangEventPublisher", "register"]
 
@@ -61,21 +62,14 @@ class SglangEventPublisher(EngineEventPublisher):
         """Where a process on this host subscribes (SGLang advertises it in /server_info)."""
         source: dict[str, Any] = {
             "dp_rank": self.rank,
-            "endpoint": _local(self.publisher.bound_endpoint),
+            "endpoint": local_endpoint(self.publisher.bound_endpoint),
             "topic": self.topic,
             "block_size": block_size,
         }
         replay = self.publisher.bound_replay_endpoint
         if replay is not None:
-            source["replay_endpoint"] = _local(replay)
+            source["replay_endpoint"] = local_endpoint(replay)
         return source
-
-
-def _local(endpoint: str) -> str:
-    for wildcard, loopback in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"), ("tcp://[::]:", "tcp://[::1]:")):
-        if endpoint.startswith(wildcard):
-            return loopback + endpoint[len(wildcard) :]
-    return endpoint
 
 
 def register() -> None:
