@@ -13,9 +13,25 @@ from typing import Any
 import pytest
 import zmq
 
-from .engines import EngineUnavailable, import_sglang, import_vllm
+from .engines import SGLANG, VLLM, EngineUnavailable, import_sglang, import_vllm, wheel_cache
 
 REPO = Path(__file__).resolve().parents[2]
+DOWNLOAD_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A wheel not cached yet is downloaded by the first test that needs it: give that one time."""
+    missing = {
+        name for name, version in (VLLM, SGLANG) if not any(wheel_cache().glob(f"{name}-{version}-*.whl"))
+    }
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if {"vllm", "vllm_session"} & fixtures and "vllm" in missing:
+            item.add_marker(pytest.mark.timeout(DOWNLOAD_TIMEOUT_S))
+            missing.discard("vllm")
+        if {"sglang", "sglang_session"} & fixtures and "sglang" in missing:
+            item.add_marker(pytest.mark.timeout(DOWNLOAD_TIMEOUT_S))
+            missing.discard("sglang")
 
 
 def _engine(load: Any) -> types.SimpleNamespace:

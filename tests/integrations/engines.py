@@ -140,3 +140,18 @@ def import_sglang() -> types.SimpleNamespace:
         kv_events=importlib.import_module("sglang.srt.disaggregation.kv_events"),
         plugins=importlib.import_module("sglang.srt.plugins"),
     )
+
+
+def main() -> int:
+    """Fetch and unpack both engines' wheels (``make engine-wheels``); exit 1 with pip's reason."""
+    try:
+        for engine in (VLLM, SGLANG):
+            print(f"{engine[0]} {engine[1]}: {_sources(engine)}")
+    except EngineUnavailable as exc:
+        print(f"engine wheels unavailable: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
