@@ -87,7 +87,7 @@ class EngineEventPublisher:
         self.max_queue_size = max_queue_size
         pub = bind_address(endpoint, config)
         replay = None if replay_endpoint is None else bind_address(replay_endpoint, config)
-        if (pub, replay) != (endpoint, replay_endpoint):
+        if (pub, replay) != (endpoint, replay_endpoint) and not config.expose:
             log.warning(
                 "kvwire binds %s (replay %s) for the configured %s (replay %s): KV events "
                 "carry prompt token ids; set KVWIRE_EXPOSE=1 to bind as configured",
