@@ -287,16 +287,21 @@ def test_reconnect_to_a_restarted_publisher_is_caught_by_the_anchor() -> None:
     assert s.counters.stale_replies == 1
 
 
-def test_reconnect_with_an_empty_reply_means_a_restarted_idle_publisher() -> None:
+def test_reconnect_with_an_empty_reply_proves_nothing_and_ends_partial() -> None:
+    """A restarted idle publisher or a useless buffer: the empty reply cannot tell which."""
     s = synced_stream(3)
     s.disconnected(1.0)
     (req,) = requests(s.connected(1.5))
     out = s.replay_reply(replay_end_frames(), req.token, 1.6)
-    assert clears(out) and s.counters.restarts == 1
+    assert clears(out) and s.counters.restarts == 0 and requests(out) == []
+    assert s.state is RankState.PARTIAL and s.expected_seq == 3
+    # The next live batch tells: its seq went back, so the publisher restarted.
+    out = s.live(live(0, life=1), 2.0)
+    assert s.counters.restarts == 1
     (history,) = requests(out)
-    out = s.replay_reply(replay_end_frames(), history.token, 1.7)
-    assert s.state is RankState.SYNCED and s.expected_seq == 0
-    assert applied(s.live(live(0, life=1), 2.0)) == [0]
+    out = s.replay_reply(reply(0, life=1), history.token, 2.1)
+    out += s.replay_reply(replay_end_frames(), history.token, 2.1)
+    assert applied(out) == [0] and s.state is RankState.SYNCED
 
 
 def test_reconnect_to_the_same_publisher_keeps_the_view() -> None:
