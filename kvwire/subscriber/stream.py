@@ -23,7 +23,8 @@ phase          meaning                                                     leave
 DISCONNECTED   no connection (the start); nothing is asked                 STARTING (connect, replay),
                                                                            AWAIT_LIVE (connect, no replay)
 AWAIT_LIVE     connected; only the next live batch tells where the         FOLLOWING (a live batch),
-               stream is (no replay, or a start replay gave up)            STARTING (restart seen)
+               stream is (no replay, or a start replay gave up)            STARTING (restart seen),
+                                                                           PROBING, STALE (silence)
 STARTING       a (re)connect or post-restart replay is out: every live     FOLLOWING (reply reached the tail),
                batch is held until it proves continuity                    REPLAYING (more to fetch), BACKOFF,
                                                                            AWAIT_LIVE (gave up), STARTING
@@ -155,7 +156,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     phase: frozenset(targets | _ALWAYS)
     for phase, targets in {
         _P.DISCONNECTED: {_P.STARTING, _P.AWAIT_LIVE},
-        _P.AWAIT_LIVE: {_P.STARTING, _P.REPLAYING, _P.SNAPSHOTTING},
+        _P.AWAIT_LIVE: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.SNAPSHOTTING, _P.STALE},
         _P.STARTING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.BACKOFF, _P.AWAIT_LIVE, _P.STALE},
         _P.REPLAYING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.BACKOFF, _P.STALE},
         _P.PROBING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.STALE},
@@ -174,6 +175,7 @@ for _phase in (_P.STARTING, _P.REPLAYING, _P.PROBING, _P.STALE):
 
 _ASKING = frozenset({_P.STARTING, _P.REPLAYING, _P.PROBING, _P.SNAPSHOTTING})
 _SYNCED_PHASES = frozenset({_P.FOLLOWING, _P.PROBING})
+_IDLE_PHASES = frozenset({_P.FOLLOWING, _P.STALE, _P.AWAIT_LIVE})  # where probes are made
 
 
 def _has_clear(batch: KVEventBatch) -> bool:
@@ -503,7 +505,9 @@ class RankStream:
         if topic != self._topic:
             epoch = split_topic(topic)[1]
             if epoch is not None and self._epoch is not None and epoch != self._epoch:
-                self._restart(f"publisher epoch changed from {self._epoch!r} to {epoch!r}", 0, epoch)
+                self._restart(
+                    f"publisher epoch changed from {self._epoch!r} to {epoch!r}", 0, epoch
+                )
             elif epoch is not None:
                 self._set_epoch(epoch)
             self._topic = topic
@@ -901,15 +905,15 @@ class RankStream:
             idle is None
             or not self.config.replay
             or self._epoch_info.heartbeat_s is not None
-            or (self._phase is not Phase.FOLLOWING and self._phase is not Phase.STALE)
+            or self._phase not in _IDLE_PHASES
             or self._expected < self._horizon
         ):
             return None
         return max(self._last_live_at, self._last_probe_at) + idle
 
     def _stale_due_at(self) -> float | None:
-        """When silence makes a FOLLOWING rank STALE (nothing can prove it current)."""
-        if self._phase is not Phase.FOLLOWING:
+        """When silence makes a rank STALE (nothing can prove it current)."""
+        if self._phase is not Phase.FOLLOWING and self._phase is not Phase.AWAIT_LIVE:
             return None
         hb = self._epoch_info.heartbeat_s
         if hb is not None:
