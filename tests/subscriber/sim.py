@@ -99,6 +99,9 @@ class SimPublisher:
         self.truth_after: dict[int, frozenset[int]] = {}
         self.batches: dict[int, KVEventBatch] = {}
         self.next_block = 1
+        # Every life's batches and truths, by incarnation (a STALE rank may still
+        # show an old life that restarted silently).
+        self.lives = [(self.batches, self.truth_after)]
         self.dropped = False  # this life dropped a batch after reserving its seq
         self.last_sent = 0.0
         self.topic = TOPIC
@@ -176,6 +179,7 @@ class SimPublisher:
         self.truth.clear()
         self.truth_after = {}
         self.batches = {}
+        self.lives.append((self.batches, self.truth_after))
         self.dropped = False
         self.last_sent = now
         self._new_epoch()
@@ -480,18 +484,20 @@ class Harness:
             stream.reason,
         )
         assert stream.counters.internal_errors == 0
+        log = sink.since_clear
+        life = incarnation_of(log[-1][1]) if log else pub.incarnation
+        batches_of, truth_after = pub.lives[life]
         if stream.state is RankState.STALE:
             # Only a publisher that cannot prove its tail leaves a rank STALE once
             # the network healed: no heartbeats, and either no replay or a kvwire
             # publisher (which may drop a reserved seq without a trace).
             assert pub.kind.heartbeat is None, stream.reason
             assert not self.config.replay or pub.kind.epoch, stream.reason
-            assert stream.expected_seq <= pub.seq
+            assert not log or stream.expected_seq <= len(batches_of)
         elif stream.state is RankState.SYNCED or sink.since_clear:
             # (A PARTIAL rank cleared after a restart it could not anchor may wait
             # for the engine's next batch to learn where the new stream is.)
             assert stream.expected_seq == pub.seq, (stream.expected_seq, pub.seq, stream.reason)
-        log = sink.since_clear
         if stream.state is RankState.SYNCED:
             # The view is exact from its last clear: a clear by the subscriber (a
             # snapshot, or nothing before), or the last AllBlocksCleared the engine sent.
@@ -502,18 +508,21 @@ class Harness:
             ]
             log = log[resets[-1] :] if resets else log
             if log and not resets:
-                assert log[0][0] == 0 or is_snapshot_chunk(log[0][1]), (
+                first, batch = log[0]
+                # (A snapshot of an empty cache has no chunk.)
+                empty_before = not pub.truth_after.get(first - 1)
+                assert first == 0 or is_snapshot_chunk(batch) or empty_before, (
                     "SYNCED although the history before the last clear is missing"
                 )
         batches = [(seq, b) for seq, b in log if not is_snapshot_chunk(b)]
         if self.contiguous or stream.state is RankState.SYNCED:
             for seq, batch in batches:
-                assert pub.batches.get(seq) == batch, f"applied batch {seq} is not the publisher's"
+                assert batches_of.get(seq) == batch, f"applied batch {seq} is not the publisher's"
             seqs = [seq for seq, _ in batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
         if stream.state is RankState.STALE:
             # Exact or a subset as of the last batch applied, never ahead of it.
-            then = pub.truth_after.get(stream.expected_seq - 1, frozenset())
+            then = truth_after.get(stream.expected_seq - 1, frozenset())
             if subset and sink.since_clear:
                 assert sink.blocks <= then, (sorted(sink.blocks - then), stream.reason)
         elif stream.state is RankState.SYNCED and exact_when_synced:
