@@ -14,8 +14,10 @@ A stream is always in exactly one :class:`Phase`; what may follow what is
 counted in ``internal_errors``). Whether the view is *exact* (nothing lost
 since it was last known whole) is kept beside the phase; the
 :class:`~kvwire.subscriber.RankState` a router reads is derived from both:
-STALE in phase STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING
-and PROBING, else SYNCING.
+STALE in phase STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING,
+else SYNCING. A probe proves nothing until it ends: in PROBING the rank reads
+what it read when the probe began (SYNCED, STALE, or SYNCING when waiting for
+a live batch), until a live batch shows where the stream is.
 
 =============  ==========================================================  ==================================
 phase          meaning                                                     leaves for
@@ -192,6 +194,7 @@ class _Replay:
     __slots__ = (
         "anchor_payload",
         "anchored",
+        "claim",
         "deadline",
         "first",
         "hard_deadline",
@@ -228,6 +231,7 @@ class _Replay:
         self.verified = False  # the anchor matched
         self.last_seq = -1  # the highest seq in the reply so far
         self.undecodable = -1  # a seq whose buffered copy does not decode
+        self.claim = RankState.SYNCED  # what an exact rank reads while this probe is out
 
 
 class _Snapshot:
@@ -570,6 +574,8 @@ class RankStream:
         """A live batch shows where the stream is: waiting for one, or silence, ends."""
         if self._phase is Phase.AWAIT_LIVE or self._phase is Phase.STALE:
             self._enter(Phase.FOLLOWING)
+        elif isinstance(self._active, _Replay):
+            self._active.claim = RankState.SYNCED  # a probe of a stale rank
 
     def _held_overflow(self) -> None:
         self.counters.held_overflows += 1
@@ -942,6 +948,11 @@ class RankStream:
         self._out.append(RequestReplay(start, self._token, self._dirty))
         self._dirty = False
         if kind is Phase.PROBING:
+            # A probe proves nothing before it ends: the rank reads what it did.
+            if self._phase is Phase.STALE:
+                self._active.claim = RankState.STALE
+            elif self._phase is Phase.AWAIT_LIVE:
+                self._active.claim = RankState.SYNCING
             self._last_probe_at = self._now
             self.counters.probes += 1
         else:
@@ -1149,12 +1160,14 @@ class RankStream:
     def _finish(self) -> list[Action]:
         out = self._out
         phase = self._phase
-        if phase is Phase.STALE or (phase is Phase.PROBING and self._state is RankState.STALE):
-            new = RankState.STALE  # a probe of a stale rank proves nothing before it ends
+        active = self._active
+        claim = active.claim if isinstance(active, _Replay) else RankState.SYNCED
+        if phase is Phase.STALE or (phase is Phase.PROBING and claim is RankState.STALE):
+            new = RankState.STALE
         elif not self._exact:
             new = RankState.PARTIAL
-        elif phase in _SYNCED_PHASES:
-            new = RankState.SYNCED
+        elif phase is Phase.FOLLOWING or phase is Phase.PROBING:
+            new = claim
         else:
             new = RankState.SYNCING
         if new is not self._state:
@@ -1163,7 +1176,7 @@ class RankStream:
                 self._reason = "in sequence"
             out.append(StateChanged(old, new, self._reason))
         self._fast = (
-            self._exact
+            new is RankState.SYNCED
             and phase in _SYNCED_PHASES
             and not self._held
             and self._horizon <= self._expected

@@ -494,9 +494,10 @@ class Harness:
             assert pub.kind.heartbeat is None, stream.reason
             assert not self.config.replay or pub.kind.epoch, stream.reason
             assert not log or stream.expected_seq <= len(batches_of)
-        elif stream.state is RankState.SYNCED or sink.since_clear:
+        elif stream.state is RankState.SYNCED or (sink.since_clear and self.contiguous):
             # (A PARTIAL rank cleared after a restart it could not anchor may wait
-            # for the engine's next batch to learn where the new stream is.)
+            # for the engine's next batch to learn where the new stream is; under
+            # the KEEP policy it keeps the old view meanwhile.)
             assert stream.expected_seq == pub.seq, (stream.expected_seq, pub.seq, stream.reason)
         if stream.state is RankState.SYNCED:
             # The view is exact from its last clear: a clear by the subscriber (a
