@@ -638,8 +638,10 @@ class RankStream:
                     )
                     return
                 if self._epoch is None:
+                    # Adopted, but what was applied before came without one: unproven.
                     self._set_epoch(epoch)
-                same_epoch = True
+                else:
+                    same_epoch = True
         if isinstance(r, _Snapshot):
             self._snapshot_reply(r, msg)
         elif isinstance(msg, ReplayItem):
@@ -850,6 +852,8 @@ class RankStream:
         self._anchor_payload = b""
         self._window.clear()
         self._lost.clear()
+        # Live copies of batches the snapshot covers may still be on their way.
+        self._lost.append((0, next_seq))
         self._exact = True
         self._snapshots_left = 1
         self._reason = f"{why}: exact again, replaying what followed"

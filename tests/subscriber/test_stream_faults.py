@@ -352,6 +352,20 @@ def test_a_late_joiner_is_made_exact_by_a_snapshot() -> None:
     assert r.s.state is RankState.SYNCED and 110 in r.blocks
 
 
+def test_a_live_copy_the_snapshot_already_covers_is_late_not_a_break() -> None:
+    """Live and replay are two sockets: batch 8 may arrive after a snapshot as of 9."""
+    topic = epoch(snap=True, hb=0.5)
+    r = late_join(topic)
+    r.reply(chunk(topic, 9, 0, 1, 60), 0.3)
+    r.reply(snapshot_end_frames(topic, 9, 1), 0.3)
+    out = r.live(topic, 8, store(8, 80), 0.35)
+    assert not [a for a in out if isinstance(a, ClearRank)] and r.s.counters.late == 1
+    r.reply(replay_end_frames(topic), 0.4)
+    r.live(topic, 9, store(9, 90), 0.45)
+    assert r.s.state is RankState.SYNCED and r.blocks == {1, 60, 90}
+    assert r.s.counters.seq_jumps == 0 and r.s.counters.restarts == 0
+
+
 @pytest.mark.parametrize(
     "failure",
     [
