@@ -199,6 +199,7 @@ class _Replay:
         "first",
         "hard_deadline",
         "horizon_at_send",
+        "identify",
         "kind",
         "last_seq",
         "progressed",
@@ -232,6 +233,7 @@ class _Replay:
         self.last_seq = -1  # the highest seq in the reply so far
         self.undecodable = -1  # a seq whose buffered copy does not decode
         self.claim = RankState.SYNCED  # what an exact rank reads while this probe is out
+        self.identify = -1  # asking the whole buffer after an empty reply from this anchor
 
 
 class _Snapshot:
@@ -656,6 +658,22 @@ class RankStream:
         if seq < r.start:
             return  # not what was asked; a correct publisher never sends it
         first, r.first = r.first, False
+        if first and r.identify >= 0:
+            if seq >= r.identify:
+                # Not what a restart shows, nor what the same publisher would.
+                self._abandon()
+                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
+                self._go_on(self._reason, Phase.STARTING)
+                return
+            self._restart(
+                f"replay from {r.identify} came back empty and the buffer ends below it: "
+                "publisher restarted",
+                0,
+                None,
+                ask=False,
+            )
+            r.identify = -1
+            r.horizon_at_send = 0
         if seq > r.last_seq:
             r.last_seq = seq
         if first and r.anchored and seq == r.start:
@@ -721,6 +739,18 @@ class RankStream:
             # start on: a restarted publisher, or a buffer that cannot help.
             # Either way it proves nothing.
             why = f"replay from {r.start} came back empty although batch {r.horizon_at_send - 1} exists"
+            if (
+                self._epoch is None
+                and r.anchored
+                and (kind is Phase.STARTING or kind is Phase.PROBING)
+            ):
+                # A buffer always holds the publisher's latest batch: if it holds
+                # any, below our anchor, the publisher restarted. Ask for all of it.
+                self._ask_replay(Phase.STARTING, anchored=False, start=0)
+                assert isinstance(self._active, _Replay)
+                self._active.identify = r.start
+                self._reason = f"{why}: asking for the whole buffer"
+                return
             c.replays_failed += 1
             self._retries = 0
             self._lose_view(why)
@@ -934,11 +964,15 @@ class RankStream:
 
     # --- requests -----------------------------------------------------------------------
 
-    def _ask_replay(self, kind: Phase, anchored: bool | None) -> None:
-        """Send a replay request; ``anchored=None``: anchored when a batch was applied."""
+    def _ask_replay(self, kind: Phase, anchored: bool | None, start: int | None = None) -> None:
+        """Send a replay request; ``anchored=None``: anchored when a batch was applied.
+
+        An unanchored request starts at the expected seq, or ``start``.
+        """
         if anchored is None:
             anchored = self._anchor_seq >= 0
-        start = self._anchor_seq if anchored else self._expected
+        if start is None or anchored:
+            start = self._anchor_seq if anchored else self._expected
         self._token += 1
         self._active = _Replay(
             self._token,
@@ -1086,8 +1120,13 @@ class RankStream:
                 self.counters.resyncs += 1
             self._reason = f"{why}: kept what was applied"
 
-    def _restart(self, why: str, known_horizon: int, epoch: bytes | None) -> None:
-        """The publisher restarted: its engine's cache is empty, follow its new stream."""
+    def _restart(
+        self, why: str, known_horizon: int, epoch: bytes | None, *, ask: bool = True
+    ) -> None:
+        """The publisher restarted: its engine's cache is empty, follow its new stream.
+
+        ``ask=False``: the reply being read already is the new life's history.
+        """
         self.counters.restarts += 1
         self._out.append(ClearRank(why))
         self._clean = True
@@ -1104,8 +1143,10 @@ class RankStream:
         self._snapshots_left = 1
         if epoch is not None:
             self._set_epoch(epoch)
-        self._abandon()
         self._retries = 0
+        if not ask:
+            return
+        self._abandon()
         if self.config.replay:
             self._ask_replay(Phase.STARTING, anchored=False)  # the new life's history
         else:
