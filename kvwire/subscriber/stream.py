@@ -19,38 +19,50 @@ else SYNCING. A probe proves nothing until it ends: in PROBING the rank reads
 what it read when the probe began (SYNCED, STALE, or SYNCING when waiting for
 a live batch), until a live batch shows where the stream is.
 
-=============  ==========================================================  ==================================
-phase          meaning                                                     leaves for
-=============  ==========================================================  ==================================
-DISCONNECTED   no connection (the start); nothing is asked                 STARTING (connect, replay),
-                                                                           AWAIT_LIVE (connect, no replay)
-AWAIT_LIVE     connected; only the next live batch tells where the         FOLLOWING (a live batch),
-               stream is (no replay, or a start replay gave up)            STARTING (restart seen),
-                                                                           PROBING, STALE (silence)
-STARTING       a (re)connect or post-restart replay is out: every live     FOLLOWING (reply reached the tail),
-               batch is held until it proves continuity                    REPLAYING (more to fetch), BACKOFF,
-                                                                           AWAIT_LIVE (gave up), STARTING
-                                                                           (restart seen)
-REPLAYING      a gap replay is out; later live batches are held            FOLLOWING, REPLAYING (ask again),
-                                                                           BACKOFF, STARTING (restart seen)
-PROBING        idle: a replay asks what the silence hid; live batches      FOLLOWING, STALE (tail unproven),
-               apply as usual                                              REPLAYING (gap), STARTING
-SNAPSHOTTING   a snapshot is out; every live batch is held                 REPLAYING (applied: replay from
-                                                                           its next seq), FOLLOWING (failed),
-                                                                           STARTING (restart seen)
-BACKOFF        a replay failed; it is asked again at a set time            STARTING / REPLAYING (retry due),
-                                                                           FOLLOWING (a restart or a
-                                                                           broken seq moved the stream)
-FOLLOWING      in sequence, nothing asked                                  REPLAYING (gap), PROBING (idle),
-                                                                           STALE (silence), SNAPSHOTTING
-                                                                           (view lost, ``.snap``), STARTING
-STALE          nothing proves the view current (silence, see RankState)    FOLLOWING (a live batch), PROBING,
-                                                                           STARTING
-=============  ==========================================================  ==================================
+============  ==============================================================
+phase         may move to (every phase may also move to DISCONNECTED)
+============  ==============================================================
+DISCONNECTED  STARTING AWAIT_LIVE
+AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
+STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
+REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
+PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+SNAPSHOTTING  FOLLOWING STARTING REPLAYING
+BACKOFF       FOLLOWING STARTING REPLAYING
+FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
+============  ==============================================================
 
-Every phase leaves for DISCONNECTED on a disconnect, and for FOLLOWING when a
-live seq breaks the stream (``seq_jumps``). An internal error (a bug) clears
-the rank and leaves for AWAIT_LIVE (or DISCONNECTED) from anywhere.
+What each phase is, and why it moves:
+
+- DISCONNECTED: no connection (the start); nothing is asked. A connection
+  moves it to STARTING (replay endpoint: prove continuity) or AWAIT_LIVE.
+- AWAIT_LIVE: connected, but only the next live batch tells where the stream
+  is (no replay endpoint, or a start replay gave up). A live batch moves it to
+  FOLLOWING; silence to PROBING (replay) or STALE (nothing can be asked).
+- STARTING: a (re)connect or post-restart replay is out and every live batch
+  is held until it proves continuity. Its reply ends at the tail (FOLLOWING,
+  STALE, or PROBING to look past a per-request cap), leaves more to fetch
+  (REPLAYING), times out (BACKOFF), gives up (AWAIT_LIVE), or shows a new
+  publisher life (STARTING again, for its history).
+- REPLAYING: a gap replay is out; later live batches are held. Moves like
+  STARTING, except that giving up follows live from the first held batch.
+- PROBING: idle; a replay asks what the silence hid while live batches apply
+  as usual. It ends FOLLOWING, or STALE where it proves nothing; a gap turns it
+  into REPLAYING, a loss with ``.snap`` into SNAPSHOTTING.
+- SNAPSHOTTING: a snapshot is out and every live batch is held. Applied, it
+  replays from its next seq (REPLAYING); failed, it follows live (FOLLOWING).
+- BACKOFF: a replay failed and is asked again at a set time (STARTING or
+  REPLAYING); a restart, a broken seq or a full held buffer moves it on.
+- FOLLOWING: in sequence, nothing asked. A gap moves it to REPLAYING, silence
+  to PROBING or STALE, a loss with ``.snap`` to SNAPSHOTTING.
+- STALE: nothing proves the view current (see RankState). A live batch moves
+  it to FOLLOWING; probing goes on for publishers without heartbeats.
+
+Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
+live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
+disconnect. An internal error (a bug) clears the rank and moves it to
+AWAIT_LIVE (or DISCONNECTED) from anywhere.
 
 Rules
 -----
@@ -152,32 +164,32 @@ class Phase(enum.Enum):
     STALE = "stale"
 
 
-_P = Phase
-_ALWAYS = {_P.DISCONNECTED, _P.FOLLOWING}
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    phase: frozenset(targets | _ALWAYS)
-    for phase, targets in {
-        _P.DISCONNECTED: {_P.STARTING, _P.AWAIT_LIVE},
-        _P.AWAIT_LIVE: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.SNAPSHOTTING, _P.STALE},
-        _P.STARTING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.BACKOFF, _P.AWAIT_LIVE, _P.STALE},
-        _P.REPLAYING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.BACKOFF, _P.STALE},
-        _P.PROBING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.STALE},
-        _P.SNAPSHOTTING: {_P.STARTING, _P.REPLAYING},
-        _P.BACKOFF: {_P.STARTING, _P.REPLAYING, _P.AWAIT_LIVE},
-        _P.FOLLOWING: {_P.STARTING, _P.REPLAYING, _P.PROBING, _P.SNAPSHOTTING, _P.STALE},
-        _P.STALE: {_P.STARTING, _P.REPLAYING, _P.PROBING},
-    }.items()
-}
-"""Which phase may follow which (FOLLOWING also reaches SNAPSHOTTING through the
-requests made at the end of each input, hence the extra SNAPSHOTTING entries)."""
+def _transitions(table: str) -> dict[Phase, frozenset[Phase]]:
+    """The module's table, read: one row per phase, then the phases it may move to."""
+    out: dict[Phase, frozenset[Phase]] = {}
+    for row in table.strip().splitlines():
+        name, *targets = row.split()
+        out[Phase[name]] = frozenset(Phase[t] for t in [*targets, "DISCONNECTED"])
+    return out
 
-# Every phase with a request out may also ask for a snapshot once the reply is done.
-for _phase in (_P.STARTING, _P.REPLAYING, _P.PROBING, _P.STALE):
-    TRANSITIONS[_phase] = TRANSITIONS[_phase] | {_P.SNAPSHOTTING}
 
-_ASKING = frozenset({_P.STARTING, _P.REPLAYING, _P.PROBING, _P.SNAPSHOTTING})
-_SYNCED_PHASES = frozenset({_P.FOLLOWING, _P.PROBING})
-_IDLE_PHASES = frozenset({_P.FOLLOWING, _P.STALE, _P.AWAIT_LIVE})  # where probes are made
+TRANSITIONS: dict[Phase, frozenset[Phase]] = _transitions(
+    """
+    DISCONNECTED  STARTING AWAIT_LIVE
+    AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
+    STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
+    REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
+    PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+    SNAPSHOTTING  FOLLOWING STARTING REPLAYING
+    BACKOFF       FOLLOWING STARTING REPLAYING
+    FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+    STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
+    """
+)
+"""Which phase may follow which: the table of the module's docstring."""
+
+_SYNCED_PHASES = frozenset({Phase.FOLLOWING, Phase.PROBING})
+_IDLE_PHASES = frozenset({Phase.FOLLOWING, Phase.STALE, Phase.AWAIT_LIVE})  # probes are made
 
 
 def _has_clear(batch: KVEventBatch) -> bool:
