@@ -307,6 +307,7 @@ class RankStream:
         self._state = RankState.SYNCING
         self._reason = "waiting for first contact"
         self._fast = False
+        self._due: float | None = None  # next_deadline() as of the last slow input
 
     # --- reading ----------------------------------------------------------------
 
@@ -370,15 +371,15 @@ class RankStream:
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
-        times: list[float] = []
-        if self._active is not None:
-            times.append(self._active.deadline)
-        if self._phase is Phase.BACKOFF:
-            times.append(self._retry_at)
-        for due in (self._probe_due_at(), self._stale_due_at()):
-            if due is not None:
-                times.append(due)
-        return min(times) if times else None
+        due = self._active.deadline if self._active is not None else None
+        for t in (
+            self._retry_at if self._phase is Phase.BACKOFF else None,
+            self._probe_due_at(),
+            self._stale_due_at(),
+        ):
+            if t is not None and (due is None or t < due):
+                due = t
+        return due
 
     # --- inputs -----------------------------------------------------------------
 
@@ -448,7 +449,7 @@ class RankStream:
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: replay timeouts and deadlines, retries, idle probes, heartbeats."""
-        due = self.next_deadline()
+        due = self._due  # never later than next_deadline(): live batches only delay it
         if due is None or now < due:
             return []
         self._begin(now)
@@ -1238,4 +1239,5 @@ class RankStream:
             and not self._held
             and self._horizon <= self._expected
         )
+        self._due = self.next_deadline()
         return out
