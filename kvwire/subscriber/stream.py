@@ -341,10 +341,8 @@ class RankStream:
 
     @property
     def replay_pending(self) -> bool:
-        """A replay or snapshot is out, or one will be asked again after a backoff."""
-        return (
-            self._active is not None and self._active.kind is not Phase.PROBING
-        ) or self._phase is Phase.BACKOFF
+        """A replay (a probe included) or snapshot is out, or one is due after a backoff."""
+        return self._active is not None or self._phase is Phase.BACKOFF
 
     @property
     def epoch(self) -> Epoch | None:
