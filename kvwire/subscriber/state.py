@@ -59,7 +59,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max: float = 1.0
     idle_probe: float | None = 1.0
     """After this long without a live batch, ask the replay socket what was missed
-    (a lost last batch, a silent restart). ``None`` disables probing."""
+    (a lost last batch, a silent restart); publishers that heartbeat are not
+    probed. Where nothing can be asked (no replay endpoint, no heartbeats) the
+    same silence makes the rank STALE. ``None`` disables both."""
     loss_policy: LossPolicy = LossPolicy.CLEAR
     replay_deadline: float = 10.0
     """Overall limit on one replay request, however its frames trickle in: past it

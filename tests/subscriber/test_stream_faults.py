@@ -422,6 +422,21 @@ def test_a_silent_heartbeat_publisher_goes_stale_and_comes_back() -> None:
     assert r.s.state is RankState.SYNCING and r.last.start_seq == 2
 
 
+def test_without_replay_or_heartbeats_silence_is_stale() -> None:
+    """A lost last batch cannot be asked for: an idle rank is not proven current."""
+    r = Rank(StreamConfig(replay=False, idle_probe=1.0))
+    r.run(r.s.connected(0.0))
+    r.live(TOPIC, 0, store(0), 0.0)
+    assert r.s.state is RankState.SYNCED and r.s.next_deadline() == pytest.approx(1.0)
+    r.tick(1.0)
+    assert r.s.state is RankState.STALE
+    r.live(TOPIC, 1, store(1), 1.5)
+    assert r.s.state is RankState.SYNCED
+    r.tick(3.0)
+    r.live(TOPIC, 3, store(3), 3.1)  # 2 was the lost last batch
+    assert r.s.state is RankState.PARTIAL and r.blocks == {3}
+
+
 # --- #12 row 2: an error while decoding never loses an action --------------------------------
 
 
