@@ -81,7 +81,9 @@ Rules
 - An empty or useless replay never proves anything: a reply with no batch at
   or after what was asked, although a later seq was seen, leaves the rank
   PARTIAL (cleared, following live), never SYNCED at a seq the live stream
-  has already passed.
+  has already passed. (A publisher without epoch whose anchored reply came
+  back empty is first asked for its whole buffer: a buffer always holds the
+  latest batch, so batches that all lie below the anchor prove a restart.)
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
   sends the next seq every interval: silence for three intervals makes the
   rank STALE, and the next message shows any gap. Without heartbeats the
