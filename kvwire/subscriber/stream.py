@@ -303,7 +303,8 @@ class RankStream:
         self._dirty = False  # an abandoned request may still be answered
         self._token = 0
         self._retries = 0
-        self._snapshots_left = 1  # snapshots to try before the view is whole again
+        self._snapshot_failures = 0  # since the view was last whole, or the last connect
+        self._snapshot_after = 0.0  # no snapshot is asked before (a failed one's backoff)
         self._last_live_at = 0.0
         self._last_probe_at = 0.0
         self._state = RankState.SYNCING
@@ -376,6 +377,7 @@ class RankStream:
             self._retry_at if self._phase is Phase.BACKOFF else None,
             self._probe_due_at(),
             self._stale_due_at(),
+            self._snapshot_due_at(),
         ):
             if t is not None and (due is None or t < due):
                 due = t
@@ -898,13 +900,36 @@ class RankStream:
         # Live copies of batches the snapshot covers may still be on their way.
         self._lost.append((0, next_seq))
         self._exact = True
-        self._snapshots_left = 1
+        self._snapshot_failures = 0
         self._reason = f"{why}: exact again, replaying what followed"
         # Whatever was published while the snapshot was served: from the buffer.
         self._ask_replay(Phase.REPLAYING, anchored=False)
 
+    def _snapshot_allowed(self) -> bool:
+        return (
+            self._snapshot_failures <= self.config.snapshot_retries
+            and self._now >= self._snapshot_after
+        )
+
+    def _snapshot_due_at(self) -> float | None:
+        """When a failed snapshot is asked again (only where nothing else is asked)."""
+        if (
+            self._exact
+            or self._phase not in _IDLE_PHASES
+            or self._snapshot_failures > self.config.snapshot_retries
+            or not self._epoch_info.snapshot
+            or not self.config.snapshot
+            or not self.config.replay
+        ):
+            return None
+        return self._snapshot_after
+
     def _snapshot_failed(self, why: str) -> None:
         self.counters.snapshots_failed += 1
+        cfg = self.config
+        self._snapshot_failures += 1
+        delay = cfg.backoff_initial * 2 ** (self._snapshot_failures - 1)
+        self._snapshot_after = self._now + min(cfg.backoff_max, delay)
         self._abandon()
         self._enter(Phase.FOLLOWING)
         why = f"snapshot failed: {why}"
@@ -1011,7 +1036,6 @@ class RankStream:
         self._enter(kind)
 
     def _ask_snapshot(self) -> None:
-        self._snapshots_left -= 1
         self._token += 1
         self._active = _Snapshot(self._token, self._now, self.config)
         self._out.append(RequestSnapshot(self._token, self._dirty))
@@ -1039,7 +1063,7 @@ class RankStream:
             not self._exact
             and self.config.snapshot
             and self._epoch_info.snapshot
-            and self._snapshots_left > 0
+            and self._snapshot_allowed()
         ):
             self._abandon()
             self._ask_snapshot()
@@ -1083,7 +1107,7 @@ class RankStream:
             self._horizon = seq + 1
         if not self._exact and _has_clear(batch):
             self._exact = True
-            self._snapshots_left = 1
+            self._snapshot_failures = 0
             self._reason = f"AllBlocksCleared at seq {seq}: the view is exact again"
 
     def _drain(self) -> None:
@@ -1153,7 +1177,7 @@ class RankStream:
         self._window.clear()
         self._lost.clear()
         self._exact = True
-        self._snapshots_left = 1
+        self._snapshot_failures = 0
         if epoch is not None:
             self._set_epoch(epoch)
         self._retries = 0
@@ -1169,7 +1193,7 @@ class RankStream:
         now = self._now
         self._last_live_at = now
         self._last_probe_at = now
-        self._snapshots_left = 1
+        self._snapshot_failures = 0
         first = not self._ever_connected
         self._ever_connected = True
         if not first:

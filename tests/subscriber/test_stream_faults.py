@@ -351,6 +351,24 @@ def test_a_late_joiner_is_made_exact_by_a_snapshot() -> None:
     assert r.s.state is RankState.SYNCED and 110 in r.blocks
 
 
+def test_a_refused_snapshot_is_asked_again_after_a_backoff() -> None:
+    topic = epoch(snap=True, hb=0.5)
+    r = late_join(topic)
+    first = r.last
+    r.reply(snapshot_refused_frames(topic, "busy"), 0.2)
+    assert r.s.state is RankState.PARTIAL and r.last is first
+    assert r.s.next_deadline() == pytest.approx(0.3)
+    r.tick(0.31)
+    again = r.last
+    assert isinstance(again, RequestSnapshot) and again.token != first.token
+    r.reply(chunk(topic, 8, 0, 1, 60), 0.4)
+    r.reply(snapshot_end_frames(topic, 8, 1), 0.4)
+    r.reply(replay_end_frames(topic), 0.4)
+    assert r.s.state is RankState.SYNCED and r.blocks == {1, 60}
+    c = r.s.counters
+    assert (c.snapshots_requested, c.snapshots_failed, c.snapshots_applied) == (2, 1, 1)
+
+
 def test_a_live_copy_the_snapshot_already_covers_is_late_not_a_break() -> None:
     """Live and replay are two sockets: batch 8 may arrive after a snapshot as of 9."""
     topic = epoch(snap=True, hb=0.5)
