@@ -166,3 +166,15 @@ def test_scheduler_loop_late_join_ends_exact_and_shuts_down(
     )
     assert isinstance(pub, SglangEventPublisher)
     assert_late_join_exact(pub, structs(kv), EngineSource("sglang", f"ipc://{ipc_dir}/ev", f"ipc://{ipc_dir}/rp"))
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_sglang_plugins_filter_is_honoured(sglang: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVWIRE_PUBLISHER", "1")
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone-else")
+    load_plugins(sglang)
+    assert sglang.kv_events.EventPublisherFactory._registry == sglang.pristine
+    monkeypatch.setattr(sglang.plugins, "_plugins_loaded", False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone-else,kvwire")
+    load_plugins(sglang)
+    assert "kvwire" in sglang.kv_events.EventPublisherFactory._registry

@@ -171,3 +171,15 @@ def test_scheduler_loop_late_join_ends_exact_and_shuts_down(
     )
     assert isinstance(pub, VllmEventPublisher)
     assert_late_join_exact(pub, structs(kv), EngineSource("vllm", f"ipc://{ipc_dir}/ev", f"ipc://{ipc_dir}/rp"))
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_vllm_plugins_filter_is_honoured(vllm: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVWIRE_PUBLISHER", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "someone-else")
+    load_plugins(vllm)
+    assert vllm.kv_events.EventPublisherFactory._registry == vllm.pristine
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.setenv("VLLM_PLUGINS", "someone-else,kvwire")
+    load_plugins(vllm)
+    assert "kvwire" in vllm.kv_events.EventPublisherFactory._registry
