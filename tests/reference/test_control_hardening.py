@@ -34,7 +34,8 @@ class Running:
     """An engine server on its own thread, as ``python -m kvwire.reference.serve`` runs it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.server = EngineServer(config, context=zmq.Context())
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.server = EngineServer(config, context=self.ctx)
         self.server.start()
         self.endpoint = self.server.endpoints().control
         self.thread = threading.Thread(target=self.server.serve, daemon=True)
@@ -47,6 +48,7 @@ class Running:
         self.server.stop()
         self.thread.join(10)
         self.server.close()
+        self.ctx.term()
 
 
 @pytest.fixture
@@ -73,7 +75,8 @@ def test_a_bad_drive_rate_is_refused_and_the_engine_keeps_serving(engine: Runnin
 
 
 def test_the_server_refuses_a_bad_rate_however_it_is_called() -> None:
-    server = EngineServer(CONFIG, context=zmq.Context())
+    ctx: zmq.Context[Any] = zmq.Context()
+    server = EngineServer(CONFIG, context=ctx)
     for rate in (math.nan, 1e-320, math.inf):
         with pytest.raises(ValueError, match="drive rate"):
             server.drive(rate)
@@ -82,6 +85,7 @@ def test_the_server_refuses_a_bad_rate_however_it_is_called() -> None:
     server.drive(MIN := 0.001)  # the slowest allowed
     assert server._drive_interval == pytest.approx(1 / MIN)
     server.close()
+    ctx.term()
 
 
 @pytest.mark.parametrize(
