@@ -278,7 +278,11 @@ class TrtllmEventRelay:
         ]
 
     def handle(self, events: Iterable[Mapping[str, Any]]) -> None:
-        """Convert and publish one poll's events (at most one batch per rank, gaps between)."""
+        """Convert and publish one poll's events (at most one batch per rank, gaps between).
+
+        The relay thread calls this after each poll; call it directly only on
+        a relay that was not started (one caller at a time).
+        """
         touched: set[int] = set()
         for event in events:
             rank = event.get("attention_dp_rank") if isinstance(event, Mapping) else None

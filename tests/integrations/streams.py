@@ -13,7 +13,7 @@ import zmq
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.subscriber import EngineSource, RankState, RankStatus, Subscriber
-from kvwire.wire import END_SEQ, normalise_hash, pack_seq
+from kvwire.wire import END_SEQ, normalise_hash, pack_seq, unpack_seq
 
 BLOCK_SIZE = 4
 Frames = list[bytes]
@@ -90,33 +90,37 @@ def subscribe(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[bytes]:
 
 def join_in_lockstep(
     publishers: Sequence[Any], subs: Sequence[zmq.Socket[bytes]], ping: Callable[[], Any]
-) -> None:
+) -> int:
     """Publish one ping on every publisher at a time until every subscriber got one.
 
-    Both streams then hold the same number of batches, so their seqs agree.
+    Both streams then hold the same number of batches, so their seqs agree;
+    returns that number (the seq the next batch gets).
     """
     deadline = time.monotonic() + 20
     got = [False] * len(subs)
+    sent = 0
     while not all(got):
         assert time.monotonic() < deadline, "a subscriber never joined"
         for p in publishers:
             p.publish(ping())
+        sent += 1
         for i, sub in enumerate(subs):
             while sub.poll(20):
                 sub.recv_multipart()
                 got[i] = True
-    for sub in subs:  # the pings still in flight
-        while sub.poll(200):
-            sub.recv_multipart()
+    return sent
 
 
-def receive(sub: zmq.Socket[bytes], n: int, timeout: float = 20.0) -> list[Frames]:
+def receive(sub: zmq.Socket[bytes], n: int, first_seq: int = 0, timeout: float = 20.0) -> list[Frames]:
+    """The next ``n`` live messages with seq >= ``first_seq`` (pings still in flight are skipped)."""
     out: list[Frames] = []
     deadline = time.monotonic() + timeout
     while len(out) < n:
         left = deadline - time.monotonic()
         assert left > 0 and sub.poll(int(left * 1000) + 1), f"got {len(out)} of {n} messages"
-        out.append(sub.recv_multipart())
+        frames = sub.recv_multipart()
+        if unpack_seq(frames[1]) >= first_seq:
+            out.append(frames)
     return out
 
 
@@ -178,14 +182,14 @@ def assert_same_streams(
     (own_live, own_replay), (ours_live, ours_replay) = endpoints
     subs = [subscribe(zctx, own_live), subscribe(zctx, ours_live)]
     try:
-        join_in_lockstep([own, ours], subs, lambda: structs.batch([structs.cleared()]))
+        first = join_in_lockstep([own, ours], subs, lambda: structs.batch([structs.cleared()]))
         a, b = Workload(structs, seed=3), Workload(structs, seed=3)
         for _ in range(batches):
             batch_a, batch_b = a.step(), b.step()
             batch_b.ts = batch_a.ts
             own.publish(batch_a)
             ours.publish(batch_b)
-        live_own, live_ours = receive(subs[0], batches), receive(subs[1], batches)
+        live_own, live_ours = receive(subs[0], batches, first), receive(subs[1], batches, first)
         assert live_ours == live_own
         replay_own, replay_ours = replay(zctx, own_replay, start=5), replay(zctx, ours_replay, start=5)
         assert replay_ours == replay_own
