@@ -63,7 +63,9 @@ class EngineSource:
         for rank in self.per_rank or (RankEndpoints(0, self.endpoint, self.replay_endpoint),):
             if (rank.replay_endpoint is None) != (self.replay_endpoint is None):
                 raise ValueError("either every rank has a replay endpoint or none has")
-            validate_endpoints(rank.endpoint, rank.replay_endpoint, 1 if self.per_rank else self.ranks)
+            validate_endpoints(
+                rank.endpoint, rank.replay_endpoint, 1 if self.per_rank else self.ranks
+            )
             for ep in (rank.endpoint, rank.replay_endpoint):
                 if ep is None or not ep.startswith("tcp://"):
                     continue
