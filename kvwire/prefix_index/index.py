@@ -390,13 +390,16 @@ class PrefixIndex:
         """One store: the native side resolves the parent and keys the blocks.
 
         Tokens it cannot use (missing, mis-sized, not integers, too few extra
-        keys) make unmatchable keys from the hashes alone, counted as malformed.
+        keys, a block size outside ``1..max_block_size``) make unmatchable keys
+        from the hashes alone, counted as malformed. Blocks of another size
+        than the index's could never match a prompt keyed at its size: they
+        are kept under such keys too, without any per-token work (a hostile
+        engine varying its block size costs the index nothing more).
         """
         scheme = self._scheme
         bs = ev.block_size
-        usable = type(bs) is int and 1 <= bs <= self.max_block_size
-        if bs != self.block_size and usable:
-            scheme = key_scheme(self.seed, bs)
+        usable = bs == self.block_size
+        other_size = not usable and type(bs) is int and 1 <= bs <= self.max_block_size
         tokens: Any = ev.token_ids
         packed = type(tokens) is TokenIds
         if packed:
@@ -434,7 +437,7 @@ class PrefixIndex:
             return
         if flags & ORPHAN:
             self._orphan_stores += 1
-        if flags & MALFORMED:
+        if flags & MALFORMED and not other_size:
             self._malformed += 1
 
     def _remove(self, sid: int, ev: BlockRemoved) -> None:

@@ -145,3 +145,17 @@ def test_index_max_entries_is_checked() -> None:
         Index(-1)
     assert Index(5).max_entries == 5
     assert np.uint64(0) == 0  # numpy imported for the subprocess checks' parity
+
+
+def test_other_block_sizes_cost_no_key_scheme_and_stay_unmatched() -> None:
+    from kvwire.prefix_index.keys import key_scheme
+
+    idx = PrefixIndex(BS)
+    before = key_scheme.cache_info()
+    for size in range(BS + 1, BS + 200):
+        idx.apply("w", 0, KVEventBatch(0.0, [BlockStored([size], None, [1] * size, size)], 0))
+    after = key_scheme.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+    assert idx.rank_blocks("w", 0) == 199
+    assert idx.stats().malformed_stores == 0
+    assert idx.match([1] * (BS + 1)) == {}
