@@ -131,13 +131,26 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         u64 bits;
-        int is_unsigned, rc;
+        int is_unsigned = 0, rc = 0;
         PyObject *o = items[i];
-        if (PyLong_Check(o)) {
-            rc = read_int(o, &bits, &is_unsigned, what);
-        } else {
-            Py_INCREF(o);
-            rc = read_int(o, &bits, &is_unsigned, what);
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            bits = (u64)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            p = put_mode(p, bits, 0, mode);
+            continue;
+        }
+#else
+        if (PyLong_CheckExact(o) && Py_SIZE(o) >= -1 && Py_SIZE(o) <= 1) {
+            /* A small int (every token id): its one digit, signed by its size. */
+            bits = (u64)((int64_t)Py_SIZE(o) * (int64_t)((PyLongObject *)o)->ob_digit[0]);
+            p = put_mode(p, bits, 0, mode);
+            continue;
+        }
+#endif
+        int foreign = !PyLong_Check(o);
+        if (foreign) Py_INCREF(o);
+        rc = read_int(o, &bits, &is_unsigned, what);
+        if (foreign) {
             Py_DECREF(o);
             if (rc == 0 && PySequence_Fast_GET_SIZE(seq) != n) {
                 PyErr_Format(PyExc_RuntimeError, "%s values changed size while being packed", what);
