@@ -32,9 +32,12 @@ def _split(endpoint: str) -> tuple[str, str]:
 
 
 def _tcp_host_port(endpoint: str, rest: str) -> tuple[str, int]:
+    """``(host, port)``; port 0 stands for ``*``, an ephemeral port chosen at bind."""
     host, sep, port_s = rest.rpartition(":")
     if not sep or not host or not port_s:
         raise EndpointError(f"tcp endpoint {endpoint!r} needs host:port")
+    if port_s == "*":
+        return host, 0
     if not port_s.isdigit():
         raise EndpointError(f"tcp endpoint {endpoint!r} has a non-numeric port {port_s!r}")
     port = int(port_s)
@@ -50,7 +53,7 @@ def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
     scheme, rest = _split(endpoint)
     if scheme == "tcp":
         _, port = _tcp_host_port(endpoint, rest)
-        if port + ranks - 1 > 65535:
+        if port and port + ranks - 1 > 65535:
             raise EndpointError(
                 f"tcp endpoint {endpoint!r} with {ranks} ranks needs ports up to "
                 f"{port + ranks - 1}, beyond 65535"
@@ -58,7 +61,10 @@ def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
-    """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix."""
+    """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix.
+
+    A tcp port of ``*`` stays ``*``: every rank binds its own ephemeral port.
+    """
     if rank < 0:
         raise EndpointError(f"rank must be >= 0, got {rank} for endpoint {endpoint!r}")
     validate_endpoint(endpoint, rank + 1)
@@ -67,7 +73,7 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     scheme, rest = _split(endpoint)
     if scheme == "tcp":
         host, port = _tcp_host_port(endpoint, rest)
-        return f"tcp://{host}:{port + rank}"
+        return f"tcp://{host}:{port + rank}" if port else endpoint
     return f"{endpoint}_dp{rank}"
 
 
@@ -78,7 +84,8 @@ def _addresses(endpoint: str, ranks: int) -> set[tuple[str, str]]:
         scheme, rest = _split(offset_endpoint(endpoint, rank))
         if scheme == "tcp":
             _, port = _tcp_host_port(endpoint, rest)
-            out.add(("tcp", str(port)))
+            if port:  # ephemeral ports never clash
+                out.add(("tcp", str(port)))
         else:
             out.add((scheme, rest))
     return out
@@ -107,7 +114,7 @@ def validate_endpoints(
     if replay_endpoint is None:
         return
     validate_endpoint(replay_endpoint, ranks_per_host)
-    if replay_endpoint == endpoint:
+    if replay_endpoint == endpoint and not endpoint.endswith(":*"):
         raise EndpointError(f"publish and replay endpoints are both {endpoint!r}")
     if not _hosts_may_clash(endpoint, replay_endpoint):
         return

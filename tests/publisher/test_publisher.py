@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import zmq
 
 from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher
-from kvwire.publisher.publisher import _is_loopback
+from kvwire.security import is_loopback as _is_loopback
 from kvwire.wire import (
     END_SEQ,
     BlockRemoved,
@@ -24,6 +25,8 @@ from kvwire.wire import (
     ReplayItem,
     decode_batch,
     encode_batch,
+    epoch_topic,
+    offset_endpoint,
     pack_seq,
     parse_replay_reply,
     replay_request_frames,
@@ -69,19 +72,19 @@ def endpoints(kind: str, ipc_dir: str) -> tuple[str, str]:
 # --- live --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "linger"), [("tcp", 0.001), ("ipc", 0.0)])
+@pytest.mark.parametrize(("kind", "coalesce"), [("tcp", 0.001), ("ipc", 0.0)])
 def test_live_frames_and_consecutive_seqs(
-    kind: str, linger: float, ipc_dir: str, zctx: zmq.Context[Any]
+    kind: str, coalesce: float, ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     live, _ = endpoints(kind, ipc_dir)
-    with EventPublisher(live, topic="kv", linger_s=linger) as pub:
+    with EventPublisher(live, topic="kv", coalesce_s=coalesce) as pub:
         sub, first = connect_sub(zctx, pub)
         sent = [batch(i) for i in range(50)]
         for b in sent:
             assert pub.publish(b) is True
         for i, b in enumerate(sent):
             msg = recv_live(sub)
-            assert msg.topic == b"kv"
+            assert msg.topic == epoch_topic(b"kv", pub.epoch)
             assert msg.seq == first + i
             assert msg.payload == encode_batch(b)
             assert decode_batch(msg.payload) == b
@@ -97,7 +100,7 @@ def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
         other.setsockopt(zmq.SUBSCRIBE, b"other")
         other.connect(pub.bound_endpoint)
         pub.publish(batch(1))
-        assert recv_live(sub).topic == b"kv-events"
+        assert recv_live(sub).topic == epoch_topic(b"kv-events", pub.epoch)
         assert not other.poll(200)
 
 
@@ -143,8 +146,8 @@ def test_bad_endpoints_and_settings_are_rejected() -> None:
         EventPublisher(max_queue_size=0)
     with pytest.raises(ValueError, match="dialect"):
         EventPublisher(dialect="json")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="linger_s"):
-        EventPublisher(linger_s=-1)
+    with pytest.raises(ValueError, match="coalesce_s"):
+        EventPublisher(coalesce_s=-1)
 
 
 def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
@@ -160,7 +163,9 @@ def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
 # --- replay ------------------------------------------------------------------------
 
 
-def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[Any]:
+def replay_via_dealer(
+    ctx: zmq.Context[Any], endpoint: str, start: int, topic: bytes = b""
+) -> list[Any]:
     dealer: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
     dealer.send_multipart(replay_request_frames(start))
@@ -171,7 +176,7 @@ def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[
         reply = parse_replay_reply(frames)
         out.append(reply)
         if isinstance(reply, ReplayEnd):
-            assert frames == [b"", b"", END_SEQ, b""]
+            assert frames == [b"", topic, END_SEQ, b""]
             dealer.close(linger=0)
             return out
 
@@ -184,12 +189,13 @@ def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> 
         for b in sent.values():
             pub.publish(b)
         wait_for(lambda: pub.stats().published == 20, what="batches sent")
-        replies = replay_via_dealer(zctx, pub.bound_replay_endpoint or "", 5)
+        topic = epoch_topic(b"t", pub.epoch)
+        replies = replay_via_dealer(zctx, pub.bound_replay_endpoint or "", 5, topic)
         items = replies[:-1]
         assert [r.seq for r in items] == list(range(5, 20))
         for r in items:
             assert isinstance(r, ReplayItem)
-            assert r.topic == b"t"
+            assert r.topic == topic
             assert r.payload == encode_batch(sent[r.seq])
         assert isinstance(replies[-1], ReplayEnd)
         wait_for(lambda: pub.stats().replay_served == 1, what="replay counted")
@@ -205,7 +211,7 @@ def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
         req.send(pack_seq(3))  # REQ adds the empty delimiter itself
         assert req.poll(5000)
         topic, seq, payload = req.recv_multipart()  # a REQ reads the first reply only
-        assert (topic, seq) == (b"", pack_seq(3))
+        assert (topic, seq) == (epoch_topic(b"", pub.epoch), pack_seq(3))
         assert payload == encode_batch(batch(3))
 
 
@@ -218,9 +224,10 @@ def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> No
         wait_for(lambda: pub.stats().published == 12, what="batches sent")
         endpoint = pub.bound_replay_endpoint or ""
         # Asked from 0, but only seqs 4..11 are buffered: it starts later, silently.
-        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 0)[:-1]] == [4, 5, 6]
-        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 10)[:-1]] == [10, 11]
-        assert replay_via_dealer(zctx, endpoint, 50) == [ReplayEnd()]
+        topic = epoch_topic(b"", pub.epoch)
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 0, topic)[:-1]] == [4, 5, 6]
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 10, topic)[:-1]] == [10, 11]
+        assert replay_via_dealer(zctx, endpoint, 50, topic) == [ReplayEnd(topic)]
         wait_for(lambda: pub.stats().replay_served == 3, what="replays counted")
 
 
@@ -401,3 +408,74 @@ def test_stats_is_a_consistent_snapshot() -> None:
     }
     assert msgspec.json.decode(msgspec.json.encode(s.as_dict()))["enqueued"] == 3
     pub.close()
+
+
+# --- several publishing threads, ephemeral ports -------------------------------------
+
+
+def test_publish_from_several_threads_keeps_seq_order(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    n, threads = 20_000, 4
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        pub = EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=n * threads, heartbeat=None)
+        item = batch(1)
+        go = threading.Event()
+
+        def engine() -> None:
+            go.wait()
+            for _ in range(n):
+                pub.publish(item)
+
+        workers = [threading.Thread(target=engine) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        go.set()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    seqs = [seq for seq, _ in pub._queue]
+    assert seqs == list(range(n * threads))  # queue order is seq order
+    pub.close()
+
+
+def test_several_threads_on_the_wire_and_in_the_replay_buffer(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    n, threads = 5_000, 3
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=n * threads + 100, heartbeat=None
+    ) as pub:
+        sub, first = connect_sub(zctx, pub)
+        workers = [
+            threading.Thread(target=lambda: [pub.publish(batch(1)) for _ in range(n)])
+            for _ in range(threads)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        seqs = [recv_live(sub).seq for _ in range(n * threads)]
+        assert seqs == list(range(first, first + n * threads))
+        wait_for(lambda: pub.stats().published == first + n * threads, what="all sent")
+        replayed = [seq for seq, _ in pub._buffer]
+        assert replayed == list(range(first + n * threads))
+
+
+def test_ephemeral_ports_for_every_rank(zctx: zmq.Context[Any]) -> None:
+    assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    pubs = [
+        EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", rank=r, heartbeat=None).start()
+        for r in range(4)
+    ]
+    try:
+        bound = [p.bound_endpoint for p in pubs] + [p.bound_replay_endpoint or "" for p in pubs]
+        assert len(set(bound)) == 8
+        assert all(b.startswith("tcp://127.0.0.1:") and not b.endswith("*") for b in bound)
+        sub, _ = connect_sub(zctx, pubs[3])
+        pubs[3].publish(batch(5, rank=None))
+        assert decode_batch(recv_live(sub).payload).data_parallel_rank == 3
+    finally:
+        for p in pubs:
+            p.close()
