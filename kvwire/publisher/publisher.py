@@ -435,6 +435,8 @@ class EventPublisher:
                     router,
                     self._buffer,
                     self._topic,
+                    # Engines close a replay with an empty topic; kvwire with its epoch.
+                    end_topic=self._topic if self.epoch is not None else b"",
                     max_batches=self.max_replay_batches,
                     mirror=self._mirror,
                     rank=self.rank,

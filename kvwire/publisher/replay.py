@@ -90,6 +90,7 @@ class ReplayServer:
         buffer: ReplayBuffer,
         topic: bytes,
         *,
+        end_topic: bytes,
         max_batches: int,
         mirror: Mirror | None,
         rank: int,
@@ -102,6 +103,7 @@ class ReplayServer:
         self.router = router
         self.buffer = buffer
         self.topic = topic
+        self.end_topic = end_topic
         self.max_batches = max_batches
         self.mirror = mirror
         self.rank = rank
@@ -201,16 +203,22 @@ class ReplayServer:
         mirror = self.mirror
         reason: str | None
         if mirror is None:
-            reason = "this publisher serves no snapshots"
-        elif mirror.distrust_reason is not None:
+            # As the engines' own publishers answer it: a start seq past the buffer.
+            self.snapshots_refused += 1
+            with contextlib.suppress(zmq.ZMQError):
+                self.router.send_multipart(
+                    [identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK
+                )
+            return None
+        if mirror.distrust_reason is not None:
             reason = f"state cannot be vouched for: {mirror.distrust_reason}"
         elif mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
             reason = "busy: too many snapshots in progress"
         else:
             reason = None
-        if reason is not None or mirror is None:
+        if reason is not None:
             self.snapshots_refused += 1
-            frames = snapshot_refused_frames(self.topic, reason or "")
+            frames = snapshot_refused_frames(self.topic, reason)
             with contextlib.suppress(zmq.ZMQError):
                 self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
             return None
@@ -264,7 +272,7 @@ class ReplayServer:
             sent += 1
         if job.remaining > 0 and idx < len(buffer):
             return False
-        self.router.send_multipart([identity, *replay_end_frames(topic)], zmq.NOBLOCK)
+        self.router.send_multipart([identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
         self.served += 1
         return True
 
