@@ -22,7 +22,10 @@ as the log's value, else the current one, gives the state as of ``next_seq``
 however long serving takes. Chains come out parents first across the whole
 snapshot (a chain whose parent block lives in another chain waits for that
 one), in bounded chunks of ``BlockStored`` events; a fully live chain goes out
-with its original packed token bytes.
+with its original packed token bytes. A block whose parent was evicted before it
+(engines evict children first, so this is rare) goes out under that parent's
+hash, which the snapshot does not hold: a subscriber keeps it on a detached
+chain, never matched past the hole, never stale.
 """
 
 from __future__ import annotations
