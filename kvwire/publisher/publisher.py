@@ -405,7 +405,7 @@ class EventPublisher:
                     router = ctx.socket(zmq.ROUTER)
                     # Replies go at the client's pace: a never-reading client holds
                     # at most this many (shared) messages in its pipe.
-                    router.setsockopt(zmq.SNDHWM, min(self.max_replay_batches + 2, 1024))
+                    router.setsockopt(zmq.SNDHWM, min(self.max_replay_batches + 2, 256))
                     router.setsockopt(zmq.RCVHWM, 1000)
                     router.setsockopt(zmq.MAXMSGSIZE, 1024)
                     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
