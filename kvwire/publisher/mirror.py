@@ -47,31 +47,22 @@ _encoder = msgspec.msgpack.Encoder()
 _MISSING: Any = object()
 
 
-class _Chain:
-    """One stored event: blocks ``hashes`` under ``parent``, tokens packed."""
+class _Chain(msgspec.Struct, gc=False):
+    """One stored event: blocks ``hashes`` under ``parent``, tokens packed.
 
-    __slots__ = (
-        "block_size",
-        "extra",
-        "group",
-        "hashes",
-        "live",
-        "lora",
-        "medium",
-        "parent",
-        "tokens",
-    )
+    Not tracked by the cyclic garbage collector (it holds no cycle): a mirror
+    of a million blocks must not make every collection walk it.
+    """
 
-    def __init__(self, e: BlockStored, tokens: msgspec.Raw) -> None:
-        self.hashes: list[int] = e.block_hashes
-        self.parent = e.parent_block_hash
-        self.tokens = tokens
-        self.block_size = e.block_size
-        self.medium = e.medium
-        self.lora = e.lora_name
-        self.extra = e.extra_keys
-        self.group = e.group_idx
-        self.live = 0
+    hashes: tuple[int, ...]
+    parent: int | None
+    tokens: msgspec.Raw
+    block_size: int
+    medium: str | None
+    lora: str | None
+    extra: list[Any] | None
+    group: int | None
+    live: int = 0
 
     def token_list(self) -> list[int]:
         out: list[int] = _tokens.decode(self.tokens)
@@ -129,27 +120,37 @@ class Mirror:
         if self.distrust_reason is None:
             self.distrust_reason = reason
 
-    def _log(self, medium: str | None, h: int, blocks: dict[int, _Chain]) -> None:
+    def _log(self, medium: str | None, h: int, main: _Chain | None) -> None:
+        """Before an entry changes: every snapshot in progress keeps its value at the start."""
+        copies = self._dups.get((medium, h)) if self._dups else None
+        state = (main, tuple(copies) if copies else ())
         for cursor in self._cursors:
-            cursor._note(medium, h, blocks, self._dups)
+            cursor._note((medium, h), state)
 
     def _store(self, e: BlockStored) -> None:
         medium = e.medium
         blocks = self._media.get(medium)
         if blocks is None:
             blocks = self._media[medium] = {}
-        chain = _Chain(e, _packed(e.token_ids))
+        chain = _Chain(
+            tuple(e.block_hashes), e.parent_block_hash, _packed(e.token_ids), e.block_size,
+            medium, e.lora_name, e.extra_keys, e.group_idx,
+        )  # fmt: skip
         logging = bool(self._cursors)
+        setdefault = blocks.setdefault
+        before = len(blocks)
+        copies = 0
         for h in chain.hashes:
             if logging:
-                self._log(medium, h, blocks)
-            old = blocks.get(h)
-            if old is not None:
+                self._log(medium, h, blocks.get(h))
+            old = setdefault(h, chain)
+            if old is not chain:  # held already: this is another copy
                 self._dups.setdefault((medium, h), []).append(old)
-            else:
-                self.blocks += 1
-            blocks[h] = chain
-            chain.live += 1
+                blocks[h] = chain
+                copies += 1
+        added = len(blocks) - before
+        self.blocks += added
+        chain.live = added + copies
         if chain.live:
             self._chains[id(chain)] = chain
 
@@ -160,23 +161,24 @@ class Mirror:
             return
         logging = bool(self._cursors)
         dups = self._dups
+        pop = blocks.pop
+        chains = self._chains
         for h in e.block_hashes:
-            chain = blocks.get(h)
+            chain = pop(h, None)
             if chain is None:
                 continue
             if logging:
-                self._log(medium, h, blocks)
+                self._log(medium, h, chain)
             copies = dups.get((medium, h)) if dups else None
             if copies:
                 blocks[h] = copies.pop()
                 if not copies:
                     del dups[(medium, h)]
             else:
-                del blocks[h]
                 self.blocks -= 1
             chain.live -= 1
             if not chain.live:
-                del self._chains[id(chain)]
+                del chains[id(chain)]
 
     def _clear(self) -> None:
         for cursor in list(self._cursors):
@@ -229,18 +231,10 @@ class SnapshotCursor:
         self._stash: tuple[_Chain, int, int] | None = None
         self._done = False
 
-    # Called by the mirror before it changes an entry.
-    def _note(
-        self,
-        medium: str | None,
-        h: int,
-        blocks: dict[int, _Chain],
-        dups: dict[tuple[str | None, int], list[_Chain]],
-    ) -> None:
-        key = (medium, h)
+    def _note(self, key: tuple[str | None, int], state: _State) -> None:
+        """The mirror is about to change ``key``'s entry: keep its first value."""
         if key not in self._undo:
-            copies = dups.get(key) if dups else None
-            self._undo[key] = (blocks.get(h), tuple(copies) if copies else ())
+            self._undo[key] = state
 
     def _detach(self) -> None:
         """The mirror drops its tables for new ones: the old ones (and the log) stay as they are."""
