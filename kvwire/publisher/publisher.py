@@ -361,7 +361,7 @@ class EventPublisher:
             heartbeats=self._heartbeats,
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
-            mirrored_blocks=mirror.blocks if mirror else 0,
+            mirrored_blocks=mirror.approx_blocks if mirror else 0,
         )
 
     @property

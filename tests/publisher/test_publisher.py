@@ -77,7 +77,7 @@ def test_live_frames_and_consecutive_seqs(
     kind: str, coalesce: float, ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     live, _ = endpoints(kind, ipc_dir)
-    with EventPublisher(live, topic="kv", coalesce_s=coalesce) as pub:
+    with EventPublisher(live, topic="kv", coalesce_s=coalesce, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         sent = [batch(i) for i in range(50)]
         for b in sent:
@@ -94,7 +94,7 @@ def test_live_frames_and_consecutive_seqs(
 
 
 def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events", heartbeat=None) as pub:
         sub, _ = connect_sub(zctx, pub, topic=b"kv")
         other: zmq.Socket[bytes] = zctx.socket(zmq.SUB)
         other.setsockopt(zmq.SUBSCRIBE, b"other")
@@ -105,7 +105,7 @@ def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
 
 
 def test_missing_rank_is_filled_and_array_dialect(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array", heartbeat=None) as pub:
         assert pub.bound_endpoint == f"ipc://{ipc_dir}/p_dp3"
         sub, _ = connect_sub(zctx, pub)
         pub.publish(batch(7, rank=None))
@@ -184,7 +184,7 @@ def replay_via_dealer(
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     live, replay = endpoints(kind, ipc_dir)
-    with EventPublisher(live, replay, topic="t") as pub:
+    with EventPublisher(live, replay, topic="t", heartbeat=None) as pub:
         sent = {pub.last_seq + 1 + i: batch(i) for i in range(20)}
         for b in sent.values():
             pub.publish(b)
@@ -202,7 +202,7 @@ def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> 
 
 
 def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
         for i in range(5):
             pub.publish(batch(i))
         wait_for(lambda: pub.stats().published == 5, what="batches sent")
@@ -217,8 +217,9 @@ def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
 
 def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3
-    ) as pub:
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3,
+        heartbeat=None,
+    ) as pub:  # fmt: skip
         for i in range(12):
             pub.publish(batch(i))
         wait_for(lambda: pub.stats().published == 12, what="batches sent")
@@ -234,7 +235,7 @@ def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> No
 def test_malformed_replay_requests_are_counted_and_ignored(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
         pub.publish(batch(0))
         dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
         dealer.connect(pub.bound_replay_endpoint or "")
@@ -254,8 +255,9 @@ def test_malformed_replay_requests_are_counted_and_ignored(
 def test_replay_does_not_starve_live(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     n = 5_000
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n
-    ) as pub:
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n,
+        heartbeat=None,
+    ) as pub:  # fmt: skip
         sub, first = connect_sub(zctx, pub)
         for i in range(n):
             pub.publish(batch(i))
@@ -286,7 +288,7 @@ def test_queue_full_drops_are_counted_leave_gaps_and_never_block(
 ) -> None:
     gate = threading.Event()
     started = threading.Event()
-    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4) as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         assert pub.publish(BlockingBatch(gate, started))  # seq first: the sender takes it
         assert started.wait(5)
@@ -313,7 +315,7 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     big = KVEventBatch(0.0, [BlockStored(list(range(256)), None, list(range(4096)), 16)], 0)
-    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10) as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub, RCVHWM=10, RCVBUF=4096)
         worst = 0.0
         for _ in range(3000):  # the subscriber reads nothing meanwhile
@@ -334,7 +336,7 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
 
 
 def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         pub.publish(FailingBatch())
         pub.publish(batch(1))
@@ -343,7 +345,7 @@ def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Conte
 
 
 def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5)
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5, heartbeat=None)
     pub.start()
     sub, first = connect_sub(zctx, pub)
     for i in range(200):
@@ -362,7 +364,7 @@ def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> Non
 def test_close_is_bounded_when_the_sender_is_stuck(ipc_dir: str) -> None:
     gate = threading.Event()
     started = threading.Event()
-    pub = EventPublisher(f"ipc://{ipc_dir}/p").start()
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None).start()
     pub.publish(BlockingBatch(gate, started))
     assert started.wait(5)
     pub.publish(batch(1))
