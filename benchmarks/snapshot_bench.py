@@ -85,10 +85,10 @@ def measure_mirror(payloads: list[bytes]) -> dict[str, float]:
     mirror = Mirror()
     for seq, payload in enumerate(payloads):
         mirror.apply(seq, decode_batch(payload))
+    blocks = mirror.count_blocks()  # merges what is recent: the steady state
     traced, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     grown = rss() - rss0
-    blocks = mirror.blocks
     del mirror
     gc.collect()
     costs = []

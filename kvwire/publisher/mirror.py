@@ -56,9 +56,11 @@ _encoder = msgspec.msgpack.Encoder()
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _NP_GOLDEN = np.uint64(_GOLDEN)
+_SHIFTS = [np.uint64(n) for n in range(65)]
 _EMPTY = -1
 _DELETED = -2
 _MERGE_EVERY = 16384  # changes (stores, removals) between merges into the table
+_SNAPSHOT_GROUP = 8192  # blocks whose liveness a snapshot looks up at once
 
 U64s = npt.NDArray[np.uint64]
 _ident = operator.attrgetter("ident")
@@ -112,7 +114,7 @@ class _Table:
         self.live = 0
 
     def _home(self, hs: U64s) -> npt.NDArray[np.intp]:
-        return ((hs * _NP_GOLDEN) >> np.uint64(self.shift)).astype(np.intp)
+        return ((hs * _NP_GOLDEN) >> _SHIFTS[self.shift]).astype(np.intp)
 
     def find(self, hs: U64s) -> npt.NDArray[np.intp]:
         """The slot of each hash, -1 where absent."""
@@ -503,28 +505,51 @@ class SnapshotCursor:
                 out.append(owner)
         return tuple(out)
 
-    def _live_flags(self, chain: _Chain) -> list[bool]:
-        """Whether ``chain`` held each of its blocks when the snapshot began."""
-        m = self._media.get(chain.medium)
-        hashes = chain.hashes.tolist()
-        if m is None:
-            return [False] * len(hashes)
-        slots = m.table.find(chain.hash_array()).tolist()
-        vals = m.table.vals
-        ident = chain.ident
+    def _live_flags(self, chains: list[_Chain]) -> list[list[bool]]:
+        """Whether each chain held each of its blocks when the snapshot began.
+
+        One vectorised table lookup for the whole group; blocks changed since
+        the start (in the log) or held as further copies are checked one by one.
+        """
+        out: list[list[bool]] = [[] for _ in chains]
+        by_medium: dict[str | None, list[int]] = {}
+        for i, chain in enumerate(chains):
+            by_medium.setdefault(chain.medium, []).append(i)
+        undo = self._undo
+        for medium, members in by_medium.items():
+            m = self._media.get(medium)
+            group = [chains[i] for i in members]
+            if m is None:
+                for i in members:
+                    out[i] = [False] * len(chains[i].hashes)
+                continue
+            lengths = [len(c.hashes) for c in group]
+            hs = np.concatenate([c.hash_array() for c in group])
+            ids = np.repeat(np.fromiter(map(_ident, group), dtype=np.int32), lengths)
+            slots = m.table.find(hs)
+            live = (slots >= 0) & (m.table.vals[np.maximum(slots, 0)] == ids)
+            flags = live.tolist()
+            check = bool(undo or m.delta or m.dups)
+            at = 0
+            for i, chain, n in zip(members, group, lengths, strict=True):
+                mine = flags[at : at + n]
+                at += n
+                if check:
+                    self._correct(chain, mine, m)
+                out[i] = mine
+        return out
+
+    def _correct(self, chain: _Chain, flags: list[bool], m: _Medium) -> None:
+        """Flags of blocks changed since the start, or held as a further copy."""
         undo = self._undo
         medium = chain.medium
         delta, dups = m.delta, m.dups
-        out = []
-        for h, slot in zip(hashes, slots, strict=True):
+        for i, h in enumerate(chain.hashes.tolist()):
             holders = undo.get((medium, h)) if undo else None
             if holders is not None:
-                out.append(any(c is chain for c in holders))
-            elif slot >= 0 and int(vals[slot]) == ident:
-                out.append(True)
-            else:
-                out.append(delta.get(h) is chain or any(c is chain for c in dups.get(h, ())))
-        return out
+                flags[i] = any(c is chain for c in holders)
+            elif not flags[i] and (delta or dups):
+                flags[i] = delta.get(h) is chain or any(c is chain for c in dups.get(h, ()))
 
     def _walk(self, chains: list[_Chain]) -> Iterator[tuple[_Chain, int, int]]:
         """Live runs ``(chain, start, end)``, each after the run holding its parent block.
@@ -537,11 +562,22 @@ class SnapshotCursor:
         def runs_of(chain: _Chain) -> list[tuple[int, int]]:
             found = runs.get(id(chain))
             if found is None:
-                found = runs[id(chain)] = self._runs(chain)
+                found = runs[id(chain)] = self._runs(self._live_flags([chain])[0])
             return found
 
         done: set[tuple[int, int]] = set()
-        for root in chains:
+        ahead = 0  # chains[:ahead] have their runs computed (or had, and were walked)
+        for position, root in enumerate(chains):
+            if position >= ahead:  # the next group, in one lookup
+                blocks = 0
+                group = []
+                while ahead < len(chains) and blocks < _SNAPSHOT_GROUP:
+                    if id(chains[ahead]) not in runs:
+                        group.append(chains[ahead])
+                        blocks += len(chains[ahead].hashes)
+                    ahead += 1
+                for chain, flags in zip(group, self._live_flags(group), strict=True):
+                    runs[id(chain)] = self._runs(flags)
             for root_run in runs_of(root):
                 if (id(root), root_run[0]) in done:
                     continue
@@ -579,10 +615,10 @@ class SnapshotCursor:
                 if start <= at < end:
                     return start, end
 
-    def _runs(self, chain: _Chain) -> list[tuple[int, int]]:
+    @staticmethod
+    def _runs(flags: list[bool]) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         start = -1
-        flags = self._live_flags(chain)
         for i, live in enumerate(flags):
             if live:
                 if start < 0:

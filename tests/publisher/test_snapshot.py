@@ -215,6 +215,12 @@ def test_a_seq_gap_makes_the_mirror_untrusted_until_a_clear() -> None:
 # --- over sockets ------------------------------------------------------------------
 
 
+def recv_until(sub: zmq.Socket[bytes], seq: int) -> None:
+    """Read live messages up to ``seq`` (late pings from joining may come first)."""
+    while recv_live(sub).seq < seq:
+        pass
+
+
 def request_snapshot(ctx: zmq.Context[Any], endpoint: str) -> list[Any]:
     sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
@@ -290,18 +296,19 @@ def test_snapshot_is_refused_after_a_queue_full_drop_until_a_clear(
         coalesce_s=0.2,
     ) as pub:  # fmt: skip
         sub, _ = connect_sub(zctx, pub)
+        wait_for(lambda: pub.queue_depth == 0, what="pings sent")
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([1], None, [1] * 16, 16)], 0))
-        recv_live(sub)
+        recv_until(sub, pub.last_seq)
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([2], 1, [2] * 16, 16)], 0))
         assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([1, 2])], 0))
-        recv_live(sub)
+        recv_until(sub, pub.last_seq - 1)
         pub.publish(KVEventBatch(time.time(), [BlockRemoved([9])], 0))  # the sender sees the gap
-        recv_live(sub)
+        recv_until(sub, pub.last_seq)
         refused = request_snapshot(zctx, pub.bound_replay_endpoint or "")
         assert len(refused) == 1 and isinstance(refused[0], SnapshotRefused)
         assert "dropped" in refused[0].reason
         pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()], 0))
-        recv_live(sub)
+        recv_until(sub, pub.last_seq)
         served = request_snapshot(zctx, pub.bound_replay_endpoint or "")
         assert isinstance(served[-1], SnapshotEnd) and served[-1].chunks == 0
         wait_for(lambda: pub.stats().snapshots_refused == 1, what="refusal counted")
