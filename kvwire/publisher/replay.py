@@ -70,12 +70,13 @@ class _ReplayJob(_Job):
 
 
 class _SnapshotJob(_Job):
-    __slots__ = ("cursor", "pending")
+    __slots__ = ("cursor", "pending", "started")
 
     def __init__(self, identity: bytes, cursor: SnapshotCursor) -> None:
         super().__init__(identity)
         self.cursor = cursor
         self.pending: list[bytes] | None = None  # built, not yet accepted by the socket
+        self.started = False  # the first chunk waits a pass: starting one did work already
 
     def close(self) -> None:
         self.cursor.close()
@@ -277,6 +278,9 @@ class ReplayServer:
         return True
 
     def _snapshot_slice(self, job: _SnapshotJob) -> bool:
+        if not job.started:
+            job.started = True
+            return False
         cursor = job.cursor
         if job.pending is None:
             payload = cursor.next_chunk()
