@@ -2,12 +2,20 @@
 
 Each data-parallel rank publishes on its own socket: ``base_port + rank`` for
 tcp, a ``_dp{rank}`` suffix for ipc/inproc, rank 0 unchanged. The replay
-endpoint is offset the same way.
+endpoint is offset the same way. A tcp port of ``*`` (bind only) asks the
+system for an ephemeral port, for every rank alike; the bound socket reports
+which one it got.
 """
 
 from __future__ import annotations
 
-__all__ = ["EndpointError", "offset_endpoint", "validate_endpoint", "validate_endpoints"]
+__all__ = [
+    "EndpointError",
+    "is_ephemeral",
+    "offset_endpoint",
+    "validate_endpoint",
+    "validate_endpoints",
+]
 
 _SCHEMES = ("tcp", "ipc", "inproc")
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]", "::"}
@@ -31,8 +39,13 @@ def _split(endpoint: str) -> tuple[str, str]:
     return scheme, rest
 
 
+def is_ephemeral(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a tcp bind address with port ``*`` (any free port)."""
+    return endpoint.startswith("tcp://") and endpoint.endswith(":*")
+
+
 def _tcp_host_port(endpoint: str, rest: str) -> tuple[str, int]:
-    """``(host, port)``; port 0 stands for ``*``, an ephemeral port chosen at bind."""
+    """Host and port of a tcp endpoint; port 0 stands for ``*``."""
     host, sep, port_s = rest.rpartition(":")
     if not sep or not host or not port_s:
         raise EndpointError(f"tcp endpoint {endpoint!r} needs host:port")
@@ -63,17 +76,17 @@ def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
 def offset_endpoint(endpoint: str, rank: int) -> str:
     """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix.
 
-    A tcp port of ``*`` stays ``*``: every rank binds its own ephemeral port.
+    A ``*`` port stays ``*``: every rank binds its own ephemeral port.
     """
     if rank < 0:
         raise EndpointError(f"rank must be >= 0, got {rank} for endpoint {endpoint!r}")
     validate_endpoint(endpoint, rank + 1)
-    if rank == 0:
+    if rank == 0 or is_ephemeral(endpoint):
         return endpoint
     scheme, rest = _split(endpoint)
     if scheme == "tcp":
         host, port = _tcp_host_port(endpoint, rest)
-        return f"tcp://{host}:{port + rank}" if port else endpoint
+        return f"tcp://{host}:{port + rank}"
     return f"{endpoint}_dp{rank}"
 
 
@@ -84,8 +97,7 @@ def _addresses(endpoint: str, ranks: int) -> set[tuple[str, str]]:
         scheme, rest = _split(offset_endpoint(endpoint, rank))
         if scheme == "tcp":
             _, port = _tcp_host_port(endpoint, rest)
-            if port:  # ephemeral ports never clash
-                out.add(("tcp", str(port)))
+            out.add(("tcp", str(port)))
         else:
             out.add((scheme, rest))
     return out
@@ -96,6 +108,8 @@ def _hosts_may_clash(a: str, b: str) -> bool:
     sb, rb = _split(b)
     if sa != "tcp" or sb != "tcp":
         return True
+    if is_ephemeral(a) or is_ephemeral(b):
+        return False  # the system hands out distinct ports
     ha, _ = _tcp_host_port(a, ra)
     hb, _ = _tcp_host_port(b, rb)
     return ha == hb or ha in _WILDCARD_HOSTS or hb in _WILDCARD_HOSTS
@@ -114,7 +128,7 @@ def validate_endpoints(
     if replay_endpoint is None:
         return
     validate_endpoint(replay_endpoint, ranks_per_host)
-    if replay_endpoint == endpoint and not endpoint.endswith(":*"):
+    if replay_endpoint == endpoint and not is_ephemeral(endpoint):
         raise EndpointError(f"publish and replay endpoints are both {endpoint!r}")
     if not _hosts_may_clash(endpoint, replay_endpoint):
         return
