@@ -115,6 +115,7 @@ class ReplayServer:
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()
+        self.requests = 0
         self.served = 0
         self.invalid = 0
         self.dropped = 0
@@ -164,6 +165,7 @@ class ReplayServer:
             self.invalid += 1
             self._note("replay_invalid", f"ignored replay request: {exc}")
             return
+        self.requests += 1
         identity = request.identity
         old = self._jobs.pop(identity, None)
         if old is not None:

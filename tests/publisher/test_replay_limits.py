@@ -146,3 +146,32 @@ def test_oversized_replay_requests_are_refused_by_the_socket(
         junk.send_multipart([b"", b"x" * 100_000])  # over MAXMSGSIZE: the peer is dropped
         assert legit_replay(zctx, pub.bound_replay_endpoint or "", deadline_s=5.0) == [0]
         assert pub.stats().replay_invalid == 0  # never even read
+
+
+def test_a_clients_new_request_replaces_its_old_job(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
+        max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=30,
+    ) as pub:  # fmt: skip
+        for i in range(N_BATCHES):
+            pub.publish(big_batch(i))
+        wait_for(lambda: pub.stats().published == N_BATCHES, what="buffer filled")
+        sock = hostile(zctx, pub.bound_replay_endpoint or "")  # asks once, reads nothing
+        replay = pub._replay
+        assert replay is not None
+        wait_for(lambda: replay.jobs == 1, what="the first job")
+        for _ in range(9):
+            sock.send_multipart(replay_request_frames(0))
+        wait_for(lambda: replay.requests == 10, what="every request read")
+        assert replay.jobs == 1
+        ends = items = 0
+        while sock.poll(2000):
+            reply = parse_replay_reply(sock.recv_multipart())
+            if isinstance(reply, ReplayEnd):
+                ends += 1
+                if items >= N_BATCHES:
+                    break
+            else:
+                items += 1
+        assert ends == 1  # the nine earlier jobs were replaced, never finished
+        wait_for(lambda: replay.jobs == 0, what="the job to finish")
