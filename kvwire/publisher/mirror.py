@@ -1,12 +1,13 @@
 """The publisher's mirror of its own rank's cache, and consistent snapshots of it.
 
-The sender thread feeds every batch it encodes, in seq order, to :class:`Mirror`.
-A gap in those seqs means a batch was dropped before the sender saw it (queue
-full): its events are unknown, so the mirror stops vouching for itself until an
-``AllBlocksCleared`` resets it. (Keeping dropped batches for the mirror alone
-would double the memory a full queue already holds, exactly when the engine
-outruns the sender; an honest refusal leaves the subscriber PARTIAL, never
-stale.) An encoding error does the same.
+The sender thread feeds every batch it encodes, in seq order, to :class:`Mirror`,
+and also the batches ``publish()`` dropped on a full queue: those are never
+sent, but the publisher keeps them (at most as many again as its queue holds)
+for the mirror alone, so a snapshot repairs such a drop instead of refusing.
+A gap in the seqs the mirror sees means a batch it never learnt (that second
+bound was exceeded too): the mirror then stops vouching for itself until an
+``AllBlocksCleared`` resets it, and snapshots are refused (the subscriber ends
+PARTIAL, never stale). A batch that cannot be encoded does the same.
 
 Representation, compact because a rank holds millions of blocks:
 

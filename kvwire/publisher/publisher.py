@@ -167,7 +167,10 @@ class EventPublisher:
       gap within one heartbeat (``None``: never).
     - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
       and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
-      chunks of at most ``snapshot_chunk_blocks`` blocks.
+      chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a
+      full queue are still mirrored (up to ``max_queue_size`` of them held for
+      that), so a snapshot repairs the gap they leave; see
+      :mod:`kvwire.publisher.mirror`.
     - ``server_keys``: make both sockets CURVE servers admitting only the
       allow-listed client keys (:mod:`kvwire.security`).
 
@@ -266,6 +269,10 @@ class EventPublisher:
         self._lifecycle = threading.Lock()
         self._buffer: ReplayBuffer = deque(maxlen=buffer_steps)
         self._mirror = Mirror() if self.snapshot else None
+        # Batches dropped on a full queue, kept (as many again as the queue) for the mirror.
+        self._unsent: deque[tuple[int, KVEventBatch | PendingBatch]] | None = (
+            deque() if self._mirror is not None else None
+        )
         self._replay: ReplayServer | None = None
 
         self._dropped_queue_full = 0
@@ -304,6 +311,9 @@ class EventPublisher:
             return False
         if len(queue) >= self._max_queue:
             self._dropped_queue_full += 1
+            unsent = self._unsent
+            if unsent is not None and len(unsent) < self._max_queue:
+                unsent.append((seq, batch))  # never sent, but the mirror learns it
             lock.release()
             return False
         queue.append((seq, batch))
@@ -566,22 +576,20 @@ class EventPublisher:
         share.
         """
         queue = self._queue
+        unsent = self._unsent
+        if unsent:
+            self._mirror_unsent(None)
         if not queue:
-            return False
-        dialect = self.dialect
-        rank = self.rank
+            return bool(unsent)
         mirror = self._mirror
         ready: list[tuple[int, zmq.Frame]] = []
         deadline = time.perf_counter() + _CHUNK_S
         while queue and len(ready) < _CHUNK_BATCHES:
             seq, item = queue.popleft()
+            if unsent and unsent[0][0] < seq:
+                self._mirror_unsent(seq)
             try:
-                if type(item) is KVEventBatch:
-                    if item.data_parallel_rank is None:
-                        item = msgspec.structs.replace(item, data_parallel_rank=rank)
-                    payload = encode_batch(item, dialect=dialect)
-                else:
-                    payload = item.encode(dialect)  # type: ignore[union-attr]
+                payload = self._encode(item)
             except Exception as exc:
                 self._dropped_encode_error += 1
                 self._note_error("encode", f"batch seq {seq} could not be encoded: {exc}")
@@ -615,6 +623,31 @@ class EventPublisher:
         if ready:
             self._last_sent = time.monotonic()
         return bool(queue)
+
+    def _encode(self, item: KVEventBatch | PendingBatch) -> bytes:
+        if type(item) is KVEventBatch:
+            if item.data_parallel_rank is None:
+                item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
+            return encode_batch(item, dialect=self.dialect)
+        return item.encode(self.dialect)  # type: ignore[union-attr]
+
+    def _mirror_unsent(self, before: int | None) -> None:
+        """Mirror, in seq order, the dropped batches below ``before`` (``None``: below every
+        batch still queued or yet to come)."""
+        unsent = self._unsent
+        mirror = self._mirror
+        assert unsent is not None and mirror is not None
+        if before is None:
+            with self._seq_lock:  # a consistent bound: queue head, or the next seq
+                before = self._queue[0][0] if self._queue else self._next_seq
+        while unsent and unsent[0][0] < before:
+            seq, item = unsent.popleft()
+            try:
+                payload = self._encode(item)
+            except Exception:
+                mirror.skip(seq, "it could not be encoded")
+                continue
+            self._mirror_batch(mirror, seq, payload)
 
     def _mirror_batch(self, mirror: Mirror, seq: int, payload: bytes) -> None:
         """Feed the mirror what subscribers will decode (hashes normalised as they see them)."""

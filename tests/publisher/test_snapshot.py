@@ -288,20 +288,54 @@ def test_snapshot_over_the_replay_socket_rebuilds_the_index(
     assert rebuilt.stats().orphan_stores == live.stats().orphan_stores
 
 
-def test_snapshot_is_refused_after_a_queue_full_drop_until_a_clear(
+def test_a_batch_dropped_on_a_full_queue_is_still_in_the_snapshot(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with EventPublisher(
         f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, max_queue_size=1,
         coalesce_s=0.2,
     ) as pub:  # fmt: skip
-        sub, _ = connect_sub(zctx, pub)
+        sub, _ = connect_sub(zctx, pub)  # its pings overflow the queue of one
         wait_for(lambda: pub.queue_depth == 0, what="pings sent")
+        assert pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()], 0))  # a known state
+        recv_until(sub, pub.last_seq)
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([1], None, [1] * 16, 16)], 0))
         recv_until(sub, pub.last_seq)
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([2], 1, [2] * 16, 16)], 0))
-        assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([1, 2])], 0))
-        recv_until(sub, pub.last_seq - 1)
+        assert not pub.publish(KVEventBatch(time.time(), [BlockStored([3], 2, [3] * 16, 16)], 0))
+        dropped = pub.last_seq
+        recv_until(sub, dropped - 1)
+        pub.publish(KVEventBatch(time.time(), [BlockRemoved([1])], 0))
+        assert recv_live(sub).seq == dropped + 1  # subscribers see the gap
+        replies = request_snapshot(zctx, pub.bound_replay_endpoint or "")
+        end = replies[-1]
+        assert isinstance(end, SnapshotEnd) and end.next_seq == dropped + 2
+        rebuilt = PrefixIndex(block_size=16)
+        for chunk in replies[:-1]:
+            rebuilt.apply("w", 0, decode_batch(chunk.payload))
+        assert rebuilt.blocks("w", 0) == {2, 3}  # the dropped store included
+        assert pub.stats().dropped_queue_full >= 1
+
+
+def test_snapshot_is_refused_after_a_drop_it_never_learnt_until_a_clear(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, max_queue_size=1,
+        coalesce_s=0.2,
+    ) as pub:  # fmt: skip
+        sub, _ = connect_sub(zctx, pub)  # its pings overflow the queue of one
+        wait_for(lambda: pub.queue_depth == 0, what="pings sent")
+        assert pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()], 0))  # a known state
+        recv_until(sub, pub.last_seq)
+        assert pub.publish(KVEventBatch(time.time(), [BlockStored([1], None, [1] * 16, 16)], 0))
+        recv_until(sub, pub.last_seq)
+        assert pub.publish(KVEventBatch(time.time(), [BlockStored([2], 1, [2] * 16, 16)], 0))
+        # Dropped twice: the first is kept for the mirror (as many as the queue holds), the
+        # second is lost to it too.
+        assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([1])], 0))
+        assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([2])], 0))
+        recv_until(sub, pub.last_seq - 2)
         pub.publish(KVEventBatch(time.time(), [BlockRemoved([9])], 0))  # the sender sees the gap
         recv_until(sub, pub.last_seq)
         refused = request_snapshot(zctx, pub.bound_replay_endpoint or "")
