@@ -137,9 +137,7 @@ def _run_policy(
     cluster.reset_all()
     run = PolicyRun(name)
     view.policy = name
-    workload = SyntheticWorkload(
-        WorkloadConfig(seed=seed, block_size=BLOCK_SIZE, system_prompt_blocks=4)
-    )
+    workload = SyntheticWorkload(WorkloadConfig(seed=seed, block_size=BLOCK_SIZE, system_prompt_blocks=4))
     # Requests in flight: each finishes after ``in_flight`` later requests arrive,
     # wherever it was routed; a rank's load is the blocks of its requests in flight.
     flight: deque[tuple[RankKey, str, int]] = deque()
@@ -334,9 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = "met" if kv >= TARGET else "MISSED"
     print(f"target: kv-aware >= {100 * TARGET:.0f}% of the oracle: {verdict} ({100 * kv:.1f}%)")
     gaps = sum(s.counters.gaps for s in final.values())
-    print(
-        f"ranks: {', '.join(f'{w}/{r} {s.state.name}' for (w, r), s in final.items())}; gaps seen: {gaps}"
-    )
+    print(f"ranks: {', '.join(f'{w}/{r} {s.state.name}' for (w, r), s in final.items())}; gaps seen: {gaps}")
     plot = _plot(runs, args.out / "demo-hit-rate.png")
     if plot is not None:
         print(f"plot: {plot}")

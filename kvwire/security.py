@@ -237,7 +237,9 @@ def is_loopback(endpoint: str) -> bool:
     return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def warn_if_exposed(logger: logging.Logger, endpoint: str, what: str, *, secured: bool) -> bool:
+def warn_if_exposed(
+    logger: logging.Logger, endpoint: str, what: str, *, secured: bool
+) -> bool:
     """Log a warning when ``endpoint`` is reachable beyond this host; returns whether it is.
 
     Every socket kvwire binds calls this: a wider bind is an explicit choice,

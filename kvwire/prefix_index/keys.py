@@ -126,7 +126,9 @@ class KeyScheme:
         if extra_keys is None:
             return None
         if len(extra_keys) < n_blocks:
-            raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n_blocks} full blocks")
+            raise ValueError(
+                f"extra_keys has {len(extra_keys)} entries for {n_blocks} full blocks"
+            )
         out = None
         for i in range(n_blocks):
             e = extra_keys[i]

@@ -236,7 +236,8 @@ def _softmax(costs: dict[RankKey, float], temperature: float) -> dict[RankKey, f
     hi = max(costs.values())
     span = hi - lo
     weights = {
-        k: math.exp(-((c - lo) / span if span > 0 else 0.0) / temperature) for k, c in costs.items()
+        k: math.exp(-((c - lo) / span if span > 0 else 0.0) / temperature)
+        for k, c in costs.items()
     }
     total = sum(weights.values())
     return {k: w / total for k, w in weights.items()}

@@ -50,13 +50,7 @@ class EngineProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "kvwire.reference.serve",
-            *self.config.argv(),
-            *self.extra_args,
-        ]
+        return [sys.executable, "-m", "kvwire.reference.serve", *self.config.argv(), *self.extra_args]
 
     def start(self, timeout: float = 60.0) -> EngineEndpoints:
         """Start the server and wait until it printed its endpoints (or exited)."""
@@ -90,9 +84,7 @@ class EngineProcess:
         self._endpoints = self._found[0]
         return self._endpoints
 
-    def _tee(
-        self, stream: IO[bytes], found: list[EngineEndpoints], settled: threading.Event
-    ) -> None:
+    def _tee(self, stream: IO[bytes], found: list[EngineEndpoints], settled: threading.Event) -> None:
         """Copy the server's output to the log; pick out the ready line."""
         with stream, self.log_path.open("ab") as log:
             for line in stream:

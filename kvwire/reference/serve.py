@@ -344,9 +344,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
     p.add_argument(
         "--port", type=int, default=0, help="event PUB base port (rank r: port + r); 0: ephemeral"
     )
-    p.add_argument(
-        "--replay-port", type=int, default=0, help="replay ROUTER base port; 0: ephemeral"
-    )
+    p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER base port; 0: ephemeral")
     p.add_argument("--no-replay", action="store_true", help="serve no replay")
     p.add_argument("--control-port", type=int, default=0, help="control ROUTER port; 0: ephemeral")
     p.add_argument("--num-blocks", type=int, default=256)

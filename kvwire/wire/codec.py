@@ -128,7 +128,9 @@ def _to_map(e: KVEvent) -> Any:
             e.ownership, e.session_id, e.lookahead_token_ids, e.cache_salt,
         )  # fmt: skip
     if type(e) is BlockRemoved:
-        return _MapBlockRemoved(e.block_hashes, e.medium, e.group_idx, e.locality, e.ownership)
+        return _MapBlockRemoved(
+            e.block_hashes, e.medium, e.group_idx, e.locality, e.ownership
+        )
     return e
 
 
