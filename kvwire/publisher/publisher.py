@@ -535,7 +535,7 @@ class EventPublisher:
                 if queue or self._stopping:
                     self._idle = False
                     continue
-                poller.poll(1 if replay is not None and replay.jobs else int(timeout))
+                poller.poll(2 if replay is not None and replay.jobs else int(timeout))
                 self._idle = False
                 wakeup.clear()
                 if self.coalesce_s and queue and not self._stopping:

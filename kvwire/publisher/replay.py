@@ -115,6 +115,7 @@ class ReplayServer:
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()
+        self._sent = False  # the current step sent something
         self.requests = 0
         self.served = 0
         self.invalid = 0
@@ -128,8 +129,14 @@ class ReplayServer:
         return len(self._jobs)
 
     def serve(self) -> bool:
-        """Read pending requests, then send one slice of the next job; returns whether jobs remain."""
+        """Read pending requests, then send one slice of the next job that can take one.
+
+        Returns whether anything moved. Jobs whose clients are not reading are
+        skipped in turn; when none can send, the caller waits a moment instead
+        of spinning (holding the GIL) over them.
+        """
         router = self.router
+        moved = False
         if int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             for _ in range(_REQUESTS_PER_PASS):
                 try:
@@ -137,17 +144,21 @@ class ReplayServer:
                 except zmq.Again:
                     break
                 self._request(frames)
-        if not self._order:
-            return False
-        identity = self._order[0]
-        job = self._jobs[identity]
-        if self._step(job):
-            self._order.popleft()
-            del self._jobs[identity]
-            job.close()
-        else:
-            self._order.rotate(-1)
-        return bool(self._order)
+                moved = True
+        order = self._order
+        for _ in range(len(order)):
+            identity = order[0]
+            job = self._jobs[identity]
+            self._sent = False
+            if self._step(job):
+                order.popleft()
+                del self._jobs[identity]
+                job.close()
+                return True
+            order.rotate(-1)
+            if self._sent:
+                return True
+        return moved
 
     def close(self) -> None:
         """Drop every job (the publisher is closing)."""
@@ -271,6 +282,7 @@ class ReplayServer:
             job.next_seq = seq + 1
             job.remaining -= 1
             job.stalled_since = None
+            self._sent = True
             idx += 1
             sent += 1
         if job.remaining > 0 and idx < len(buffer):
@@ -282,6 +294,7 @@ class ReplayServer:
     def _snapshot_slice(self, job: _SnapshotJob) -> bool:
         if not job.started:
             job.started = True
+            self._sent = True  # it did work: starting the snapshot
             return False
         cursor = job.cursor
         if job.pending is None:
@@ -296,4 +309,5 @@ class ReplayServer:
         self.router.send_multipart(job.pending, zmq.NOBLOCK)
         job.pending = None
         job.stalled_since = None
+        self._sent = True
         return False
