@@ -102,12 +102,14 @@ def test_a_dropped_final_batch_is_a_visible_gap_within_one_heartbeat(
         assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([1, 2])], 0))  # dropped
         t0 = time.monotonic()
         assert recv_live(sub).seq == stored_seq + 1
-        heartbeat = recv_live(sub, timeout_ms=int(3 * beat * 1000))
+        heartbeat = recv_live(sub, timeout_ms=5000)
         waited = time.monotonic() - t0
         assert heartbeat.seq == stored_seq + 3  # seq + 2 was dropped: a visible gap
         empty = decode_batch(heartbeat.payload)
         assert empty.events == [] and empty.data_parallel_rank == 0
-        assert waited < beat + 0.3 + 0.5  # coalescing, one heartbeat, slack for a busy host
+        # Coalescing, then one heartbeat (slack for a busy shared host; an engine that never
+        # publishes again would otherwise show nothing at all).
+        assert waited < 0.3 + beat + 2.0
         wait_for(lambda: pub.stats().heartbeats >= 1, what="heartbeat counted")
         # The heartbeat is buffered for replay like any batch.
         replay = dealer(zctx, pub.bound_replay_endpoint or "")
