@@ -172,7 +172,9 @@ class EventPublisher:
       that), so a snapshot repairs the gap they leave; see
       :mod:`kvwire.publisher.mirror`.
     - ``server_keys``: make both sockets CURVE servers admitting only the
-      allow-listed client keys (:mod:`kvwire.security`).
+      allow-listed client keys (:mod:`kvwire.security`). The publisher stops
+      the ZAP handler of a context it made; with a ``context`` passed in, that
+      is the caller's (``kvwire.security.release_context``).
 
     ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
     this long (not holding the GIL) before encoding and sending. The engine

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher
-from kvwire.security import is_loopback as _is_loopback
+from kvwire.security import is_loopback
 from kvwire.wire import (
     END_SEQ,
     BlockRemoved,
@@ -126,11 +126,11 @@ def test_rank_offsets_tcp_ports() -> None:
 def test_default_endpoint_is_loopback_only() -> None:
     assert DEFAULT_ENDPOINT == "tcp://127.0.0.1:5557"
     assert EventPublisher().endpoint == DEFAULT_ENDPOINT
-    assert _is_loopback(DEFAULT_ENDPOINT)
-    assert _is_loopback("ipc:///tmp/x")
-    assert not _is_loopback("tcp://*:5557")
-    assert not _is_loopback("tcp://0.0.0.0:5557")
-    assert not _is_loopback("tcp://10.1.2.3:5557")
+    assert is_loopback(DEFAULT_ENDPOINT)
+    assert is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://*:5557")
+    assert not is_loopback("tcp://0.0.0.0:5557")
+    assert not is_loopback("tcp://10.1.2.3:5557")
 
 
 def test_bad_endpoints_and_settings_are_rejected() -> None:
