@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -175,3 +176,34 @@ def test_a_clients_new_request_replaces_its_old_job(ipc_dir: str, zctx: zmq.Cont
                 items += 1
         assert ends == 1  # the nine earlier jobs were replaced, never finished
         wait_for(lambda: replay.jobs == 0, what="the job to finish")
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds a thread of this process has used (from /proc)."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_stalled_clients_do_not_keep_the_sender_busy(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
+        max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=60,
+    ) as pub:  # fmt: skip
+        for i in range(N_BATCHES):
+            pub.publish(big_batch(i))
+        wait_for(lambda: pub.stats().published == N_BATCHES, what="buffer filled")
+        socks = [hostile(zctx, pub.bound_replay_endpoint or "") for _ in range(16)]
+        replay = pub._replay
+        assert replay is not None and pub._thread is not None
+        wait_for(lambda: replay.jobs == 16, what="every job started")
+        sender = pub._thread.native_id
+        assert sender is not None
+        time.sleep(0.5)  # their pipes fill up
+        cpu0, t0 = thread_cpu_s(sender), time.monotonic()
+        time.sleep(1.0)  # the window measured: every job stalled, none cut (60 s deadline)
+        used = (thread_cpu_s(sender) - cpu0) / (time.monotonic() - t0)
+        assert replay.jobs == 16
+        assert used < 0.3, f"the sender thread used {used:.0%} of a core on stalled clients"
+        for s in socks:
+            s.close(linger=0)
