@@ -177,7 +177,7 @@ class _Table:
             capacity *= 2
         fresh = _Table(capacity)
         if len(keys):
-            fresh.insert(keys, vals)
+            fresh._fill(keys, vals)
         self.keys, self.vals, self.mask, self.shift = (
             fresh.keys,
             fresh.vals,
@@ -185,6 +185,28 @@ class _Table:
             fresh.shift,
         )
         self.filled, self.live = fresh.filled, fresh.live
+
+    def _fill(self, hs: U64s, ids: npt.NDArray[np.int32]) -> None:
+        """Place distinct hashes into this empty table in one pass (no probing loop).
+
+        In order of home slot, each key takes the first slot at or after its
+        home that the keys before it left: ``pos[i] = max(home[i], pos[i-1] + 1)``,
+        a running maximum. Keys pushed past the end wrap around through
+        :meth:`insert`.
+        """
+        home = self._home(hs)
+        order = np.argsort(home)
+        n = len(hs)
+        rank = np.arange(n)
+        pos = rank + np.maximum.accumulate(home[order] - rank)
+        fits = pos <= self.mask
+        slots, chosen = pos[fits], order[fits]
+        self.keys[slots] = hs[chosen]
+        self.vals[slots] = ids[chosen]
+        self.filled = self.live = len(slots)
+        rest = order[~fits]
+        if rest.size:
+            self.insert(hs[rest], ids[rest])
 
     def delete(self, slot: int) -> None:
         self.vals[slot] = _DELETED
