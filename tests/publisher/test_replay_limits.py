@@ -111,7 +111,10 @@ def test_a_full_house_of_stalled_jobs_admits_a_new_client(
         replay = pub._replay
         assert replay is not None
         wait_for(lambda: replay.jobs == 4, what="every slot taken")
-        time.sleep(0.3)  # let them stall (the deadline itself is 30 s)
+        wait_for(  # their clients read nothing: every job stalls (the deadline itself is 30 s)
+            lambda: all(job.stalled_since is not None for job in replay._jobs.values()),
+            what="every job stalled",
+        )
         # Not cut off by the deadline, but evicted, the longest stalled first, to admit it.
         assert legit_replay(zctx, endpoint, deadline_s=10.0) == list(range(N_BATCHES))
         for s in socks:
@@ -199,7 +202,10 @@ def test_stalled_clients_do_not_keep_the_sender_busy(ipc_dir: str, zctx: zmq.Con
         wait_for(lambda: replay.jobs == 16, what="every job started")
         sender = pub._thread.native_id
         assert sender is not None
-        time.sleep(0.5)  # their pipes fill up
+        wait_for(  # their pipes fill up
+            lambda: all(job.stalled_since is not None for job in replay._jobs.values()),
+            what="every job stalled",
+        )
         cpu0, t0 = thread_cpu_s(sender), time.monotonic()
         time.sleep(1.0)  # the window measured: every job stalled, none cut (60 s deadline)
         used = (thread_cpu_s(sender) - cpu0) / (time.monotonic() - t0)
