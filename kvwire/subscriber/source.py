@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwire.security import ClientKeys
 from kvwire.wire import EndpointError, offset_endpoint, validate_endpoints
 
 __all__ = ["EngineSource", "RankEndpoints"]
@@ -29,6 +30,10 @@ class EngineSource:
     r)`` (tcp port + r, ipc ``_dp{r}``). ``topic`` is the subscription prefix
     (the engine's topic; SGLang's epoch suffix still matches). Without a
     replay endpoint every gap is an unrecoverable loss.
+
+    ``keys``: when the engine's sockets are CURVE servers, the server's public
+    key and this subscriber's key pair (:class:`kvwire.security.ClientKeys`);
+    the SUB and replay sockets of every rank use them.
     """
 
     worker_id: str
@@ -36,8 +41,11 @@ class EngineSource:
     replay_endpoint: str | None = None
     ranks: int = 1
     topic: str = ""
+    keys: ClientKeys | None = None
 
     def __post_init__(self) -> None:
+        if self.keys is not None and not isinstance(self.keys, ClientKeys):
+            raise TypeError(f"keys must be kvwire.security.ClientKeys, got {self.keys!r}")
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
         if not isinstance(self.ranks, int) or self.ranks < 1:
