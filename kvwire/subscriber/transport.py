@@ -30,6 +30,7 @@ import heapq
 import itertools
 import logging
 import resource
+import select
 import threading
 import time
 from collections import deque
@@ -87,8 +88,7 @@ class _Link:
 
     __slots__ = (
         "closed",
-        "continued",
-        "dealer",
+                "dealer",
         "dealer_fd",
         "dealer_token",
         "endpoints",
@@ -122,7 +122,6 @@ class _Link:
         self.dealer_token = 0
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer_at: float | None = None
-        self.continued = False  # a follow-up read is scheduled
         self.closed = False
         self.next_log = 0.0
 
@@ -154,6 +153,11 @@ class Subscriber:
     ``max_replays`` bounds the replay sockets open at once; further requests
     wait for one to close.
 
+    ``coalesce_s``: after a round of reading the loop waits this long before
+    it listens again (2 ms by default; 0 reads at once): batches of many ranks
+    are then read in one wake-up, which is what keeps a large, lightly loaded
+    fleet cheap. It delays a batch by at most that much.
+
     ``max_message_size`` (bytes, default 64 MiB) is the ZeroMQ size limit on
     every receiving socket (SUB and replay DEALER): a larger message is
     dropped by libzmq with its connection, which the rank sees as a lost seq.
@@ -176,8 +180,9 @@ class Subscriber:
         context: zmq.Context[Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-        probe_rate: float = 64.0,
+        probe_rate: float = 16.0,
         max_replays: int = 256,
+        coalesce_s: float = 0.002,
     ) -> None:
         if max_message_size < 1:
             raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
@@ -185,6 +190,8 @@ class Subscriber:
             raise ValueError(f"probe_rate must be > 0, got {probe_rate}")
         if max_replays < 1:
             raise ValueError(f"max_replays must be >= 1, got {max_replays}")
+        if not 0 <= coalesce_s <= 1:
+            raise ValueError(f"coalesce_s must be in [0, 1], got {coalesce_s}")
         self._sink = sink
         self._sink_flush: Callable[[], Any] | None = getattr(sink, "flush", None)
         self._config = config if config is not None else StreamConfig()
@@ -220,7 +227,13 @@ class Subscriber:
         self._replays_open = 0
         self._replay_waiting: deque[_Link] = deque()
         self._flush_links: dict[_Link, None] = {}
-        self._flush_scheduled = False
+        self._epoll = select.epoll()
+        self._fd_links: dict[int, _Link] = {}
+        self._continue: dict[_Link, None] = {}  # ranks with more to read than one burst
+        self._armed = False
+        self._followup: asyncio.Handle | None = None
+        self._coalesce_s = coalesce_s
+        self._private = False  # the loop is the background thread's own
         self._background: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
@@ -381,6 +394,7 @@ class Subscriber:
             self._check_sockets(ctx, self._total_ranks())
             for source in self.sources:
                 self._open_source(source)
+            self._arm()
             self._thread_ready.set()
             await self._stop_event.wait()
         finally:
@@ -393,6 +407,8 @@ class Subscriber:
             if self._timer_handle is not None:
                 self._timer_handle.cancel()
                 self._timer_handle = None
+            self._disarm()
+            self._epoll.close()
             if self._given_ctx is None:
                 ctx.destroy(linger=0)
             if self._queue is not None:
@@ -442,6 +458,7 @@ class Subscriber:
         return self
 
     def _thread_main(self) -> None:
+        self._private = True
         try:
             asyncio.run(self.run())
         except BaseException as exc:
@@ -495,9 +512,12 @@ class Subscriber:
             yield item  # type: ignore[misc]
 
     def _resume_deferred(self) -> None:
+        """The reader caught up: read on from the ranks that waited (their sockets won't signal)."""
         deferred, self._deferred = self._deferred, {}
-        for link in deferred:
-            self._service(link)
+        self._continue.update(deferred)
+        if self._running and self._loop is not None:
+            self._disarm()
+            self._followup = self._loop.call_soon(self._wake)
 
     # --- sockets ------------------------------------------------------------------------
 
@@ -571,8 +591,8 @@ class Subscriber:
         sub.connect(link.endpoints.endpoint)
         link.sub_fd = _fd(sub)
         link.monitor_fd = _fd(monitor)
-        self._loop.add_reader(link.monitor_fd, self._service, link)
-        self._loop.add_reader(link.sub_fd, self._service, link)
+        self._watch(link.monitor_fd, link)
+        self._watch(link.sub_fd, link)
 
     def _open_dealer(self, link: _Link) -> bool:
         assert self._loop is not None and link.endpoints.replay_endpoint is not None
@@ -586,7 +606,7 @@ class Subscriber:
         link.dealer = dealer
         link.dealer_fd = _fd(dealer)
         self._replays_open += 1
-        self._loop.add_reader(link.dealer_fd, self._service, link)
+        self._watch(link.dealer_fd, link)
         return True
 
     def _close_dealer(self, link: _Link) -> None:
@@ -594,8 +614,8 @@ class Subscriber:
         if dealer is None:
             return
         link.dealer = None
-        assert self._loop is not None
-        self._loop.remove_reader(link.dealer_fd)
+        self._unwatch(link.dealer_fd)
+        link.dealer_fd = -1
         dealer.close(linger=0)
         self._replays_open -= 1
         self._next_waiting()
@@ -620,11 +640,9 @@ class Subscriber:
         link.closed = True
         link.queued = None
         self._close_dealer(link)
-        loop = self._loop
-        if loop is not None:
-            for fd in (link.sub_fd, link.monitor_fd):
-                if fd >= 0:
-                    loop.remove_reader(fd)
+        for fd in (link.sub_fd, link.monitor_fd):
+            if fd >= 0:
+                self._unwatch(fd)
         link.sub_fd = link.monitor_fd = -1
         if link.sub is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -648,9 +666,67 @@ class Subscriber:
 
     # --- reading ------------------------------------------------------------------------
 
+    def _watch(self, fd: int, link: _Link) -> None:
+        self._fd_links[fd] = link
+        self._epoll.register(fd, select.EPOLLIN)
+
+    def _unwatch(self, fd: int) -> None:
+        if self._fd_links.pop(fd, None) is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+
+    def _arm(self) -> None:
+        """Wake when any rank's socket signals."""
+        self._followup = None
+        if not self._armed and self._loop is not None and self._running:
+            self._loop.add_reader(self._epoll.fileno(), self._wake)
+            self._armed = True
+
+    def _disarm(self) -> None:
+        if self._followup is not None:
+            self._followup.cancel()
+            self._followup = None
+        if self._armed and self._loop is not None:
+            self._loop.remove_reader(self._epoll.fileno())
+            self._armed = False
+
+    def _wake(self) -> None:
+        """One round of reading: every rank whose socket signalled, and those left unfinished.
+
+        Afterwards the loop sleeps ``coalesce_s`` before it listens again, so
+        that a fleet of ranks sending a batch each now and then is read a
+        handful at a time instead of one wake-up per batch.
+        """
+        if self._private:
+            self._followup = None  # the loop is ours: stay registered
+        else:
+            self._disarm()
+        ready = self._continue
+        self._continue = {}
+        fd_links = self._fd_links
+        for fd, _ in self._epoll.poll(0):
+            link = fd_links.get(fd)
+            if link is not None:
+                ready[link] = None
+        for link in ready:
+            self._service(link)
+        if self._flush_links:
+            self._flush()
+        if not self._running or self._loop is None:
+            return
+        if self._continue:
+            if self._followup is None:
+                self._followup = self._loop.call_soon(self._wake)
+        elif self._private:
+            if self._coalesce_s > 0:
+                time.sleep(self._coalesce_s)  # nothing else runs on this loop
+        elif self._coalesce_s > 0:
+            self._followup = self._loop.call_later(self._coalesce_s, self._arm)
+        else:
+            self._arm()
+
     def _service(self, link: _Link) -> None:
         """Everything the rank's sockets hold, in order: connection events, live, replies."""
-        link.continued = False
         if link.closed:
             return
         space = self._space
@@ -672,11 +748,9 @@ class Subscriber:
             self._log_limited(link, "subscriber loop error", exc_info=True)
         if burst >= _BURST and not link.closed:
             # More may be queued, and the socket will not signal it again.
-            link.continued = True
-            assert self._loop is not None
-            self._loop.call_soon(self._service, link)
+            self._continue[link] = None
         elif burst and self._sink_flush is not None:
-            self._flush_later(link)
+            self._flush_links[link] = None
 
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
@@ -741,7 +815,7 @@ class Subscriber:
         if not link.closed:
             self._release_dealer(link)
             if applied and self._sink_flush is not None:
-                self._flush_later(link)
+                self._flush_links[link] = None
 
     # --- time ---------------------------------------------------------------------------
 
@@ -790,6 +864,8 @@ class Subscriber:
             heapq.heappop(timers)  # superseded entries
         if timers and (self._timer_due is None or timers[0][0] < self._timer_due):
             self._arm_timer(timers[0][0], now)
+        if self._flush_links:
+            self._flush()
 
     # --- carrying out actions -------------------------------------------------------------
 
@@ -850,16 +926,8 @@ class Subscriber:
         self._log_limited(link, f"sink.apply raised {exc!r}", exc_info=exc)
         self._deliver(link, link.stream.sink_failed(self._clock(), repr(exc)))
 
-    def _flush_later(self, link: _Link) -> None:
-        """Let a buffering sink apply what it holds once this round of reading is over."""
-        self._flush_links[link] = None
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
-
     def _flush(self) -> None:
-        self._flush_scheduled = False
+        """The round of reading is over: let a buffering sink apply what it holds."""
         links, self._flush_links = self._flush_links, {}
         flush = self._sink_flush
         if flush is None:
