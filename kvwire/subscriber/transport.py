@@ -73,7 +73,7 @@ _END = object()
 _SOCKETS_PER_RANK = 3
 _FDS_PER_RANK = 4
 _FDS_PER_REPLAY = 2  # a replay DEALER's mailbox and its connection
-_FD_MARGIN = 512  # the rest of the process: Python, logs, the sink, libzmq's own
+_FD_MARGIN = 256  # the rest of the process: Python, logs, the sink, libzmq's own
 _SOCKET_MARGIN = 64
 
 DEFAULT_MAX_MESSAGE_SIZE = 64 << 20
@@ -319,7 +319,8 @@ class Subscriber:
 
     def _ensure_capacity(self, ranks: int) -> None:
         """Raise the open-file soft limit to what ``ranks`` need, or say which limit is short."""
-        need = ranks * _FDS_PER_RANK + self._max_replays * _FDS_PER_REPLAY + _FD_MARGIN
+        replays = min(ranks, self._max_replays)
+        need = ranks * _FDS_PER_RANK + replays * _FDS_PER_REPLAY + _FD_MARGIN
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY or soft >= need:
             return
@@ -336,7 +337,7 @@ class Subscriber:
         log.info("raised the open-file soft limit from %d to %d for %d ranks", soft, need, ranks)
 
     def _socket_budget(self, ranks: int) -> int:
-        return ranks * _SOCKETS_PER_RANK + self._max_replays + _SOCKET_MARGIN
+        return ranks * _SOCKETS_PER_RANK + min(ranks, self._max_replays) + _SOCKET_MARGIN
 
     def _check_sockets(self, ctx: zmq.Context[Any], ranks: int) -> None:
         need = self._socket_budget(ranks)
@@ -765,9 +766,16 @@ class Subscriber:
                 self._deliver(link, link.stream.connected(self._clock()))
             elif event == zmq.EVENT_DISCONNECTED:
                 # The old connection's batches belong before the disconnect.
-                if link.sub is not None:
+                sub = link.sub
+                if sub is not None:
                     self._drain_live(link, _DRAIN_BEFORE_DISCONNECT)
                 self._deliver(link, link.stream.disconnected(self._clock()))
+                if sub is not None and link.sub is sub:
+                    # libzmq does not reconnect after a protocol error (a message over
+                    # max_message_size, a malformed frame): connect again ourselves.
+                    with contextlib.suppress(zmq.ZMQError):
+                        sub.disconnect(link.endpoints.endpoint)
+                    sub.connect(link.endpoints.endpoint)
             else:
                 continue
             self._schedule(link)
