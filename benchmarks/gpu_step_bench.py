@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import zmq
 
-from kvwire.publisher import CacheFullError, EventCollector, EventPublisher, PagedKVCache
+from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.reference import CacheFullError, PagedKVCache
 from kvwire.wire import (
     AllBlocksCleared,
     BlockRemoved,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -30,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
-from kvwire.publisher.control import ControlClient
-from kvwire.publisher.serve import EngineConfig, free_port_block
-from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
+from kvwire.reference.control import ControlClient
+from kvwire.reference.launch import EngineProcess
+from kvwire.reference.serve import EngineConfig
+from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
 from kvwire.subscriber import EngineSource, RankState, RankStatus, Subscriber
 
 __all__ = ["main"]
@@ -44,52 +44,35 @@ TARGET = 0.95
 
 @dataclass
 class LocalEngine:
-    """An engine server process on loopback."""
+    """An engine server process on loopback, on ports it picks itself."""
 
     worker_id: str
     ranks: int
     num_blocks: int
-    proc: subprocess.Popen[bytes] | None = None
-    base: int = field(default_factory=lambda: free_port_block(8))
+    process: EngineProcess | None = None
 
     @property
     def source(self) -> EngineSource:
-        return EngineSource(
-            self.worker_id,
-            f"tcp://127.0.0.1:{self.base}",
-            f"tcp://127.0.0.1:{self.base + self.ranks}",
-            ranks=self.ranks,
-        )
+        assert self.process is not None, "engine not started"
+        return self.process.source(self.worker_id)
 
     @property
     def control_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.base + 2 * self.ranks}"
+        assert self.process is not None, "engine not started"
+        return self.process.control_endpoint
 
-    def start(self, log_dir: Path) -> None:
-        config = EngineConfig(
-            ranks=self.ranks,
-            port=self.base,
-            replay_port=self.base + self.ranks,
-            control_port=self.base + 2 * self.ranks,
-            num_blocks=self.num_blocks,
-            block_size=BLOCK_SIZE,
-        )
-        args = [sys.executable, "-m", "kvwire.publisher.serve", *config.argv()]
-        log = (log_dir / f"{self.worker_id}.log").open("wb")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+    def spawn(self, log_dir: Path) -> None:
+        config = EngineConfig(ranks=self.ranks, num_blocks=self.num_blocks, block_size=BLOCK_SIZE)
+        self.process = EngineProcess(config, log_dir / f"{self.worker_id}.log")
+        self.process.spawn()
 
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def wait_ready(self) -> None:
+        assert self.process is not None, "engine not started"
+        self.process.wait_ready(60.0)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.process is not None:
+            self.process.stop()
 
 
 @dataclass
@@ -298,13 +281,13 @@ def _plot(runs: list[PolicyRun], path: Path) -> Path | None:
 def _cluster(engines: list[LocalEngine], log_dir: Path) -> Iterator[Cluster]:
     with ExitStack() as stack:
         for e in engines:
-            e.start(log_dir)
+            e.spawn(log_dir)
             stack.callback(e.stop)
         clients = {}
         for e in engines:
+            e.wait_ready()
             client = ControlClient(e.control_endpoint, timeout=10.0)
             stack.callback(client.close)
-            client.wait_ready(60.0, alive=e.running)
             clients[e.worker_id] = client
         cluster = Cluster(engines, clients)
         cluster.subscriber.start()

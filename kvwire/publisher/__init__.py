@@ -1,8 +1,9 @@
-"""The engine side: publish KV-cache events, collect them from a cache, a reference cache.
+"""The engine side: what an inference engine embeds to publish KV-cache events.
 
-``EventPublisher`` owns the sockets, ``EventCollector`` is what a cache manager
-calls each iteration, and ``PagedKVCache`` (needs the ``engine`` extra, torch)
-is a reference paged KV cache that reports every change through a collector.
+``EventPublisher`` owns the sockets and ``EventCollector`` is what a cache
+manager calls each iteration. The engine integrations (vLLM, SGLang,
+TensorRT-LLM) live in :mod:`kvwire.integrations`; the reference engine that
+the demo and the tests drive lives in :mod:`kvwire.reference`.
 """
 
 from kvwire.publisher.collector import (
@@ -12,7 +13,6 @@ from kvwire.publisher.collector import (
     EventCollector,
     HashFormat,
 )
-from kvwire.publisher.paged_cache import AdmitResult, CacheFullError, PagedKVCache, block_hashes
 from kvwire.publisher.publisher import (
     DEFAULT_ENDPOINT,
     EventPublisher,
@@ -22,16 +22,12 @@ from kvwire.publisher.publisher import (
 
 __all__ = [
     "DEFAULT_ENDPOINT",
-    "AdmitResult",
     "BatchPublisher",
-    "CacheFullError",
     "CollectedBatch",
     "CollectorStats",
     "EventCollector",
     "EventPublisher",
     "HashFormat",
-    "PagedKVCache",
     "PendingBatch",
     "PublisherStats",
-    "block_hashes",
 ]

@@ -30,11 +30,16 @@ _COUNTER_HELP = {
     "events": "Events in the batches applied",
     "gaps": "Holes found in a rank's stream",
     "seqs_lost": "Sequence numbers given up on",
+    "seq_jumps": "Live seqs that broke the stream without a restart",
     "replays_requested": "Replay requests sent",
     "replays_succeeded": "Replays that filled what they were asked for",
     "replays_failed": "Replays given up on after their retries",
     "replay_timeouts": "Replay requests that timed out",
     "probes": "Replays asked while idle",
+    "snapshots_requested": "Snapshot requests sent",
+    "snapshots_applied": "Snapshots applied",
+    "snapshots_failed": "Snapshots refused, incomplete or too slow",
+    "stale": "Times the rank went stale",
     "resyncs": "Unrecoverable losses after which the rank went on",
     "restarts": "Publisher restarts detected",
     "reconnects": "Reconnections to the publisher",
@@ -45,6 +50,7 @@ _COUNTER_HELP = {
     "stale_replies": "Replay frames of abandoned requests",
     "held_overflows": "Times the held-batch buffer overflowed",
     "sink_errors": "Times the sink raised",
+    "internal_errors": "Unexpected exceptions inside the stream",
 }
 
 

@@ -17,11 +17,18 @@ class RankState(enum.Enum):
     being (re)established (first contact, a gap being replayed, a reconnect,
     a disconnect). ``PARTIAL``: something was lost for good; by default the
     rank was cleared, so it holds less than the engine but nothing stale.
+    ``STALE``: the view was exact at the last position the publisher proved,
+    but nothing proves it is still current: a publisher that heartbeats fell
+    silent for three intervals, or an idle publisher that cannot be asked (no
+    replay endpoint, no heartbeats) or whose replay cannot rule out a batch
+    dropped after its seq was reserved (kvwire's, heartbeats off). It may
+    hold blocks the engine has since dropped; the next message settles it.
     """
 
     SYNCING = "syncing"
     SYNCED = "synced"
     PARTIAL = "partial"
+    STALE = "stale"
 
 
 class LossPolicy(enum.Enum):
@@ -52,8 +59,26 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max: float = 1.0
     idle_probe: float | None = 1.0
     """After this long without a live batch, ask the replay socket what was missed
-    (a lost last batch, a silent restart). ``None`` disables probing."""
+    (a lost last batch, a silent restart); publishers that heartbeat are not
+    probed. Where nothing can be asked (no replay endpoint, no heartbeats) the
+    same silence makes the rank STALE. ``None`` disables both."""
     loss_policy: LossPolicy = LossPolicy.CLEAR
+    replay_deadline: float = 10.0
+    """Overall limit on one replay request, however its frames trickle in: past it
+    the replay has failed (no retry: a publisher that trickles will do it again)."""
+    snapshot: bool = True
+    """Ask a publisher whose epoch advertises snapshots (``.snap``) for one when
+    the view is lost, instead of staying PARTIAL."""
+    snapshot_retries: int = 2
+    """Snapshots asked again (after the replay backoff) when one fails, before the
+    rank stays PARTIAL until the view is whole again."""
+    snapshot_deadline: float = 30.0
+    """Overall limit on one snapshot request; past it the snapshot has failed."""
+    max_snapshot_chunks: int = 1_000_000
+    """Chunks one snapshot may have; more is a failed snapshot."""
+    max_seq_jump: int = 1 << 32
+    """A live seq more than this past the highest known is not a loss of that many
+    batches but a broken stream: the rank is cleared and follows the new seq."""
     dedup_window: int = 65_536
     """Replayed batches remembered (seq and payload hash) until their live copy
     arrives, to tell that copy from a restarted publisher's batch."""
@@ -72,6 +97,15 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.idle_probe is not None and self.idle_probe <= 0:
             raise ValueError(f"idle_probe must be > 0 or None, got {self.idle_probe}")
+        for name in ("replay_deadline", "snapshot_deadline"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.snapshot_retries < 0:
+            raise ValueError(f"snapshot_retries must be >= 0, got {self.snapshot_retries}")
+        if self.max_snapshot_chunks < 1:
+            raise ValueError(f"max_snapshot_chunks must be >= 1, got {self.max_snapshot_chunks}")
+        if self.max_seq_jump < 1:
+            raise ValueError(f"max_seq_jump must be >= 1, got {self.max_seq_jump}")
         if self.dedup_window < 1:
             raise ValueError(f"dedup_window must be >= 1, got {self.dedup_window}")
 
@@ -88,7 +122,11 @@ class RankCounters(msgspec.Struct, kw_only=True):
     gaps: int = 0
     """Holes found in the stream (live seq jumps, lost trailing batches)."""
     seqs_lost: int = 0
-    """Sequence numbers given up on (never applied)."""
+    """Sequence numbers given up on (never applied); a jump past ``max_seq_jump``
+    is counted in ``seq_jumps`` instead."""
+    seq_jumps: int = 0
+    """Live seqs that broke the stream without a restart to explain them (a jump
+    past ``max_seq_jump``, a seq going back under the same epoch)."""
     replays_requested: int = 0
     replays_succeeded: int = 0
     """Replays that filled what they were asked for."""
@@ -97,6 +135,12 @@ class RankCounters(msgspec.Struct, kw_only=True):
     replay_timeouts: int = 0
     probes: int = 0
     """Replays asked while idle, to find lost trailing batches or a silent restart."""
+    snapshots_requested: int = 0
+    snapshots_applied: int = 0
+    snapshots_failed: int = 0
+    """Snapshots refused, incomplete, of another epoch, undecodable or too slow."""
+    stale: int = 0
+    """Times the rank went STALE."""
     resyncs: int = 0
     """Unrecoverable losses: the rank was cleared (or kept, by policy) and went on."""
     restarts: int = 0
@@ -115,6 +159,9 @@ class RankCounters(msgspec.Struct, kw_only=True):
     held_overflows: int = 0
     sink_errors: int = 0
     """Times the sink raised while applying or clearing this rank."""
+    internal_errors: int = 0
+    """Unexpected exceptions inside the stream (bugs): the rank was cleared and
+    went on, and the actions queued before were still returned."""
 
 
 class RankStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,76 +4,194 @@ One :class:`RankStream` follows one publisher socket (one engine, one rank).
 It owns no socket and reads no clock: the transport feeds it live messages,
 replay reply messages, connection events and the current time, and carries
 out the :mod:`~kvwire.subscriber.actions` it returns. Every rule is
-testable with plain lists of frames.
+testable with plain lists of frames. The wire is ``docs/wire.md``.
 
-The rules (the subscriber issue and WIRE.md):
+Phases
+------
+
+A stream is always in exactly one :class:`Phase`; what may follow what is
+:data:`TRANSITIONS`, checked on every move (a move outside it is a bug,
+counted in ``internal_errors``). Whether the view is *exact* (nothing lost
+since it was last known whole) is kept beside the phase; the
+:class:`~kvwire.subscriber.RankState` a router reads is derived from both:
+STALE in phase STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING,
+else SYNCING. A probe proves nothing until it ends: in PROBING the rank reads
+what it read when the probe began (SYNCED, STALE, or SYNCING when waiting for
+a live batch), until a live batch shows where the stream is.
+
+============  ==============================================================
+phase         may move to (every phase may also move to DISCONNECTED)
+============  ==============================================================
+DISCONNECTED  STARTING AWAIT_LIVE
+AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
+STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
+REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
+PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+SNAPSHOTTING  FOLLOWING STARTING REPLAYING
+BACKOFF       FOLLOWING STARTING REPLAYING
+FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
+============  ==============================================================
+
+What each phase is, and why it moves:
+
+- DISCONNECTED: no connection (the start); nothing is asked. A connection
+  moves it to STARTING (replay endpoint: prove continuity) or AWAIT_LIVE.
+- AWAIT_LIVE: connected, but only the next live batch tells where the stream
+  is (no replay endpoint, or a start replay gave up). A live batch moves it to
+  FOLLOWING; silence to PROBING (replay) or STALE (nothing can be asked).
+- STARTING: a (re)connect or post-restart replay is out and every live batch
+  is held until it proves continuity. Its reply ends at the tail (FOLLOWING,
+  STALE, or PROBING to look past a per-request cap), leaves more to fetch
+  (REPLAYING), times out (BACKOFF), gives up (AWAIT_LIVE), or shows a new
+  publisher life (STARTING again, for its history).
+- REPLAYING: a gap replay is out; later live batches are held. Moves like
+  STARTING, except that giving up follows live from the first held batch.
+- PROBING: idle; a replay asks what the silence hid while live batches apply
+  as usual. It ends FOLLOWING, or STALE where it proves nothing; a gap turns it
+  into REPLAYING, a loss with ``.snap`` into SNAPSHOTTING.
+- SNAPSHOTTING: a snapshot is out and every live batch is held. Applied, it
+  replays from its next seq (REPLAYING); failed, it follows live (FOLLOWING).
+- BACKOFF: a replay failed and is asked again at a set time (STARTING or
+  REPLAYING); a restart, a broken seq or a full held buffer moves it on.
+- FOLLOWING: in sequence, nothing asked. A gap moves it to REPLAYING, silence
+  to PROBING or STALE, a loss with ``.snap`` to SNAPSHOTTING.
+- STALE: nothing proves the view current (see RankState). A live batch moves
+  it to FOLLOWING; probing goes on for publishers without heartbeats.
+
+Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
+live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
+disconnect. An internal error (a bug) clears the rank and moves it to
+AWAIT_LIVE (or DISCONNECTED) from anywhere.
+
+Rules
+-----
 
 - A live batch at the expected seq is applied. A later one opens a gap: it is
-  held (in seq order, bounded) while a replay fills the hole. Replayed batches
-  below the expected seq are ignored; a held batch is applied when the replay
-  reaches its seq and the two copies match.
-- A hole the replay cannot fill (the reply starts above what was asked, no
-  replay endpoint, retries with backoff exhausted, held buffer full) is lost
-  for good: by default the rank is cleared and marked PARTIAL, then the
-  stream goes on. An ``AllBlocksCleared`` later makes the view exact again.
-- PUB/SUB never duplicates or reorders, so a live seq that goes back is a
-  restarted publisher: the rank is cleared and the new stream is followed
-  from 0, its buffered history replayed. (The live copy of a batch that was
-  already replayed is recognised by its payload and skipped.)
-- Replays are anchored on the last batch applied: the reply must start with
-  the publisher's copy of it, byte for byte. A different copy, or an empty
-  reply although a batch at or after the start was seen, means a new
-  publisher even when no seq said so (a reconnect to a restarted engine that
-  already published past us, or one that is idle); an anchor gone from the
-  buffer leaves the continuity unprovable, which counts as a loss.
-- First contact subscribes first (the transport connects the SUB before
-  reporting the connection), then replays from 0; a reconnect replays from
-  the anchor, and live batches are held until that reply answers. An idle
-  rank is probed now and then, since an idle engine sends nothing that would
-  reveal a lost last batch or a silent restart.
-- A frame that cannot be parsed or decoded is counted and treated as a lost
-  seq; it never raises and never decides a restart.
+  held (in seq order, bounded) while a replay fills the hole. A hole the
+  replay cannot fill is lost for good: by default the rank is cleared and
+  marked PARTIAL, then the stream goes on; a publisher that serves snapshots
+  (epoch ``.snap``) is asked for one, which makes the rank exact again. An
+  ``AllBlocksCleared`` later does too.
+- Restarts. A changed epoch (``docs/wire.md`` section 6) on a live message
+  or a reply is a restart, deterministically. Without an epoch, a live seq
+  that goes back, or a replayed anchor (the last batch applied) that differs
+  byte for byte, is the guess. Under an unchanged epoch neither is a restart:
+  a seq that goes back is a broken stream (cleared, followed).
+- An empty or useless replay never proves anything: a reply with no batch at
+  or after what was asked, although a later seq was seen, leaves the rank
+  PARTIAL (cleared, following live), never SYNCED at a seq the live stream
+  has already passed. (A publisher without epoch whose anchored reply came
+  back empty is first asked for its whole buffer: a buffer always holds the
+  latest batch, so batches that all lie below the anchor prove a restart.)
+- What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
+  sends the next seq every interval: silence for three intervals makes the
+  rank STALE, and the next message shows any gap. Without heartbeats the
+  rank is probed after ``idle_probe`` of silence: the engines' publishers
+  assign a seq when they send, so their replay buffer holds every seq and a
+  probe proves the tail; kvwire's (epoch ``kvw1.``) reserve a seq before
+  queueing, so a batch dropped at the end of a burst leaves no trace and the
+  probe proves nothing past the last buffered batch: the rank is STALE until
+  a live batch arrives. Without replay and heartbeats the same silence makes
+  it STALE too.
+- Limits: a replay or snapshot has an overall deadline however its frames
+  trickle; a seq jump past ``max_seq_jump`` is a broken stream, not a loss of
+  that many seqs; every frame that cannot be parsed or decoded (any
+  exception from the decoder) is counted and treated as a lost seq. No input
+  raises, and the actions queued before an unexpected error are returned.
 
 The transport must feed a connection event before any replay reply it reads
 later, and the live batches received before a disconnect before the
 disconnect itself (:class:`~kvwire.subscriber.Subscriber` does both).
-Without a replay endpoint a restarted publisher is recognised only by a seq
-going back or SGLang's topic epoch: one whose first batches were missed and
-whose next seq happens to equal ours cannot be told from the old one.
+
+Not detectable: a publisher without epoch and without replay endpoint that
+restarted while the subscriber missed its first batches and whose new seqs
+happen to continue the old ones looks like the old one (its next batch is
+applied on top of the old view). An epoch or a replay endpoint detects it.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 from collections.abc import Sequence
 
 import msgspec
 from sortedcontainers import SortedDict
 
-from kvwire.subscriber.actions import Action, Apply, ClearRank, RequestReplay, StateChanged
+from kvwire.subscriber.actions import (
+    Action,
+    Apply,
+    ClearRank,
+    RequestReplay,
+    RequestSnapshot,
+    StateChanged,
+)
 from kvwire.subscriber.state import LossPolicy, RankCounters, RankState, RankStatus, StreamConfig
 from kvwire.wire import (
     AllBlocksCleared,
+    Epoch,
     KVEventBatch,
     ReplayEnd,
     ReplayItem,
-    WireError,
+    SnapshotChunk,
+    SnapshotEnd,
+    SnapshotRefused,
     decode_batch,
+    parse_epoch,
     parse_replay_reply,
+    split_topic,
 )
 
-__all__ = ["RankStream"]
+__all__ = ["TRANSITIONS", "Phase", "RankStream"]
 
 Frame = bytes | bytearray | memoryview
 
-_EPOCH_MARK = b"\x00sgl-kv-epoch="
 _LOST_RANGES_KEPT = 64
+_KVWIRE_EPOCH = b"kvw1."
+_STALE_HEARTBEATS = 3
 
 
-def _epoch(topic: bytes) -> bytes | None:
-    """SGLang's publisher epoch, appended to the topic when its snapshot service is on."""
-    at = topic.find(_EPOCH_MARK)
-    return None if at < 0 else topic[at + len(_EPOCH_MARK) :]
+class Phase(enum.Enum):
+    """Where a rank's stream is; see the module's table."""
+
+    DISCONNECTED = "disconnected"
+    AWAIT_LIVE = "await_live"
+    STARTING = "starting"
+    REPLAYING = "replaying"
+    PROBING = "probing"
+    SNAPSHOTTING = "snapshotting"
+    BACKOFF = "backoff"
+    FOLLOWING = "following"
+    STALE = "stale"
+
+
+def _transitions(table: str) -> dict[Phase, frozenset[Phase]]:
+    """The module's table, read: one row per phase, then the phases it may move to."""
+    out: dict[Phase, frozenset[Phase]] = {}
+    for row in table.strip().splitlines():
+        name, *targets = row.split()
+        out[Phase[name]] = frozenset(Phase[t] for t in [*targets, "DISCONNECTED"])
+    return out
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = _transitions(
+    """
+    DISCONNECTED  STARTING AWAIT_LIVE
+    AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
+    STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
+    REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
+    PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+    SNAPSHOTTING  FOLLOWING STARTING REPLAYING
+    BACKOFF       FOLLOWING STARTING REPLAYING
+    FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+    STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
+    """
+)
+"""Which phase may follow which: the table of the module's docstring."""
+
+_SYNCED_PHASES = frozenset({Phase.FOLLOWING, Phase.PROBING})
+_IDLE_PHASES = frozenset({Phase.FOLLOWING, Phase.STALE, Phase.AWAIT_LIVE})  # probes are made
 
 
 def _has_clear(batch: KVEventBatch) -> bool:
@@ -90,11 +208,14 @@ class _Replay:
     __slots__ = (
         "anchor_payload",
         "anchored",
+        "claim",
         "deadline",
         "first",
+        "hard_deadline",
         "horizon_at_send",
+        "identify",
+        "kind",
         "last_seq",
-        "probe",
         "progressed",
         "start",
         "token",
@@ -105,28 +226,46 @@ class _Replay:
     def __init__(
         self,
         token: int,
+        kind: Phase,
         start: int,
         anchor_payload: Frame | None,
-        probe: bool,
-        deadline: float,
+        now: float,
+        config: StreamConfig,
         horizon: int,
     ) -> None:
         self.token = token
+        self.kind = kind
         self.start = start
         self.anchored = anchor_payload is not None
         self.anchor_payload = anchor_payload
-        self.probe = probe
-        self.deadline = deadline
+        self.hard_deadline = now + config.replay_deadline
+        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
         self.horizon_at_send = horizon
         self.first = True  # no item at or above start seen yet
         self.progressed = False  # applied at least one batch
         self.verified = False  # the anchor matched
         self.last_seq = -1  # the highest seq in the reply so far
         self.undecodable = -1  # a seq whose buffered copy does not decode
+        self.claim = RankState.SYNCED  # what an exact rank reads while this probe is out
+        self.identify = -1  # asking the whole buffer after an empty reply from this anchor
+
+
+class _Snapshot:
+    """One outstanding snapshot request and the chunks read so far."""
+
+    __slots__ = ("chunks", "deadline", "hard_deadline", "kind", "next_seq", "token")
+
+    def __init__(self, token: int, now: float, config: StreamConfig) -> None:
+        self.token = token
+        self.kind = Phase.SNAPSHOTTING
+        self.hard_deadline = now + config.snapshot_deadline
+        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
+        self.next_seq = -1
+        self.chunks: list[KVEventBatch] = []
 
 
 class RankStream:
-    """Sequencing, gap repair and restart detection for one publisher rank.
+    """Sequencing, gap repair, restart detection and snapshots for one publisher rank.
 
     ``rank`` is the rank the endpoint belongs to; batches whose envelope names
     another are applied (the endpoint decides) and counted. Every method
@@ -140,39 +279,49 @@ class RankStream:
         self.counters = RankCounters()
         self._clear_on_loss = self.config.loss_policy is LossPolicy.CLEAR
         self._out: list[Action] = []
+        self._now = 0.0
+        self._phase = Phase.DISCONNECTED
+        self._resume = Phase.REPLAYING  # what BACKOFF asks again
+        self._retry_at = 0.0  # when BACKOFF asks again
+        self._exact = True  # nothing lost since the view was last whole
+        self._clean = True  # nothing applied since the last clear
+        self._ever_connected = False
         self._expected = 0
         self._held: SortedDict = SortedDict()  # seq -> (batch, payload)
         self._horizon = 0  # one past the highest seq known to exist
         self._last_live = -1
         self._topic: bytes | None = None
+        self._epoch: bytes | None = None
+        self._epoch_info = Epoch(b"")
         self._anchor_seq = -1
         self._anchor_payload: Frame = b""
         self._window: collections.deque[tuple[int, int]] = collections.deque(
             maxlen=self.config.dedup_window
         )
         self._lost: collections.deque[tuple[int, int]] = collections.deque(maxlen=_LOST_RANGES_KEPT)
-        self._complete = True
-        self._connected = False
-        self._ever_connected = False
-        self._pending_start = False  # a (re)connect replay has not answered yet
-        self._clean = True  # nothing applied since the last clear
-        self._await_live = False  # only the next live batch can tell where we are
-        self._active: _Replay | None = None
+        self._active: _Replay | _Snapshot | None = None
         self._dirty = False  # an abandoned request may still be answered
         self._token = 0
         self._retries = 0
-        self._retry_at: float | None = None
+        self._snapshot_failures = 0  # since the view was last whole, or the last connect
+        self._snapshot_after = 0.0  # no snapshot is asked before (a failed one's backoff)
         self._last_live_at = 0.0
         self._last_probe_at = 0.0
         self._state = RankState.SYNCING
         self._reason = "waiting for first contact"
         self._fast = False
+        self._due: float | None = None  # next_deadline() as of the last slow input
 
     # --- reading ----------------------------------------------------------------
 
     @property
     def state(self) -> RankState:
         return self._state
+
+    @property
+    def phase(self) -> Phase:
+        """Where the stream is (see the module's table)."""
+        return self._phase
 
     @property
     def reason(self) -> str:
@@ -191,11 +340,17 @@ class RankStream:
 
     @property
     def is_connected(self) -> bool:
-        return self._connected
+        return self._phase is not Phase.DISCONNECTED
 
     @property
     def replay_pending(self) -> bool:
-        return self._active is not None or self._retry_at is not None
+        """A replay (a probe included) or snapshot is out, or one is due after a backoff."""
+        return self._active is not None or self._phase is Phase.BACKOFF
+
+    @property
+    def epoch(self) -> Epoch | None:
+        """The publisher's epoch as last seen (None: it sends none)."""
+        return self._epoch_info if self._epoch is not None else None
 
     def status(
         self, worker_id: str, rank: int, endpoint: str, replay_endpoint: str | None
@@ -208,7 +363,7 @@ class RankStream:
             replay_endpoint=replay_endpoint,
             state=self._state,
             reason=self._reason,
-            connected=self._connected,
+            connected=self.is_connected,
             expected_seq=self._expected,
             held=len(self._held),
             replay_pending=self.replay_pending,
@@ -217,15 +372,16 @@ class RankStream:
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
-        times: list[float] = []
-        if self._active is not None:
-            times.append(self._active.deadline)
-        if self._retry_at is not None:
-            times.append(self._retry_at)
-        probe = self._probe_due_at()
-        if probe is not None:
-            times.append(probe)
-        return min(times) if times else None
+        due = self._active.deadline if self._active is not None else None
+        for t in (
+            self._retry_at if self._phase is Phase.BACKOFF else None,
+            self._probe_due_at(),
+            self._stale_due_at(),
+            self._snapshot_due_at(),
+        ):
+            if t is not None and (due is None or t < due):
+                due = t
+        return due
 
     # --- inputs -----------------------------------------------------------------
 
@@ -240,10 +396,10 @@ class RankStream:
         if self._fast and seq == self._expected and topic == self._topic:
             try:
                 batch = decode_batch(payload)
-            except WireError:
+            except Exception:  # counted on the slow path
                 pass
             else:
-                # The common case: the next batch, nothing pending, view complete.
+                # The common case: the next batch, nothing pending, view exact.
                 c = self.counters
                 c.batches += 1
                 c.events += len(batch.events)
@@ -258,97 +414,131 @@ class RankStream:
                 self._anchor_payload = payload
                 self._expected = self._horizon = seq + 1
                 return [Apply(seq, batch)]
-        return self._live_slow(bytes(topic), seq, payload, now)
+        self._begin(now)
+        try:
+            self._on_live(bytes(topic), seq, payload)
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
 
     def replay_reply(self, frames: Sequence[Frame], token: int, now: float) -> list[Action]:
         """A message read from the replay socket, with the token of its request."""
-        self._begin()
-        r = self._active
-        if r is None or token != r.token:
-            self.counters.stale_replies += 1
-            return self._finish(now)
-        r.deadline = now + self.config.replay_timeout
+        self._begin(now)
         try:
-            msg = parse_replay_reply(frames)
-        except WireError:
-            self.counters.decode_errors += 1
-            return self._finish(now)
-        if isinstance(msg, ReplayEnd):
-            self._replay_end(r, now)
-        elif isinstance(msg, ReplayItem):
-            self._replay_item(r, msg.seq, msg.payload, now)
-        else:  # a snapshot reply to a request this stream never makes
-            self.counters.decode_errors += 1
-        self._ensure_replay(now)
-        return self._finish(now)
+            self._on_reply(frames, token)
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
 
     def connected(self, now: float) -> list[Action]:
         """The SUB socket (re)connected to the publisher (its subscription is on its way)."""
-        self._begin()
-        if not self._connected:
-            self._on_connect(now)
-        return self._finish(now)
+        self._begin(now)
+        try:
+            if self._phase is Phase.DISCONNECTED:
+                self._on_connect()
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
 
     def disconnected(self, now: float) -> list[Action]:
         """The SUB socket lost its connection: batches sent meanwhile are lost."""
-        self._begin()
-        if self._connected:
-            self._connected = False
+        self._begin(now)
+        if self._phase is not Phase.DISCONNECTED:
+            self._abandon()
+            self._phase = Phase.DISCONNECTED  # allowed from every phase
             self._reason = "disconnected from the publisher"
-        return self._finish(now)
+        return self._finish()
 
     def tick(self, now: float) -> list[Action]:
-        """Time passed: replay timeouts, retries with backoff, idle probes."""
-        r = self._active
-        if (r is None or now < r.deadline) and (self._retry_at is None or now < self._retry_at):
-            probe = self._probe_due_at()
-            if probe is None or now < probe:
-                return []
-        self._begin()
-        if r is not None and now >= r.deadline:
-            self._replay_timed_out(r, now)
-        if self._retry_at is not None and now >= self._retry_at:
-            self._retry_at = None
-            self._request(now)
-        probe = self._probe_due_at()
-        if probe is not None and now >= probe:
-            self._request(now, probe=True)
-        self._ensure_replay(now)
-        return self._finish(now)
+        """Time passed: replay timeouts and deadlines, retries, idle probes, heartbeats."""
+        due = self._due  # never later than next_deadline(): live batches only delay it
+        if due is None or now < due:
+            return []
+        self._begin(now)
+        try:
+            self._on_tick()
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
 
     def sink_failed(self, now: float, reason: str) -> list[Action]:
         """The sink raised while applying a batch: its view of the rank is suspect."""
-        self._begin()
+        self._begin(now)
         self.counters.sink_errors += 1
-        self._lose_view(f"sink failed: {reason}")
-        return self._finish(now)
+        try:
+            self._lose_view(f"sink failed: {reason}")
+            self._ensure_request()
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
+
+    # --- phases -------------------------------------------------------------------
+
+    def _enter(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self._phase]:
+            raise AssertionError(f"no transition {self._phase.name} -> {phase.name}")
+        self._phase = phase
+
+    def _holding(self) -> bool:
+        """Whether a live batch at the expected seq must wait (continuity unproven)."""
+        p = self._phase
+        return (
+            p is Phase.STARTING
+            or p is Phase.SNAPSHOTTING
+            or (p is Phase.BACKOFF and self._resume is Phase.STARTING)
+        )
+
+    def _settle(self) -> None:
+        """Nothing is asked any more: FOLLOWING, or STALE where the tail is unproven."""
+        if self._tail_unproven():
+            self._go_stale(
+                f"idle since batch {self._expected - 1}: this publisher does not heartbeat, "
+                "and a batch it dropped after that one would leave no trace"
+            )
+        else:
+            self._enter(Phase.FOLLOWING)
+
+    def _tail_unproven(self) -> bool:
+        idle = self.config.idle_probe if self.config.idle_probe is not None else 1.0
+        return (
+            self._reserves_seqs()
+            and self._epoch_info.heartbeat_s is None
+            and self._now - self._last_live_at >= idle
+        )
+
+    def _reserves_seqs(self) -> bool:
+        """kvwire's publishers reserve a seq before queueing (a drop leaves a hole);
+        the engines' own assign it when they send."""
+        return self._epoch is not None and self._epoch.startswith(_KVWIRE_EPOCH)
+
+    def _go_stale(self, why: str) -> None:
+        if self._phase is not Phase.STALE:
+            self.counters.stale += 1
+        self._enter(Phase.STALE)
+        self._reason = why
 
     # --- live ---------------------------------------------------------------------
 
-    def _live_slow(self, topic: bytes, seq: int, payload: Frame, now: float) -> list[Action]:
-        self._begin()
+    def _on_live(self, topic: bytes, seq: int, payload: Frame) -> None:
         c = self.counters
-        if not self._connected:
-            self._on_connect(now)  # the data beat the connection event
+        if self._phase is Phase.DISCONNECTED:
+            self._on_connect()  # the data beat the connection event
         if topic != self._topic:
-            if self._topic is not None:
-                old, new = _epoch(self._topic), _epoch(topic)
-                if old is not None and new is not None and old != new:
-                    self._restart(f"publisher epoch changed from {old!r} to {new!r}", 0)
+            epoch = split_topic(topic)[1]
+            if epoch is not None and self._epoch is not None and epoch != self._epoch:
+                self._restart(
+                    f"publisher epoch changed from {self._epoch!r} to {epoch!r}", 0, epoch
+                )
+            elif epoch is not None:
+                self._set_epoch(epoch)
             self._topic = topic
-        try:
-            batch: KVEventBatch | None = decode_batch(payload)
-        except WireError:
-            c.decode_errors += 1
-            batch = None
+        batch = self._decode(payload)
 
         if seq < self._expected:
             if batch is None:
-                return self._finish(now)  # a bad frame never decides a restart
+                return  # a bad frame never decides a restart
             if seq <= self._last_live:
-                self._restart(
-                    f"live seq went back from {self._last_live} to {seq}: publisher restarted", 0
-                )
+                self._restart_or_break(seq, f"live seq went back from {self._last_live} to {seq}")
             else:
                 window = self._window
                 while window and window[0][0] < seq:
@@ -358,18 +548,20 @@ class RankStream:
                     if digest == _payload_hash(payload):
                         c.duplicates += 1
                         self._last_live = seq
-                        return self._finish(now)
-                    self._restart(
-                        f"live batch {seq} differs from its replayed copy: publisher restarted", 0
-                    )
-                elif self._in_lost_range(seq):
+                        self._resume_following()
+                        return
+                    self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
+                elif any(lo <= seq < hi for lo, hi in self._lost):
                     c.late += 1
                     self._last_live = seq
-                    return self._finish(now)
+                    self._resume_following()
+                    return
                 else:
-                    self._restart(
-                        f"live seq {seq} below expected {self._expected}: publisher restarted", 0
-                    )
+                    self._restart_or_break(seq, f"live seq {seq} below expected {self._expected}")
+        elif seq - self._horizon > self.config.max_seq_jump:
+            if batch is None:
+                return
+            self._break(seq, f"live seq jumped from {self._horizon - 1} to {seq}")
 
         # From here seq >= expected, in the current (possibly just restarted) stream.
         if seq > self._horizon:
@@ -377,16 +569,14 @@ class RankStream:
         self._last_live = seq  # even a bad payload had its place in the ordered stream
         if seq + 1 > self._horizon:
             self._horizon = seq + 1
-        if self._await_live and batch is not None:
-            self._await_live = False
-        if self._window:
-            window = self._window
-            while window and window[0][0] <= seq:
-                window.popleft()
+        self._resume_following()
+        window = self._window
+        while window and window[0][0] <= seq:
+            window.popleft()
         if batch is None:
             if not self.config.replay:
                 self._skip_to(seq + 1, f"batch {seq} undecodable and no replay endpoint")
-        elif seq == self._expected and not self._pending_start:
+        elif seq == self._expected and not self._holding():
             self._apply(seq, batch, payload, replayed=False)
             self._drain()
         else:
@@ -394,40 +584,127 @@ class RankStream:
             if not self.config.replay:
                 self._skip_to(seq, f"batches {self._expected}..{seq - 1} lost, no replay endpoint")
             elif len(self._held) > self.config.max_held:
-                c.held_overflows += 1
-                if self._pending_start:
-                    # Still unverified after a (re)connect: as good as a failed replay.
-                    self._abandon()
-                    self._give_up(f"held buffer full ({self.config.max_held} batches)")
-                else:
-                    self._abandon()
-                    first = self._held.peekitem(0)[0]
-                    self._skip_to(first, f"held buffer full ({self.config.max_held} batches)")
-        self._ensure_replay(now)
-        return self._finish(now)
+                self._held_overflow()
+        self._ensure_request()
 
-    def _in_lost_range(self, seq: int) -> bool:
-        return any(lo <= seq < hi for lo, hi in self._lost)
+    def _resume_following(self) -> None:
+        """A live batch shows where the stream is: waiting for one, or silence, ends."""
+        if self._phase is Phase.AWAIT_LIVE or self._phase is Phase.STALE:
+            self._enter(Phase.FOLLOWING)
+        elif isinstance(self._active, _Replay):
+            self._active.claim = RankState.SYNCED  # a probe of a stale rank
 
-    # --- replay -------------------------------------------------------------------
+    def _held_overflow(self) -> None:
+        self.counters.held_overflows += 1
+        why = f"held buffer full ({self.config.max_held} batches)"
+        active = self._active
+        if isinstance(active, _Snapshot):
+            self._snapshot_failed(why)
+        elif self._holding():
+            # Still unverified after a (re)connect: as good as a failed replay.
+            self._abandon()
+            self._give_up(why, Phase.STARTING)
+        else:
+            self._abandon()
+            self._enter(Phase.FOLLOWING)
+            self._skip_to(self._held.peekitem(0)[0], why)
 
-    def _replay_item(self, r: _Replay, seq: int, payload: bytes, now: float) -> None:
+    def _restart_or_break(self, seq: int, why: str) -> None:
+        if self._epoch is None:
+            self._restart(f"{why}: publisher restarted", 0, None)
+        else:
+            self._break(seq, f"{why} under the same epoch")
+
+    def _break(self, seq: int, why: str) -> None:
+        """A seq no restart explains: clear, then follow the stream from ``seq``."""
+        self.counters.seq_jumps += 1
+        self._abandon()
+        self._held.clear()
+        self._window.clear()
+        self._lost.clear()
+        self._expected = self._horizon = seq
+        self._anchor_seq = -1
+        self._anchor_payload = b""
+        self._enter(Phase.FOLLOWING)
+        self._lose_view(why)
+
+    # --- replies ------------------------------------------------------------------
+
+    def _on_reply(self, frames: Sequence[Frame], token: int) -> None:
         c = self.counters
+        r = self._active
+        if r is None or token != r.token:
+            c.stale_replies += 1
+            return
+        r.deadline = min(self._now + self.config.replay_timeout, r.hard_deadline)
+        try:
+            msg = parse_replay_reply(frames)
+        except Exception:
+            c.decode_errors += 1
+            return
+        topic = msg.topic
+        same_epoch = False
+        if topic is not None:
+            epoch = split_topic(topic)[1]
+            if epoch is not None:
+                if self._epoch is not None and epoch != self._epoch:
+                    self._restart(
+                        f"replay socket answers for epoch {epoch!r}, not {self._epoch!r}",
+                        0,
+                        epoch,
+                    )
+                    return
+                if self._epoch is None:
+                    # Adopted, but what was applied before came without one: unproven.
+                    self._set_epoch(epoch)
+                else:
+                    same_epoch = True
+        if isinstance(r, _Snapshot):
+            self._snapshot_reply(r, msg)
+        elif isinstance(msg, ReplayItem):
+            self._replay_item(r, msg.seq, msg.payload, same_epoch)
+        elif isinstance(msg, ReplayEnd):
+            self._replay_end(r)
+        else:  # a snapshot message answering a replay request
+            c.decode_errors += 1
+        self._ensure_request()
+
+    def _replay_item(self, r: _Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
         if seq < r.start:
             return  # not what was asked; a correct publisher never sends it
         first, r.first = r.first, False
+        if first and r.identify >= 0:
+            if seq >= r.identify:
+                # Not what a restart shows, nor what the same publisher would.
+                self._abandon()
+                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
+                self._go_on(self._reason, Phase.STARTING)
+                return
+            self._restart(
+                f"replay from {r.identify} came back empty and the buffer ends below it: "
+                "publisher restarted",
+                0,
+                None,
+                ask=False,
+            )
+            r.identify = -1
+            r.horizon_at_send = 0
         if seq > r.last_seq:
             r.last_seq = seq
         if first and r.anchored and seq == r.start:
             if bytes(payload) == bytes(r.anchor_payload or b""):
                 r.verified = True
                 return  # same publisher: the stream goes on
+            if same_epoch:
+                self._lose_view(f"replayed batch {seq} differs from the one applied")
+                return
             self._restart(
-                f"replayed batch {seq} differs from the one applied: publisher restarted", seq + 1
+                f"replayed batch {seq} differs from the one applied: publisher restarted",
+                seq + 1,
+                None,
             )
-            self._pending_start = True
-            return  # _ensure_replay asks the new publisher for its history
-        if first and r.anchored:
+            return
+        if first and r.anchored and not same_epoch:
             # The anchor is gone from the buffer: whether this is still the
             # publisher whose batches were applied cannot be told.
             self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
@@ -447,57 +724,75 @@ class RankStream:
                 # A hole inside a reply may be the replay socket dropping frames
                 # (high-water mark): ask again from exactly what is missing.
                 self._abandon()
-                self._request(now, anchored=False)
+                self._ask_replay(Phase.REPLAYING, anchored=False)
                 return
         held = self._held.get(seq)
         if held is not None and bytes(held[1]) != bytes(payload):
-            # Live and replay sockets reach two different lives of the publisher.
-            self._restart(
-                f"replayed batch {seq} differs from its live copy: publisher restarted", 0
-            )
-            self._pending_start = True
-            return
-        try:
-            batch = decode_batch(payload)
-        except WireError:
-            c.decode_errors += 1
-            r.undecodable = seq  # seq == expected here (a live copy would have differed)
+            if same_epoch:
+                self._lose_view(f"replayed batch {seq} differs from its live copy")
+            else:
+                # Live and replay sockets reach two different lives of the publisher.
+                self._restart(
+                    f"replayed batch {seq} differs from its live copy: publisher restarted", 0, None
+                )
+                return
+        batch = self._decode(payload)
+        if batch is None:
+            r.undecodable = seq  # seq == expected here
             return
         r.progressed = True
         if held is not None:
             del self._held[seq]
         self._apply(seq, batch, payload, replayed=True)
 
-    def _replay_end(self, r: _Replay, now: float) -> None:
+    def _replay_end(self, r: _Replay) -> None:
         c = self.counters
         self._active = None
+        kind = r.kind
         if r.first and r.horizon_at_send > r.start:
-            # A publisher always buffers its latest batch, and we had seen one at
-            # or after ``start`` before asking: having none, this is a new publisher.
-            self._restart(f"replay from {r.start} came back empty: publisher restarted", 0)
-            self._pending_start = True
+            # Batch horizon-1 >= start was seen, yet the reply holds nothing from
+            # start on: a restarted publisher, or a buffer that cannot help.
+            # Either way it proves nothing.
+            why = f"replay from {r.start} came back empty although batch {r.horizon_at_send - 1} exists"
+            if (
+                self._epoch is None
+                and r.anchored
+                and (kind is Phase.STARTING or kind is Phase.PROBING)
+            ):
+                # A buffer always holds the publisher's latest batch: if it holds
+                # any, below our anchor, the publisher restarted. Ask for all of it.
+                self._ask_replay(Phase.STARTING, anchored=False, start=0)
+                assert isinstance(self._active, _Replay)
+                self._active.identify = r.start
+                self._reason = f"{why}: asking for the whole buffer"
+                return
+            c.replays_failed += 1
+            self._retries = 0
+            self._lose_view(why)
+            self._go_on(why, kind)
             return
-        self._pending_start = False
         if self._expected < self._horizon:
             if r.undecodable == self._expected:
                 target = self._held.peekitem(0)[0] if self._held else self._horizon
+                self._enter(Phase.FOLLOWING)
                 self._skip_to(target, f"buffered batch {self._expected} does not decode")
                 return
             if r.progressed:
                 self._retries = 0
-                return  # _ensure_replay asks again from the new position
+                self._ask_replay(Phase.REPLAYING, anchored=None)
+                return
             if r.verified:
                 # Only the anchor fitted in the reply (a small per-request cap).
-                self._request(now, anchored=False)
+                self._ask_replay(Phase.REPLAYING, anchored=False)
                 return
             if self._horizon > r.horizon_at_send and self._retries < self.config.replay_retries:
                 self._retries += 1  # the gap grew after the request went out: ask at once
+                self._ask_replay(kind if kind is not Phase.PROBING else Phase.REPLAYING, None)
                 return
-            self._retry_or_give_up(now, f"replay from {r.start} stopped before {self._expected}")
+            self._retry_or_give_up(f"replay from {r.start} stopped before {self._expected}", kind)
             return
         self._retries = 0
-        self._await_live = False  # the reply showed where the publisher is
-        if r.probe:
+        if kind is Phase.PROBING:
             if r.progressed:
                 c.gaps += 1  # the lost tail of an idle stream, now filled
                 c.replays_succeeded += 1
@@ -505,98 +800,292 @@ class RankStream:
             c.replays_succeeded += 1
         if r.progressed:
             # A per-request cap may have cut the reply short: look for more.
-            self._request(now, probe=True)
+            self._ask_replay(Phase.PROBING, anchored=None)
         elif r.verified and r.start < r.last_seq < self._expected:
             # The cap ran out on batches already given up on: ask past them.
-            self._request(now, probe=True, anchored=False)
+            self._ask_replay(Phase.PROBING, anchored=False)
+        else:
+            self._settle()
 
-    def _replay_timed_out(self, r: _Replay, now: float) -> None:
-        self.counters.replay_timeouts += 1
-        self._abandon()
-        if r.probe:
-            return
-        self._retry_or_give_up(now, f"replay from {r.start} timed out")
-
-    def _retry_or_give_up(self, now: float, why: str) -> None:
+    def _retry_or_give_up(self, why: str, kind: Phase) -> None:
         cfg = self.config
         self._retries += 1
         if self._retries <= cfg.replay_retries:
             delay = min(cfg.backoff_max, cfg.backoff_initial * 2 ** (self._retries - 1))
-            self._retry_at = now + delay
+            self._retry_at = self._now + delay
+            self._resume = Phase.STARTING if kind is Phase.STARTING else Phase.REPLAYING
+            self._enter(Phase.BACKOFF)
             self._reason = f"{why}; retry {self._retries} of {cfg.replay_retries}"
             return
-        self._give_up(f"{why}; gave up after {cfg.replay_retries} retries")
+        self._give_up(f"{why}; gave up after {cfg.replay_retries} retries", kind)
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, why: str, kind: Phase) -> None:
         """The replay failed for good: lose what it was to fill, then go on."""
         self.counters.replays_failed += 1
         self._retries = 0
-        self._retry_at = None
-        if self._pending_start:
-            self._pending_start = False
-            if self._anchor_seq >= 0:
-                # After a reconnect: whether the publisher restarted cannot be told.
-                self._lose_view(f"{why}; the publisher may have restarted")
+        if kind is Phase.STARTING and self._anchor_seq >= 0:
+            # After a reconnect: whether the publisher restarted cannot be told.
+            self._lose_view(f"{why}; the publisher may have restarted")
+        self._go_on(why, kind)
+
+    def _go_on(self, why: str, kind: Phase) -> None:
+        """After a failed replay: follow live from the first batch still held, or
+        wait for the next one when a start replay could not show the position."""
         if self._expected < self._horizon:
-            target = self._held.peekitem(0)[0] if self._held else self._horizon
-            self._skip_to(target, why)
-        elif self._complete:
-            self._await_live = True
+            self._enter(Phase.FOLLOWING)
+            self._skip_to(self._held.peekitem(0)[0] if self._held else self._horizon, why)
+        elif kind is Phase.STARTING:
+            self._enter(Phase.AWAIT_LIVE)
             self._reason = f"{why}; waiting for the next live batch"
-
-    def _request(self, now: float, *, probe: bool = False, anchored: bool | None = None) -> None:
-        if anchored is None:
-            anchored = self._anchor_seq >= 0
-        start = self._anchor_seq if anchored else self._expected
-        self._token += 1
-        self._active = _Replay(
-            self._token,
-            start,
-            self._anchor_payload if anchored else None,
-            probe,
-            now + self.config.replay_timeout,
-            self._horizon,
-        )
-        self._out.append(RequestReplay(start, self._token, self._dirty))
-        self._dirty = False
-        if probe:
-            self._last_probe_at = now
-            self.counters.probes += 1
         else:
-            self.counters.replays_requested += 1
+            self._enter(Phase.FOLLOWING)
 
-    def _abandon(self) -> None:
-        if self._active is not None:
-            self._active = None
-            self._dirty = True
+    # --- snapshots ----------------------------------------------------------------
 
-    def _ensure_replay(self, now: float) -> None:
-        if not self.config.replay or not self._connected:
-            return
-        if self._active is not None and not self._active.probe:
-            return
-        if self._retry_at is not None:
-            return
-        if self._pending_start or self._expected < self._horizon:
-            if self._active is not None:  # a probe is out; it covers the gap too
-                return
-            self._request(now)
+    def _snapshot_reply(
+        self,
+        r: _Snapshot,
+        msg: ReplayItem | ReplayEnd | SnapshotChunk | SnapshotEnd | SnapshotRefused,
+    ) -> None:
+        if isinstance(msg, SnapshotChunk):
+            if r.next_seq < 0:
+                r.next_seq = msg.next_seq
+            if msg.next_seq != r.next_seq:
+                self._snapshot_failed(f"chunks as of seqs {r.next_seq} and {msg.next_seq}")
+            elif msg.number != len(r.chunks):
+                self._snapshot_failed(f"chunk {len(r.chunks)} missing (got {msg.number})")
+            elif len(r.chunks) >= self.config.max_snapshot_chunks:
+                self._snapshot_failed(f"more than {self.config.max_snapshot_chunks} chunks")
+            else:
+                batch = self._decode(msg.payload)
+                if batch is None:
+                    self._snapshot_failed(f"chunk {msg.number} does not decode")
+                else:
+                    r.chunks.append(batch)
+        elif isinstance(msg, SnapshotEnd):
+            if r.next_seq >= 0 and msg.next_seq != r.next_seq:
+                self._snapshot_failed(f"end as of seq {msg.next_seq}, chunks as of {r.next_seq}")
+            elif msg.chunks != len(r.chunks):
+                self._snapshot_failed(f"{msg.chunks} chunks announced, {len(r.chunks)} received")
+            else:
+                self._apply_snapshot(r, msg.next_seq)
+        elif isinstance(msg, SnapshotRefused):
+            self._snapshot_failed(f"refused: {msg.reason[:200]}")
+        elif isinstance(msg, ReplayEnd):
+            self._snapshot_failed("the publisher answered with an empty replay")
+        else:
+            self.counters.decode_errors += 1
+
+    def _apply_snapshot(self, r: _Snapshot, next_seq: int) -> None:
+        c = self.counters
+        self._active = None
+        c.snapshots_applied += 1
+        why = f"snapshot as of seq {next_seq}"
+        self._out.append(ClearRank(why))
+        self._clean = True
+        for batch in r.chunks:
+            self._out.append(Apply(next_seq - 1, batch))
+            c.events += len(batch.events)
+            self._clean = False
+        held = self._held
+        for seq in list(held.irange(None, next_seq - 1)):
+            del held[seq]
+        self._expected = next_seq
+        if next_seq > self._horizon:
+            self._horizon = next_seq
+        self._anchor_seq = -1
+        self._anchor_payload = b""
+        self._window.clear()
+        self._lost.clear()
+        # Live copies of batches the snapshot covers may still be on their way.
+        self._lost.append((0, next_seq))
+        self._exact = True
+        self._snapshot_failures = 0
+        self._reason = f"{why}: exact again, replaying what followed"
+        # Whatever was published while the snapshot was served: from the buffer.
+        self._ask_replay(Phase.REPLAYING, anchored=False)
+
+    def _snapshot_allowed(self) -> bool:
+        return (
+            self._snapshot_failures <= self.config.snapshot_retries
+            and self._now >= self._snapshot_after
+        )
+
+    def _snapshot_due_at(self) -> float | None:
+        """When a failed snapshot is asked again (only where nothing else is asked)."""
+        if (
+            self._exact
+            or self._phase not in _IDLE_PHASES
+            or self._snapshot_failures > self.config.snapshot_retries
+            or not self._epoch_info.snapshot
+            or not self.config.snapshot
+            or not self.config.replay
+        ):
+            return None
+        return self._snapshot_after
+
+    def _snapshot_failed(self, why: str) -> None:
+        self.counters.snapshots_failed += 1
+        cfg = self.config
+        self._snapshot_failures += 1
+        delay = cfg.backoff_initial * 2 ** (self._snapshot_failures - 1)
+        self._snapshot_after = self._now + min(cfg.backoff_max, delay)
+        self._abandon()
+        self._enter(Phase.FOLLOWING)
+        why = f"snapshot failed: {why}"
+        self._reason = why
+        # Live batches were held meanwhile: go on from the first of them.
+        target = self._held.peekitem(0)[0] if self._held else self._horizon
+        self._skip_to(target, why)
+        if self._exact:
+            self._lose_view(why)
+
+    # --- time -------------------------------------------------------------------------
+
+    def _on_tick(self) -> None:
+        now = self._now
+        r = self._active
+        if r is not None and now >= r.deadline:
+            self._timed_out(r)
+        if self._phase is Phase.BACKOFF and now >= self._retry_at:
+            self._ask_replay(self._resume, anchored=None)
+        due = self._probe_due_at()
+        if due is not None and now >= due:
+            self._ask_replay(Phase.PROBING, anchored=None)
+        due = self._stale_due_at()
+        if due is not None and now >= due:
+            hb = self._epoch_info.heartbeat_s
+            self._go_stale(
+                f"no message for {_STALE_HEARTBEATS} heartbeat intervals ({hb} s)"
+                if hb is not None
+                else "idle, and nothing can ask the publisher what the silence hid"
+            )
+        self._ensure_request()
+
+    def _timed_out(self, r: _Replay | _Snapshot) -> None:
+        self.counters.replay_timeouts += 1
+        overall = self._now >= r.hard_deadline
+        self._abandon()
+        if isinstance(r, _Snapshot):
+            self._snapshot_failed("overall deadline passed" if overall else "timed out")
+        elif r.kind is Phase.PROBING:
+            self._settle()
+        elif overall:
+            self._give_up(
+                f"replay from {r.start} unfinished after {self.config.replay_deadline} s", r.kind
+            )
+        else:
+            self._retry_or_give_up(f"replay from {r.start} timed out", r.kind)
 
     def _probe_due_at(self) -> float | None:
         idle = self.config.idle_probe
         if (
             idle is None
             or not self.config.replay
-            or not self._connected
-            or self._active is not None
-            or self._retry_at is not None
-            or self._pending_start
+            or self._epoch_info.heartbeat_s is not None
+            or self._phase not in _IDLE_PHASES
             or self._expected < self._horizon
         ):
             return None
         return max(self._last_live_at, self._last_probe_at) + idle
 
+    def _stale_due_at(self) -> float | None:
+        """When silence makes a rank STALE (nothing can prove it current)."""
+        if self._phase is not Phase.FOLLOWING and self._phase is not Phase.AWAIT_LIVE:
+            return None
+        hb = self._epoch_info.heartbeat_s
+        if hb is not None:
+            return self._last_live_at + _STALE_HEARTBEATS * hb
+        if not self.config.replay and self.config.idle_probe is not None:
+            return self._last_live_at + self.config.idle_probe
+        return None
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _ask_replay(self, kind: Phase, anchored: bool | None, start: int | None = None) -> None:
+        """Send a replay request; ``anchored=None``: anchored when a batch was applied.
+
+        An unanchored request starts at the expected seq, or ``start``.
+        """
+        if anchored is None:
+            anchored = self._anchor_seq >= 0
+        if start is None or anchored:
+            start = self._anchor_seq if anchored else self._expected
+        self._token += 1
+        self._active = _Replay(
+            self._token,
+            kind,
+            start,
+            self._anchor_payload if anchored else None,
+            self._now,
+            self.config,
+            self._horizon,
+        )
+        self._out.append(RequestReplay(start, self._token, self._dirty))
+        self._dirty = False
+        if kind is Phase.PROBING:
+            # A probe proves nothing before it ends: the rank reads what it did.
+            if self._phase is Phase.STALE:
+                self._active.claim = RankState.STALE
+            elif self._phase is Phase.AWAIT_LIVE:
+                self._active.claim = RankState.SYNCING
+            self._last_probe_at = self._now
+            self.counters.probes += 1
+        else:
+            self.counters.replays_requested += 1
+        self._enter(kind)
+
+    def _ask_snapshot(self) -> None:
+        self._token += 1
+        self._active = _Snapshot(self._token, self._now, self.config)
+        self._out.append(RequestSnapshot(self._token, self._dirty))
+        self._dirty = False
+        self.counters.snapshots_requested += 1
+        self._enter(Phase.SNAPSHOTTING)
+        self._reason = f"{self._reason}; asking for a snapshot"
+
+    def _abandon(self) -> None:
+        if self._active is not None:
+            self._active = None
+            self._dirty = True
+
+    def _ensure_request(self) -> None:
+        """After each input: ask what the stream needs, if nothing is out."""
+        if not self.config.replay:
+            return
+        phase = self._phase
+        if phase is Phase.DISCONNECTED or phase is Phase.BACKOFF:
+            return
+        active = self._active
+        if active is not None and active.kind is not Phase.PROBING:
+            return
+        if (
+            not self._exact
+            and self.config.snapshot
+            and self._epoch_info.snapshot
+            and self._snapshot_allowed()
+        ):
+            self._abandon()
+            self._ask_snapshot()
+        elif self._expected < self._horizon:
+            if active is not None:  # the probe out covers the gap too
+                active.kind = Phase.REPLAYING
+                self._enter(Phase.REPLAYING)
+            else:
+                self._ask_replay(Phase.REPLAYING, anchored=None)
+
     # --- applying, losing, restarting --------------------------------------------------
+
+    def _decode(self, payload: Frame) -> KVEventBatch | None:
+        try:
+            return decode_batch(payload)
+        except Exception:  # WireError, or anything a hostile payload provokes
+            self.counters.decode_errors += 1
+            return None
+
+    def _set_epoch(self, epoch: bytes) -> None:
+        self._epoch = epoch
+        self._epoch_info = parse_epoch(epoch)
 
     def _apply(self, seq: int, batch: KVEventBatch, payload: Frame, replayed: bool) -> None:
         self._out.append(Apply(seq, batch))
@@ -616,13 +1105,14 @@ class RankStream:
         self._expected = seq + 1
         if seq + 1 > self._horizon:
             self._horizon = seq + 1
-        if not self._complete and _has_clear(batch):
-            self._complete = True
+        if not self._exact and _has_clear(batch):
+            self._exact = True
+            self._snapshot_failures = 0
             self._reason = f"AllBlocksCleared at seq {seq}: the view is exact again"
 
     def _drain(self) -> None:
         held = self._held
-        while held:
+        while held and not self._holding():
             seq = held.peekitem(0)[0]
             if seq > self._expected:
                 return
@@ -642,7 +1132,10 @@ class RankStream:
             held = self._held
             for seq in list(held.irange(start, target - 1)):
                 del held[seq]
-            self.counters.seqs_lost += target - start
+            if target - start > self.config.max_seq_jump:
+                self.counters.seq_jumps += 1  # not a count of anything real
+            else:
+                self.counters.seqs_lost += target - start
             self._lost.append((start, target))
             self._expected = target
             if target > self._horizon:
@@ -652,7 +1145,7 @@ class RankStream:
             self._drain()
 
     def _lose_view(self, why: str) -> None:
-        was_complete, self._complete = self._complete, False
+        was_exact, self._exact = self._exact, False
         if self._clear_on_loss:
             self._reason = f"{why}: cleared"
             if not self._clean:
@@ -660,12 +1153,17 @@ class RankStream:
                 self._clean = True
                 self._out.append(ClearRank(why))
         else:
-            if was_complete:
+            if was_exact:
                 self.counters.resyncs += 1
             self._reason = f"{why}: kept what was applied"
 
-    def _restart(self, why: str, known_horizon: int) -> None:
-        """The publisher restarted: its engine's cache is empty, follow its new stream."""
+    def _restart(
+        self, why: str, known_horizon: int, epoch: bytes | None, *, ask: bool = True
+    ) -> None:
+        """The publisher restarted: its engine's cache is empty, follow its new stream.
+
+        ``ask=False``: the reply being read already is the new life's history.
+        """
         self.counters.restarts += 1
         self._out.append(ClearRank(why))
         self._clean = True
@@ -678,23 +1176,28 @@ class RankStream:
         self._anchor_payload = b""
         self._window.clear()
         self._lost.clear()
-        self._complete = True
-        self._pending_start = False
-        self._await_live = False
-        self._abandon()
-        self._retry_at = None
+        self._exact = True
+        self._snapshot_failures = 0
+        if epoch is not None:
+            self._set_epoch(epoch)
         self._retries = 0
+        if not ask:
+            return
+        self._abandon()
+        if self.config.replay:
+            self._ask_replay(Phase.STARTING, anchored=False)  # the new life's history
+        else:
+            self._enter(Phase.FOLLOWING)
 
-    def _on_connect(self, now: float) -> None:
-        self._connected = True
+    def _on_connect(self) -> None:
+        now = self._now
         self._last_live_at = now
         self._last_probe_at = now
-        if self._ever_connected:
+        self._snapshot_failures = 0
+        first = not self._ever_connected
+        self._ever_connected = True
+        if not first:
             self.counters.reconnects += 1
-            self._reason = "reconnected: checking what the outage lost"
-        else:
-            self._ever_connected = True
-            self._reason = "first contact: replaying the publisher's history"
         if self.config.replay:
             # What the old connection showed (held batches, seqs seen) comes back
             # with the replay if the publisher is the same, and must not be used
@@ -702,49 +1205,63 @@ class RankStream:
             self._held.clear()
             self._horizon = self._expected
             self._abandon()
-            self._retry_at = None
             self._retries = 0
-            self._pending_start = True
-            self._await_live = False
-            self._request(now)
+            self._ask_replay(Phase.STARTING, anchored=None)
+            self._reason = (
+                "first contact: replaying the publisher's history"
+                if first
+                else "reconnected: checking what the outage lost"
+            )
         else:
-            self._await_live = True
-            if self._reason.startswith("first"):
-                self._reason = "first contact: waiting for the first batch"
+            self._enter(Phase.AWAIT_LIVE)
+            self._reason = (
+                "first contact: waiting for the first batch"
+                if first
+                else "reconnected: waiting for the next batch"
+            )
 
     # --- bookkeeping ----------------------------------------------------------------
 
-    def _begin(self) -> list[Action]:
-        out: list[Action] = []
-        self._out = out
-        return out
+    def _internal_error(self, exc: Exception) -> None:
+        """A bug met an input: keep what was queued, clear, and start over from live."""
+        self.counters.internal_errors += 1
+        self._active = None
+        self._dirty = True
+        self._held.clear()
+        self._horizon = self._expected
+        self._anchor_seq = -1
+        self._anchor_payload = b""
+        connected = self._phase is not Phase.DISCONNECTED
+        self._phase = Phase.AWAIT_LIVE if connected else Phase.DISCONNECTED
+        self._lose_view(f"internal error {type(exc).__name__}: {exc}")
 
-    def _finish(self, now: float) -> list[Action]:
+    def _begin(self, now: float) -> None:
+        self._out = []
+        self._now = now
+
+    def _finish(self) -> list[Action]:
         out = self._out
-        if not self._complete:
+        phase = self._phase
+        active = self._active
+        claim = active.claim if isinstance(active, _Replay) else RankState.SYNCED
+        if phase is Phase.STALE or (phase is Phase.PROBING and claim is RankState.STALE):
+            new = RankState.STALE
+        elif not self._exact:
             new = RankState.PARTIAL
-        elif (
-            not self._connected
-            or self._pending_start
-            or self._await_live
-            or self._expected < self._horizon
-            or self._retry_at is not None
-            or (self._active is not None and not self._active.probe)
-        ):
-            new = RankState.SYNCING
+        elif phase is Phase.FOLLOWING or phase is Phase.PROBING:
+            new = claim
         else:
-            new = RankState.SYNCED
+            new = RankState.SYNCING
         if new is not self._state:
             old, self._state = self._state, new
             if new is RankState.SYNCED:
                 self._reason = "in sequence"
             out.append(StateChanged(old, new, self._reason))
         self._fast = (
-            self._complete
-            and self._connected
-            and not self._pending_start
+            new is RankState.SYNCED
+            and phase in _SYNCED_PHASES
             and not self._held
-            and not self._await_live
             and self._horizon <= self._expected
         )
+        self._due = self.next_deadline()
         return out

@@ -3,6 +3,7 @@
 from kvwire.wire.codec import Dialect, decode_batch, encode_batch, normalise_hash
 from kvwire.wire.endpoints import (
     EndpointError,
+    is_ephemeral,
     offset_endpoint,
     validate_endpoint,
     validate_endpoints,
@@ -78,6 +79,7 @@ __all__ = [
     "encode_batch",
     "epoch_topic",
     "format_epoch",
+    "is_ephemeral",
     "normalise_hash",
     "offset_endpoint",
     "pack_seq",

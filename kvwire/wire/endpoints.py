@@ -2,12 +2,20 @@
 
 Each data-parallel rank publishes on its own socket: ``base_port + rank`` for
 tcp, a ``_dp{rank}`` suffix for ipc/inproc, rank 0 unchanged. The replay
-endpoint is offset the same way.
+endpoint is offset the same way. A tcp port of ``*`` (bind only) asks the
+system for an ephemeral port, for every rank alike; the bound socket reports
+which one it got.
 """
 
 from __future__ import annotations
 
-__all__ = ["EndpointError", "offset_endpoint", "validate_endpoint", "validate_endpoints"]
+__all__ = [
+    "EndpointError",
+    "is_ephemeral",
+    "offset_endpoint",
+    "validate_endpoint",
+    "validate_endpoints",
+]
 
 _SCHEMES = ("tcp", "ipc", "inproc")
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "[::]", "::"}
@@ -31,10 +39,18 @@ def _split(endpoint: str) -> tuple[str, str]:
     return scheme, rest
 
 
+def is_ephemeral(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a tcp bind address with port ``*`` (any free port)."""
+    return endpoint.startswith("tcp://") and endpoint.endswith(":*")
+
+
 def _tcp_host_port(endpoint: str, rest: str) -> tuple[str, int]:
+    """Host and port of a tcp endpoint; port 0 stands for ``*``."""
     host, sep, port_s = rest.rpartition(":")
     if not sep or not host or not port_s:
         raise EndpointError(f"tcp endpoint {endpoint!r} needs host:port")
+    if port_s == "*":
+        return host, 0
     if not port_s.isdigit():
         raise EndpointError(f"tcp endpoint {endpoint!r} has a non-numeric port {port_s!r}")
     port = int(port_s)
@@ -50,7 +66,7 @@ def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
     scheme, rest = _split(endpoint)
     if scheme == "tcp":
         _, port = _tcp_host_port(endpoint, rest)
-        if port + ranks - 1 > 65535:
+        if port and port + ranks - 1 > 65535:
             raise EndpointError(
                 f"tcp endpoint {endpoint!r} with {ranks} ranks needs ports up to "
                 f"{port + ranks - 1}, beyond 65535"
@@ -58,11 +74,14 @@ def validate_endpoint(endpoint: str, ranks: int = 1) -> None:
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
-    """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix."""
+    """The endpoint of ``rank``: tcp port + rank, ipc/inproc ``_dp{rank}`` suffix.
+
+    A ``*`` port stays ``*``: every rank binds its own ephemeral port.
+    """
     if rank < 0:
         raise EndpointError(f"rank must be >= 0, got {rank} for endpoint {endpoint!r}")
     validate_endpoint(endpoint, rank + 1)
-    if rank == 0:
+    if rank == 0 or is_ephemeral(endpoint):
         return endpoint
     scheme, rest = _split(endpoint)
     if scheme == "tcp":
@@ -89,6 +108,8 @@ def _hosts_may_clash(a: str, b: str) -> bool:
     sb, rb = _split(b)
     if sa != "tcp" or sb != "tcp":
         return True
+    if is_ephemeral(a) or is_ephemeral(b):
+        return False  # the system hands out distinct ports
     ha, _ = _tcp_host_port(a, ra)
     hb, _ = _tcp_host_port(b, rb)
     return ha == hb or ha in _WILDCARD_HOSTS or hb in _WILDCARD_HOSTS
@@ -107,7 +128,7 @@ def validate_endpoints(
     if replay_endpoint is None:
         return
     validate_endpoint(replay_endpoint, ranks_per_host)
-    if replay_endpoint == endpoint:
+    if replay_endpoint == endpoint and not is_ephemeral(endpoint):
         raise EndpointError(f"publish and replay endpoints are both {endpoint!r}")
     if not _hosts_may_clash(endpoint, replay_endpoint):
         return

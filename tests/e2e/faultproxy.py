@@ -12,9 +12,11 @@ class FaultProxy:
 
     A cut closes every forwarded connection (both sides see the link drop) and
     refuses new ones until :meth:`restore`, like a partition that breaks TCP.
+    ``listen_port`` 0 takes an ephemeral port, kept across cuts;
+    ``target_port`` may change (an engine restarted on new ports).
     """
 
-    def __init__(self, listen_port: int, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, listen_port: int = 0, target_port: int = 0, host: str = "127.0.0.1") -> None:
         self.listen_port = listen_port
         self.target_port = target_port
         self.host = host
@@ -34,6 +36,7 @@ class FaultProxy:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((self.host, self.listen_port))
+        self.listen_port = int(s.getsockname()[1])
         s.listen(16)
         s.settimeout(0.1)
         return s

@@ -1,7 +1,7 @@
 """Fault scenarios shared by the loopback and the containerised end-to-end tests.
 
 An :class:`Engine` is a reference engine server (``python -m
-kvwire.publisher.serve``) that drives itself with the synthetic workload; a
+kvwire.reference.serve``) that drives itself with the synthetic workload; a
 :class:`Router` follows every rank with a :class:`Subscriber` feeding a
 :class:`PrefixIndex`. After each fault the traffic stops, each rank publishes
 one more batch (so a lost tail shows up as a gap), and :func:`converge` polls
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.prefix_index import PrefixIndex
-from kvwire.publisher.control import ControlClient, ControlError
-from kvwire.publisher.serve import EngineConfig, free_port_block
+from kvwire.reference.control import ControlClient, ControlError
+from kvwire.reference.launch import EngineProcess
+from kvwire.reference.serve import EngineConfig
 from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
 
 from .faultproxy import FaultProxy
@@ -48,8 +46,9 @@ class EngineSpec:
     drive_seed: int = 0
     drive_hold: int = 3
 
-    def args(self, host: str, port: int, replay_port: int, control_port: int) -> list[str]:
-        config = EngineConfig(
+    def config(self, host: str, port: int = 0, replay_port: int = 0, control_port: int = 0) -> EngineConfig:
+        """The engine's configuration; port 0: an ephemeral port, reported once bound."""
+        return EngineConfig(
             ranks=self.ranks,
             host=host,
             port=port,
@@ -61,8 +60,18 @@ class EngineSpec:
             hwm=self.hwm,
             device="cpu",
         )
-        drive = ["--drive-rate", str(self.drive_rate), "--drive-seed", str(self.drive_seed)]
-        return ["-m", "kvwire.publisher.serve", *config.argv(), *drive, "--drive-hold", str(self.drive_hold)]
+
+    def drive_args(self) -> list[str]:
+        return [
+            "--drive-rate", str(self.drive_rate),
+            "--drive-seed", str(self.drive_seed),
+            "--drive-hold", str(self.drive_hold),
+        ]  # fmt: skip
+
+    def args(self, host: str, port: int, replay_port: int, control_port: int) -> list[str]:
+        """``python`` arguments that start the engine on these ports."""
+        config = self.config(host, port, replay_port, control_port)
+        return ["-m", "kvwire.reference.serve", *config.argv(), *self.drive_args()]
 
 
 class Engine(abc.ABC):
@@ -131,82 +140,80 @@ class Engine(abc.ABC):
 
 
 class LocalEngine(Engine):
-    """An engine server as a local process; network faults cut a TCP proxy in front of it."""
+    """An engine server as a local process; network faults cut a TCP proxy in front of it.
+
+    The engine binds ephemeral ports (new ones after a restart); the proxies
+    keep theirs and forward to wherever the engine bound last.
+    """
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         super().__init__(spec)
-        r = spec.ranks
-        base = free_port_block(4 * r + 1)
-        self.port, self.replay_port = base, base + r
-        self.proxy_port, self.proxy_replay_port = base + 2 * r, base + 3 * r
-        self.control_port = base + 4 * r
-        self.log_path = log_dir / f"{spec.worker_id}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.proxies = [
-            FaultProxy(self.proxy_port + i, self.port + i) for i in range(r)
-        ] + [FaultProxy(self.proxy_replay_port + i, self.replay_port + i) for i in range(r)]
-        for p in self.proxies:
-            p.start()
+        self.process = EngineProcess(
+            spec.config("127.0.0.1"), log_dir / f"{spec.worker_id}.log", extra_args=spec.drive_args(), cwd=REPO
+        )
+        self.proxies = [FaultProxy().start() for _ in range(spec.ranks)]
+        self.replay_proxies = [FaultProxy().start() for _ in range(spec.ranks)]
 
     @property
     def control_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.control_port}"
+        return self.process.control_endpoint
 
     def source(self) -> EngineSource:
-        return EngineSource(
+        return EngineSource.from_rank_endpoints(
             self.worker_id,
-            f"tcp://127.0.0.1:{self.proxy_port}",
-            f"tcp://127.0.0.1:{self.proxy_replay_port}",
-            ranks=self.spec.ranks,
+            [
+                (f"tcp://127.0.0.1:{p.listen_port}", f"tcp://127.0.0.1:{q.listen_port}")
+                for p, q in zip(self.proxies, self.replay_proxies, strict=True)
+            ],
         )
 
     def start(self) -> None:
-        args = self.spec.args("127.0.0.1", self.port, self.replay_port, self.control_port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=log, env=env, cwd=REPO)
+        bound = self.process.start()
+        for rank, proxy, replay in zip(bound.ranks, self.proxies, self.replay_proxies, strict=True):
+            assert rank.replay_endpoint is not None
+            proxy.target_port = _port(rank.endpoint)
+            replay.target_port = _port(rank.replay_endpoint)
         self.wait_ready()
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        self.process.kill()
         self.reset_client()
 
     def restart(self) -> None:
         self.start()
 
+    def _signal(self, signum: int) -> None:
+        assert self.process.proc is not None
+        self.process.proc.send_signal(signum)
+
     def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
+        self._signal(signal.SIGCONT)
 
     def disconnect(self) -> None:
-        for p in self.proxies:
+        for p in self.proxies + self.replay_proxies:
             p.cut()
 
     def reconnect(self) -> None:
-        for p in self.proxies:
+        for p in self.proxies + self.replay_proxies:
             p.restore()
 
     def logs(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self.process.logs()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.process.running():
+            self._signal(signal.SIGCONT)
+        self.process.stop()
         self.reset_client()
-        for p in self.proxies:
+        for p in self.proxies + self.replay_proxies:
             p.close()
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
 
 
 @dataclass

@@ -435,6 +435,7 @@ def test_publisher_package_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import kvwire.publisher as p\n"
+        "import kvwire.reference as ref\n"
         "import numpy as np\n"
         "class C:\n"
         "    rank = 0\n"
@@ -442,7 +443,7 @@ def test_publisher_package_imports_without_torch() -> None:
         "c = C(); col = p.EventCollector(c, 1); col.stored(np.array([1]), None, [2]); col.flush()\n"
         "assert c.b.to_batch().events[0].block_hashes == [1]\n"
         "try:\n"
-        "    p.PagedKVCache(4, 1)\n"
+        "    ref.PagedKVCache(4, 1)\n"
         "except ImportError as e:\n"
         "    assert 'engine' in str(e)\n"
         "else:\n"

@@ -2,9 +2,20 @@
 
 The publisher model keeps the engine's truth (the set of blocks its cache
 holds), a bounded replay buffer, and restarts like a real process (seq back to
-0, cache and buffer empty). The network model is the ordered SUB pipe (live
-frames and connection events, in the order a transport feeds them), the
-replay request and reply queues, and what faults do to each.
+0, cache and buffer empty). It is one of two kinds (``docs/wire.md``):
+
+- an engine's own publisher: no epoch, no heartbeat, no snapshot; it assigns
+  a seq when it sends, so it never drops a batch whose seq was reserved
+  (a batch it fails to deliver is lost on the wire but buffered);
+- kvwire's: a new epoch per life on every topic, optionally heartbeats (an
+  empty batch on the next seq after ``heartbeat`` s of silence) and
+  snapshots; it reserves a seq before queueing, so a dropped batch is a hole
+  in its buffer, and its snapshot mirror either still learns what a dropped
+  batch carried or refuses to serve.
+
+The network model is the ordered SUB pipe (live frames and connection events,
+in the order a transport feeds them), the replay request and reply queues, and
+what faults do to each.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from kvwire.subscriber import (
     RankState,
     RankStream,
     RequestReplay,
+    RequestSnapshot,
     StateChanged,
     StreamConfig,
 )
@@ -30,9 +42,14 @@ from kvwire.wire import (
     KVEvent,
     KVEventBatch,
     encode_batch,
+    epoch_topic,
+    format_epoch,
     pack_seq,
     replay_end_frames,
     replay_item_frames,
+    snapshot_chunk_frames,
+    snapshot_end_frames,
+    snapshot_refused_frames,
 )
 
 TOPIC = b"kv"
@@ -43,18 +60,60 @@ def incarnation_of(batch: KVEventBatch) -> int:
     return int(batch.ts) // 1_000_000
 
 
+def is_snapshot_chunk(batch: KVEventBatch) -> bool:
+    """Snapshot chunks carry a ts of ``life * 1e6 + 0.5`` (batches: whole numbers)."""
+    return batch.ts % 1 == 0.5
+
+
+@dataclass(frozen=True)
+class PublisherKind:
+    """What a simulated publisher promises (``docs/wire.md`` sections 5-7)."""
+
+    epoch: bool = False
+    heartbeat: float | None = None
+    snapshot: bool = False
+    mirror_drops: bool = True
+    """A batch dropped before it was sent still reaches the snapshot mirror
+    (otherwise the publisher refuses snapshots once it dropped one)."""
+
+    def __post_init__(self) -> None:
+        assert self.epoch or (self.heartbeat is None and not self.snapshot), "kvwire-only features"
+
+
+ENGINE = PublisherKind()
+
+
 class SimPublisher:
     """An engine plus its publisher: truth, seq, replay buffer, restarts."""
 
-    def __init__(self, buffer_steps: int, max_replay: int | None, seed: int) -> None:
+    def __init__(
+        self, buffer_steps: int, max_replay: int | None, seed: int, kind: PublisherKind = ENGINE
+    ) -> None:
         self.rng = random.Random(seed)
+        self.kind = kind
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self.max_replay = max_replay
         self.incarnation = 0
         self.seq = 0
         self.truth: set[int] = set()
+        self.truth_after: dict[int, frozenset[int]] = {}
         self.batches: dict[int, KVEventBatch] = {}
         self.next_block = 1
+        # Every life's batches and truths, by incarnation (a STALE rank may still
+        # show an old life that restarted silently).
+        self.lives = [(self.batches, self.truth_after)]
+        self.dropped = False  # this life dropped a batch after reserving its seq
+        self.last_sent = 0.0
+        self.topic = TOPIC
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        k = self.kind
+        if k.epoch:
+            epoch = format_epoch(
+                self.rng.randrange(1 << 64), heartbeat_s=k.heartbeat, snapshot=k.snapshot
+            )
+            self.topic = epoch_topic(TOPIC, epoch)
 
     def make_batch(self, kind: str) -> KVEventBatch:
         events: list[KVEvent] = []
@@ -85,32 +144,75 @@ class SimPublisher:
             block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=BLOCK
         )
 
-    def publish(self, kind: str, buffered: bool = True, broken: bool = False) -> tuple[int, bytes]:
+    def publish(
+        self, kind: str, now: float, buffered: bool = True, broken: bool = False
+    ) -> tuple[int, bytes]:
         """The next batch; ``buffered=False`` is a batch dropped before it reached the
-        buffer, ``broken=True`` one the publisher itself encoded wrongly."""
+        buffer (after its seq was reserved), ``broken=True`` one the publisher itself
+        encoded wrongly. ``kind="heartbeat"``: an empty batch."""
         seq = self.seq
-        batch = self.make_batch(kind)
+        if kind == "heartbeat":
+            batch = KVEventBatch(float(self.incarnation * 1_000_000 + seq), [], 0)
+        else:
+            batch = self.make_batch(kind)
         payload = encode_batch(batch)
         if broken:
             payload = b"\xc1" + payload[1:]
         self.batches[seq] = batch
+        self.truth_after[seq] = frozenset(self.truth)
         self.seq += 1
+        self.last_sent = now
         if buffered:
             self.buffer.append((seq, payload))
+        else:
+            self.dropped = True
         return seq, payload
 
-    def restart(self) -> None:
+    def heartbeat_due(self, now: float) -> bool:
+        hb = self.kind.heartbeat
+        return hb is not None and now - self.last_sent >= hb
+
+    def restart(self, now: float) -> None:
         self.incarnation += 1
         self.seq = 0
         self.buffer.clear()
         self.truth.clear()
+        self.truth_after = {}
         self.batches = {}
+        self.lives.append((self.batches, self.truth_after))
+        self.dropped = False
+        self.last_sent = now
+        self._new_epoch()
 
     def serve(self, start: int) -> list[list[bytes]]:
         items = [(s, p) for s, p in self.buffer if s >= start]
         if self.max_replay is not None:
             items = items[: self.max_replay]
-        return [replay_item_frames(TOPIC, s, p) for s, p in items] + [replay_end_frames()]
+        end = replay_end_frames(self.topic if self.kind.epoch else b"")
+        return [replay_item_frames(self.topic, s, p) for s, p in items] + [end]
+
+    def serve_snapshot(self) -> list[list[bytes]]:
+        if not self.kind.snapshot:
+            return [replay_end_frames()]  # read as a start seq past anything buffered
+        if self.dropped and not self.kind.mirror_drops:
+            return [
+                snapshot_refused_frames(self.topic, "a batch was dropped before it was mirrored")
+            ]
+        blocks = sorted(self.truth)
+        ts = self.incarnation * 1_000_000 + 0.5
+        out: list[list[bytes]] = []
+        while blocks:
+            n = self.rng.randint(1, 4)
+            part, blocks = blocks[:n], blocks[n:]
+            event = BlockStored(
+                block_hashes=part,
+                parent_block_hash=None,
+                token_ids=[0] * (len(part) * BLOCK),
+                block_size=BLOCK,
+            )
+            payload = encode_batch(KVEventBatch(ts, [event], 0))
+            out.append(snapshot_chunk_frames(self.topic, self.seq, len(out), payload))
+        return [*out, snapshot_end_frames(self.topic, self.seq, len(out))]
 
 
 @dataclass
@@ -149,16 +251,17 @@ class Harness:
         seed: int = 0,
         contiguous: bool = True,
         # False for the KEEP policy: it may keep a view across an unconfirmed restart.
+        kind: PublisherKind = ENGINE,
     ) -> None:
         self.config = config
-        self.pub = SimPublisher(buffer_steps, max_replay, seed)
+        self.pub = SimPublisher(buffer_steps, max_replay, seed, kind)
         self.stream = RankStream(rank=0, config=config)
         self.sink = RecordingSink()
         self.contiguous = contiguous
         self.now = 0.0
         self.up = False  # the network path to the publisher
         self.pipe: collections.deque[tuple[str, list[bytes]]] = collections.deque()
-        self.requests: collections.deque[int] = collections.deque()
+        self.requests: collections.deque[int | None] = collections.deque()  # None: a snapshot
         self.replies: collections.deque[list[bytes]] = collections.deque()
         self.channel_token = 0
         self.states: list[StateChanged] = []
@@ -172,15 +275,16 @@ class Harness:
                 self.sink.apply(a.seq, a.batch)
             elif isinstance(a, ClearRank):
                 self.sink.clear(a.reason)
-            elif isinstance(a, RequestReplay):
+            elif isinstance(a, RequestReplay | RequestSnapshot):
                 assert self.config.replay, "replay requested without a replay endpoint"
                 if a.fresh:
                     self.requests.clear()
                     self.replies.clear()
                 self.channel_token = a.token
-                self.requests.append(a.start_seq)
+                self.requests.append(a.start_seq if isinstance(a, RequestReplay) else None)
             else:
                 self.states.append(a)
+        assert self.stream.counters.internal_errors == 0, self.stream.reason
 
     def _check_apply(self, seq: int, batch: KVEventBatch) -> None:
         log = self.sink.since_clear
@@ -189,18 +293,25 @@ class Harness:
             assert incarnation_of(prev) == incarnation_of(batch), (
                 f"batches of two publisher lives applied without a clear between: {prev_seq} {seq}"
             )
-            assert seq == prev_seq + 1, f"applied {seq} after {prev_seq} without a clear"
+            if is_snapshot_chunk(batch):
+                assert is_snapshot_chunk(prev) and prev_seq == seq, "a snapshot chunk out of place"
+            else:
+                assert seq == prev_seq + 1, f"applied {seq} after {prev_seq} without a clear"
 
     # --- operations ------------------------------------------------------------------
 
     def publish(self, kind: str, fate: str) -> None:
+        if fate == "unbuffered" and not self.pub.kind.epoch:
+            # An engine's publisher assigns the seq when it sends: it never leaves a
+            # reserved seq out of its buffer. What it fails to deliver is lost on the wire.
+            fate = "lose"
         buffered = fate != "unbuffered"
-        seq, payload = self.pub.publish(kind, buffered, broken=fate == "broken")
+        seq, payload = self.pub.publish(kind, self.now, buffered, broken=fate == "broken")
         if not self.up or fate in ("lose", "unbuffered"):
             return
         if fate == "corrupt":
             payload = b"\xc1" + payload[1:]
-        frames = [TOPIC, pack_seq(seq), payload]
+        frames = [self.pub.topic, pack_seq(seq), payload]
         if fate == "truncate":
             frames = frames[:2]
         self.pipe.append(("live", frames))
@@ -223,7 +334,10 @@ class Harness:
         for _ in range(n):
             if not self.requests or not self.up:
                 return
-            self.replies.extend(self.pub.serve(self.requests.popleft()))
+            start = self.requests.popleft()
+            self.replies.extend(
+                self.pub.serve_snapshot() if start is None else self.pub.serve(start)
+            )
 
     def deliver_replies(self, n: int) -> None:
         # A transport handles connection events (draining the live socket first)
@@ -241,6 +355,13 @@ class Harness:
         self.requests.clear()
         self.replies.clear()
 
+    def drop_chunk(self) -> None:
+        """The replay socket drops one snapshot chunk (high-water mark)."""
+        for i, frames in enumerate(self.replies):
+            if len(frames) == 6 and frames[4] != b"\xff" * 8:
+                del self.replies[i]
+                return
+
     def garbage_reply(self) -> None:
         self.feed(self.stream.replay_reply([b"", b"\x00"], self.channel_token, self.now))
 
@@ -256,7 +377,13 @@ class Harness:
         self.feed(self.stream.replay_reply(frames, self.channel_token - 1, self.now))
 
     def tick(self, dt: float) -> None:
-        self.now += dt
+        """Time passes: the publisher heartbeats on time, then the stream's timers run."""
+        hb = self.pub.kind.heartbeat
+        end = self.now + dt
+        while hb is not None and self.pub.last_sent + hb <= end:
+            self.now = max(self.now, self.pub.last_sent + hb)
+            self.publish("heartbeat", "deliver")
+        self.now = end
         self.feed(self.stream.tick(self.now))
 
     def disconnect(self) -> None:
@@ -272,9 +399,10 @@ class Harness:
 
     def restart(self) -> None:
         self.disconnect()
-        self.pub.restart()
-        if not self.config.replay:
-            # Without replay a restart can only be seen in its first batch.
+        self.pub.restart(self.now)
+        if not self.config.replay and not self.pub.kind.epoch:
+            # Without replay and without epoch a restart can only be seen in its
+            # first batch (a documented blind spot): deliver that one.
             self.connect()
             self.publish("store", "deliver")
 
@@ -290,6 +418,8 @@ class Harness:
             self.deliver_replies(int(op[1]))  # type: ignore[call-overload]
         elif name == "drop_replies":
             self.drop_replies()
+        elif name == "drop_chunk":
+            self.drop_chunk()
         elif name == "stale_reply":
             self.stale_reply()
         elif name == "garbage_reply":
@@ -313,29 +443,29 @@ class Harness:
         return not self.pipe and not self.requests and not self.replies
 
     def settle(self) -> None:
-        """Heal the network and let replies, timeouts and idle probes run their course."""
+        """Heal the network and let replies, timeouts, heartbeats and idle probes run.
+
+        Nothing is published beyond what the schedule did (heartbeats aside, which
+        the publisher sends by itself): a lost last batch must be found by the
+        stream, or left visible.
+        """
         self.connect()
-        if not self.config.replay:
-            self.deliver_live(len(self.pipe))
-            self.publish("store", "deliver")  # without replay only a new batch tells
-            self.deliver_live(len(self.pipe))
-            return
-        if self.pub.seq and all(s != self.pub.seq - 1 for s, _ in self.pub.buffer):
-            # A last batch that never reached the buffer (or the wire) leaves no
-            # trace at all; the engine's next batch is what reveals it.
-            self.publish("store", "deliver")
-        probe = self.config.idle_probe or 1.0
+        hb = self.pub.kind.heartbeat
+        step = hb * 1.01 if hb is not None else (self.config.idle_probe or 1.0) + 0.01
         unchanged = 0
         for _ in range(100):
             self._run_until_quiet()
-            before = (self.stream.expected_seq, self.stream.state, len(self.sink.clears))
-            self.tick(probe + 0.01)  # let an idle probe look for a lost tail
+            before = self._position()
+            self.tick(step)  # an idle probe, a heartbeat, a timeout
             self._run_until_quiet()
-            after = (self.stream.expected_seq, self.stream.state, len(self.sink.clears))
-            unchanged = unchanged + 1 if before == after else 0
+            unchanged = unchanged + 1 if before == self._position() else 0
             if unchanged >= 2:
                 return
         raise AssertionError("idle probes kept changing the stream")
+
+    def _position(self) -> tuple[object, ...]:
+        s = self.stream
+        return (self.pub.seq - s.expected_seq, s.state, len(self.sink.clears))
 
     def _run_until_quiet(self) -> None:
         for _ in range(400):
@@ -349,18 +479,29 @@ class Harness:
 
     def check_settled(self, *, exact_when_synced: bool = True, subset: bool = True) -> None:
         stream, pub, sink = self.stream, self.pub, self.sink
-        assert stream.state in (RankState.SYNCED, RankState.PARTIAL), (
+        assert stream.state in (RankState.SYNCED, RankState.PARTIAL, RankState.STALE), (
             stream.state,
             stream.reason,
         )
-        if stream.state is RankState.SYNCED or sink.since_clear:
-            # (A PARTIAL rank cleared after a restart it could not anchor may wait
-            # for the engine's next batch to learn where the new stream is.)
-            assert stream.expected_seq == pub.seq, (stream.expected_seq, pub.seq, stream.reason)
+        assert stream.counters.internal_errors == 0
         log = sink.since_clear
+        life = incarnation_of(log[-1][1]) if log else pub.incarnation
+        batches_of, truth_after = pub.lives[life]
+        if stream.state is RankState.STALE:
+            # Only a publisher that cannot prove its tail leaves a rank STALE once
+            # the network healed: no heartbeats, and either no replay or a kvwire
+            # publisher (which may drop a reserved seq without a trace).
+            assert pub.kind.heartbeat is None, stream.reason
+            assert not self.config.replay or pub.kind.epoch, stream.reason
+            assert not log or stream.expected_seq <= len(batches_of)
+        elif stream.state is RankState.SYNCED or (sink.since_clear and self.contiguous):
+            # (A PARTIAL rank cleared after a restart it could not anchor may wait
+            # for the engine's next batch to learn where the new stream is; under
+            # the KEEP policy it keeps the old view meanwhile.)
+            assert stream.expected_seq == pub.seq, (stream.expected_seq, pub.seq, stream.reason)
         if stream.state is RankState.SYNCED:
-            # The view is exact from its last clear: a clear by the subscriber,
-            # or the last AllBlocksCleared the engine sent.
+            # The view is exact from its last clear: a clear by the subscriber (a
+            # snapshot, or nothing before), or the last AllBlocksCleared the engine sent.
             resets = [
                 i
                 for i, (_, b) in enumerate(log)
@@ -368,15 +509,24 @@ class Harness:
             ]
             log = log[resets[-1] :] if resets else log
             if log and not resets:
-                assert log[0][0] == 0, (
+                first, batch = log[0]
+                # (A snapshot of an empty cache has no chunk.)
+                empty_before = not pub.truth_after.get(first - 1)
+                assert first == 0 or is_snapshot_chunk(batch) or empty_before, (
                     "SYNCED although the history before the last clear is missing"
                 )
+        batches = [(seq, b) for seq, b in log if not is_snapshot_chunk(b)]
         if self.contiguous or stream.state is RankState.SYNCED:
-            for seq, batch in log:
-                assert pub.batches.get(seq) == batch, f"applied batch {seq} is not the publisher's"
-            seqs = [seq for seq, _ in log]
+            for seq, batch in batches:
+                assert batches_of.get(seq) == batch, f"applied batch {seq} is not the publisher's"
+            seqs = [seq for seq, _ in batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
-        if stream.state is RankState.SYNCED and exact_when_synced:
+        if stream.state is RankState.STALE:
+            # Exact or a subset as of the last batch applied, never ahead of it.
+            then = truth_after.get(stream.expected_seq - 1, frozenset())
+            if subset and sink.since_clear:
+                assert sink.blocks <= then, (sorted(sink.blocks - then), stream.reason)
+        elif stream.state is RankState.SYNCED and exact_when_synced:
             assert sink.blocks == pub.truth, (sorted(sink.blocks ^ pub.truth), stream.reason)
         elif subset:
             assert sink.blocks <= pub.truth, (sorted(sink.blocks - pub.truth), stream.reason)

@@ -287,16 +287,37 @@ def test_reconnect_to_a_restarted_publisher_is_caught_by_the_anchor() -> None:
     assert s.counters.stale_replies == 1
 
 
-def test_reconnect_with_an_empty_reply_means_a_restarted_idle_publisher() -> None:
+def test_reconnect_with_an_empty_reply_asks_for_the_whole_buffer() -> None:
+    """A buffer always holds the latest batch: one that ends below the anchor is a new life."""
     s = synced_stream(3)
     s.disconnected(1.0)
     (req,) = requests(s.connected(1.5))
     out = s.replay_reply(replay_end_frames(), req.token, 1.6)
-    assert clears(out) and s.counters.restarts == 1
+    (whole,) = requests(out)
+    assert whole.start_seq == 0 and not clears(out) and s.state is RankState.SYNCING
+    out = s.replay_reply(reply(0, life=1), whole.token, 1.7)
+    out += s.replay_reply(reply(1, life=1), whole.token, 1.7)
+    out += s.replay_reply(replay_end_frames(), whole.token, 1.7)
+    assert clears(out) and s.counters.restarts == 1 and applied(out) == [0, 1]
+    assert s.state is RankState.SYNCED and s.expected_seq == 2
+
+
+def test_reconnect_with_only_empty_replies_proves_nothing_and_ends_partial() -> None:
+    """A restarted idle publisher or a useless buffer: empty replies cannot tell which."""
+    s = synced_stream(3)
+    s.disconnected(1.0)
+    (req,) = requests(s.connected(1.5))
+    (whole,) = requests(s.replay_reply(replay_end_frames(), req.token, 1.6))
+    out = s.replay_reply(replay_end_frames(), whole.token, 1.6)
+    assert clears(out) and s.counters.restarts == 0 and requests(out) == []
+    assert s.state is RankState.PARTIAL and s.expected_seq == 3
+    # The next live batch tells: its seq went back, so the publisher restarted.
+    out = s.live(live(0, life=1), 2.0)
+    assert s.counters.restarts == 1
     (history,) = requests(out)
-    out = s.replay_reply(replay_end_frames(), history.token, 1.7)
-    assert s.state is RankState.SYNCED and s.expected_seq == 0
-    assert applied(s.live(live(0, life=1), 2.0)) == [0]
+    out = s.replay_reply(reply(0, life=1), history.token, 2.1)
+    out += s.replay_reply(replay_end_frames(), history.token, 2.1)
+    assert applied(out) == [0] and s.state is RankState.SYNCED
 
 
 def test_reconnect_to_the_same_publisher_keeps_the_view() -> None:

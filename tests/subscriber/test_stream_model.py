@@ -1,9 +1,12 @@
 """Property tests: RankStream against a model publisher under random faults.
 
 Once replays settle, every rank either applied exactly the publisher's stream
-(SYNCED: same batches, same blocks as the engine) or is PARTIAL and holds no
-block the engine does not hold. Along the way, batches of two publisher lives
-are never mixed without a clear, and applies are in seq order.
+(SYNCED: same batches, same blocks as the engine), or is PARTIAL and holds no
+block the engine does not hold, or is STALE (only where the publisher can
+prove nothing about an idle tail) and holds no block beyond the last batch it
+applied. Along the way, batches of two publisher lives are never mixed
+without a clear, and applies are in seq order. Publishers are the engines'
+own (no epoch) or kvwire's, with and without heartbeats and snapshots.
 """
 
 from __future__ import annotations
@@ -15,13 +18,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire.subscriber import LossPolicy, RankState, StreamConfig
-from tests.subscriber.sim import Harness
+from tests.subscriber.sim import ENGINE, Harness, PublisherKind
 
 KINDS = st.sampled_from(["store", "store", "store", "remove", "remove", "clear"])
 FATES = st.sampled_from(
     ["deliver"] * 8 + ["lose", "lose", "corrupt", "truncate", "unbuffered", "broken"]
 )
 PUBLISH = st.tuples(st.just("publish"), KINDS, FATES)
+
+PUBLISHERS = [
+    ENGINE,
+    PublisherKind(epoch=True),
+    PublisherKind(epoch=True, heartbeat=0.5),
+    PublisherKind(epoch=True, heartbeat=0.5, snapshot=True),
+    PublisherKind(epoch=True, heartbeat=0.5, snapshot=True, mirror_drops=False),
+    PublisherKind(epoch=True, snapshot=True),
+]
+PUBLISHER = st.sampled_from(PUBLISHERS)
 
 
 def ops(replay: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
@@ -47,6 +60,7 @@ def ops(replay: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
             st.just(("drop_replies",)),
             st.just(("stale_reply",)),
             st.just(("garbage_reply",)),
+            st.just(("drop_chunk",)),
         ]
     return st.lists(st.one_of(*choices), min_size=10, max_size=150)
 
@@ -78,6 +92,7 @@ MODEL = settings(
     buffer_steps=st.integers(1, 40),
     max_replay=st.one_of(st.none(), st.integers(2, 12)),
     seed=st.integers(0, 2**16),
+    kind=PUBLISHER,
 )
 def test_with_replay_every_rank_is_exact_or_partial_without_stale_blocks(
     schedule: list[tuple[Any, ...]],
@@ -85,8 +100,15 @@ def test_with_replay_every_rank_is_exact_or_partial_without_stale_blocks(
     buffer_steps: int,
     max_replay: int | None,
     seed: int,
+    kind: PublisherKind,
 ) -> None:
-    h = Harness(config(True, max_held), buffer_steps=buffer_steps, max_replay=max_replay, seed=seed)
+    h = Harness(
+        config(True, max_held),
+        buffer_steps=buffer_steps,
+        max_replay=max_replay,
+        seed=seed,
+        kind=kind,
+    )
     for op in schedule:
         h.run(op)
     h.settle()
@@ -99,7 +121,7 @@ _LONG_OPS = (
     + ["tick", "disconnect", "connect", "connect", "restart", "early_data"]
 )
 _REPLAY_OPS = ["serve", "serve", "deliver_replies", "deliver_replies"]
-_REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply"]
+_REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply", "drop_chunk"]
 
 
 def long_schedule(rnd: random.Random, replay: bool) -> list[tuple[Any, ...]]:
@@ -131,6 +153,7 @@ def test_long_random_fault_schedules_end_exact_or_partial(rnd: random.Random, re
         buffer_steps=rnd.randint(1, 40),
         max_replay=rnd.choice([None, rnd.randint(2, 12)]),
         seed=rnd.randrange(2**16),
+        kind=rnd.choice(PUBLISHERS),
     )
     for op in long_schedule(rnd, replay):
         h.run(op)
@@ -139,11 +162,11 @@ def test_long_random_fault_schedules_end_exact_or_partial(rnd: random.Random, re
 
 
 @MODEL
-@given(schedule=ops(replay=False), seed=st.integers(0, 2**16))
+@given(schedule=ops(replay=False), seed=st.integers(0, 2**16), kind=PUBLISHER)
 def test_without_replay_every_gap_is_a_loss_and_nothing_stale_survives(
-    schedule: list[tuple[Any, ...]], seed: int
+    schedule: list[tuple[Any, ...]], seed: int, kind: PublisherKind
 ) -> None:
-    h = Harness(config(False, 8), seed=seed)
+    h = Harness(config(False, 8), seed=seed, kind=kind)
     for op in schedule:
         h.run(op)
     h.settle()
@@ -155,12 +178,17 @@ def test_without_replay_every_gap_is_a_loss_and_nothing_stale_survives(
     schedule=ops(replay=True),
     buffer_steps=st.integers(1, 40),
     seed=st.integers(0, 2**16),
+    kind=PUBLISHER,
 )
 def test_keep_policy_never_claims_synced_unless_exact(
-    schedule: list[tuple[Any, ...]], buffer_steps: int, seed: int
+    schedule: list[tuple[Any, ...]], buffer_steps: int, seed: int, kind: PublisherKind
 ) -> None:
     h = Harness(
-        config(True, 8, LossPolicy.KEEP), buffer_steps=buffer_steps, seed=seed, contiguous=False
+        config(True, 8, LossPolicy.KEEP),
+        buffer_steps=buffer_steps,
+        seed=seed,
+        contiguous=False,
+        kind=kind,
     )
     for op in schedule:
         h.run(op)
@@ -172,11 +200,12 @@ def test_keep_policy_never_claims_synced_unless_exact(
 @given(
     lossless=st.lists(st.tuples(st.just("publish"), KINDS, st.just("deliver")), max_size=30),
     seed=st.integers(0, 2**16),
+    kind=st.sampled_from([k for k in PUBLISHERS if k.heartbeat is not None or not k.epoch]),
 )
 def test_a_clean_stream_is_applied_exactly_and_synced(
-    lossless: list[tuple[Any, ...]], seed: int
+    lossless: list[tuple[Any, ...]], seed: int, kind: PublisherKind
 ) -> None:
-    h = Harness(config(True, 8), buffer_steps=100, seed=seed)
+    h = Harness(config(True, 8), buffer_steps=100, seed=seed, kind=kind)
     h.connect()
     h.settle()
     for op in lossless:
@@ -185,6 +214,8 @@ def test_a_clean_stream_is_applied_exactly_and_synced(
     h.settle()
     h.check_settled()
     assert h.stream.state is RankState.SYNCED
-    assert [s for s, _ in h.sink.since_clear] == list(range(len(lossless)))
+    assert [s for s, _ in h.sink.since_clear] == list(range(h.pub.seq))
+    beats = sum(1 for b in h.pub.batches.values() if not b.events)
+    assert h.pub.seq == len(lossless) + beats
     c = h.stream.counters
     assert (c.gaps, c.seqs_lost, c.resyncs, c.restarts, c.decode_errors) == (0, 0, 0, 0, 0)

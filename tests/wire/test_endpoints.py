@@ -6,7 +6,13 @@ import re
 
 import pytest
 
-from kvwire.wire import EndpointError, offset_endpoint, validate_endpoint, validate_endpoints
+from kvwire.wire import (
+    EndpointError,
+    is_ephemeral,
+    offset_endpoint,
+    validate_endpoint,
+    validate_endpoints,
+)
 
 
 @pytest.mark.parametrize(
@@ -86,3 +92,17 @@ def test_overlapping_spans_rejected(pub: str, replay: str, ranks: int) -> None:
 )
 def test_disjoint_spans_accepted(pub: str, replay: str | None, ranks: int) -> None:
     validate_endpoints(pub, replay, ranks_per_host=ranks)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 7, 1000])
+def test_ephemeral_port_stays_ephemeral_for_every_rank(rank: int) -> None:
+    assert offset_endpoint("tcp://127.0.0.1:*", rank) == "tcp://127.0.0.1:*"
+    assert offset_endpoint("tcp://*:*", rank) == "tcp://*:*"
+
+
+def test_ephemeral_publish_and_replay_do_not_clash() -> None:
+    validate_endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", ranks_per_host=64)
+    validate_endpoints("tcp://127.0.0.1:*", "tcp://127.0.0.1:5557", ranks_per_host=4)
+    assert is_ephemeral("tcp://127.0.0.1:*")
+    assert not is_ephemeral("tcp://127.0.0.1:5557")
+    assert not is_ephemeral("ipc:///tmp/kv*")

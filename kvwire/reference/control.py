@@ -20,9 +20,12 @@ __all__ = [
     "ControlClient",
     "ControlError",
     "Drive",
+    "Endpoints",
+    "EngineEndpoints",
     "Ok",
     "Probe",
     "Probed",
+    "RankBound",
     "RankStats",
     "Release",
     "Reset",
@@ -93,8 +96,12 @@ class Shutdown(msgspec.Struct, tag=True):
     """Close the publishers (flushing them) and exit."""
 
 
+class Endpoints(msgspec.Struct, tag=True):
+    """Where every rank and the control socket are bound."""
+
+
 Command: TypeAlias = (
-    Submit | Release | Probe | Reset | Truth | SetPublisher | Drive | Stats | Shutdown
+    Submit | Release | Probe | Reset | Truth | SetPublisher | Drive | Stats | Shutdown | Endpoints
 )
 
 
@@ -133,7 +140,22 @@ class StatsReply(msgspec.Struct, tag=True):
     ranks: list[RankStats]
 
 
-Reply: TypeAlias = Ok | Failed | Admitted | Probed | TruthReply | StatsReply
+class RankBound(msgspec.Struct):
+    """The endpoints one rank's publisher bound (ephemeral ports resolved)."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+
+
+class EngineEndpoints(msgspec.Struct, tag=True):
+    """Every bound endpoint of an engine server: its ready line and its Endpoints reply."""
+
+    control: str
+    ranks: list[RankBound]
+
+
+Reply: TypeAlias = Ok | Failed | Admitted | Probed | TruthReply | StatsReply | EngineEndpoints
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -244,6 +266,9 @@ class ControlClient:
 
     def shutdown(self) -> None:
         self.call(Shutdown())
+
+    def endpoints(self) -> EngineEndpoints:
+        return _expect(self.call(Endpoints()), EngineEndpoints)
 
     def close(self) -> None:
         self._sock.close(0)

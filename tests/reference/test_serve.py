@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.publisher.control import ControlClient, ControlError
-from kvwire.publisher.serve import EngineConfig, _parse
+from kvwire.reference.control import ControlClient, ControlError
+from kvwire.reference.serve import EngineConfig, _parse
 
 
 @pytest.mark.parametrize(
     "config",
     [
         EngineConfig(),
+        EngineConfig(port=5557, replay_port=5657, control_port=5757),
         EngineConfig(ranks=4, host="0.0.0.0", port=7000, replay_port=None, control_port=7100,
                      num_blocks=64, block_size=8, buffer_steps=20, hwm=5, max_queue_size=3,
                      topic="kv", device="cpu", hash_seed=9),

@@ -1,11 +1,14 @@
 """The reference engine server: N data-parallel ranks, each a paged KV cache publishing events.
 
-    python -m kvwire.publisher.serve --ranks 2 --port 5557 --replay-port 5657 --control-port 5757
+    python -m kvwire.reference.serve --ranks 2 --port 5557 --replay-port 5657 --control-port 5757
 
 Each rank has its own :class:`PagedKVCache`, :class:`EventCollector` and
 :class:`EventPublisher` bound at ``port + rank`` (replay at ``replay_port +
-rank``), like vLLM's data-parallel ranks. One engine thread runs everything:
-it serves the control endpoint (see :mod:`kvwire.publisher.control`) and,
+rank``), like vLLM's data-parallel ranks. Port 0 (the default) gives every
+rank and the control socket an ephemeral port; once bound, the server prints
+one line, :data:`READY_PREFIX` and the :class:`EngineEndpoints` as JSON, and
+answers :class:`Endpoints` with the same. One engine thread runs everything:
+it serves the control endpoint (see :mod:`kvwire.reference.control`) and,
 when asked, drives itself with the seeded synthetic workload. Each command or
 workload step is one scheduler iteration: one flush, at most one batch per rank.
 
@@ -18,25 +21,30 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvwire.publisher.collector import EventCollector
-from kvwire.publisher.control import (
+from kvwire.publisher.publisher import EventPublisher
+from kvwire.reference.control import (
     Admitted,
     Command,
     Drive,
+    Endpoints,
+    EngineEndpoints,
     Envelope,
     Failed,
     Ok,
     Probe,
     Probed,
+    RankBound,
     RankStats,
     Release,
     Reply,
@@ -51,24 +59,30 @@ from kvwire.publisher.control import (
     encoder,
     request_decoder,
 )
-from kvwire.publisher.paged_cache import CacheFullError, PagedKVCache
-from kvwire.publisher.publisher import EventPublisher
-from kvwire.publisher.workload import SyntheticWorkload, WorkloadConfig
+from kvwire.reference.paged_cache import CacheFullError, PagedKVCache
+from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
 
-__all__ = ["EngineConfig", "EngineServer", "free_port_block", "main"]
+__all__ = ["READY_PREFIX", "EngineConfig", "EngineServer", "main"]
 
 log = logging.getLogger("kvwire.serve")
+
+READY_PREFIX = "kvwire-engine-ready "
+"""Starts the line a server prints on stdout once bound, followed by its endpoints as JSON."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine server is started with."""
+    """Everything an engine server is started with.
+
+    Port 0 binds an ephemeral port (for every rank); ``replay_port=None``
+    serves no replay.
+    """
 
     ranks: int = 1
     host: str = "127.0.0.1"
-    port: int = 5557
-    replay_port: int | None = 5657
-    control_port: int = 5757
+    port: int = 0
+    replay_port: int | None = 0
+    control_port: int = 0
     num_blocks: int = 256
     block_size: int = 16
     buffer_steps: int = 10_000
@@ -79,15 +93,16 @@ class EngineConfig:
     hash_seed: int = 0
 
     def endpoint(self, port: int) -> str:
-        return f"tcp://{self.host}:{port}"
+        """The bind address of ``port`` on this host (``*`` for port 0)."""
+        return f"tcp://{self.host}:{port or '*'}"
 
     def argv(self) -> list[str]:
-        """The ``python -m kvwire.publisher.serve`` flags that start this configuration."""
+        """The ``python -m kvwire.reference.serve`` flags that start this configuration."""
         flags = [
             "--ranks", str(self.ranks),
             "--host", self.host,
             "--port", str(self.port),
-            "--replay-port", str(self.replay_port or 0),
+            *(["--no-replay"] if self.replay_port is None else ["--replay-port", str(self.replay_port)]),
             "--control-port", str(self.control_port),
             "--num-blocks", str(self.num_blocks),
             "--block-size", str(self.block_size),
@@ -141,6 +156,7 @@ class EngineServer:
             )
             self.ranks.append(_Rank(r, cache, collector, publisher))
         self._control: zmq.Socket[bytes] | None = None
+        self._bound_control: str | None = None
         self._workload: SyntheticWorkload | None = None
         self._drive_interval = 0.0
         self._drive_hold = 8
@@ -206,6 +222,8 @@ class EngineServer:
         if isinstance(command, Shutdown):
             self.stop()
             return Ok()
+        if isinstance(command, Endpoints):
+            return self.endpoints()
         raise ValueError(f"unknown command {type(command).__name__}")
 
     def _stats(self, r: _Rank) -> RankStats:
@@ -254,8 +272,21 @@ class EngineServer:
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.config.endpoint(self.config.control_port))
+        self._bound_control = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._control = sock
         self._running = True
+
+    def endpoints(self) -> EngineEndpoints:
+        """What every socket bound (ephemeral ports resolved); requires :meth:`start`."""
+        if self._bound_control is None:
+            raise RuntimeError("call start() first")
+        return EngineEndpoints(
+            self._bound_control,
+            [
+                RankBound(r.rank, r.publisher.bound_endpoint, r.publisher.bound_replay_endpoint)
+                for r in self.ranks
+            ],
+        )
 
     def serve(self, until: float | None = None) -> None:
         """Run the engine loop until a Shutdown command, a signal or ``until`` (monotonic)."""
@@ -304,38 +335,18 @@ class EngineServer:
             self._control = None
 
 
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback, for local engine servers."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n > 65000:
-            continue
-        taken: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                taken.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in taken:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on loopback")
-
-
 def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(
-        prog="python -m kvwire.publisher.serve", description="kvwire reference engine server"
+        prog="python -m kvwire.reference.serve", description="kvwire reference engine server"
     )
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=5557, help="event PUB base port (rank r: port + r)")
-    p.add_argument("--replay-port", type=int, default=5657, help="replay ROUTER base port; 0: none")
-    p.add_argument("--control-port", type=int, default=5757)
+    p.add_argument(
+        "--port", type=int, default=0, help="event PUB base port (rank r: port + r); 0: ephemeral"
+    )
+    p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER base port; 0: ephemeral")
+    p.add_argument("--no-replay", action="store_true", help="serve no replay")
+    p.add_argument("--control-port", type=int, default=0, help="control ROUTER port; 0: ephemeral")
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--buffer-steps", type=int, default=10_000)
@@ -353,7 +364,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
         ranks=args.ranks,
         host=args.host,
         port=args.port,
-        replay_port=args.replay_port or None,
+        replay_port=None if args.no_replay else args.replay_port,
         control_port=args.control_port,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
@@ -368,7 +379,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``python -m kvwire.publisher.serve``."""
+    """Entry point of ``python -m kvwire.reference.serve``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config, args = _parse(argv)
     server = EngineServer(config)
@@ -381,13 +392,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     server.start()
     if args.drive_rate > 0:
         server.drive(args.drive_rate, seed=args.drive_seed, hold=args.drive_hold)
+    bound = server.endpoints()
     log.info(
         "engine up: %d ranks, events %s, replay %s, control %s",
         config.ranks,
-        config.endpoint(config.port),
-        None if config.replay_port is None else config.endpoint(config.replay_port),
-        config.endpoint(config.control_port),
+        [r.endpoint for r in bound.ranks],
+        [r.replay_endpoint for r in bound.ranks],
+        bound.control,
     )
+    sys.stdout.write(READY_PREFIX + msgspec.json.encode(bound).decode() + "\n")
+    sys.stdout.flush()
     until = None if args.duration is None else time.monotonic() + args.duration
     try:
         server.serve(until)

@@ -10,15 +10,8 @@ import zmq
 
 torch = pytest.importorskip("torch")
 
-from kvwire.publisher import (  # noqa: E402
-    CacheFullError,
-    CollectedBatch,
-    EventCollector,
-    EventPublisher,
-    PagedKVCache,
-    PendingBatch,
-    block_hashes,
-)
+from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher, PendingBatch  # noqa: E402
+from kvwire.reference import CacheFullError, PagedKVCache, block_hashes  # noqa: E402
 from kvwire.wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -27,8 +20,7 @@ from kvwire.wire import (  # noqa: E402
     KVEventBatch,
     decode_batch,
 )
-
-from .conftest import connect_sub, recv_live  # noqa: E402
+from tests.publisher.conftest import connect_sub, recv_live  # noqa: E402
 
 BS = 4
 
