@@ -66,6 +66,7 @@ from kvwire.wire import (  # noqa: E402
 )
 
 MASK = (1 << 64) - 1
+PROBE_RATE = 16.0  # the Subscriber's default probe_rate
 
 
 # --- engines (child processes) --------------------------------------------------------
@@ -402,13 +403,20 @@ def fleet(args: argparse.Namespace) -> None:
             else "NOT exact 30 s after the pause",
             f"({time.monotonic() - t_pause:.2f} s)",
         )
+        # Idle ranks are probed once per interval, counted from their last batch:
+        # measure once the first round of probes is under way.
+        interval = max(1.0, ranks / PROBE_RATE)
+        settle = min(interval, args.idle_settle) - (time.monotonic() - t_pause)
+        if settle > 0:
+            print(f"(waiting {settle:.0f} s for the idle probes to start)")
+            time.sleep(settle)
         idle = [measure_cpu(args.window) for _ in range(args.repeats)]
         i = statistics.median(idle)
         probes = sum(s.counters.probes for s in sub.status())
         print(
             f"router CPU with every rank idle: {100 * i:.2f}% of a core "
             f"({'meets' if i <= 0.02 else 'MISSES'} <= 2%; {probes} idle probes so far, "
-            f"each rank probed every {max(1.0, ranks / 16):.0f} s)"
+            f"each rank probed every {interval:.0f} s)"
         )
         # One engine restarted: fresh seqs, empty cache, same ports.
         victim = engines[0]
@@ -565,6 +573,9 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="CPU window, seconds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument(
+        "--idle-settle", type=float, default=120.0, help="longest wait for idle probes to start"
+    )
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--router-child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -65,6 +65,7 @@ _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _BURST = 256  # live messages read from one rank before the others get a turn
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
 _MAX_TIMER_S = 5.0  # a rank's deadline is re-read at least this often
+_CONTACT_S = 5.0  # a first contact holds its slot at most this long
 _LOG_INTERVAL_S = 10.0
 _END = object()
 
@@ -88,6 +89,7 @@ class _Link:
 
     __slots__ = (
         "closed",
+        "connecting_since",
                 "dealer",
         "dealer_fd",
         "dealer_token",
@@ -102,6 +104,7 @@ class _Link:
         "sub",
         "sub_fd",
         "timer_at",
+        "topic",
         "worker_id",
     )
 
@@ -110,6 +113,7 @@ class _Link:
     ) -> None:
         self.worker_id = source.worker_id
         self.keys = source.keys
+        self.topic = source.topic.encode()
         self.rank = endpoints.rank
         self.endpoints = endpoints
         self.stream = stream
@@ -123,6 +127,7 @@ class _Link:
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer_at: float | None = None
         self.closed = False
+        self.connecting_since: float | None = None  # holds a first-contact slot
         self.next_log = 0.0
 
 
@@ -150,8 +155,9 @@ class Subscriber:
     idle probes of all ranks together (per second): each rank's
     ``idle_probe`` interval is stretched to ``ranks / probe_rate`` when that
     is longer, so probing a large fleet at rest costs a bounded amount.
-    ``max_replays`` bounds the replay sockets open at once; further requests
-    wait for one to close.
+    ``max_replays`` bounds the replay sockets open at once (further requests
+    wait for one to close) and the ranks making first contact at once (the
+    others connect as those settle, or after 5 s).
 
     ``coalesce_s``: after a round of reading the loop waits this long before
     it listens again (2 ms by default; 0 reads at once): batches of many ranks
@@ -227,6 +233,8 @@ class Subscriber:
         self._replays_open = 0
         self._replay_waiting: deque[_Link] = deque()
         self._flush_links: dict[_Link, None] = {}
+        self._to_connect: deque[_Link] = deque()  # ranks waiting for a first-contact slot
+        self._first_contacts = 0
         self._epoll = select.epoll()
         self._fd_links: dict[int, _Link] = {}
         self._continue: dict[_Link, None] = {}  # ranks with more to read than one burst
@@ -541,23 +549,43 @@ class Subscriber:
         assert self._ctx is not None
         self._check_sockets(self._ctx, self._total_ranks())
         config = self._rank_config(source)
-        links = []
-        topic = source.topic.encode()
-        try:
-            for endpoints in source.rank_endpoints():
-                link = _Link(source, endpoints, RankStream(endpoints.rank, config))
-                links.append(link)
-                self._open_sub(link, topic)
-        except BaseException:
-            for link in links:
-                self._close_sockets(link)
-            raise
+        links = [
+            _Link(source, endpoints, RankStream(endpoints.rank, config))
+            for endpoints in source.rank_endpoints()
+        ]
         with self._lock:
             self._links[source.worker_id] = links
             for link in links:
                 self._by_rank[(link.worker_id, link.rank)] = link
-        for link in links:
+        self._to_connect.extend(links)
+        self._connect_more()
+
+    def _connect_more(self) -> None:
+        """Connect waiting ranks while fewer than ``max_replays`` are making first contact.
+
+        A rank's first contact is a replay of the publisher's history; thousands
+        at once would only queue for replay sockets and time out.
+        """
+        while self._to_connect and self._first_contacts < self._max_replays and self._running:
+            link = self._to_connect.popleft()
+            if link.closed:
+                continue
+            try:
+                self._open_sub(link, link.topic)
+            except Exception as exc:  # out of files: an error for this rank, not the others
+                self._close_sockets(link)
+                log.error("worker %s rank %d: not followed: %s", link.worker_id, link.rank, exc)
+                continue
+            link.connecting_since = self._clock()
+            self._first_contacts += 1
             self._schedule(link)
+
+    def _contacted(self, link: _Link) -> None:
+        """The rank's first contact is over (or taking too long): let another one start."""
+        if link.connecting_since is not None:
+            link.connecting_since = None
+            self._first_contacts -= 1
+            self._connect_more()
 
     def _socket(self, kind: int, link: _Link) -> zmq.Socket[bytes]:
         assert self._ctx is not None
@@ -640,6 +668,7 @@ class Subscriber:
     def _close_sockets(self, link: _Link) -> None:
         link.closed = True
         link.queued = None
+        self._contacted(link)
         self._close_dealer(link)
         for fd in (link.sub_fd, link.monitor_fd):
             if fd >= 0:
@@ -861,6 +890,8 @@ class Subscriber:
                 link.timer_at = None
                 due.append(link)
         for link in due:
+            if link.connecting_since is not None and now - link.connecting_since > _CONTACT_S:
+                self._contacted(link)  # its publisher may be down: others go on meanwhile
             try:
                 self._deliver(link, link.stream.tick(now))
                 if not link.closed:
@@ -896,6 +927,8 @@ class Subscriber:
                 self._send_request(link, snapshot_request_frames(), action.token, action.fresh)
             elif kind is StateChanged:
                 assert isinstance(action, StateChanged)
+                if link.connecting_since is not None and action.new is not RankState.SYNCING:
+                    self._contacted(link)
                 log.info(
                     "worker %s rank %d: %s -> %s (%s)",
                     link.worker_id,
