@@ -267,7 +267,7 @@ class Engine:
 def free_base(span: int, taken: set[int]) -> int:
     """A base port with ``span`` consecutive free ports, none in ``taken``."""
     for _ in range(500):
-        base = random.randrange(20_000, 60_000 - span)
+        base = random.randrange(10_000, 32_768 - span)  # below the ephemeral range
         if any(p in taken for p in range(base, base + span)):
             continue
         socks = []
