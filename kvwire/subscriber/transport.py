@@ -187,7 +187,7 @@ class Subscriber:
         clock: Callable[[], float] = time.monotonic,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         probe_rate: float = 16.0,
-        max_replays: int = 256,
+        max_replays: int = 128,
         coalesce_s: float = 0.002,
     ) -> None:
         if max_message_size < 1:
@@ -231,6 +231,7 @@ class Subscriber:
         self._timer_handle: asyncio.TimerHandle | None = None
         self._timer_due: float | None = None
         self._replays_open = 0
+        self._replay_cap = max_replays  # lowered while the process is out of files
         self._replay_waiting: deque[_Link] = deque()
         self._flush_links: dict[_Link, None] = {}
         self._to_connect: deque[_Link] = deque()  # ranks waiting for a first-contact slot
@@ -572,10 +573,11 @@ class Subscriber:
                 continue
             try:
                 self._open_sub(link, link.topic)
-            except Exception as exc:  # out of files: an error for this rank, not the others
-                self._close_sockets(link)
-                log.error("worker %s rank %d: not followed: %s", link.worker_id, link.rank, exc)
-                continue
+            except Exception as exc:  # out of files: try again later (a timer, a settled rank)
+                self._close_sub(link)
+                self._to_connect.appendleft(link)
+                self._log_limited(link, f"not connected yet: {exc}")
+                return
             link.connecting_since = self._clock()
             self._first_contacts += 1
             self._schedule(link)
@@ -627,8 +629,9 @@ class Subscriber:
         assert self._loop is not None and link.endpoints.replay_endpoint is not None
         try:
             dealer = self._socket(zmq.DEALER, link)
-        except Exception as exc:  # out of sockets or files: the request times out, is retried
-            self._log_limited(link, f"replay socket not opened: {exc}")
+        except Exception as exc:  # out of sockets or files: wait for one to close
+            self._replay_cap = max(1, self._replays_open)
+            self._log_limited(link, f"replay socket not opened ({exc}): waiting for one to close")
             return False
         dealer.setsockopt(zmq.RCVHWM, 0)  # a whole reply fits; the publisher caps it
         dealer.connect(link.endpoints.replay_endpoint)
@@ -647,12 +650,14 @@ class Subscriber:
         link.dealer_fd = -1
         dealer.close(linger=0)
         self._replays_open -= 1
+        if self._replay_cap < self._max_replays:
+            self._replay_cap += 1
         self._next_waiting()
 
     def _next_waiting(self) -> None:
         """A replay socket closed: send the oldest request that waited for one."""
         waiting = self._replay_waiting
-        while waiting and self._replays_open < self._max_replays:
+        while waiting and self._replays_open < self._replay_cap:
             link = waiting.popleft()
             request, link.queued = link.queued, None
             if request is None or link.closed or link.dealer is not None:
@@ -670,6 +675,9 @@ class Subscriber:
         link.queued = None
         self._contacted(link)
         self._close_dealer(link)
+        self._close_sub(link)
+
+    def _close_sub(self, link: _Link) -> None:
         for fd in (link.sub_fd, link.monitor_fd):
             if fd >= 0:
                 self._unwatch(fd)
@@ -903,6 +911,8 @@ class Subscriber:
             heapq.heappop(timers)  # superseded entries
         if timers and (self._timer_due is None or timers[0][0] < self._timer_due):
             self._arm_timer(timers[0][0], now)
+        if self._to_connect:
+            self._connect_more()
         if self._flush_links:
             self._flush()
 
@@ -993,13 +1003,13 @@ class Subscriber:
         link.dealer_token = token
         if fresh or link.dealer is None:
             self._close_dealer(link)
-            if self._replays_open >= self._max_replays:
+            if self._replays_open >= self._replay_cap or not self._open_dealer(link):
+                # Wait for a replay socket to close (at the cap, or out of files).
                 if link.queued is None:
                     self._replay_waiting.append(link)
                 link.queued = (frames, token)
                 return
-            if not self._open_dealer(link):
-                return
+            link.queued = None
         dealer = link.dealer
         assert dealer is not None
         try:
