@@ -115,7 +115,6 @@ def engine_main(args: argparse.Namespace) -> None:
             f"tcp://127.0.0.1:{args.replay_port}",
             rank=r,
             ranks_per_host=ranks,
-            buffer_steps=1000,
             context=ctx,
         ).start()
         for r in range(ranks)
@@ -370,8 +369,13 @@ def fleet(args: argparse.Namespace) -> None:
             synced += started
         rss1 = rss_bytes()
         if synced is None:
-            states = [sub.rank_state(w, r) for w, r in keys]
-            print(f"NOT all SYNCED after 120 s: {sum(s is RankState.SYNCED for s in states)}")
+            statuses = sub.status()
+            counts: dict[str, int] = {}
+            for st in statuses:
+                counts[st.state.value] = counts.get(st.state.value, 0) + 1
+            print(f"NOT all SYNCED after 120 s: {counts}")
+            for st in [s for s in statuses if s.state is not RankState.SYNCED][:3]:
+                print(f"  e.g. {st.worker_id} rank {st.rank}: {st.state.value} ({st.reason})")
         else:
             verdict = "meets" if synced <= 10 else "MISSES"
             print(f"all {ranks} ranks SYNCED {synced:.2f} s after start()  ({verdict} <= 10 s)")
@@ -517,8 +521,12 @@ def replicas(args: argparse.Namespace) -> None:
                 )
                 routers.append(proc)
                 assert proc.stdout is not None
-                reply = json.loads(proc.stdout.readline())
-                print(f"router {k}: all {ranks} ranks SYNCED {reply['synced']:.2f} s after start")
+                took = json.loads(proc.stdout.readline())["synced"]
+                print(
+                    f"router {k}: all {ranks} ranks SYNCED {took:.2f} s after start"
+                    if took is not None
+                    else f"router {k}: NOT all {ranks} ranks SYNCED after 120 s"
+                )
             samples = []
             for _ in range(args.repeats):
                 cpu, batches = engine_cost()
