@@ -283,3 +283,31 @@ def test_curve_without_an_allowed_key_nothing_is_received(
         st = rank_status(sub.status(), "w", 0)
         assert not st.connected and st.counters.batches == 0, st
         assert sink.ranks() == [] and engine.replay_requests == 0
+
+
+def test_one_replay_socket_at_a_time_still_brings_every_rank_in() -> None:
+    """``max_replays=1``: first contacts and replays queue for the one socket and all end exact."""
+    ranks = 6
+    ep, rep = tcp_endpoints(ranks)
+    pubs = [EventPublisher(ep, rep, rank=r).start() for r in range(ranks)]
+    try:
+        engines = [Engine(seed=50 + r, rank=r) for r in range(ranks)]
+        for engine, pub in zip(engines, pubs, strict=True):
+            engine.publish(pub, 4)  # history: each first contact must replay it
+        sink = BlockSetSink()
+        source = EngineSource("w", ep, rep, ranks=ranks)
+        with Subscriber([source], sink, config=FAST, max_replays=1) as sub:
+            for engine, pub in zip(engines, pubs, strict=True):
+                engine.publish(pub, 2)
+            wait_until(
+                lambda: all(settled(sub.status(), "w", r, 6) for r in range(ranks)),
+                20,
+                "every rank",
+            )
+            for r, engine in enumerate(engines):
+                st = rank_status(sub.status(), "w", r)
+                assert st.state is RankState.SYNCED and st.counters.seqs_lost == 0, st
+                assert sink.blocks("w", r) == engine.truth
+    finally:
+        for pub in pubs:
+            pub.close(timeout=1.0)
