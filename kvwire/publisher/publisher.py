@@ -168,9 +168,9 @@ class EventPublisher:
     - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
       and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
       chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a
-      full queue are still mirrored (up to ``max_queue_size`` of them held for
-      that), so a snapshot repairs the gap they leave; see
-      :mod:`kvwire.publisher.mirror`.
+      full queue are still mirrored (up to ``mirror_backlog`` of them held for
+      that, apart from the queue), so a snapshot repairs the gap they leave;
+      see :mod:`kvwire.publisher.mirror`.
     - ``server_keys``: make both sockets CURVE servers admitting only the
       allow-listed client keys (:mod:`kvwire.security`). The publisher stops
       the ZAP handler of a context it made; with a ``context`` passed in, that
@@ -205,6 +205,7 @@ class EventPublisher:
         max_replay_jobs: int = 64,
         replay_stall_s: float = 2.0,
         snapshot_chunk_blocks: int = 4096,
+        mirror_backlog: int = 100_000,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if rank < 0:
@@ -213,6 +214,7 @@ class EventPublisher:
             ("buffer_steps", buffer_steps),
             ("hwm", hwm),
             ("max_queue_size", max_queue_size),
+            ("mirror_backlog", mirror_backlog),
             ("max_replay_batches", max_replay_batches),
             ("max_replay_jobs", max_replay_jobs),
             ("snapshot_chunk_blocks", snapshot_chunk_blocks),
@@ -271,7 +273,8 @@ class EventPublisher:
         self._lifecycle = threading.Lock()
         self._buffer: ReplayBuffer = deque(maxlen=buffer_steps)
         self._mirror = Mirror() if self.snapshot else None
-        # Batches dropped on a full queue, kept (as many again as the queue) for the mirror.
+        # Batches dropped on a full queue, kept (up to mirror_backlog) for the mirror alone.
+        self._mirror_backlog = mirror_backlog
         self._unsent: deque[tuple[int, KVEventBatch | PendingBatch]] | None = (
             deque() if self._mirror is not None else None
         )
@@ -314,7 +317,7 @@ class EventPublisher:
         if len(queue) >= self._max_queue:
             self._dropped_queue_full += 1
             unsent = self._unsent
-            if unsent is not None and len(unsent) < self._max_queue:
+            if unsent is not None and len(unsent) < self._mirror_backlog:
                 unsent.append((seq, batch))  # never sent, but the mirror learns it
             lock.release()
             return False

@@ -322,7 +322,7 @@ def test_snapshot_is_refused_after_a_drop_it_never_learnt_until_a_clear(
 ) -> None:
     with EventPublisher(
         f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, max_queue_size=1,
-        coalesce_s=0.2,
+        coalesce_s=0.2, mirror_backlog=1,
     ) as pub:  # fmt: skip
         sub, _ = connect_sub(zctx, pub)  # its pings overflow the queue of one
         wait_for(lambda: pub.queue_depth == 0, what="pings sent")
@@ -331,7 +331,7 @@ def test_snapshot_is_refused_after_a_drop_it_never_learnt_until_a_clear(
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([1], None, [1] * 16, 16)], 0))
         recv_until(sub, pub.last_seq)
         assert pub.publish(KVEventBatch(time.time(), [BlockStored([2], 1, [2] * 16, 16)], 0))
-        # Dropped twice: the first is kept for the mirror (as many as the queue holds), the
+        # Dropped twice: the first is kept for the mirror (its backlog holds one), the
         # second is lost to it too.
         assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([1])], 0))
         assert not pub.publish(KVEventBatch(time.time(), [BlockRemoved([2])], 0))
