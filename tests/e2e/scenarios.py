@@ -162,7 +162,7 @@ def partition_beyond_replay_buffer(make: MakeEngine) -> None:
         EngineSpec("engine-b", drive_seed=2),
     ]
     with cluster(make, specs) as (engines, router):
-        a, b = engines
+        a, _ = engines
         # The partition's length is the fault itself; the control endpoint is cut
         # off too (in containers it shares the network), so it is sized from the
         # publishing rate measured just before.
