@@ -47,10 +47,9 @@ streams keep reading exactly what the engines' own publishers send.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,38 +137,20 @@ class IntegrationConfig:
             topic=env.get("KVWIRE_TOPIC", ""),
         )
 
-    def publisher_options(
-        self, buffer_steps: int, publisher: Callable[..., Any] | None = None
-    ) -> dict[str, Any]:
-        """kvwire-only keywords for ``publisher`` (default :class:`~kvwire.publisher.EventPublisher`).
+    def publisher_options(self, buffer_steps: int) -> dict[str, Any]:
+        """kvwire-only keywords for :class:`~kvwire.publisher.EventPublisher`.
 
-        Features the environment did not ask for are passed switched off
-        (the engines' bytes), and left out where the publisher has no such
-        keyword; asking for one it lacks raises ``ValueError``.
+        Features the environment did not ask for are passed switched off, so
+        the wire carries the engines' own bytes.
         """
-        if publisher is None:
-            from kvwire.publisher import EventPublisher
-
-            publisher = EventPublisher
-        accepted = inspect.signature(publisher).parameters
-        coalesce = "coalesce_s" if "coalesce_s" in accepted else "linger_s"
-        wanted: dict[str, tuple[str, Any, Any]] = {  # keyword: (variable, value, off)
-            coalesce: ("KVWIRE_COALESCE_MS", self.coalesce_ms / 1000, None),
-            "max_replay_batches": (
-                "KVWIRE_MAX_REPLAY_BATCHES", self.max_replay_batches or buffer_steps, None,
-            ),
-            "epoch": ("KVWIRE_EPOCH", self.epoch, False),
-            "heartbeat": ("KVWIRE_HEARTBEAT_S", self.heartbeat_s, None),
-            "snapshot": ("", False, False),
-            "server_keys": ("KVWIRE_SECRET_KEY", self.server_keys, None),
-        }  # fmt: skip
-        options: dict[str, Any] = {}
-        for keyword, (variable, value, off) in wanted.items():
-            if keyword in accepted:
-                options[keyword] = value
-            elif value != off:
-                raise ValueError(f"{variable} is set, but this kvwire publisher has no {keyword}")
-        return options
+        return {
+            "coalesce_s": self.coalesce_ms / 1000,
+            "max_replay_batches": self.max_replay_batches or buffer_steps,
+            "epoch": self.epoch,
+            "heartbeat": self.heartbeat_s,
+            "snapshot": False,
+            "server_keys": self.server_keys,
+        }
 
 
 def bind_address(endpoint: str, config: IntegrationConfig) -> str:

@@ -99,10 +99,14 @@ class Truth(msgspec.Struct, tag=True):
 
 
 class SetPublisher(msgspec.Struct, tag=True):
-    """Change a rank's publisher at run time (fault tests shrink the queue)."""
+    """Change a rank's publisher at run time (fault tests shrink the queue, slow the sender).
+
+    ``coalesce_s``: how long the sender waits after a wake-up; ``None`` leaves it.
+    """
 
     rank: Rank
     max_queue_size: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+    coalesce_s: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
 
 class Drive(msgspec.Struct, tag=True):
@@ -304,8 +308,10 @@ class ControlClient:
     def truth(self, rank: int) -> TruthReply:
         return _expect(self.call(Truth(rank)), TruthReply)
 
-    def set_publisher(self, rank: int, *, max_queue_size: int) -> None:
-        self.call(SetPublisher(rank, max_queue_size))
+    def set_publisher(
+        self, rank: int, *, max_queue_size: int, coalesce_s: float | None = None
+    ) -> None:
+        self.call(SetPublisher(rank, max_queue_size, coalesce_s))
 
     def drive(self, rate: float, *, seed: int = 0, hold: int = 8) -> None:
         self.call(Drive(rate, seed, hold))

@@ -253,7 +253,10 @@ class EngineServer:
             r = self._rank(command.rank)
             return TruthReply(sorted(r.cache.held_hashes()), r.publisher.last_seq)
         if isinstance(command, SetPublisher):
-            self._rank(command.rank).publisher.max_queue_size = command.max_queue_size
+            publisher = self._rank(command.rank).publisher
+            publisher.max_queue_size = command.max_queue_size
+            if command.coalesce_s is not None:
+                publisher.coalesce_s = command.coalesce_s
             return Ok()
         if isinstance(command, Drive):
             self.drive(command.rate, seed=command.seed, hold=command.hold)

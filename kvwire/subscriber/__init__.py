@@ -23,7 +23,7 @@ from kvwire.subscriber.state import (
     StreamConfig,
 )
 from kvwire.subscriber.stream import RankStream
-from kvwire.subscriber.transport import Subscriber
+from kvwire.subscriber.transport import ResourceLimitError, Subscriber
 
 __all__ = [
     "Action",
@@ -42,6 +42,7 @@ __all__ = [
     "RankStream",
     "RequestReplay",
     "RequestSnapshot",
+    "ResourceLimitError",
     "SinkItem",
     "StateChanged",
     "StreamConfig",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvwire.security import ClientKeys
 from kvwire.wire import EndpointError, offset_endpoint, validate_endpoints
 
 __all__ = ["EngineSource", "RankEndpoints"]
@@ -32,6 +33,10 @@ class EngineSource:
     replay endpoint every gap is an unrecoverable loss. Ranks that bound
     unrelated ports (ephemeral ones) are given one by one with
     :meth:`from_rank_endpoints`.
+
+    ``keys``: when the engine's sockets are CURVE servers, the server's public
+    key and this subscriber's key pair (:class:`kvwire.security.ClientKeys`);
+    the SUB and replay sockets of every rank use them.
     """
 
     worker_id: str
@@ -41,19 +46,28 @@ class EngineSource:
     topic: str = ""
     per_rank: tuple[RankEndpoints, ...] = ()
     """Explicit endpoints of every rank, in rank order; empty: offsets of the bases."""
+    keys: ClientKeys | None = None
 
     @classmethod
     def from_rank_endpoints(
-        cls, worker_id: str, ranks: Sequence[tuple[str, str | None]], topic: str = ""
+        cls,
+        worker_id: str,
+        ranks: Sequence[tuple[str, str | None]],
+        topic: str = "",
+        keys: ClientKeys | None = None,
     ) -> EngineSource:
         """An engine whose rank ``r`` publishes on ``ranks[r]`` = (endpoint, replay endpoint)."""
         per_rank = tuple(RankEndpoints(r, ep, replay) for r, (ep, replay) in enumerate(ranks))
         if not per_rank:
             raise ValueError("an engine needs at least one rank")
         first = per_rank[0]
-        return cls(worker_id, first.endpoint, first.replay_endpoint, len(per_rank), topic, per_rank)
+        return cls(
+            worker_id, first.endpoint, first.replay_endpoint, len(per_rank), topic, per_rank, keys
+        )
 
     def __post_init__(self) -> None:
+        if self.keys is not None and not isinstance(self.keys, ClientKeys):
+            raise TypeError(f"keys must be kvwire.security.ClientKeys, got {self.keys!r}")
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
         if not isinstance(self.ranks, int) or self.ranks < 1:

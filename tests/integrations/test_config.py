@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -39,19 +38,14 @@ def test_every_variable_is_read() -> None:
         hwm=13, topic="kv",
     )  # fmt: skip
 
-    def new_publisher(*, coalesce_s: float, max_replay_batches: int, epoch: bool, heartbeat: float | None,
-                      snapshot: bool, server_keys: Any) -> None: ...
-
-    assert config.publisher_options(500, new_publisher) == {
+    assert config.publisher_options(500) == {
         "coalesce_s": 0.0, "max_replay_batches": 7, "epoch": True, "heartbeat": 0.5, "snapshot": False,
         "server_keys": None,
     }  # fmt: skip
-
-    def old_publisher(*, linger_s: float, max_replay_batches: int) -> None: ...
-
-    with pytest.raises(ValueError, match="KVWIRE_EPOCH is set"):
-        config.publisher_options(500, old_publisher)
-    assert IntegrationConfig().publisher_options(9, old_publisher) == {"linger_s": 0.002, "max_replay_batches": 9}
+    assert IntegrationConfig().publisher_options(9) == {
+        "coalesce_s": 0.002, "max_replay_batches": 9, "epoch": False, "heartbeat": None,
+        "snapshot": False, "server_keys": None,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["0", "yes please", "2"])

@@ -1,0 +1,605 @@
+"""A router following a fleet: thousands of ranks in one Subscriber process, and router replicas.
+
+The script starts the engines itself on loopback: ``--engines`` processes of
+``--ranks-per-engine`` kvwire ``EventPublisher`` ranks each (one ZeroMQ
+context per process), every rank publishing a small batch (two stored blocks,
+sometimes a removal) ``--rate`` times per second, spread evenly. Each engine
+keeps the truth (the blocks each rank holds). The router is this process: one
+``Subscriber`` (background thread) with a ``BlockSetSink``.
+
+Figures (targets from the fleet-scale issue), in order:
+
+1. every rank SYNCED after ``start()`` (target: 1,024 ranks within 10 s);
+2. router CPU at ``--rate`` (target <= 10% of a core at 1 batch per rank per
+   second) and with every rank idle (target <= 2%), over ``--window`` s;
+3. exact: after a pause every rank's view equals its engine's truth;
+4. one engine killed and restarted on the same ports (fresh seqs, empty
+   cache): time from its first new batch until all its ranks are SYNCED and
+   exact (target <= 2 s);
+5. memory per followed rank (router RSS growth / ranks).
+
+``--replicas N`` instead measures router replicas: N router processes (this
+script, ``--router-child``) follow the same engines; the engines' CPU per
+batch is measured with 0..N subscribers connected and each router must end
+exact.
+
+Run: ``.venv/bin/python benchmarks/fleet_bench.py`` (1,024 ranks),
+``--engines 8 --ranks-per-engine 512`` (4,096), ``--replicas 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import zmq  # noqa: E402
+
+from kvwire.publisher import EventPublisher  # noqa: E402
+from kvwire.subscriber import (  # noqa: E402
+    BlockSetSink,
+    EngineSource,
+    RankState,
+    Subscriber,
+)
+from kvwire.wire import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+
+MASK = (1 << 64) - 1
+PROBE_RATE = 16.0  # the Subscriber's default probe_rate
+
+
+# --- engines (child processes) --------------------------------------------------------
+
+
+class RankModel:
+    """One rank's cache: small batches, the blocks it holds."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.rng = random.Random(seed * 100_003 + rank)
+        self.rank = rank
+        self.next_block = (seed * 100_003 + rank) * 1_000_000_000 + 1
+        self.truth: set[int] = set()
+        self.recent: list[int] = []
+
+    def batch(self) -> KVEventBatch:
+        events: list[KVEvent] = []
+        recent = [h for h in self.recent if h in self.truth]
+        if recent and self.rng.random() < 0.4:
+            victim = [self.rng.choice(recent)]
+            events.append(BlockRemoved(block_hashes=victim))
+            self.truth.difference_update(victim)
+        hashes = [self.next_block, self.next_block + 1]
+        self.next_block += 2
+        self.truth.update(hashes)
+        self.recent = hashes
+        tokens = [(h * 31 + i) % 50_000 for h in hashes for i in range(16)]
+        events.append(
+            BlockStored(
+                block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=16
+            )
+        )
+        return KVEventBatch(time.time(), events, self.rank)
+
+    def digest(self) -> list[int]:
+        return [len(self.truth), sum(self.truth) & MASK]
+
+
+def engine_main(args: argparse.Namespace) -> None:
+    ranks = args.ranks_per_engine
+    ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    ctx.set(zmq.MAX_SOCKETS, 4 * ranks + 64)
+    pubs = [
+        EventPublisher(
+            f"tcp://127.0.0.1:{args.port}",
+            f"tcp://127.0.0.1:{args.replay_port}",
+            rank=r,
+            ranks_per_host=ranks,
+            context=ctx,
+        ).start()
+        for r in range(ranks)
+    ]
+    models = [RankModel(args.seed * 10 + args.life, r) for r in range(ranks)]
+    lock = threading.Lock()
+    running = threading.Event()
+    stop = threading.Event()
+
+    def out(**kw: Any) -> None:
+        print(json.dumps(kw), flush=True)
+
+    def publish_loop() -> None:
+        step = 1.0 / (args.rate * ranks)
+        next_t = time.monotonic()
+        r = 0
+        while not stop.is_set():
+            if not running.wait(0.1):
+                next_t = time.monotonic()
+                continue
+            with lock:
+                if running.is_set():
+                    pubs[r].publish(models[r].batch())
+            r = (r + 1) % ranks
+            next_t += step
+            delay = next_t - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            elif delay < -1.0:
+                next_t = time.monotonic()  # fell behind: do not burst to catch up
+
+    def drained() -> None:
+        deadline = time.monotonic() + 10
+        while any(p.queue_depth for p in pubs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    sender = threading.Thread(target=publish_loop, daemon=True)
+    sender.start()
+    out(ready=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "run":
+            running.set()
+            out(ok=True)
+        elif cmd[0] == "pause":
+            with lock:
+                running.clear()
+            drained()
+            out(seqs=[p.last_seq + 1 for p in pubs], digests=[m.digest() for m in models])
+        elif cmd[0] == "burst":
+            t0 = time.monotonic()
+            with lock:
+                for p, m in zip(pubs, models, strict=True):
+                    p.publish(m.batch())
+            drained()
+            out(t0=t0, seqs=[p.last_seq + 1 for p in pubs], digests=[m.digest() for m in models])
+        elif cmd[0] == "cpu":
+            out(cpu=cpu(), batches=sum(p.last_seq + 1 for p in pubs))
+        elif cmd[0] == "quit":
+            break
+    stop.set()
+    for p in pubs:
+        p.close(timeout=1.0)
+    ctx.term()
+
+
+class Engine:
+    """Handle on one engine process."""
+
+    def __init__(self, index: int, port: int, replay_port: int, args: argparse.Namespace) -> None:
+        self.index = index
+        self.port = port
+        self.replay_port = replay_port
+        self.args = args
+        self.worker_id = f"engine-{index}"
+        self.proc: subprocess.Popen[str] | None = None
+        self.life = 0
+
+    def spawn(self) -> None:
+        a = self.args
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--engine-child",
+                "--port",
+                str(self.port),
+                "--replay-port",
+                str(self.replay_port),
+                "--ranks-per-engine",
+                str(a.ranks_per_engine),
+                "--rate",
+                str(a.rate),
+                "--seed",
+                str(self.index),
+                "--life",
+                str(self.life),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin and self.proc.stdout
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.worker_id} died")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def source(self) -> EngineSource:
+        return EngineSource(
+            self.worker_id,
+            f"tcp://127.0.0.1:{self.port}",
+            f"tcp://127.0.0.1:{self.replay_port}",
+            ranks=self.args.ranks_per_engine,
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+            for f in (self.proc.stdin, self.proc.stdout):
+                if f is not None:
+                    f.close()
+            self.proc = None
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(RuntimeError, BrokenPipeError, ValueError):
+            self.ask("quit")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self.kill()
+
+
+def free_base(span: int, taken: set[int]) -> int:
+    """A base port with ``span`` consecutive free ports, none in ``taken``."""
+    for _ in range(500):
+        base = random.randrange(10_000, 32_768 - span)  # below the ephemeral range
+        if any(p in taken for p in range(base, base + span)):
+            continue
+        socks = []
+        try:
+            for port in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        taken.update(range(base, base + span))
+        return base
+    raise RuntimeError("no free port range")
+
+
+def start_engines(args: argparse.Namespace) -> list[Engine]:
+    taken: set[int] = set()
+    engines = []
+    for i in range(args.engines):
+        base = free_base(2 * args.ranks_per_engine, taken)
+        engines.append(Engine(i, base, base + args.ranks_per_engine, args))
+    for e in engines:
+        e.spawn()
+    for e in engines:
+        e.ask("")  # ready
+    return engines
+
+
+# --- router side ---------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> float | None:
+    """Seconds until ``predicate`` held, or None after ``timeout``."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            return None
+        time.sleep(poll)
+
+
+def all_synced(sub: Subscriber, keys: list[tuple[str, int]]) -> bool:
+    state = sub.rank_state
+    return all(state(w, r) is RankState.SYNCED for w, r in keys)
+
+
+def exact(
+    sub: Subscriber, sink: BlockSetSink, worker: str, seqs: list[int], digests: list[list[int]]
+) -> bool:
+    by_rank = {s.rank: s for s in sub.status() if s.worker_id == worker}
+    for r, (seq, digest) in enumerate(zip(seqs, digests, strict=True)):
+        st = by_rank.get(r)
+        if st is None or st.state is not RankState.SYNCED or st.expected_seq != seq:
+            return False
+        blocks = sink.blocks(worker, r)
+        if [len(blocks), sum(blocks) & MASK] != digest:
+            return False
+    return True
+
+
+def measure_cpu(window: float) -> float:
+    """Share of one core this process used over ``window`` s (the main thread sleeps)."""
+    c0, t0 = cpu_s(), time.monotonic()
+    time.sleep(window)
+    return (cpu_s() - c0) / (time.monotonic() - t0)
+
+
+def fleet(args: argparse.Namespace) -> None:
+    ranks = args.engines * args.ranks_per_engine
+    print(
+        f"fleet: {args.engines} engine processes x {args.ranks_per_engine} ranks = {ranks} ranks, "
+        f"{args.rate} batch/rank/s; router: one Subscriber + BlockSetSink in this process"
+    )
+    engines = start_engines(args)
+    try:
+        for e in engines:
+            e.ask("run")
+        keys = [(e.worker_id, r) for e in engines for r in range(args.ranks_per_engine)]
+        sink = BlockSetSink()
+        rss0 = rss_bytes()
+        t0 = time.monotonic()
+        sub = Subscriber([e.source() for e in engines], sink).start(timeout=30)
+        started = time.monotonic() - t0
+        synced = wait_for(lambda: all_synced(sub, keys), 120, 0.05)
+        if synced is not None:
+            synced += started
+        rss1 = rss_bytes()
+        if synced is None:
+            statuses = sub.status()
+            counts: dict[str, int] = {}
+            for st in statuses:
+                counts[st.state.value] = counts.get(st.state.value, 0) + 1
+            print(f"NOT all SYNCED after 120 s: {counts}")
+            for st in [s for s in statuses if s.state is not RankState.SYNCED][:3]:
+                print(f"  e.g. {st.worker_id} rank {st.rank}: {st.state.value} ({st.reason})")
+        else:
+            verdict = "meets" if synced <= 10 else "MISSES"
+            print(f"all {ranks} ranks SYNCED {synced:.2f} s after start()  ({verdict} <= 10 s)")
+        print(
+            f"router memory: +{(rss1 - rss0) / 2**20:.0f} MiB for {ranks} ranks ="
+            f" {(rss1 - rss0) / ranks / 1024:.0f} KiB per rank (sockets, streams, sink contents)"
+        )
+        time.sleep(1.0)  # let the first replays settle before measuring
+        busy = [measure_cpu(args.window) for _ in range(args.repeats)]
+        b = statistics.median(busy)
+        print(
+            f"router CPU at {args.rate} batch/rank/s ({ranks * args.rate:.0f} batches/s): "
+            f"{100 * b:.1f}% of a core (median of {args.repeats} x {args.window:.0f} s; "
+            f"{'meets' if b <= 0.10 else 'MISSES'} <= 10%)"
+        )
+        pauses = [e.ask("pause") for e in engines]
+        t_pause = time.monotonic()
+        ok = wait_for(
+            lambda: all(
+                exact(sub, sink, e.worker_id, p["seqs"], p["digests"])
+                for e, p in zip(engines, pauses, strict=True)
+            ),
+            30,
+            0.1,
+        )
+        print(
+            "every rank exact after the pause"
+            if ok is not None
+            else "NOT exact 30 s after the pause",
+            f"({time.monotonic() - t_pause:.2f} s)",
+        )
+        # Idle ranks are probed once per interval, counted from their last batch:
+        # measure once the first round of probes is under way.
+        interval = max(1.0, ranks / PROBE_RATE)
+        settle = min(interval, args.idle_settle) - (time.monotonic() - t_pause)
+        if settle > 0:
+            print(f"(waiting {settle:.0f} s for the idle probes to start)")
+            time.sleep(settle)
+        idle = [measure_cpu(args.window) for _ in range(args.repeats)]
+        i = statistics.median(idle)
+        probes = sum(s.counters.probes for s in sub.status())
+        print(
+            f"router CPU with every rank idle: {100 * i:.2f}% of a core "
+            f"({'meets' if i <= 0.02 else 'MISSES'} <= 2%; {probes} idle probes so far, "
+            f"each rank probed every {interval:.0f} s)"
+        )
+        # One engine restarted: fresh seqs, empty cache, same ports.
+        victim = engines[0]
+        victim.kill()
+        victim.life += 1
+        victim.spawn()
+        victim.ask("")
+        burst = victim.ask("burst")
+        resumed = burst["t0"]
+        ok = wait_for(
+            lambda: exact(sub, sink, victim.worker_id, burst["seqs"], burst["digests"]), 30, 0.02
+        )
+        after = time.monotonic() - resumed
+        restarts = sum(
+            1 for s in sub.status() if s.worker_id == victim.worker_id and s.counters.restarts
+        )
+        if ok is None:
+            print("restarted engine NOT exact within 30 s")
+        else:
+            print(
+                f"engine of {args.ranks_per_engine} ranks restarted: exact {after:.2f} s after its "
+                f"traffic resumed ({'meets' if after <= 2 else 'MISSES'} <= 2 s; "
+                f"{restarts} ranks saw the restart)"
+            )
+        sub.stop(timeout=30)
+    finally:
+        for e in engines:
+            e.close()
+
+
+# --- replicas ------------------------------------------------------------------------
+
+
+def router_child(args: argparse.Namespace) -> None:
+    """One router replica: follows the engines given as JSON, answers on stdout."""
+    specs = json.loads(args.router_child)
+    sources = [EngineSource(w, ep, rep, ranks=n) for w, ep, rep, n in specs]
+    keys = [(s.worker_id, r) for s in sources for r in range(s.ranks)]
+    sink = BlockSetSink()
+    sub = Subscriber(sources, sink).start(timeout=30)
+    took = wait_for(lambda: all_synced(sub, keys), 120, 0.05)
+    print(json.dumps({"synced": took}), flush=True)
+    for line in sys.stdin:
+        cmd, _, rest = line.partition(" ")
+        if cmd.strip() == "check":
+            pauses = json.loads(rest)
+            ok = wait_for(
+                lambda pauses=pauses: all(
+                    exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses
+                ),
+                30,
+                0.1,
+            )
+            print(json.dumps({"exact": ok is not None}), flush=True)
+        elif cmd.strip() == "quit":
+            break
+    sub.stop(timeout=30)
+
+
+def replicas(args: argparse.Namespace) -> None:
+    ranks = args.engines * args.ranks_per_engine
+    rate = args.rate
+    print(
+        f"replicas: {args.replicas} router processes follow {args.engines} engines x "
+        f"{args.ranks_per_engine} ranks at {rate} batch/rank/s ({ranks * rate:.0f} batches/s)"
+    )
+    engines = start_engines(args)
+    routers: list[subprocess.Popen[str]] = []
+    try:
+        for e in engines:
+            e.ask("run")
+        specs = json.dumps(
+            [
+                (e.worker_id, f"tcp://127.0.0.1:{e.port}", f"tcp://127.0.0.1:{e.replay_port}",
+                 args.ranks_per_engine)
+                for e in engines
+            ]
+        )
+
+        def engine_cost() -> tuple[float, float]:
+            """Engines' CPU (s) and batches over one window."""
+            a = [e.ask("cpu") for e in engines]
+            time.sleep(args.window)
+            b = [e.ask("cpu") for e in engines]
+            cpu = sum(y["cpu"] - x["cpu"] for x, y in zip(a, b, strict=True))
+            batches = sum(y["batches"] - x["batches"] for x, y in zip(a, b, strict=True))
+            return cpu, batches
+
+        costs: list[float] = []
+        for k in range(args.replicas + 1):
+            if k:
+                proc = subprocess.Popen(
+                    [sys.executable, __file__, "--router-child", specs],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=ROOT,
+                )
+                routers.append(proc)
+                assert proc.stdout is not None
+                took = json.loads(proc.stdout.readline())["synced"]
+                print(
+                    f"router {k}: all {ranks} ranks SYNCED {took:.2f} s after start"
+                    if took is not None
+                    else f"router {k}: NOT all {ranks} ranks SYNCED after 120 s"
+                )
+            samples = []
+            for _ in range(args.repeats):
+                cpu, batches = engine_cost()
+                samples.append(1e6 * cpu / max(batches, 1))
+            costs.append(statistics.median(samples))
+            print(
+                f"  {k} subscriber(s): engines' CPU {costs[-1]:.1f} us per batch published"
+                f" (median of {args.repeats} x {args.window:.0f} s)"
+            )
+        extra = [(costs[k] - costs[0]) / k for k in range(1, len(costs))]
+        print(
+            "engines' cost per extra subscriber: "
+            + ", ".join(f"{x:+.1f} us/batch" for x in extra)
+            + f" (with 1..{args.replicas}); median {statistics.median(extra):+.1f} us per batch"
+        )
+        pauses = [(e.worker_id, e.ask("pause")) for e in engines]
+        payload = json.dumps(pauses)
+        for proc in routers:
+            assert proc.stdin is not None
+            proc.stdin.write(f"check {payload}\n")
+            proc.stdin.flush()
+        verdicts = []
+        for proc in routers:
+            assert proc.stdout is not None
+            verdicts.append(json.loads(proc.stdout.readline())["exact"])
+        print(
+            f"{sum(verdicts)} of {len(routers)} routers exact after the pause"
+            + ("" if all(verdicts) else "  (FAILED)")
+        )
+    finally:
+        for proc in routers:
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.write("quit\n")
+                    proc.stdin.close()
+                except (BrokenPipeError, ValueError):
+                    pass
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for e in engines:
+            e.close()
+
+
+def main() -> None:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--ranks-per-engine", type=int, default=128)
+    parser.add_argument("--rate", type=float, default=1.0, help="batches per rank per second")
+    parser.add_argument("--window", type=float, default=10.0, help="CPU window, seconds")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument(
+        "--idle-settle", type=float, default=120.0, help="longest wait for idle probes to start"
+    )
+    parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--router-child", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--replay-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--life", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine_child:
+        engine_main(args)
+    elif args.router_child:
+        router_child(args)
+    elif args.replicas:
+        replicas(args)
+    else:
+        fleet(args)
+
+
+if __name__ == "__main__":
+    main()
