@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 
 from kvwire.prefix_index import Decision, KvRouter, Load, PrefixIndex
-from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
+from kvwire.subscriber import EngineSource, StreamConfig, Subscriber
 
 __all__ = ["Backend", "RouterProxy", "main", "parse_engine", "prompt_tokens"]
 
@@ -113,8 +113,7 @@ class RouterProxy:
         self.timeout = timeout
         self.index = PrefixIndex(block_size)
         self.subscriber = Subscriber([b.source for b in backends], self.index, config=config)
-        self._states: dict[RankKey, RankState] = {}
-        self.router = KvRouter(self.index, rank_states=lambda w, r: self._states.get((w, r)))
+        self.router = KvRouter(self.index, rank_states=self.subscriber)
         self.loads = {
             (b.source.worker_id, r): Load() for b in backends for r in range(b.source.ranks)
         }
@@ -142,7 +141,6 @@ class RouterProxy:
         """Choose a rank and add the request's load to it (see :meth:`release`)."""
         bs = self.block_size
         with self._lock:
-            self._states = {(s.worker_id, s.rank): s.state for s in self.subscriber.status()}
             decision = self.router.choose(tokens, self.loads)
             cached = decision.candidates[decision.target].cached.total * bs
             # Prefill: the uncached prompt tokens; decode: the blocks the request holds.

@@ -18,11 +18,12 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import BinaryIO, TextIO
 
 import msgspec
 
-from kvwire.security import SecurityError, generate_keypair
+from kvwire.security import ClientKeys, SecurityError, generate_keypair
 from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber
 from kvwire.subscriber.view import BatchRecord, ClearRecord, WatchView
 from kvwire.wire import EndpointError, WireError, enc_hook
@@ -57,10 +58,28 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration", type=float, metavar="S", help="stop after S seconds (default: run until ^C)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log state changes to stderr")
+    parser.add_argument(
+        "--server-key",
+        metavar="FILE",
+        type=Path,
+        help="the engine's public CURVE key (NAME.key): its sockets are CURVE servers",
+    )
+    parser.add_argument(
+        "--client-key",
+        metavar="FILE",
+        type=Path,
+        help="this client's secret key (NAME.key_secret, from kvwire keygen); its public half "
+        "must be in the engine's allow-list",
+    )
 
 
 def _source(args: argparse.Namespace) -> EngineSource:
-    return EngineSource(args.worker, args.endpoint, args.replay, args.ranks, args.topic)
+    keys = None
+    if args.server_key is not None or args.client_key is not None:
+        if args.server_key is None or args.client_key is None:
+            raise SecurityError("--server-key and --client-key go together")
+        keys = ClientKeys(args.server_key, args.client_key)
+    return EngineSource(args.worker, args.endpoint, args.replay, args.ranks, args.topic, keys=keys)
 
 
 # --- watch ---------------------------------------------------------------------------------

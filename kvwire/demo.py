@@ -33,7 +33,7 @@ from kvwire.reference.control import ControlClient
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
-from kvwire.subscriber import EngineSource, RankState, RankStatus, Subscriber
+from kvwire.subscriber import EngineSource, RankStatus, Subscriber
 
 __all__ = ["main"]
 
@@ -101,16 +101,10 @@ class Cluster:
         self.index = PrefixIndex(BLOCK_SIZE)
         self.subscriber = Subscriber([e.source for e in engines], self.index)
         self.keys: list[RankKey] = [(e.worker_id, r) for e in engines for r in range(e.ranks)]
-        self.router = KvRouter(self.index, rank_states=self._state)
-        self._status: dict[RankKey, RankStatus] = {}
+        self.router = KvRouter(self.index, rank_states=self.subscriber)
 
-    def _state(self, worker_id: str, rank: int) -> RankState | None:
-        st = self._status.get((worker_id, rank))
-        return None if st is None else st.state
-
-    def refresh_status(self) -> dict[RankKey, RankStatus]:
-        self._status = {(s.worker_id, s.rank): s for s in self.subscriber.status()}
-        return self._status
+    def status(self) -> dict[RankKey, RankStatus]:
+        return {(s.worker_id, s.rank): s for s in self.subscriber.status()}
 
     def reset_all(self, timeout: float = 20.0) -> None:
         """Clear every rank's cache and wait until the index agrees (it holds nothing)."""
@@ -122,7 +116,6 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the index did not see the engines' resets in time")
             time.sleep(0.01)
-        self.refresh_status()
 
 
 def _run_policy(
@@ -144,8 +137,6 @@ def _run_policy(
     load: dict[RankKey, int] = dict.fromkeys(cluster.keys, 0)
     window: deque[tuple[int, int]] = deque(maxlen=50)
     for i in range(requests):
-        if i % 25 == 0:
-            cluster.refresh_status()
         req = workload.next_request()
         while len(flight) >= in_flight:
             done, rid, blocks = flight.popleft()
@@ -322,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
         finally:
             view.stop()
-        final = cluster.refresh_status()
+        final = cluster.status()
     oracle = runs[-1].hit_rate or 1.0
     print(f"\nprefix-cache hit rate over {args.requests} requests per policy (same workload):")
     print(f"{'policy':<13}{'hit rate':>9}{'of oracle':>11}")

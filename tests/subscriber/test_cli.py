@@ -147,6 +147,43 @@ def test_keygen_writes_a_zmq_auth_key_pair(tmp_path: Path, capsys: pytest.Captur
     assert main(["keygen", "../escape", "--dir", str(tmp_path)]) == 2
 
 
+def test_curve_keys_go_together_and_must_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["keygen", "engine", "--dir", str(tmp_path)]) == 0
+    assert main(["keygen", "router", "--dir", str(tmp_path)]) == 0
+    ep = "tcp://127.0.0.1:5557"
+    assert main(["dump", ep, "--server-key", str(tmp_path / "engine.key")]) == 2
+    assert "go together" in capsys.readouterr().err
+    argv = ["dump", ep, "--server-key", str(tmp_path / "engine.key"), "--client-key"]
+    assert main([*argv, str(tmp_path / "missing.key_secret")]) == 2
+    assert "missing.key_secret" in capsys.readouterr().err
+    # A public key where the secret one belongs is refused too.
+    assert main([*argv, str(tmp_path / "router.key")]) == 2
+
+
+def test_dump_reads_a_curve_publisher_with_the_keys_and_nothing_without(tmp_path: Path) -> None:
+    from kvwire.security import ServerKeys
+
+    allow = tmp_path / "allow"
+    assert main(["keygen", "engine", "--dir", str(tmp_path)]) == 0
+    assert main(["keygen", "router", "--dir", str(allow)]) == 0
+    keys = ServerKeys(tmp_path / "engine.key_secret", allow)
+    ep, rep = tcp_endpoints(1)
+    with EventPublisher(ep, rep, server_keys=keys) as pub:
+        for _ in range(3):
+            assert pub.publish(Engine(seed=5).batch())
+        base = [sys.executable, "-m", "kvwire.cli", "dump", ep, "--replay", rep]
+        keyed = [*base, "--count", "3", "--duration", "20", "--server-key",
+                 str(tmp_path / "engine.key"), "--client-key", str(allow / "router.key_secret")]  # fmt: skip
+        proc = subprocess.run(keyed, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [0, 1, 2]
+        bare = subprocess.run([*base, "--duration", "2"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert bare.returncode == 0 and bare.stdout == ""
+
+
 def test_subcommands_are_required() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
