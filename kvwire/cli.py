@@ -2,11 +2,12 @@
 
 ``kvwire watch ENDPOINT``: a live per-rank view of an engine's KV-event
 stream (state, seq, events/s, gaps, replays, blocks held). ``kvwire dump
-ENDPOINT``: every decoded batch as a JSON line. ``kvwire keygen NAME``: a CURVE
-key pair for authenticated, encrypted sockets. watch and dump work against any engine
-publishing KV events (vLLM, SGLang, TensorRT-LLM, kvwire's publisher): pass
-the engine's base endpoint, its replay endpoint if it has one, and its number
-of data-parallel ranks. Subcommands register themselves on the parser, so
+ENDPOINT``: every decoded batch as a JSON line. ``kvwire keygen NAME``: a
+CURVE key pair for authenticated, encrypted sockets. ``watch`` and ``dump``
+work against any engine publishing KV events (vLLM, SGLang, TensorRT-LLM,
+kvwire's publisher): pass the engine's base endpoint, its replay endpoint if
+it has one, its number of data-parallel ranks and, for a CURVE engine, its
+public key and this client's secret key. Subcommands register themselves on the parser, so
 more can be added next to these.
 """
 
