@@ -49,61 +49,35 @@ IntArray: TypeAlias = list[int] | tuple[int, ...] | msgspec.Raw
 """Ints as a Python sequence, or an already packed msgpack array of them."""
 
 # --- encoding -----------------------------------------------------------------
-# vLLM 0.33 sends lora_id, medium and lora_name even when they are None, and
-# omits the optional fields after them. These mirrors make msgspec produce
-# exactly its bytes; the public structs keep defaults so any dialect decodes.
-# They hold only ints, strings and arrays, never a cycle, so the cyclic garbage
-# collector need not track a publisher's many short-lived instances (gc=False).
+# Every event field is declared once, in kvwire.wire.events; the wire forms here
+# derive from it. vLLM 0.33 sends lora_id, medium and lora_name even when they
+# are None, and omits the optional fields after them: the map mirrors below
+# redeclare just those as required (and the int arrays as possibly pre-packed),
+# in place, so msgspec produces exactly its bytes. The older positional dialect
+# is the same fields in declaration order, cut where those consumers stop
+# reading. The mirrors hold only ints, strings and arrays, never a cycle, so the
+# cyclic garbage collector need not track a publisher's many short-lived
+# instances (gc=False).
 
 
-class _MapBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: IntArray
-    parent_block_hash: int | None
-    token_ids: IntArray
-    block_size: int
+class _MapBlockStored(BlockStored, tag="BlockStored", omit_defaults=True, frozen=True, gc=False):
+    block_hashes: IntArray  # type: ignore[assignment]
+    token_ids: IntArray  # type: ignore[assignment]
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: list[int] | None = None
-    cache_salt: Any = None
 
 
-class _MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: IntArray
-    medium: str | None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
-
-
-class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: IntArray
-    parent_block_hash: int | None
-    token_ids: IntArray
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None
-    group_idx: int | None
-    kv_cache_spec_kind: str | None
-    kv_cache_spec_sliding_window: int | None
-
-
-class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: IntArray
+class _MapBlockRemoved(BlockRemoved, tag="BlockRemoved", omit_defaults=True, frozen=True, gc=False):
+    block_hashes: IntArray  # type: ignore[assignment]
     medium: str | None
 
 
-class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
+# Older consumers read a positional BlockStored up to the sliding window, a
+# BlockRemoved up to its medium.
+_ARRAY_STORED_LEN = BlockStored.__struct_fields__.index("kv_cache_spec_sliding_window") + 1
+_ARRAY_REMOVED_LEN = BlockRemoved.__struct_fields__.index("medium") + 1
+_astuple = msgspec.structs.astuple
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
@@ -112,7 +86,7 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None
 
 
-_ARRAY_CLEARED = _ArrayAllBlocksCleared()
+_ARRAY_CLEARED = ("AllBlocksCleared",)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -123,16 +97,10 @@ def _wire_tokens(tokens: list[int] | TokenIds) -> IntArray:
 
 def _to_map(e: KVEvent) -> Any:
     if type(e) is BlockStored:
-        return _MapBlockStored(
-            e.block_hashes, e.parent_block_hash, _wire_tokens(e.token_ids), e.block_size,
-            e.lora_id, e.medium, e.lora_name, e.extra_keys, e.group_idx,
-            e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.locality,
-            e.ownership, e.session_id, e.lookahead_token_ids, e.cache_salt,
-        )  # fmt: skip
+        hashes, parent, tokens, *rest = _astuple(e)
+        return _MapBlockStored(hashes, parent, _wire_tokens(tokens), *rest)
     if type(e) is BlockRemoved:
-        return _MapBlockRemoved(
-            e.block_hashes, e.medium, e.group_idx, e.locality, e.ownership
-        )
+        return _MapBlockRemoved(*_astuple(e))
     return e
 
 
@@ -185,13 +153,9 @@ def encode_parts(
     out: list[Any] = []
     for e in events:
         if type(e) is _MapBlockStored:
-            out.append(_ArrayBlockStored(
-                e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
-                e.medium, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind,
-                e.kv_cache_spec_sliding_window,
-            ))  # fmt: skip
+            out.append(("BlockStored", *_astuple(e)[:_ARRAY_STORED_LEN]))
         elif type(e) is _MapBlockRemoved:
-            out.append(_ArrayBlockRemoved(e.block_hashes, e.medium))
+            out.append(("BlockRemoved", *_astuple(e)[:_ARRAY_REMOVED_LEN]))
         else:
             out.append(_ARRAY_CLEARED)
     return _encoder.encode(_Envelope(ts, out, data_parallel_rank))
@@ -301,14 +265,11 @@ _ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
 
 
-_STORED_POSITIONAL = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
-    "lookahead_token_ids", "cache_salt",
-)  # fmt: skip
-_REMOVED_POSITIONAL = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-_POSITIONAL = {"BlockStored": _STORED_POSITIONAL, "BlockRemoved": _REMOVED_POSITIONAL}
+# The positional dialect lists an event's fields in declaration order.
+_POSITIONAL = {
+    "BlockStored": BlockStored.__struct_fields__,
+    "BlockRemoved": BlockRemoved.__struct_fields__,
+}
 _EVENT_TYPES: dict[str, type[KVEvent]] = {
     "BlockStored": BlockStored,
     "BlockRemoved": BlockRemoved,

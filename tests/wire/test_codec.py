@@ -170,3 +170,16 @@ def test_normalise_hash_rejects_out_of_range() -> None:
 def test_unknown_dialect_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown dialect"):
         encode_batch(KVEventBatch(0.0, []), dialect="json")  # type: ignore[arg-type]
+
+
+def test_event_fields_are_declared_once() -> None:
+    """The map mirrors and the positional dialect follow the public structs' declaration."""
+    from kvwire.wire import codec
+
+    assert codec.StoredParts.__struct_fields__ == BlockStored.__struct_fields__
+    assert codec.RemovedParts.__struct_fields__ == BlockRemoved.__struct_fields__
+    assert codec._POSITIONAL["BlockStored"] == BlockStored.__struct_fields__
+    # The older positional layout is a prefix of the same fields.
+    e = BlockStored([1, 2], 7, [5] * 8, 4, None, "CPU", "lora", [["k"], None], 3, "full", 64)
+    raw = msgspec.msgpack.decode(encode_batch(KVEventBatch(0.0, [e], 0), dialect="array"))
+    assert raw[1][0] == ["BlockStored", *msgspec.structs.astuple(e)[:11]]
