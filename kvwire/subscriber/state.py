@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from kvwire.wire.codec import DEFAULT_LIMITS, DecodeLimits
+
 __all__ = ["LossPolicy", "RankCounters", "RankState", "RankStatus", "StreamConfig"]
 
 
@@ -51,6 +53,12 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Whether the publisher has a replay endpoint (otherwise every gap is a loss)."""
     max_held: int = 10_000
     """Later batches held while a gap is replayed; beyond this the gap is a loss."""
+    max_held_bytes: int = 256 << 20
+    """The same bound in payload bytes, so held batches cannot grow memory without
+    bound whatever their size."""
+    decode_limits: DecodeLimits = DEFAULT_LIMITS
+    """What a batch may ask of the consumer (events, blocks, block size, tokens);
+    a batch beyond them is a decode error (see :class:`kvwire.wire.codec.DecodeLimits`)."""
     replay_timeout: float = 1.0
     """A replay that goes this long without a reply frame has timed out."""
     replay_retries: int = 3
@@ -86,6 +94,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_held < 1:
             raise ValueError(f"max_held must be >= 1, got {self.max_held}")
+        if self.max_held_bytes < 1:
+            raise ValueError(f"max_held_bytes must be >= 1, got {self.max_held_bytes}")
         if self.replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0, got {self.replay_timeout}")
         if self.replay_retries < 0:

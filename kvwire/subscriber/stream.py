@@ -264,6 +264,39 @@ class _Snapshot:
         self.chunks: list[KVEventBatch] = []
 
 
+class _Held(SortedDict):  # type: ignore[misc]
+    """Batches held while a gap is filled, by seq, with their payload bytes counted."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        super().__init__()
+
+    def __setitem__(self, seq: int, value: tuple[KVEventBatch, Frame]) -> None:
+        old = self.get(seq)
+        if old is not None:
+            self.nbytes -= len(old[1])
+        super().__setitem__(seq, value)
+        self.nbytes += len(value[1])
+
+    def __delitem__(self, seq: int) -> None:
+        self.nbytes -= len(self[seq][1])
+        super().__delitem__(seq)
+
+    def popitem(self, index: int = -1) -> tuple[int, tuple[KVEventBatch, Frame]]:
+        item: tuple[int, tuple[KVEventBatch, Frame]] = super().popitem(index)
+        self.nbytes -= len(item[1][1])
+        return item
+
+    def pop(self, seq: int, *default: object) -> object:
+        if seq in self:
+            self.nbytes -= len(self[seq][1])
+        return super().pop(seq, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.nbytes = 0
+
+
 class RankStream:
     """Sequencing, gap repair, restart detection and snapshots for one publisher rank.
 
@@ -287,7 +320,8 @@ class RankStream:
         self._clean = True  # nothing applied since the last clear
         self._ever_connected = False
         self._expected = 0
-        self._held: SortedDict = SortedDict()  # seq -> (batch, payload)
+        self._held = _Held()  # seq -> (batch, payload)
+        self._limits = self.config.decode_limits
         self._horizon = 0  # one past the highest seq known to exist
         self._last_live = -1
         self._topic: bytes | None = None
@@ -395,7 +429,7 @@ class RankStream:
         seq = int.from_bytes(seq_frame, "big")
         if self._fast and seq == self._expected and topic == self._topic:
             try:
-                batch = decode_batch(payload)
+                batch = decode_batch(payload, self._limits)
             except Exception:  # counted on the slow path
                 pass
             else:
@@ -583,7 +617,10 @@ class RankStream:
             self._held[seq] = (batch, payload)
             if not self.config.replay:
                 self._skip_to(seq, f"batches {self._expected}..{seq - 1} lost, no replay endpoint")
-            elif len(self._held) > self.config.max_held:
+            elif (
+                len(self._held) > self.config.max_held
+                or self._held.nbytes > self.config.max_held_bytes
+            ):
                 self._held_overflow()
         self._ensure_request()
 
@@ -596,7 +633,10 @@ class RankStream:
 
     def _held_overflow(self) -> None:
         self.counters.held_overflows += 1
-        why = f"held buffer full ({self.config.max_held} batches)"
+        why = (
+            f"held buffer full ({self.config.max_held} batches, "
+            f"{self.config.max_held_bytes} bytes)"
+        )
         active = self._active
         if isinstance(active, _Snapshot):
             self._snapshot_failed(why)
@@ -1078,7 +1118,7 @@ class RankStream:
 
     def _decode(self, payload: Frame) -> KVEventBatch | None:
         try:
-            return decode_batch(payload)
+            return decode_batch(payload, self._limits)
         except Exception:  # WireError, or anything a hostile payload provokes
             self.counters.decode_errors += 1
             return None

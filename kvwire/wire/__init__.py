@@ -1,6 +1,13 @@
 """The wire contract both sides share: event structs, msgpack codec, frames, endpoints."""
 
-from kvwire.wire.codec import Dialect, decode_batch, encode_batch, normalise_hash
+from kvwire.wire.codec import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    Dialect,
+    decode_batch,
+    encode_batch,
+    normalise_hash,
+)
 from kvwire.wire.endpoints import (
     EndpointError,
     is_ephemeral,
@@ -53,12 +60,14 @@ from kvwire.wire.framing import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "END_SEQ",
     "EPOCH_MARK",
     "SNAPSHOT_MARK",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "DecodeLimits",
     "Dialect",
     "EndpointError",
     "Epoch",

@@ -240,6 +240,27 @@ def test_held_buffer_overflow_is_a_loss() -> None:
     assert s.counters.held_overflows == 1 and s.state is RankState.PARTIAL
 
 
+def test_held_buffer_is_bounded_in_bytes_too() -> None:
+    size = len(live(3)[2])
+    s = synced_stream(1, StreamConfig(max_held_bytes=3 * size))
+    out: list[Action] = []
+    for seq in range(3, 6):
+        out += s.live(live(seq), 1.0)
+    assert not clears(out) and s.held == 3  # at the bound: still waiting for the replay
+    out = s.live(live(6), 1.0)
+    assert clears(out) and applied(out) == [3, 4, 5, 6]
+    assert s.counters.held_overflows == 1 and s.state is RankState.PARTIAL and s.held == 0
+
+
+def test_decode_limits_come_from_the_config() -> None:
+    from kvwire.wire.codec import DecodeLimits
+
+    s = synced_stream(1, StreamConfig(decode_limits=DecodeLimits(max_block_size=4)))
+    big = KVEventBatch(1.0, [BlockStored([9], None, [1] * 8, 8)], 0)
+    s.live([TOPIC, pack_seq(1), encode_batch(big)], 1.0)
+    assert s.counters.decode_errors == 1 and s.expected_seq == 1
+
+
 # --- restarts -------------------------------------------------------------------------------
 
 
@@ -462,6 +483,7 @@ def test_status_is_a_snapshot() -> None:
     "kwargs",
     [
         {"max_held": 0},
+        {"max_held_bytes": 0},
         {"replay_timeout": 0},
         {"replay_retries": -1},
         {"backoff_initial": 2.0, "backoff_max": 1.0},
