@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch: on these machines it installs from local disk, never a CUDA download.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint unit e2e bench asan clean venv
+.PHONY: demo test lint unit e2e bench asan clean venv engine-wheels
 
 $(STAMP): pyproject.toml kvwire/wire/_pack.c kvwire/prefix_index/_core.c
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvwire tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint
+# vLLM's and SGLang's wheels for tests/integrations: pip download --no-deps into
+# ~/.cache/kvwire/wheels (reused); a failed download stops here with pip's reason.
+engine-wheels: $(STAMP)
+	$(PY) -m tests.integrations.engines
+
+test: $(STAMP) lint engine-wheels
 	$(PY) -m pytest -q -ra
 
-unit: $(STAMP)
+unit: $(STAMP) engine-wheels
 	$(PY) -m pytest -q -ra -m "not e2e"
 
 e2e: $(STAMP)

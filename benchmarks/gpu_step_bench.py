@@ -7,7 +7,7 @@ synchronize; after each step one batch goes through ``EventCollector`` and
 other blocks, ``flush()``), to a SUB socket in another process. Modes run in
 interleaved blocks: no publishing, B=16, B=256 (Python lists, as engines pass
 them), B=256 given as CUDA tensors (the collector's pinned-copy path), and a
-sweep of the publisher's ``linger_s`` (0, 0.5 ms, 2 ms against the default).
+sweep of the publisher's ``coalesce_s`` (0, 0.5 ms, 2 ms against the default).
 Printed: the median step time per mode over ``--steps`` steps and its overhead
 against no publishing (target: under 1% at both sizes; vLLM 0.33's publisher
 measured 4.4% at 16 blocks and 7.8% at 256 on an H200), plus the median time
@@ -192,32 +192,32 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
         step()
     one = (time.perf_counter() - t0) / 5
     print(f"step alone: {one * 1e3:.3f} ms (H200 reference: ~1.54 ms)")
-    default_linger = EventPublisher().linger_s
-    lingers = [default_linger] + ([] if args.no_sweep else [0.0, 0.0005, 0.002])
+    default_coalesce = EventPublisher().coalesce_s
+    coalesces = [default_coalesce] + ([] if args.no_sweep else [0.0, 0.0005, 0.002])
     pubs = {
-        linger: EventPublisher(
-            f"tcp://127.0.0.1:{free_port()}", topic=f"linger{linger}", linger_s=linger
+        coalesce: EventPublisher(
+            f"tcp://127.0.0.1:{free_port()}", topic=f"coalesce{coalesce}", coalesce_s=coalesce
         ).start()
-        for linger in lingers
+        for coalesce in coalesces
     }
     try:
         proc, conn, first = start_sink(list(pubs.values()))
-        cols = {linger: EventCollector(pub, BLOCK_TOKENS) for linger, pub in pubs.items()}
+        cols = {coalesce: EventCollector(pub, BLOCK_TOKENS) for coalesce, pub in pubs.items()}
         w16, w256 = Workload(16, None), Workload(256, None)
         modes: dict[str, tuple[Workload | None, EventCollector | None]] = {
             "none": (None, None),
-            "kvwire B=16": (w16, cols[default_linger]),
-            "kvwire B=256": (w256, cols[default_linger]),
+            "kvwire B=16": (w16, cols[default_coalesce]),
+            "kvwire B=256": (w256, cols[default_coalesce]),
         }
-        modes["numpy B=16"] = (Workload(16, None, numpy=True), cols[default_linger])
-        modes["numpy B=256"] = (Workload(256, None, numpy=True), cols[default_linger])
+        modes["numpy B=16"] = (Workload(16, None, numpy=True), cols[default_coalesce])
+        modes["numpy B=256"] = (Workload(256, None, numpy=True), cols[default_coalesce])
         if device.type == "cuda" or args.cpu_smoke:
             # The collector's device path (CPU tensors in a smoke run).
-            modes["kvwire B=256 tensors"] = (Workload(256, device), cols[default_linger])
-        for linger in lingers[1:]:
-            label = f"linger {linger * 1e3:g} ms"
-            modes[f"B=16 {label}"] = (w16, cols[linger])
-            modes[f"B=256 {label}"] = (w256, cols[linger])
+            modes["kvwire B=256 tensors"] = (Workload(256, device), cols[default_coalesce])
+        for coalesce in coalesces[1:]:
+            label = f"coalesce {coalesce * 1e3:g} ms"
+            modes[f"B=16 {label}"] = (w16, cols[coalesce])
+            modes[f"B=256 {label}"] = (w256, cols[coalesce])
         block = args.block
         discard = 3
         blocks = -(-args.steps // (block - discard))
@@ -270,7 +270,7 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{mode:<24} {med * 1e3:>15.4f} {over:>+8.2f}% {target:>7} {vllm:>9} {calls:>17.1f}")
     print(
         f"({len(times['none'][: args.steps])} steps per mode, interleaved blocks of {block}; "
-        f"kvwire rows use the default linger_s={default_linger * 1e3:g} ms; "
+        f"kvwire rows use the default coalesce_s={default_coalesce * 1e3:g} ms; "
         f"published {published}, dropped {dropped}, received by the subscriber {received})"
     )
 
@@ -393,7 +393,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=28, help="steps per interleaved block")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--skip-cache", action="store_true", help="only part 1")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the linger_s sweep rows")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the coalesce_s sweep rows")
     args = ap.parse_args()
     if args.cpu_smoke:
         device = torch.device("cpu")

@@ -16,6 +16,14 @@ and, with the only subscriber stalled (connected, not reading), ``publish()``
 latency percentiles (the call that ``flush()`` makes, and a bare ``publish()``
 of a prebuilt batch).
 
+Then, for lists at each B, the same throughput run with kvwire's options on,
+alternated with the plain run: a replay socket with the snapshot mirror (the
+sender decodes and mirrors each batch), and CURVE keys (the SUB a CURVE client):
+CPU per block of each and the encryption's cost per block (CURVE - plain).
+Last, ``publish()`` itself: the seq reserved and the batch queued under one
+lock (thread-safe order) against the same steps without the lock (the previous
+implementation), nanoseconds per call, alternated.
+
 Run: ``python benchmarks/publisher_bench.py`` (``--quick`` for a short run).
 """
 
@@ -25,10 +33,13 @@ import argparse
 import multiprocessing as mp
 import random
 import resource
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +50,7 @@ import numpy as np
 import zmq
 
 from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.security import ClientKeys, ServerKeys, generate_keypair, secure_client
 from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
 BLOCK_TOKENS = 16
@@ -60,14 +72,17 @@ def free_port() -> int:
 # --- the SUB process -------------------------------------------------------------
 
 
-def subscriber(endpoint: str, conn: Any, stall: bool) -> None:
+def subscriber(endpoint: str, conn: Any, stall: bool, keys: tuple[str, str] | None = None) -> None:
     """Receive until told the last seq; report blocks, timing and gaps.
 
     With ``stall`` it reads one message, says so, then stops reading until told
-    to exit: a connected subscriber that has stopped consuming.
+    to exit: a connected subscriber that has stopped consuming. With ``keys``
+    (server public key file, own secret key file) it is a CURVE client.
     """
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
+    if keys is not None:
+        secure_client(sub, ClientKeys(Path(keys[0]), Path(keys[1])))
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 100_000)
     sub.connect(endpoint)
@@ -158,10 +173,16 @@ def wait_drained(pub: EventPublisher, timeout: float = 120.0) -> None:
 
 
 def connect_subscriber(
-    ctx: mp.context.SpawnContext, pub: EventPublisher, col: EventCollector, stall: bool
+    ctx: mp.context.SpawnContext,
+    pub: EventPublisher,
+    col: EventCollector,
+    stall: bool,
+    keys: tuple[str, str] | None = None,
 ) -> tuple[Any, Any]:
     parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=subscriber, args=(pub.bound_endpoint, child_conn, stall), daemon=True)
+    proc = ctx.Process(
+        target=subscriber, args=(pub.bound_endpoint, child_conn, stall, keys), daemon=True
+    )
     proc.start()
     deadline = time.monotonic() + 30
     while not parent_conn.poll(0.01):  # slow joiner: publish until the SUB sees one
@@ -187,13 +208,31 @@ class RunResult:
     decoded_ok: bool
 
 
-def run_throughput(blocks: int, kind: str, iterations: int) -> RunResult:
+def make_keys(directory: Path) -> tuple[ServerKeys, tuple[str, str]]:
+    """A server key pair, a client key pair, the client on the server's allow-list."""
+    server_public, server_secret = generate_keypair(directory / "keys", "server")
+    client_public, client_secret = generate_keypair(directory / "keys", "client")
+    allow = directory / "allow"
+    allow.mkdir()
+    shutil.copy(client_public, allow / "client.key")
+    return ServerKeys(server_secret, allow), (str(server_public), str(client_secret))
+
+
+def run_throughput(blocks: int, kind: str, iterations: int, variant: str = "plain") -> RunResult:
+    """One run; ``variant``: "plain", "mirror" (replay + snapshot mirror) or "curve" (keys)."""
     ctx = mp.get_context("spawn")
     inputs = make_inputs(blocks, kind)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with EventPublisher(endpoint, max_queue_size=iterations + 1000) as pub:
+    options: dict[str, Any] = {}
+    client_keys = None
+    tmp = tempfile.TemporaryDirectory()
+    if variant == "mirror":
+        options = {"replay_endpoint": "tcp://127.0.0.1:*", "snapshot": True}
+    elif variant == "curve":
+        options["server_keys"], client_keys = make_keys(Path(tmp.name))
+    with tmp, EventPublisher(endpoint, max_queue_size=iterations + 1000, **options) as pub:
         col = EventCollector(pub, BLOCK_TOKENS)
-        proc, conn = connect_subscriber(ctx, pub, col, stall=False)
+        proc, conn = connect_subscriber(ctx, pub, col, stall=False, keys=client_keys)
         start_seq = pub.last_seq + 1
         conn.send((blocks, start_seq, start_seq + iterations - 1))
         stores, removes = inputs.stores, inputs.removes
@@ -355,6 +394,52 @@ def run_stalled(blocks: int, iterations: int, max_queue_size: int) -> dict[str, 
     }
 
 
+# --- publish() itself ---------------------------------------------------------------------
+
+
+class _UnlockedQueue:
+    """The previous ``publish()``: a seq from a counter, then an append, no lock (not thread-safe)."""
+
+    def __init__(self, max_queue: int) -> None:
+        self._queue: deque[tuple[int, Any]] = deque()
+        self._next = 0
+        self._max_queue = max_queue
+        self._closed = False
+        self._dropped = 0
+        self._idle = False
+
+    def publish(self, batch: Any) -> bool:
+        seq = self._next
+        self._next = seq + 1
+        if self._closed:
+            return False
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._dropped += 1
+            return False
+        queue.append((seq, batch))
+        if self._idle:
+            self._idle = False
+        return True
+
+
+def run_publish_cost(calls: int) -> tuple[float, float]:
+    """ns per ``publish()`` of a prebuilt batch into a queue no sender drains: locked, unlocked."""
+    batch = KVEventBatch(0.0, [], 0)
+    locked = EventPublisher(max_queue_size=calls + 1, heartbeat=None)  # never started
+    unlocked = _UnlockedQueue(calls + 1)
+    out = []
+    for target in (locked, unlocked):
+        publish = target.publish
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            publish(batch)
+        out.append((time.perf_counter_ns() - t0) / calls)
+        target._queue.clear()
+    locked.close()
+    return out[0], out[1]
+
+
 # --- main ------------------------------------------------------------------------------
 
 
@@ -368,6 +453,12 @@ def main() -> None:
         nargs="+",
         default=["lists", "numpy"],
         choices=["lists", "numpy"],
+    )
+    ap.add_argument(
+        "--sections",
+        nargs="+",
+        default=["throughput", "stalled", "options", "publish"],
+        choices=["throughput", "stalled", "options", "publish"],
     )
     args = ap.parse_args()
     repeats = 3 if args.quick else args.repeats
@@ -389,7 +480,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    for blocks in args.sizes:
+    for blocks in args.sizes if "throughput" in args.sections else []:
         n = iters.get(blocks, max(500, 320_000 // blocks))
         for kind in args.inputs:
             runs = []
@@ -412,7 +503,7 @@ def main() -> None:
             )
     print()
     stalled_iters = 5_000 if args.quick else 20_000
-    for qsize in (100_000, 1_000):
+    for qsize in (100_000, 1_000) if "stalled" in args.sections else ():
         rs = [run_stalled(16, stalled_iters, qsize) for _ in range(repeats)]
         for which in ("flush", "bare"):
             p = {
@@ -429,6 +520,32 @@ def main() -> None:
         print(
             f"    batches dropped on a full queue (median of runs): {drops:,.0f} of {rs[0]['attempted']:,}"
         )
+    if "options" in args.sections:
+        print()
+        print("kvwire's options, lists, CPU us/block of the whole process (runs alternated):")
+    for blocks in args.sizes if "options" in args.sections else []:
+        n = iters.get(blocks, max(500, 320_000 // blocks))
+        by: dict[str, list[float]] = {"plain": [], "mirror": [], "curve": []}
+        for _ in range(repeats):
+            for variant in by:
+                by[variant].append(run_throughput(blocks, "lists", n, variant).cpu_us_per_block)
+        med = {k: statistics.median(v) for k, v in by.items()}
+        print(
+            f"  B={blocks:>4}: plain {med['plain']:.3f}  +replay & snapshot mirror "
+            f"{med['mirror']:.3f} (+{med['mirror'] - med['plain']:.3f})  CURVE {med['curve']:.3f} "
+            f"(encryption: +{med['curve'] - med['plain']:.3f} us/block)"
+        )
+    if "publish" not in args.sections:
+        return
+    print()
+    calls = 100_000 if args.quick else 300_000
+    costs = [run_publish_cost(calls) for _ in range(repeats * 2)]
+    locked = statistics.median(c[0] for c in costs)
+    unlocked = statistics.median(c[1] for c in costs)
+    print(
+        f"publish() of a prebuilt batch: {locked:.0f} ns with the seq lock (thread-safe order), "
+        f"{unlocked:.0f} ns without it (the previous code): +{locked - unlocked:.0f} ns"
+    )
 
 
 def _fmt(v: float | None) -> str:

@@ -1,40 +1,43 @@
 """The engine-side event publisher: a live PUB socket and an optional replay ROUTER.
 
 The engine thread only ever reserves a sequence number and appends to a bounded
-queue; a background thread encodes, sends, buffers batches for replay and
-serves replay requests. A full queue drops the batch (counted, logged at a
-bounded rate) instead of blocking the engine, and because the seq was reserved
-first the drop is a visible gap to every consumer.
+queue, both under one lock so that seq order is queue order whatever thread
+publishes; a background thread encodes, sends, buffers batches for replay,
+mirrors the rank's cache for snapshots, heartbeats when idle and serves replay
+and snapshot requests (:mod:`kvwire.publisher.replay`). A full queue drops the
+batch (counted, logged at a bounded rate) instead of blocking the engine, and
+because the seq was reserved first the drop is a visible gap to every consumer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
 
+from kvwire.publisher.mirror import Mirror
+from kvwire.publisher.replay import ReplayBuffer, ReplayServer
+from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 from kvwire.wire import (
     Dialect,
     KVEventBatch,
-    WireError,
+    decode_batch,
     encode_batch,
+    epoch_topic,
+    format_epoch,
     offset_endpoint,
-    pack_seq,
-    parse_replay_request,
-    replay_end_frames,
     validate_endpoints,
 )
 
@@ -46,13 +49,9 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 """Loopback only: events carry users' prompt token ids, so reaching them from
 other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
 
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 _LOG_INTERVAL_S = 10.0
 _CHUNK_BATCHES = 64  # batches encoded, then sent back to back, per pass
 _CHUNK_S = 0.0005  # or fewer, when encoding them takes longer than this
-_REPLAY_CHUNK = 32  # replay messages sent per pass, between live sends
-_MAX_REPLAY_JOBS = 64
-_REPLAY_STALL_S = 10.0
 _pack_seq = struct.Struct(">Q").pack
 
 
@@ -83,24 +82,14 @@ class PublisherStats:
     replay_dropped: int
     queue_depth: int
     last_seq: int
+    heartbeats: int = 0
+    snapshots_served: int = 0
+    snapshots_refused: int = 0
+    mirrored_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
         return asdict(self)
-
-
-class _ReplayJob:
-    __slots__ = ("identity", "next_seq", "remaining", "stalled_since")
-
-    def __init__(self, identity: bytes, next_seq: int, remaining: int) -> None:
-        self.identity = identity
-        self.next_seq = next_seq
-        self.remaining = remaining
-        self.stalled_since: float | None = None
-
-
-def _seq_key(item: tuple[int, bytes]) -> int:
-    return item[0]
 
 
 class _Wakeup:
@@ -137,47 +126,62 @@ class _Wakeup:
             os.close(self._write_fd)
 
 
-def _fast_send(sock: zmq.Socket[bytes]) -> Callable[[bytes, int], Any]:
+def _fast_send(sock: zmq.Socket[bytes]) -> Callable[[bytes | zmq.Frame, int], Any]:
     """``sock.send`` without the Python-level convenience layer (a third of the cost)."""
     base = getattr(zmq.backend, "Socket", None)
     if base is not None and isinstance(sock, base):
-        bound: Callable[[bytes, int], Any] = base.send.__get__(sock)
+        bound: Callable[[bytes | zmq.Frame, int], Any] = base.send.__get__(sock)
         return bound
-    return sock.send
-
-
-def _is_loopback(endpoint: str) -> bool:
-    scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp":
-        return True
-    host = rest.rpartition(":")[0]
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    return cast("Callable[[bytes | zmq.Frame, int], Any]", sock.send)
 
 
 class EventPublisher:
     """Publishes KV-event batches on a ZeroMQ PUB socket, with optional replay.
 
     ``endpoint`` and ``replay_endpoint`` are base endpoints: rank ``r`` binds
-    ``offset_endpoint(endpoint, r)`` (tcp port + r, ipc/inproc ``_dp{r}``).
-    The default binds loopback only; binding other interfaces (``tcp://*:5557``,
-    a host address) exposes prompt token ids to the network and must be asked
-    for explicitly. Live messages are ``[topic, seq, payload]``; replay follows
-    ``WIRE.md`` (DEALER and REQ clients).
+    ``offset_endpoint(endpoint, r)`` (tcp port + r, ipc/inproc ``_dp{r}``); a
+    port of ``*`` binds an ephemeral port for every rank, reported by
+    :attr:`bound_endpoint` and :attr:`bound_replay_endpoint`. The default binds
+    loopback only; binding other interfaces (``tcp://*:5557``, a host address)
+    exposes prompt token ids to the network, must be asked for explicitly and is
+    logged as a warning for each socket. Live messages are ``[topic, seq,
+    payload]``; replay and snapshots follow ``docs/wire.md`` (DEALER and REQ
+    clients).
 
     ``publish()`` never blocks: at most ``max_queue_size`` batches wait for the
     sender thread, beyond that a batch is dropped and counted. ``hwm`` is the
     PUB socket's per-subscriber send high-water mark; a subscriber that falls
     that far behind loses messages inside ZeroMQ and sees a seq gap.
     ``buffer_steps`` batches are kept for replay; one replay request is answered
-    with at most ``max_replay_batches`` of them (the ROUTER's high-water mark is
-    sized for a full reply), served in chunks between live sends.
+    with at most ``max_replay_batches`` of them, served in chunks between live
+    sends, at most ``max_replay_jobs`` at once, each cut off after
+    ``replay_stall_s`` seconds without progress.
 
-    ``linger_s``: when a batch arrives at an idle sender, it waits this long
-    (not holding the GIL) before encoding and sending. The engine thread that
-    just published is then usually waiting on the GPU rather than launching
-    kernels, so the two threads do not fight over the GIL, and batches that
-    arrive meanwhile share one wake-up. It delays each batch by at most that
-    much; 0 sends at once. Under a backlog there is no lingering.
+    kvwire's additions, each switchable so that an engine integration can stay
+    byte-identical to the engine's own publisher:
+
+    - ``epoch``: a random 64-bit id per instance, appended to every topic frame
+      (live, replay, snapshot) as ``\\x00sgl-kv-epoch=kvw1.<hex>[.hb<ms>][.snap]``.
+    - ``heartbeat``: after that many seconds without a batch, the sender thread
+      publishes an empty batch on the next seq, so a trailing drop is a visible
+      gap within one heartbeat (``None``: never).
+    - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
+      and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
+      chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a
+      full queue are still mirrored (up to ``mirror_backlog`` of them held for
+      that, apart from the queue), so a snapshot repairs the gap they leave;
+      see :mod:`kvwire.publisher.mirror`.
+    - ``server_keys``: make both sockets CURVE servers admitting only the
+      allow-listed client keys (:mod:`kvwire.security`). The publisher stops
+      the ZAP handler of a context it made; with a ``context`` passed in, that
+      is the caller's (``kvwire.security.release_context``).
+
+    ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
+    this long (not holding the GIL) before encoding and sending. The engine
+    thread that just published is then usually waiting on the GPU rather than
+    launching kernels, so the two threads do not fight over the GIL, and batches
+    that arrive meanwhile share one wake-up. It delays each batch by at most
+    that much; 0 sends at once. Under a backlog there is no waiting.
     """
 
     def __init__(
@@ -193,7 +197,15 @@ class EventPublisher:
         max_replay_batches: int = 10_000,
         dialect: Dialect = "map",
         ranks_per_host: int | None = None,
-        linger_s: float = 0.002,
+        coalesce_s: float = 0.002,
+        epoch: bool = True,
+        heartbeat: float | None = 1.0,
+        snapshot: bool = True,
+        server_keys: ServerKeys | None = None,
+        max_replay_jobs: int = 64,
+        replay_stall_s: float = 2.0,
+        snapshot_chunk_blocks: int = 4096,
+        mirror_backlog: int = 100_000,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if rank < 0:
@@ -202,12 +214,21 @@ class EventPublisher:
             ("buffer_steps", buffer_steps),
             ("hwm", hwm),
             ("max_queue_size", max_queue_size),
+            ("mirror_backlog", mirror_backlog),
             ("max_replay_batches", max_replay_batches),
+            ("max_replay_jobs", max_replay_jobs),
+            ("snapshot_chunk_blocks", snapshot_chunk_blocks),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if dialect not in ("map", "array"):
             raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
+        if coalesce_s < 0:
+            raise ValueError(f"coalesce_s must be >= 0, got {coalesce_s}")
+        if heartbeat is not None and not 0.001 <= heartbeat <= 3600:
+            raise ValueError(f"heartbeat must be None or 0.001..3600 s, got {heartbeat}")
+        if not replay_stall_s > 0:
+            raise ValueError(f"replay_stall_s must be > 0, got {replay_stall_s}")
         validate_endpoints(endpoint, replay_endpoint, ranks_per_host or rank + 1)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -217,10 +238,20 @@ class EventPublisher:
         self.topic = topic
         self.max_replay_batches = max_replay_batches
         self.dialect: Dialect = dialect
-        if linger_s < 0:
-            raise ValueError(f"linger_s must be >= 0, got {linger_s}")
-        self.linger_s = linger_s
-        self._topic = topic.encode()
+        self.coalesce_s = coalesce_s
+        self.heartbeat = heartbeat
+        self.snapshot = snapshot and replay_endpoint is not None
+        self.server_keys = server_keys
+        self.max_replay_jobs = max_replay_jobs
+        self.replay_stall_s = replay_stall_s
+        self.snapshot_chunk_blocks = snapshot_chunk_blocks
+        self.epoch: bytes | None = (
+            format_epoch(secrets.randbits(64), heartbeat_s=heartbeat, snapshot=self.snapshot)
+            if epoch
+            else None
+        )
+        """This instance's epoch (``None`` without one): a new value means a restart."""
+        self._topic = epoch_topic(topic.encode(), self.epoch)
         self._max_queue = max_queue_size
         self._own_context = context is None
         self._ctx = context
@@ -230,7 +261,8 @@ class EventPublisher:
         self._bound_replay: str | None = None
 
         self._queue: deque[tuple[int, KVEventBatch | PendingBatch]] = deque()
-        self._seqs = itertools.count()
+        self._seq_lock = threading.Lock()
+        self._next_seq = 0
         self._wakeup: _Wakeup | None = None
         self._idle = False  # True while the sender waits; the next publish wakes it
         self._started = False
@@ -239,44 +271,58 @@ class EventPublisher:
         self._flushed = True
         self._thread: threading.Thread | None = None
         self._lifecycle = threading.Lock()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._jobs: deque[_ReplayJob] = deque()
+        self._buffer: ReplayBuffer = deque(maxlen=buffer_steps)
+        self._mirror = Mirror() if self.snapshot else None
+        # Batches dropped on a full queue, kept (up to mirror_backlog) for the mirror alone.
+        self._mirror_backlog = mirror_backlog
+        self._unsent: deque[tuple[int, KVEventBatch | PendingBatch]] | None = (
+            deque() if self._mirror is not None else None
+        )
+        self._replay: ReplayServer | None = None
 
-        self._last_seq = -1
         self._dropped_queue_full = 0
         self._dropped_closed = 0
         self._published = 0
+        self._heartbeats = 0
         self._dropped_send_error = 0
         self._dropped_encode_error = 0
-        self._replay_served = 0
-        self._replay_invalid = 0
-        self._replay_dropped = 0
         self._problems = _RateLimitedLog(rank)
         self._next_log = 0.0
         self._logged_queue_full = 0
         self._queue_full_logged_at = -_LOG_INTERVAL_S
         self._deadline = 0.0
+        self._last_sent = 0.0
 
     # --- engine-thread API -----------------------------------------------------
 
     def publish(self, batch: KVEventBatch | PendingBatch) -> bool:
-        """Queue ``batch`` for sending; never blocks.
+        """Queue ``batch`` for sending; never blocks (beyond a lock held for a few bytecodes).
 
         The seq is reserved first, so a batch dropped here (queue full, or the
         publisher closed) leaves a gap consumers can see. Returns whether the
         batch was queued. A batch whose ``data_parallel_rank`` is ``None`` is
-        sent with this publisher's rank. Safe to call from several threads.
+        sent with this publisher's rank. Safe to call from several threads: the
+        seq is reserved and the batch queued atomically, so seq order is queue
+        order, wire order and replay order.
         """
-        seq = next(self._seqs)
-        self._last_seq = seq
+        lock = self._seq_lock
+        lock.acquire()
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        queue = self._queue
         if self._closed:
             self._dropped_closed += 1
+            lock.release()
             return False
-        queue = self._queue
         if len(queue) >= self._max_queue:
             self._dropped_queue_full += 1
+            unsent = self._unsent
+            if unsent is not None and len(unsent) < self._mirror_backlog:
+                unsent.append((seq, batch))  # never sent, but the mirror learns it
+            lock.release()
             return False
         queue.append((seq, batch))
+        lock.release()
         if self._idle:
             self._idle = False
             wakeup = self._wakeup
@@ -302,25 +348,35 @@ class EventPublisher:
 
     @property
     def last_seq(self) -> int:
-        """The seq reserved by the latest ``publish()`` call; -1 before the first."""
-        return self._last_seq
+        """The seq reserved by the latest ``publish()`` call (or heartbeat); -1 before the first."""
+        return self._next_seq - 1
 
     def stats(self) -> PublisherStats:
         """Current counters; cheap, callable from any thread at any time."""
-        depth = len(self._queue)
-        dropped = self._dropped_queue_full + self._dropped_closed
+        with self._seq_lock:
+            last = self._next_seq - 1
+            depth = len(self._queue)
+            dropped = self._dropped_queue_full + self._dropped_closed
+            full = self._dropped_queue_full
+            closed = self._dropped_closed
+        replay = self._replay
+        mirror = self._mirror
         return PublisherStats(
-            enqueued=self._last_seq + 1 - dropped,
+            enqueued=last + 1 - dropped,
             published=self._published,
-            dropped_queue_full=self._dropped_queue_full,
+            dropped_queue_full=full,
             dropped_send_error=self._dropped_send_error,
             dropped_encode_error=self._dropped_encode_error,
-            dropped_closed=self._dropped_closed,
-            replay_served=self._replay_served,
-            replay_invalid=self._replay_invalid,
-            replay_dropped=self._replay_dropped,
+            dropped_closed=closed,
+            replay_served=replay.served if replay else 0,
+            replay_invalid=replay.invalid if replay else 0,
+            replay_dropped=replay.dropped if replay else 0,
             queue_depth=depth,
-            last_seq=self._last_seq,
+            last_seq=last,
+            heartbeats=self._heartbeats,
+            snapshots_served=replay.snapshots_served if replay else 0,
+            snapshots_refused=replay.snapshots_refused if replay else 0,
+            mirrored_blocks=mirror.approx_blocks if mirror else 0,
         )
 
     @property
@@ -347,46 +403,70 @@ class EventPublisher:
             if self._started:
                 return self
             ctx = self._ctx if self._ctx is not None else zmq.Context(io_threads=1)
+            keys = self.server_keys
             pub: zmq.Socket[bytes] | None = None
             router: zmq.Socket[bytes] | None = None
             try:
                 pub = ctx.socket(zmq.PUB)
                 pub.setsockopt(zmq.SNDHWM, self.hwm)
                 pub.setsockopt(zmq.LINGER, 0)
+                if keys is not None:
+                    secure_server(pub, keys)
                 address = offset_endpoint(self.endpoint, self.rank)
-                if not _is_loopback(address):
-                    log.warning(
-                        "publishing KV events on %s, reachable beyond this host: "
-                        "events carry prompt token ids",
-                        address,
-                    )
+                warn_if_exposed(log, address, "KV event PUB socket", secured=keys is not None)
                 pub.bind(address)
                 self._bound = pub.getsockopt_string(zmq.LAST_ENDPOINT)
                 if self.replay_endpoint is not None:
                     router = ctx.socket(zmq.ROUTER)
-                    router.setsockopt(zmq.SNDHWM, self.max_replay_batches + 2)
+                    # Replies go at the client's pace: a never-reading client holds
+                    # at most this many (shared) messages in its pipe.
+                    router.setsockopt(zmq.SNDHWM, min(self.max_replay_batches + 2, 256))
                     router.setsockopt(zmq.RCVHWM, 1000)
                     router.setsockopt(zmq.MAXMSGSIZE, 1024)
                     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                     router.setsockopt(zmq.LINGER, 0)
-                    router.bind(offset_endpoint(self.replay_endpoint, self.rank))
+                    if keys is not None:
+                        secure_server(router, keys)
+                    address = offset_endpoint(self.replay_endpoint, self.rank)
+                    warn_if_exposed(
+                        log, address, "KV event replay socket", secured=keys is not None
+                    )
+                    router.bind(address)
                     self._bound_replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
             except BaseException:
                 for sock in (pub, router):
                     if sock is not None:
                         sock.close(linger=0)
                 if self._own_context:
+                    release_context(ctx)
                     ctx.term()
                 raise
             self._ctx = ctx
             self._pub = pub
             self._send = _fast_send(pub)
             self._router = router
+            if router is not None:
+                self._replay = ReplayServer(
+                    router,
+                    self._buffer,
+                    self._topic,
+                    # Engines close a replay with an empty topic; kvwire with its epoch.
+                    end_topic=self._topic if self.epoch is not None else b"",
+                    max_batches=self.max_replay_batches,
+                    mirror=self._mirror,
+                    rank=self.rank,
+                    dialect=self.dialect,
+                    note_error=self._note_error,
+                    max_jobs=self.max_replay_jobs,
+                    stall_s=self.replay_stall_s,
+                    snapshot_chunk_blocks=self.snapshot_chunk_blocks,
+                )
             self._wakeup = _Wakeup()
             self._thread = threading.Thread(
                 target=self._run, name=f"kvwire-publisher-{self.rank}", daemon=True
             )
             self._started = True
+            self._last_sent = time.monotonic()
             self._thread.start()
             return self
 
@@ -399,7 +479,8 @@ class EventPublisher:
         with self._lifecycle:
             if self._closed:
                 return self._flushed
-            self._closed = True
+            with self._seq_lock:
+                self._closed = True
             if not self._started or self._thread is None:
                 self._flushed = not self._queue
                 self._queue.clear()
@@ -429,78 +510,100 @@ class EventPublisher:
 
     def _run(self) -> None:
         pub = self._pub
-        router = self._router
+        replay = self._replay
         wakeup = self._wakeup
         assert pub is not None and wakeup is not None
         poller = zmq.Poller()
         poller.register(wakeup.fd, zmq.POLLIN)
-        if router is not None:
-            poller.register(router, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay.router, zmq.POLLIN)
         queue = self._queue
+        heartbeat = self.heartbeat
         try:
             while True:
                 busy = self._send_live()
-                if router is not None:
-                    busy = self._serve_replay(router) or busy
+                if replay is not None:
+                    busy = replay.serve() or busy
                 self._maybe_log()
                 if self._stopping and (not queue or time.monotonic() >= self._deadline):
                     break
                 if busy:
                     continue
+                timeout = 500.0
+                if heartbeat is not None and not self._stopping:
+                    due = self._last_sent + heartbeat - time.monotonic()
+                    if due <= 0:
+                        self._heartbeat()
+                        continue
+                    timeout = min(timeout, due * 1000 + 1)
                 self._idle = True
                 if queue or self._stopping:
                     self._idle = False
                     continue
-                poller.poll(1 if self._jobs else 500)
+                poller.poll(2 if replay is not None and replay.jobs else int(timeout))
                 self._idle = False
                 wakeup.clear()
-                if self.linger_s and queue and not self._stopping:
-                    time.sleep(self.linger_s)
+                if self.coalesce_s and queue and not self._stopping:
+                    time.sleep(self.coalesce_s)
         except Exception:  # pragma: no cover - a bug; keep the engine alive
             log.exception("publisher thread for rank %d failed", self.rank)
         finally:
             self._idle = False
-            self._flushed = not queue
-            if queue:
-                self._dropped_closed += len(queue)
-                self._note_error("closed", f"{len(queue)} queued batches dropped at close")
-                queue.clear()
+            with self._seq_lock:
+                self._flushed = not queue
+                if queue:
+                    self._dropped_closed += len(queue)
+                    self._note_error("closed", f"{len(queue)} queued batches dropped at close")
+                    queue.clear()
             remaining = max(0.0, self._deadline - time.monotonic()) if self._stopping else 0.0
             pub.close(linger=int(remaining * 1000))
-            if router is not None:
-                router.close(linger=0)
+            if replay is not None:
+                replay.close()
+                replay.router.close(linger=0)
             if self._own_context and self._ctx is not None:
+                release_context(self._ctx)
                 self._ctx.term()
             wakeup.close()
             self._maybe_log(force=True)
+
+    def _heartbeat(self) -> None:
+        """Publish an empty batch on the next seq, through ``publish()``'s own atomic path."""
+        self._last_sent = time.monotonic()
+        if self.publish(KVEventBatch(time.time(), [], self.rank)):
+            self._heartbeats += 1
 
     def _send_live(self) -> bool:
         """Encode, then send, up to one chunk of queued batches; returns whether more wait.
 
         Sending a chunk back to back lets libzmq's I/O thread write many
-        messages per wake-up instead of one.
+        messages per wake-up instead of one. Each payload becomes one
+        ``zmq.Frame`` that the PUB socket, the replay buffer and every replay
+        share.
         """
         queue = self._queue
+        unsent = self._unsent
+        if unsent:
+            self._mirror_unsent(None)
         if not queue:
-            return False
-        dialect = self.dialect
-        rank = self.rank
-        ready: list[tuple[int, bytes]] = []
+            return bool(unsent)
+        mirror = self._mirror
+        ready: list[tuple[int, zmq.Frame]] = []
         deadline = time.perf_counter() + _CHUNK_S
         while queue and len(ready) < _CHUNK_BATCHES:
             seq, item = queue.popleft()
+            if unsent and unsent[0][0] < seq:
+                self._mirror_unsent(seq)
             try:
-                if type(item) is KVEventBatch:
-                    if item.data_parallel_rank is None:
-                        item = msgspec.structs.replace(item, data_parallel_rank=rank)
-                    payload = encode_batch(item, dialect=dialect)
-                else:
-                    payload = item.encode(dialect)  # type: ignore[union-attr]
+                payload = self._encode(item)
             except Exception as exc:
                 self._dropped_encode_error += 1
                 self._note_error("encode", f"batch seq {seq} could not be encoded: {exc}")
+                if mirror is not None:
+                    mirror.skip(seq, "it could not be encoded")
                 continue
-            ready.append((seq, payload))
+            if mirror is not None:
+                self._mirror_batch(mirror, seq, payload)
+            ready.append((seq, zmq.Frame(payload)))
             if self._stopping and time.monotonic() >= self._deadline:
                 break
             if not len(ready) & 7 and time.perf_counter() >= deadline:
@@ -511,88 +614,54 @@ class EventPublisher:
         pack = _pack_seq
         send = self._send
         failed = 0
-        for seq, payload in ready:
+        for seq, frame in ready:
             try:
                 send(topic, more)
                 send(pack(seq), more)
-                send(payload, noblock)
+                send(frame, noblock)
             except zmq.ZMQError as exc:
                 failed += 1
                 self._note_error("send", f"batch seq {seq} not sent: {exc}")
         self._published += len(ready) - failed
         self._dropped_send_error += failed
         self._buffer.extend(ready)
+        if ready:
+            self._last_sent = time.monotonic()
         return bool(queue)
 
-    # --- replay ----------------------------------------------------------------------
+    def _encode(self, item: KVEventBatch | PendingBatch) -> bytes:
+        if type(item) is KVEventBatch:
+            if item.data_parallel_rank is None:
+                item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
+            return encode_batch(item, dialect=self.dialect)
+        return item.encode(self.dialect)  # type: ignore[union-attr]
 
-    def _serve_replay(self, router: zmq.Socket[bytes]) -> bool:
-        readable = int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN
-        for _ in range(16 if readable else 0):
+    def _mirror_unsent(self, before: int | None) -> None:
+        """Mirror, in seq order, the dropped batches below ``before`` (``None``: below every
+        batch still queued or yet to come)."""
+        unsent = self._unsent
+        mirror = self._mirror
+        assert unsent is not None and mirror is not None
+        if before is None:
+            with self._seq_lock:  # a consistent bound: queue head, or the next seq
+                before = self._queue[0][0] if self._queue else self._next_seq
+        while unsent and unsent[0][0] < before:
+            seq, item = unsent.popleft()
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                identity, start = parse_replay_request(frames)
-            except WireError as exc:
-                self._replay_invalid += 1
-                self._note_error("replay_invalid", f"ignored replay request: {exc}")
+                payload = self._encode(item)
+            except Exception:
+                mirror.skip(seq, "it could not be encoded")
                 continue
-            if len(self._jobs) >= _MAX_REPLAY_JOBS:
-                self._replay_dropped += 1
-                self._note_error("replay_busy", "replay request dropped: too many in progress")
-                continue
-            self._jobs.append(_ReplayJob(identity, start, self.max_replay_batches))
-        if not self._jobs:
-            return False
-        job = self._jobs[0]
-        if self._send_replay_chunk(router, job):
-            self._jobs.popleft()
-            if job.remaining >= 0:
-                self._replay_served += 1
-        else:
-            self._jobs.rotate(-1)
-        return bool(self._jobs)
+            self._mirror_batch(mirror, seq, payload)
 
-    def _send_replay_chunk(self, router: zmq.Socket[bytes], job: _ReplayJob) -> bool:
-        """Send up to one chunk of ``job``; returns whether the job is finished."""
-        buffer = self._buffer
-        topic = self._topic
-        idx = bisect_left(buffer, job.next_seq, key=_seq_key)
-        sent = 0
+    def _mirror_batch(self, mirror: Mirror, seq: int, payload: bytes) -> None:
+        """Feed the mirror what subscribers will decode (hashes normalised as they see them)."""
         try:
-            while job.remaining > 0 and idx < len(buffer) and sent < _REPLAY_CHUNK:
-                seq, payload = buffer[idx]
-                router.send_multipart(
-                    [job.identity, b"", topic, pack_seq(seq), payload], zmq.NOBLOCK
-                )
-                job.next_seq = seq + 1
-                job.remaining -= 1
-                idx += 1
-                sent += 1
-            if job.remaining > 0 and idx < len(buffer):
-                job.stalled_since = None
-                return False
-            router.send_multipart([job.identity, *replay_end_frames()], zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            now = time.monotonic()
-            if sent:
-                job.stalled_since = None
-            elif job.stalled_since is None:
-                job.stalled_since = now
-            elif now - job.stalled_since > _REPLAY_STALL_S:
-                return self._abandon(job, "its client stopped reading")
-            return False
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
-            return self._abandon(job, str(exc))
-
-    def _abandon(self, job: _ReplayJob, why: str) -> bool:
-        self._replay_dropped += 1
-        job.remaining = -1
-        self._note_error("replay_dropped", f"replay abandoned: {why}")
-        return True
+            batch = decode_batch(payload)
+        except Exception as exc:  # pragma: no cover - encode and decode disagree
+            mirror.skip(seq, f"its payload did not decode: {exc}")
+            return
+        mirror.apply(seq, batch)
 
     # --- bounded-rate logging ------------------------------------------------------
 

@@ -22,6 +22,7 @@ import msgspec
 from kvwire.reference.control import EngineEndpoints
 from kvwire.reference.serve import READY_PREFIX, EngineConfig
 from kvwire.subscriber import EngineSource
+from kvwire.wire import local_endpoint
 
 __all__ = ["EngineProcess"]
 
@@ -105,12 +106,17 @@ class EngineProcess:
 
     @property
     def control_endpoint(self) -> str:
-        return self.endpoints.control
+        return local_endpoint(self.endpoints.control)
 
     def source(self, worker_id: str, topic: str = "") -> EngineSource:
         """Where a router subscribes to every rank of this engine."""
         return EngineSource.from_rank_endpoints(
-            worker_id, [(r.endpoint, r.replay_endpoint) for r in self.endpoints.ranks], topic
+            worker_id,
+            [
+                (local_endpoint(r.endpoint), None if r.replay_endpoint is None else local_endpoint(r.replay_endpoint))
+                for r in self.endpoints.ranks
+            ],
+            topic,
         )
 
     def running(self) -> bool:

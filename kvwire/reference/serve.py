@@ -13,19 +13,27 @@ when asked, drives itself with the seeded synthetic workload. Each command or
 workload step is one scheduler iteration: one flush, at most one batch per rank.
 
 Binds to 127.0.0.1 unless ``--host`` says otherwise; events carry users'
-prompt token ids, so binding beyond loopback is an explicit choice.
+prompt token ids, so binding beyond loopback is an explicit choice, logged as
+a warning. The control endpoint obeys whoever reaches it unless it has keys
+(``--control-secret-key``, ``--control-allow-dir``): then only CURVE clients
+whose public key is in the allow-list directory get in, and keys are rotated
+by changing the directory. Every command is bounded before any work is done,
+and the control socket refuses messages larger than a prompt the cache could
+hold (:attr:`EngineConfig.control_max_message`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -34,6 +42,8 @@ import zmq
 from kvwire.publisher.collector import EventCollector
 from kvwire.publisher.publisher import EventPublisher
 from kvwire.reference.control import (
+    MAX_DRIVE_RATE,
+    MIN_DRIVE_RATE,
     Admitted,
     Command,
     Drive,
@@ -56,11 +66,13 @@ from kvwire.reference.control import (
     Submit,
     Truth,
     TruthReply,
+    command_decoder,
     encoder,
-    request_decoder,
+    envelope_decoder,
 )
 from kvwire.reference.paged_cache import CacheFullError, PagedKVCache
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
+from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 
 __all__ = ["READY_PREFIX", "EngineConfig", "EngineServer", "main"]
 
@@ -91,6 +103,18 @@ class EngineConfig:
     topic: str = ""
     device: str | None = None
     hash_seed: int = 0
+    control_keys: ServerKeys | None = None
+    """CURVE keys of the control endpoint; ``None``: anyone who reaches it may command."""
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a rank could ever cache; longer ones are refused unread."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def control_max_message(self) -> int:
+        """The control socket's ``ZMQ_MAXMSGSIZE``: the longest prompt (9 bytes a token) and room."""
+        return 65_536 + 9 * self.max_prompt_tokens
 
     def endpoint(self, port: int) -> str:
         """The bind address of ``port`` on this host (``*`` for port 0)."""
@@ -114,6 +138,11 @@ class EngineConfig:
         ]  # fmt: skip
         if self.device is not None:
             flags += ["--device", self.device]
+        if self.control_keys is not None:
+            flags += [
+                "--control-secret-key", str(self.control_keys.secret_key_file),
+                "--control-allow-dir", str(self.control_keys.allow_dir),
+            ]  # fmt: skip
         return flags
 
 
@@ -171,9 +200,20 @@ class EngineServer:
             raise ValueError(f"rank {rank} is outside 0..{len(self.ranks) - 1}")
         return self.ranks[rank]
 
+    def _check_prompt(self, token_ids: Sequence[int]) -> None:
+        limit = self.config.max_prompt_tokens
+        if len(token_ids) > limit:
+            raise ValueError(
+                f"{len(token_ids)} token ids exceed the {limit} this engine's cache can hold"
+            )
+
     def admit(self, rank: int, request_id: str, token_ids: Sequence[int]) -> Admitted:
-        """Admit a request, releasing this rank's oldest requests while out of blocks."""
+        """Admit a request, releasing this rank's oldest requests while out of blocks.
+
+        A prompt longer than the whole cache is refused before any work.
+        """
         r = self._rank(rank)
+        self._check_prompt(token_ids)
         while True:
             try:
                 result = r.cache.admit(request_id, token_ids)
@@ -201,6 +241,7 @@ class EngineServer:
             self.release(command.rank, command.request_id)
             return Ok()
         if isinstance(command, Probe):
+            self._check_prompt(command.token_ids)
             return Probed(self._rank(command.rank).cache.probe(command.token_ids))
         if isinstance(command, Reset):
             r = self._rank(command.rank)
@@ -212,7 +253,10 @@ class EngineServer:
             r = self._rank(command.rank)
             return TruthReply(sorted(r.cache.held_hashes()), r.publisher.last_seq)
         if isinstance(command, SetPublisher):
-            self._rank(command.rank).publisher.max_queue_size = command.max_queue_size
+            publisher = self._rank(command.rank).publisher
+            publisher.max_queue_size = command.max_queue_size
+            if command.coalesce_s is not None:
+                publisher.coalesce_s = command.coalesce_s
             return Ok()
         if isinstance(command, Drive):
             self.drive(command.rate, seed=command.seed, hold=command.hold)
@@ -241,9 +285,17 @@ class EngineServer:
         """Admit ``rate`` synthetic requests per second round-robin over ranks (0 stops).
 
         Each rank keeps its ``hold`` most recent requests active; older ones
-        are released, so blocks become evictable and eviction happens.
+        are released, so blocks become evictable and eviction happens. A rate
+        that is not finite, or outside ``MIN_DRIVE_RATE`` .. ``MAX_DRIVE_RATE``
+        (0 aside), raises ``ValueError`` and changes nothing.
         """
-        if rate <= 0:
+        if not math.isfinite(rate) or rate < 0 or rate > MAX_DRIVE_RATE or 0 < rate < MIN_DRIVE_RATE:
+            raise ValueError(
+                f"drive rate {rate!r} must be 0 or within {MIN_DRIVE_RATE}..{MAX_DRIVE_RATE} per second"
+            )
+        if not 1 <= hold <= 100_000:
+            raise ValueError(f"drive hold {hold} must be within 1..100000")
+        if rate == 0:
             self._workload = None
             return
         cfg = WorkloadConfig(seed=seed, block_size=self.config.block_size)
@@ -271,7 +323,14 @@ class EngineServer:
             r.publisher.start()
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.config.endpoint(self.config.control_port))
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.control_max_message)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        keys = self.config.control_keys
+        if keys is not None:
+            secure_server(sock, keys)
+        address = self.config.endpoint(self.config.control_port)
+        warn_if_exposed(log, address, "reference engine control endpoint", secured=keys is not None)
+        sock.bind(address)
         self._bound_control = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._control = sock
         self._running = True
@@ -305,7 +364,10 @@ class EngineServer:
             if poller.poll(timeout):
                 self._serve_one(sock)
             if self._workload is not None and time.monotonic() >= self._next_drive:
-                self.step()
+                try:
+                    self.step()
+                except CacheFullError as exc:  # a request larger than the cache: skip it
+                    log.warning("self-driven request skipped: %s", exc)
                 self._next_drive += self._drive_interval
                 # Fall behind gracefully instead of bursting to catch up.
                 self._next_drive = max(self._next_drive, time.monotonic() - self._drive_interval)
@@ -314,8 +376,8 @@ class EngineServer:
         frames = sock.recv_multipart()
         ident = 0
         try:
-            ident, command = request_decoder.decode(frames[-1])
-            reply = self.handle(command)
+            ident, body = envelope_decoder.decode(frames[-1])
+            reply = self.handle(command_decoder.decode(body))
         except Exception as exc:  # a bad command is answered, never fatal
             log.warning("control command failed: %s", exc)
             reply = Failed(f"{type(exc).__name__}: {exc}")
@@ -333,6 +395,8 @@ class EngineServer:
         if self._control is not None:
             self._control.close(0)
             self._control = None
+            if self.config.control_keys is not None:
+                release_context(self._ctx)
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace]:
@@ -359,6 +423,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
     p.add_argument("--drive-seed", type=int, default=0)
     p.add_argument("--drive-hold", type=int, default=8)
     p.add_argument("--duration", type=float, default=None, help="exit after this many seconds")
+    p.add_argument("--control-secret-key", type=Path, default=None,
+                   help="the control endpoint's CURVE secret key file (kvwire keygen)")
+    p.add_argument("--control-allow-dir", type=Path, default=None,
+                   help="directory of the public keys of clients allowed to control the engine")
     args = p.parse_args(argv)
     config = EngineConfig(
         ranks=args.ranks,
@@ -374,8 +442,17 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
         topic=args.topic,
         device=args.device,
         hash_seed=args.hash_seed,
+        control_keys=_control_keys(p, args),
     )
     return config, args
+
+
+def _control_keys(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerKeys | None:
+    if args.control_secret_key is None and args.control_allow_dir is None:
+        return None
+    if args.control_secret_key is None or args.control_allow_dir is None:
+        p.error("--control-secret-key and --control-allow-dir go together")
+    return ServerKeys(args.control_secret_key, args.control_allow_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from kvwire.wire.codec import Dialect, decode_batch, encode_batch, normalise_has
 from kvwire.wire.endpoints import (
     EndpointError,
     is_ephemeral,
+    local_endpoint,
     offset_endpoint,
     validate_endpoint,
     validate_endpoints,
@@ -80,6 +81,7 @@ __all__ = [
     "epoch_topic",
     "format_epoch",
     "is_ephemeral",
+    "local_endpoint",
     "normalise_hash",
     "offset_endpoint",
     "pack_seq",

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "EndpointError",
     "is_ephemeral",
+    "local_endpoint",
     "offset_endpoint",
     "validate_endpoint",
     "validate_endpoints",
@@ -42,6 +43,22 @@ def _split(endpoint: str) -> tuple[str, str]:
 def is_ephemeral(endpoint: str) -> bool:
     """Whether ``endpoint`` is a tcp bind address with port ``*`` (any free port)."""
     return endpoint.startswith("tcp://") and endpoint.endswith(":*")
+
+
+def local_endpoint(endpoint: str) -> str:
+    """Where a process on this host connects to a socket bound at ``endpoint``.
+
+    A wildcard host (``0.0.0.0``, ``*``, ``::``) becomes loopback; anything else is returned as is.
+    """
+    for wildcard, loopback in (
+        ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+        ("tcp://*:", "tcp://127.0.0.1:"),
+        ("tcp://[::]:", "tcp://[::1]:"),
+        ("tcp://:::", "tcp://[::1]:"),
+    ):
+        if endpoint.startswith(wildcard):
+            return loopback + endpoint[len(wildcard) :]
+    return endpoint
 
 
 def _tcp_host_port(endpoint: str, rest: str) -> tuple[str, int]:

@@ -3,10 +3,11 @@
 An :class:`Engine` is a reference engine server (``python -m
 kvwire.reference.serve``) that drives itself with the synthetic workload; a
 :class:`Router` follows every rank with a :class:`Subscriber` feeding a
-:class:`PrefixIndex`. After each fault the traffic stops, each rank publishes
-one more batch (so a lost tail shows up as a gap), and :func:`converge` polls
-until every rank is either SYNCED with exactly the engine's blocks, or
-PARTIAL with no block the engine does not hold.
+:class:`PrefixIndex`. After each fault the traffic stops and nothing else is
+published: the publishers' heartbeats alone must reveal a lost tail. Then
+:func:`converge` polls until every rank has caught up with its engine's
+latest seq and is either SYNCED with exactly the engine's blocks, or PARTIAL
+with no block the engine does not hold; the scenarios ask for SYNCED.
 """
 
 from __future__ import annotations
@@ -255,13 +256,9 @@ class Convergence:
 
 
 def quiesce(engines: list[Engine]) -> None:
-    """Stop the traffic, then make every rank publish once more (a lost tail becomes a gap)."""
+    """Stop the traffic. Nothing more is published: a lost tail must show by itself."""
     for e in engines:
         e.client().drive(0)
-    for e in engines:
-        for rank in range(e.spec.ranks):
-            marker = [rank + 1] * BLOCK_SIZE
-            e.client().submit(rank, f"quiesce-{time.monotonic_ns()}", marker)
 
 
 def converge(router: Router, engines: list[Engine], since: float, timeout: float = 30.0) -> list[Convergence]:

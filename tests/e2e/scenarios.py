@@ -56,6 +56,14 @@ def _all_synced(states: dict[tuple[str, int], RankState]) -> None:
     assert all(s is RankState.SYNCED for s in states.values()), states
 
 
+def _repaired_by_snapshot(router: Router, engine: Engine, ranks: range) -> None:
+    """Seqs were lost for good on ``ranks``, and a snapshot made them exact again."""
+    st = router.status()
+    for r in ranks:
+        counters = st[(engine.worker_id, r)].counters
+        assert counters.seqs_lost > 0 and counters.snapshots_applied >= 1, counters
+
+
 def kill_and_restart(make: MakeEngine) -> None:
     with cluster(make, TWO_ENGINES) as (engines, router):
         a, b = engines
@@ -109,10 +117,32 @@ def queue_overflow(make: MakeEngine) -> None:
         client.set_publisher(0, max_queue_size=100_000)
         client.drive(60, seed=8, hold=3)
         fault_end = time.monotonic()
-        states = _finish("queue-overflow", router, engines, fault_end)
-        # Dropped batches were never published: the loss cannot be replayed.
-        assert states[(a.worker_id, 0)] is RankState.PARTIAL, states
-        assert router.status()[(a.worker_id, 0)].counters.seqs_lost > 0
+        # Dropped batches were never published, so no replay has them; the
+        # publisher's mirror learnt them, and its snapshot repairs the rank.
+        _all_synced(_finish("queue-overflow", router, engines, fault_end))
+        _repaired_by_snapshot(router, a, range(1))
+
+
+def drop_last_batch_and_go_idle(make: MakeEngine) -> None:
+    """The engine's last batch is dropped (queue full), then it publishes nothing."""
+    with cluster(make, TWO_ENGINES) as (engines, router):
+        a, _ = engines
+        _traffic(router, a, 10)
+        client = a.client()
+        client.drive(0)
+        # A queue of one and a sender that waits 0.3 s after each wake-up: of two
+        # batches in a row, the second finds the first still queued and is dropped.
+        client.set_publisher(0, max_queue_size=1, coalesce_s=0.3)
+        wait_for(lambda: client.stats().ranks[0].publisher["queue_depth"] == 0, 10, "an idle sender")
+        dropped_before = client.stats().ranks[0].publisher["dropped_queue_full"]
+        client.submit(0, f"last-{time.monotonic_ns()}", list(range(7, 7 + 3 * 16)))
+        client.reset(0)  # an AllBlocksCleared that never leaves the engine
+        assert client.stats().ranks[0].publisher["dropped_queue_full"] == dropped_before + 1
+        client.set_publisher(0, max_queue_size=100_000, coalesce_s=0.002)  # publishes nothing
+        fault_end = time.monotonic()
+        assert client.truth(0).hashes == []
+        _all_synced(_finish("drop-last-batch", router, engines, fault_end))
+        _repaired_by_snapshot(router, a, range(1))
 
 
 def late_subscriber(make: MakeEngine) -> None:
@@ -132,7 +162,7 @@ def partition_beyond_replay_buffer(make: MakeEngine) -> None:
         EngineSpec("engine-b", drive_seed=2),
     ]
     with cluster(make, specs) as (engines, router):
-        a, b = engines
+        a, _ = engines
         # The partition's length is the fault itself; the control endpoint is cut
         # off too (in containers it shares the network), so it is sized from the
         # publishing rate measured just before.
@@ -146,15 +176,13 @@ def partition_beyond_replay_buffer(make: MakeEngine) -> None:
         fault_end = time.monotonic()
         after = [a.client().truth(r).last_seq for r in range(a.spec.ranks)]
         assert all(n - b > a.spec.buffer_steps for b, n in zip(before, after, strict=True)), (before, after)
-        states = _finish("long-partition", router, engines, fault_end)
-        for r in range(b.spec.ranks):
-            assert states[(b.worker_id, r)] is RankState.SYNCED, states
-        return_states = [states[(a.worker_id, r)] for r in range(a.spec.ranks)]
-        lost = [router.status()[(a.worker_id, r)].counters.seqs_lost for r in range(a.spec.ranks)]
-        # Every rank of the partitioned engine either lost history (PARTIAL) or, where the
-        # transport held everything back, caught up exactly; which one is up to TCP.
-        for state, n in zip(return_states, lost, strict=True):
-            assert (state is RankState.PARTIAL) == (n > 0), (return_states, lost)
+        # What the replay buffer no longer holds, a snapshot brings back: every
+        # rank ends exact, whether it lost history or TCP held it all back.
+        _all_synced(_finish("long-partition", router, engines, fault_end))
+        st = router.status()
+        for r in range(a.spec.ranks):
+            counters = st[(a.worker_id, r)].counters
+            assert counters.seqs_lost == 0 or counters.snapshots_applied >= 1, counters
 
 
 def reset_rank(make: MakeEngine) -> None:
@@ -172,6 +200,7 @@ SCENARIOS: dict[str, Callable[[MakeEngine], None]] = {
     "pause_and_resume": pause_and_resume,
     "disconnect_and_reconnect": disconnect_and_reconnect,
     "queue_overflow": queue_overflow,
+    "drop_last_batch_and_go_idle": drop_last_batch_and_go_idle,
     "late_subscriber": late_subscriber,
     "partition_beyond_replay_buffer": partition_beyond_replay_buffer,
     "reset_rank": reset_rank,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import zmq
 
 from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher
-from kvwire.publisher.publisher import _is_loopback
+from kvwire.security import is_loopback
 from kvwire.wire import (
     END_SEQ,
     BlockRemoved,
@@ -24,6 +25,8 @@ from kvwire.wire import (
     ReplayItem,
     decode_batch,
     encode_batch,
+    epoch_topic,
+    offset_endpoint,
     pack_seq,
     parse_replay_reply,
     replay_request_frames,
@@ -69,19 +72,19 @@ def endpoints(kind: str, ipc_dir: str) -> tuple[str, str]:
 # --- live --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "linger"), [("tcp", 0.001), ("ipc", 0.0)])
+@pytest.mark.parametrize(("kind", "coalesce"), [("tcp", 0.001), ("ipc", 0.0)])
 def test_live_frames_and_consecutive_seqs(
-    kind: str, linger: float, ipc_dir: str, zctx: zmq.Context[Any]
+    kind: str, coalesce: float, ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     live, _ = endpoints(kind, ipc_dir)
-    with EventPublisher(live, topic="kv", linger_s=linger) as pub:
+    with EventPublisher(live, topic="kv", coalesce_s=coalesce, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         sent = [batch(i) for i in range(50)]
         for b in sent:
             assert pub.publish(b) is True
         for i, b in enumerate(sent):
             msg = recv_live(sub)
-            assert msg.topic == b"kv"
+            assert msg.topic == epoch_topic(b"kv", pub.epoch)
             assert msg.seq == first + i
             assert msg.payload == encode_batch(b)
             assert decode_batch(msg.payload) == b
@@ -91,18 +94,18 @@ def test_live_frames_and_consecutive_seqs(
 
 
 def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events", heartbeat=None) as pub:
         sub, _ = connect_sub(zctx, pub, topic=b"kv")
         other: zmq.Socket[bytes] = zctx.socket(zmq.SUB)
         other.setsockopt(zmq.SUBSCRIBE, b"other")
         other.connect(pub.bound_endpoint)
         pub.publish(batch(1))
-        assert recv_live(sub).topic == b"kv-events"
+        assert recv_live(sub).topic == epoch_topic(b"kv-events", pub.epoch)
         assert not other.poll(200)
 
 
 def test_missing_rank_is_filled_and_array_dialect(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array", heartbeat=None) as pub:
         assert pub.bound_endpoint == f"ipc://{ipc_dir}/p_dp3"
         sub, _ = connect_sub(zctx, pub)
         pub.publish(batch(7, rank=None))
@@ -123,11 +126,11 @@ def test_rank_offsets_tcp_ports() -> None:
 def test_default_endpoint_is_loopback_only() -> None:
     assert DEFAULT_ENDPOINT == "tcp://127.0.0.1:5557"
     assert EventPublisher().endpoint == DEFAULT_ENDPOINT
-    assert _is_loopback(DEFAULT_ENDPOINT)
-    assert _is_loopback("ipc:///tmp/x")
-    assert not _is_loopback("tcp://*:5557")
-    assert not _is_loopback("tcp://0.0.0.0:5557")
-    assert not _is_loopback("tcp://10.1.2.3:5557")
+    assert is_loopback(DEFAULT_ENDPOINT)
+    assert is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://*:5557")
+    assert not is_loopback("tcp://0.0.0.0:5557")
+    assert not is_loopback("tcp://10.1.2.3:5557")
 
 
 def test_bad_endpoints_and_settings_are_rejected() -> None:
@@ -143,8 +146,8 @@ def test_bad_endpoints_and_settings_are_rejected() -> None:
         EventPublisher(max_queue_size=0)
     with pytest.raises(ValueError, match="dialect"):
         EventPublisher(dialect="json")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="linger_s"):
-        EventPublisher(linger_s=-1)
+    with pytest.raises(ValueError, match="coalesce_s"):
+        EventPublisher(coalesce_s=-1)
 
 
 def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
@@ -160,7 +163,9 @@ def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
 # --- replay ------------------------------------------------------------------------
 
 
-def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[Any]:
+def replay_via_dealer(
+    ctx: zmq.Context[Any], endpoint: str, start: int, topic: bytes = b""
+) -> list[Any]:
     dealer: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
     dealer.send_multipart(replay_request_frames(start))
@@ -171,7 +176,7 @@ def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[
         reply = parse_replay_reply(frames)
         out.append(reply)
         if isinstance(reply, ReplayEnd):
-            assert frames == [b"", b"", END_SEQ, b""]
+            assert frames == [b"", topic, END_SEQ, b""]
             dealer.close(linger=0)
             return out
 
@@ -179,24 +184,25 @@ def replay_via_dealer(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     live, replay = endpoints(kind, ipc_dir)
-    with EventPublisher(live, replay, topic="t") as pub:
+    with EventPublisher(live, replay, topic="t", heartbeat=None) as pub:
         sent = {pub.last_seq + 1 + i: batch(i) for i in range(20)}
         for b in sent.values():
             pub.publish(b)
         wait_for(lambda: pub.stats().published == 20, what="batches sent")
-        replies = replay_via_dealer(zctx, pub.bound_replay_endpoint or "", 5)
+        topic = epoch_topic(b"t", pub.epoch)
+        replies = replay_via_dealer(zctx, pub.bound_replay_endpoint or "", 5, topic)
         items = replies[:-1]
         assert [r.seq for r in items] == list(range(5, 20))
         for r in items:
             assert isinstance(r, ReplayItem)
-            assert r.topic == b"t"
+            assert r.topic == topic
             assert r.payload == encode_batch(sent[r.seq])
         assert isinstance(replies[-1], ReplayEnd)
         wait_for(lambda: pub.stats().replay_served == 1, what="replay counted")
 
 
 def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
         for i in range(5):
             pub.publish(batch(i))
         wait_for(lambda: pub.stats().published == 5, what="batches sent")
@@ -205,29 +211,31 @@ def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
         req.send(pack_seq(3))  # REQ adds the empty delimiter itself
         assert req.poll(5000)
         topic, seq, payload = req.recv_multipart()  # a REQ reads the first reply only
-        assert (topic, seq) == (b"", pack_seq(3))
+        assert (topic, seq) == (epoch_topic(b"", pub.epoch), pack_seq(3))
         assert payload == encode_batch(batch(3))
 
 
 def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3
-    ) as pub:
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3,
+        heartbeat=None,
+    ) as pub:  # fmt: skip
         for i in range(12):
             pub.publish(batch(i))
         wait_for(lambda: pub.stats().published == 12, what="batches sent")
         endpoint = pub.bound_replay_endpoint or ""
         # Asked from 0, but only seqs 4..11 are buffered: it starts later, silently.
-        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 0)[:-1]] == [4, 5, 6]
-        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 10)[:-1]] == [10, 11]
-        assert replay_via_dealer(zctx, endpoint, 50) == [ReplayEnd()]
+        topic = epoch_topic(b"", pub.epoch)
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 0, topic)[:-1]] == [4, 5, 6]
+        assert [r.seq for r in replay_via_dealer(zctx, endpoint, 10, topic)[:-1]] == [10, 11]
+        assert replay_via_dealer(zctx, endpoint, 50, topic) == [ReplayEnd(topic)]
         wait_for(lambda: pub.stats().replay_served == 3, what="replays counted")
 
 
 def test_malformed_replay_requests_are_counted_and_ignored(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
         pub.publish(batch(0))
         dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
         dealer.connect(pub.bound_replay_endpoint or "")
@@ -247,8 +255,9 @@ def test_malformed_replay_requests_are_counted_and_ignored(
 def test_replay_does_not_starve_live(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     n = 5_000
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n
-    ) as pub:
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n,
+        heartbeat=None,
+    ) as pub:  # fmt: skip
         sub, first = connect_sub(zctx, pub)
         for i in range(n):
             pub.publish(batch(i))
@@ -279,7 +288,7 @@ def test_queue_full_drops_are_counted_leave_gaps_and_never_block(
 ) -> None:
     gate = threading.Event()
     started = threading.Event()
-    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4) as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         assert pub.publish(BlockingBatch(gate, started))  # seq first: the sender takes it
         assert started.wait(5)
@@ -306,7 +315,7 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     big = KVEventBatch(0.0, [BlockStored(list(range(256)), None, list(range(4096)), 16)], 0)
-    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10) as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10, heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub, RCVHWM=10, RCVBUF=4096)
         worst = 0.0
         for _ in range(3000):  # the subscriber reads nothing meanwhile
@@ -327,7 +336,7 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
 
 
 def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p") as pub:
+    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None) as pub:
         sub, first = connect_sub(zctx, pub)
         pub.publish(FailingBatch())
         pub.publish(batch(1))
@@ -336,7 +345,7 @@ def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Conte
 
 
 def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5)
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5, heartbeat=None)
     pub.start()
     sub, first = connect_sub(zctx, pub)
     for i in range(200):
@@ -355,7 +364,7 @@ def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> Non
 def test_close_is_bounded_when_the_sender_is_stuck(ipc_dir: str) -> None:
     gate = threading.Event()
     started = threading.Event()
-    pub = EventPublisher(f"ipc://{ipc_dir}/p").start()
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None).start()
     pub.publish(BlockingBatch(gate, started))
     assert started.wait(5)
     pub.publish(batch(1))
@@ -401,3 +410,74 @@ def test_stats_is_a_consistent_snapshot() -> None:
     }
     assert msgspec.json.decode(msgspec.json.encode(s.as_dict()))["enqueued"] == 3
     pub.close()
+
+
+# --- several publishing threads, ephemeral ports -------------------------------------
+
+
+def test_publish_from_several_threads_keeps_seq_order(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    n, threads = 20_000, 4
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        pub = EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=n * threads, heartbeat=None)
+        item = batch(1)
+        go = threading.Event()
+
+        def engine() -> None:
+            go.wait()
+            for _ in range(n):
+                pub.publish(item)
+
+        workers = [threading.Thread(target=engine) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        go.set()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    seqs = [seq for seq, _ in pub._queue]
+    assert seqs == list(range(n * threads))  # queue order is seq order
+    pub.close()
+
+
+def test_several_threads_on_the_wire_and_in_the_replay_buffer(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    n, threads = 5_000, 3
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=n * threads + 100, heartbeat=None
+    ) as pub:
+        sub, first = connect_sub(zctx, pub)
+        workers = [
+            threading.Thread(target=lambda: [pub.publish(batch(1)) for _ in range(n)])
+            for _ in range(threads)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        seqs = [recv_live(sub).seq for _ in range(n * threads)]
+        assert seqs == list(range(first, first + n * threads))
+        wait_for(lambda: pub.stats().published == first + n * threads, what="all sent")
+        replayed = [seq for seq, _ in pub._buffer]
+        assert replayed == list(range(first + n * threads))
+
+
+def test_ephemeral_ports_for_every_rank(zctx: zmq.Context[Any]) -> None:
+    assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    pubs = [
+        EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", rank=r, heartbeat=None).start()
+        for r in range(4)
+    ]
+    try:
+        bound = [p.bound_endpoint for p in pubs] + [p.bound_replay_endpoint or "" for p in pubs]
+        assert len(set(bound)) == 8
+        assert all(b.startswith("tcp://127.0.0.1:") and not b.endswith("*") for b in bound)
+        sub, _ = connect_sub(zctx, pubs[3])
+        pubs[3].publish(batch(5, rank=None))
+        assert decode_batch(recv_live(sub).payload).data_parallel_rank == 3
+    finally:
+        for p in pubs:
+            p.close()

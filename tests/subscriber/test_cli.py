@@ -60,7 +60,10 @@ def test_dump_stops_after_its_duration_without_traffic(
 def test_watch_once_shows_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
     ep, rep = tcp_endpoints(2)
     engines = [Engine(seed=30 + r, rank=r) for r in range(2)]
-    with EventPublisher(ep, rep, rank=0) as p0, EventPublisher(ep, rep, rank=1) as p1:
+    with (  # heartbeats too rare to add a seq during the test
+        EventPublisher(ep, rep, rank=0, heartbeat=60) as p0,
+        EventPublisher(ep, rep, rank=1, heartbeat=60) as p1,
+    ):
         engines[0].publish(p0, 6)
         engines[1].publish(p1, 9)
         code = main(["watch", ep, "--replay", rep, "--ranks", "2", "--worker", "gpu7", "--once"])

@@ -58,6 +58,8 @@ def endpoints(transport: str, ranks: int) -> Iterator[tuple[str, str]]:
 
 @contextlib.contextmanager
 def publishers(ep: str, rep: str | None, ranks: int, **kw: Any) -> Iterator[list[EventPublisher]]:
+    # The engines' wire: no epoch, heartbeat or snapshot (these tests count seqs exactly).
+    kw = {"epoch": False, "heartbeat": None, "snapshot": False, **kw}
     pubs = [EventPublisher(ep, rep, rank=r, **kw).start() for r in range(ranks)]
     try:
         yield pubs

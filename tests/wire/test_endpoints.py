@@ -9,6 +9,7 @@ import pytest
 from kvwire.wire import (
     EndpointError,
     is_ephemeral,
+    local_endpoint,
     offset_endpoint,
     validate_endpoint,
     validate_endpoints,
@@ -106,3 +107,17 @@ def test_ephemeral_publish_and_replay_do_not_clash() -> None:
     assert is_ephemeral("tcp://127.0.0.1:*")
     assert not is_ephemeral("tcp://127.0.0.1:5557")
     assert not is_ephemeral("ipc:///tmp/kv*")
+
+
+@pytest.mark.parametrize(
+    ("bound", "local"),
+    [
+        ("tcp://0.0.0.0:41000", "tcp://127.0.0.1:41000"),
+        ("tcp://*:41000", "tcp://127.0.0.1:41000"),
+        ("tcp://[::]:41000", "tcp://[::1]:41000"),
+        ("tcp://10.0.0.5:41000", "tcp://10.0.0.5:41000"),
+        ("ipc:///tmp/kv", "ipc:///tmp/kv"),
+    ],
+)
+def test_local_endpoint(bound: str, local: str) -> None:
+    assert local_endpoint(bound) == local

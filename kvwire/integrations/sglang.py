@@ -1,0 +1,79 @@
+"""kvwire's publisher inside SGLang, as a general plugin (entry point ``sglang.srt.plugins``).
+
+With ``KVWIRE_PUBLISHER=1`` the plugin registers kvwire's publisher as
+``"kvwire"`` in ``sglang.srt.disaggregation.kv_events.EventPublisherFactory``
+and puts it in place of ``"zmq"``; without it the plugin does nothing.
+SGLang's positional batch (``attn_dp_rank`` in the envelope) goes on the wire
+byte for byte as SGLang's own publisher sends it::
+
+    KVWIRE_PUBLISHER=1 python -m sglang.launch_server --model-path MODEL --kv-events-config \\
+      '{"publisher": "kvwire", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657"}'
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from kvwire.integrations.adapter import EngineEventPublisher, install
+from kvwire.integrations.config import IntegrationConfig
+from kvwire.wire import local_endpoint
+
+__all__ = ["SglangEventPublisher", "register"]
+
+log = logging.getLogger(__name__)
+
+
+class SglangEventPublisher(EngineEventPublisher):
+    """kvwire's publisher with SGLang's constructor and methods (subclassed per SGLang module)."""
+
+    rank_field = "attn_dp_rank"
+    engine = "SGLang"
+
+    def __init__(
+        self,
+        attn_dp_rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        bind: bool | None = None,
+        *,
+        config: IntegrationConfig | None = None,
+        **later_fields: Any,
+    ) -> None:
+        if later_fields:
+            log.info("kvwire publisher ignores SGLang settings %s", sorted(later_fields))
+        super().__init__(
+            attn_dp_rank,
+            endpoint,
+            replay_endpoint,
+            buffer_steps,
+            hwm,
+            max_queue_size,
+            topic,
+            config or IntegrationConfig.from_env(),
+        )
+
+    def describe_local_source(self, block_size: int) -> dict[str, Any] | None:
+        """Where a process on this host subscribes (SGLang advertises it in /server_info)."""
+        source: dict[str, Any] = {
+            "dp_rank": self.rank,
+            "endpoint": local_endpoint(self.publisher.bound_endpoint),
+            "topic": self.topic,
+            "block_size": block_size,
+        }
+        replay = self.publisher.bound_replay_endpoint
+        if replay is not None:
+            source["replay_endpoint"] = local_endpoint(replay)
+        return source
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: idempotent, inert unless ``KVWIRE_PUBLISHER=1``."""
+    if not IntegrationConfig.from_env().enabled:
+        return
+    install(importlib.import_module("sglang.srt.disaggregation.kv_events"), SglangEventPublisher)
