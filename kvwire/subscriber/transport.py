@@ -66,6 +66,8 @@ _BURST = 256  # live messages read from one rank before the others get a turn
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
 _MAX_TIMER_S = 5.0  # a rank's deadline is re-read at least this often
 _CONTACT_S = 5.0  # a first contact holds its slot at most this long
+_RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
+_RECONNECT_MAX_S = 1.0
 _LOG_INTERVAL_S = 10.0
 _END = object()
 
@@ -100,6 +102,8 @@ class _Link:
         "next_log",
         "queued",
         "rank",
+        "reconnect_at",
+        "reconnect_delay",
         "stream",
         "sub",
         "sub_fd",
@@ -128,6 +132,8 @@ class _Link:
         self.timer_at: float | None = None
         self.closed = False
         self.connecting_since: float | None = None  # holds a first-contact slot
+        self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
+        self.reconnect_delay = 0.0  # grows while connections fail before their handshake
         self.next_log = 0.0
 
 
@@ -800,6 +806,8 @@ class Subscriber:
                 return
             event = parse_monitor_message(msg)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.reconnect_delay = 0.0
+                link.reconnect_at = None
                 self._deliver(link, link.stream.connected(self._clock()))
             elif event == zmq.EVENT_DISCONNECTED:
                 # The old connection's batches belong before the disconnect.
@@ -807,15 +815,26 @@ class Subscriber:
                 if sub is not None:
                     self._drain_live(link, _DRAIN_BEFORE_DISCONNECT)
                 self._deliver(link, link.stream.disconnected(self._clock()))
-                if sub is not None and link.sub is sub:
-                    # libzmq does not reconnect after a protocol error (a message over
-                    # max_message_size, a malformed frame): connect again ourselves.
-                    with contextlib.suppress(zmq.ZMQError):
-                        sub.disconnect(link.endpoints.endpoint)
-                    sub.connect(link.endpoints.endpoint)
+                # libzmq does not reconnect after a protocol error (a message over
+                # max_message_size, a refused handshake): connect again ourselves, at
+                # once after a connection that worked, then backing off.
+                delay = link.reconnect_delay
+                link.reconnect_delay = min(_RECONNECT_MAX_S, max(_RECONNECT_MIN_S, 2 * delay))
+                link.reconnect_at = self._clock() + delay
+                if delay == 0:
+                    self._reconnect(link)
             else:
                 continue
             self._schedule(link)
+
+    def _reconnect(self, link: _Link) -> None:
+        link.reconnect_at = None
+        sub = link.sub
+        if sub is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sub.disconnect(link.endpoints.endpoint)
+        sub.connect(link.endpoints.endpoint)
 
     def _drain_live(self, link: _Link, budget: int) -> int:
         sub = link.sub
@@ -872,6 +891,8 @@ class Subscriber:
         deadline = link.stream.next_deadline()
         cap = now + _MAX_TIMER_S
         at = cap if deadline is None or deadline > cap else deadline
+        if link.reconnect_at is not None and link.reconnect_at < at:
+            at = link.reconnect_at
         if link.timer_at is not None and link.timer_at <= at:
             return  # an earlier wake-up is already due; it re-reads the deadline
         link.timer_at = at
@@ -900,6 +921,8 @@ class Subscriber:
         for link in due:
             if link.connecting_since is not None and now - link.connecting_since > _CONTACT_S:
                 self._contacted(link)  # its publisher may be down: others go on meanwhile
+            if link.reconnect_at is not None and now >= link.reconnect_at:
+                self._reconnect(link)
             try:
                 self._deliver(link, link.stream.tick(now))
                 if not link.closed:

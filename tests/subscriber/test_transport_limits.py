@@ -313,3 +313,27 @@ def test_one_replay_socket_at_a_time_still_brings_every_rank_in() -> None:
     finally:
         for pub in pubs:
             pub.close(timeout=1.0)
+
+
+def test_curve_a_key_added_to_the_allow_list_gets_in_without_a_restart(tmp_path: Path) -> None:
+    """libzmq gives up on a refused handshake; the subscriber keeps trying, backing off."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    _, server_secret = generate_keypair(keys, "server")
+    client_public, client_secret = generate_keypair(keys, "client")
+    allow.mkdir()
+    engine = CurveEngine(ServerKeys(server_secret, allow))
+    try:
+        engine.publish(3)
+        sink = BlockSetSink()
+        client = ClientKeys(keys / "server.key", client_secret)
+        source = EngineSource("w", engine.endpoint, engine.replay_endpoint, keys=client)
+        with Subscriber([source], sink, config=FAST) as sub:
+            wait_until(lambda: engine.refusals() >= 2, 10, "refused handshakes")
+            assert rank_status(sub.status(), "w", 0).counters.batches == 0
+            (allow / "client.key").write_bytes(client_public.read_bytes())
+            engine.publish(2)
+            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "the rank to get in")
+            assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
+            assert sink.blocks("w", 0) == engine.engine.truth
+    finally:
+        engine.close()
