@@ -33,11 +33,11 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
-import socket
 import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -47,18 +47,6 @@ BLOCK = 16
 # The payload of a frame built to be undecodable starts with 0xc1, the one byte
 # msgpack never uses.
 NEVER_USED = b"\xc1"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def rss_mb(pid: int | None = None) -> float:
@@ -111,13 +99,17 @@ class EngineModel:
         return KVEventBatch(time.time(), events, 0)
 
 
-def legit_engine(conn: Connection, pub: str, replay: str, seed: int) -> None:
+EPHEMERAL = "tcp://127.0.0.1:*"
+"""Where the engines bind: ephemeral ports, reported to the campaign once bound."""
+
+
+def legit_engine(conn: Connection, seed: int) -> None:
     """Publish the model's batches until told to stop; report the truth and stats."""
     from kvwire.publisher import EventPublisher
 
     model = EngineModel(seed)
-    with EventPublisher(pub, replay, rank=0) as publisher:
-        conn.send("ready")
+    with EventPublisher(EPHEMERAL, EPHEMERAL, rank=0) as publisher:
+        conn.send((publisher.bound_endpoint, publisher.bound_replay_endpoint))
         sent = 0
         while not conn.poll(0):
             for _ in range(20):
@@ -286,7 +278,7 @@ class FrameMaker:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
 
-def hostile_engine(conn: Connection, pub_port: int, replay_port: int, frames: int, seed: int) -> None:
+def hostile_engine(conn: Connection, frames: int, seed: int) -> None:
     """Send ``frames`` live frames (never dropped) and answer replay requests with junk."""
     import zmq
 
@@ -294,14 +286,15 @@ def hostile_engine(conn: Connection, pub_port: int, replay_port: int, frames: in
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.XPUB_NODROP, 1)
     pub.setsockopt(zmq.SNDHWM, 2000)
-    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    pub.bind(EPHEMERAL)
     router = ctx.socket(zmq.ROUTER)
-    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    router.bind(EPHEMERAL)
     maker = FrameMaker(seed)
     poller = zmq.Poller()
     poller.register(pub, zmq.POLLIN | zmq.POLLOUT)
     poller.register(router, zmq.POLLIN)
-    conn.send("ready")
+    conn.send((pub.getsockopt_string(zmq.LAST_ENDPOINT),
+               router.getsockopt_string(zmq.LAST_ENDPOINT)))  # fmt: skip
     subscribed = False
     sent = requests = replies = 0
     pending: list[bytes] | None = None  # made, not sent yet: counted once, sent once
@@ -402,18 +395,6 @@ def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bo
     return cond()
 
 
-def _control_modules() -> tuple[Any, str]:
-    """The reference engine's control module and server module, wherever this tree has them."""
-    try:
-        import kvwire.reference.control as control
-
-        return control, "kvwire.reference.serve"
-    except ImportError:
-        import kvwire.publisher.control as control  # type: ignore[no-redef]
-
-        return control, "kvwire.publisher.serve"
-
-
 def _junk_command(rnd: random.Random, control: Any) -> bytes:
     """One malformed control request: never a valid command (so never Shutdown)."""
     enc = msgspec.msgpack.encode
@@ -439,37 +420,40 @@ def _junk_command(rnd: random.Random, control: Any) -> bytes:
 
 
 def control_campaign(requests: int, seed: int) -> dict[str, Any]:
-    """:func:`control_run` with the engine's log in a temporary file."""
+    """:func:`control_run` with the engine's log in a temporary directory."""
     import tempfile
 
-    with tempfile.TemporaryFile() as log:
-        return control_run(requests, seed, log)
+    with tempfile.TemporaryDirectory() as tmp:
+        return control_run(requests, seed, Path(tmp) / "engine.log")
 
 
-def control_run(requests: int, seed: int, log: Any) -> dict[str, Any]:
+def control_run(requests: int, seed: int, log_path: Path) -> dict[str, Any]:
     """Malformed requests to a reference engine's control endpoint, then a good one.
 
     Every junk request must be answered ``Failed`` (or, for frames that are not
     even a request, counted by the engine and dropped); the engine must stay up
-    and answer ``Stats`` and a ``Probe`` afterwards.
+    and answer ``Stats`` and a ``Probe`` afterwards. The engine binds ephemeral
+    ports and reports them.
     """
     import subprocess
 
     import zmq
 
-    control, server = _control_modules()
+    from kvwire.reference import control
+    from kvwire.reference.launch import EngineProcess
+    from kvwire.reference.serve import EngineConfig
+
     rnd = random.Random(seed)
-    ctl, pub, rep = free_ports(3)
-    cmd = [sys.executable, "-m", server, "--ranks", "1", "--port", str(pub), "--replay-port",
-           str(rep), "--control-port", str(ctl), "--device", "cpu"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    engine = EngineProcess(EngineConfig(ranks=1, device="cpu"), log_path)
     failures: list[str] = []
-    endpoint = f"tcp://127.0.0.1:{ctl}"
-    client = control.ControlClient(endpoint, timeout=10)
+    client: Any = None
     failed = unanswered = 0
     t0 = time.monotonic()
     try:
-        client.wait_ready(120, alive=lambda: proc.poll() is None)
+        engine.start(120)
+        endpoint = engine.control_endpoint
+        client = control.ControlClient(endpoint, timeout=10)
+        client.wait_ready(120, alive=engine.running)
         ctx = zmq.Context.instance()
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -494,32 +478,34 @@ def control_run(requests: int, seed: int, log: Any) -> dict[str, Any]:
                     continue
                 if isinstance(reply, control.Failed):
                     failed += 1
-            if proc.poll() is not None:
-                failures.append(f"the reference engine died (exit {proc.returncode})")
+            if not engine.running():
+                code = None if engine.proc is None else engine.proc.returncode
+                failures.append(f"the reference engine died (exit {code})")
                 break
         dealer.close(0)
-        if proc.poll() is None:
+        if engine.running():
             client.stats()
             client.probe(0, list(range(64)))
         if unanswered:
             failures.append(f"{unanswered} junk control requests got no reply")
         if failed != sent - unanswered:
             failures.append(f"{sent - unanswered - failed} junk control requests were not refused")
-    except control.ControlError as exc:
+    except (control.ControlError, RuntimeError) as exc:
         failures.append(f"the reference engine stopped answering: {exc}")
     finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            failures.append("the reference engine did not stop on SIGTERM")
+        if client is not None:
+            client.close()
+        if engine.proc is not None and engine.running():
+            engine.proc.terminate()
+            try:
+                engine.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+                failures.append("the reference engine did not stop on SIGTERM")
         if failures:
-            log.seek(0)
-            tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+            tail = engine.logs().strip().splitlines()[-3:]
             failures.extend(f"engine log: {line}" for line in tail)
-    summary = (f"{requests:,} malformed requests to {server}'s control endpoint in "
+    summary = (f"{requests:,} malformed requests to kvwire.reference.serve's control endpoint in "
                f"{time.monotonic() - t0:.0f} s: {failed:,} refused (Failed), {unanswered} unanswered; "
                f"engine {'answered Stats and Probe after' if not failures else 'FAILED'}")  # fmt: skip
     return {"summary": summary, "failures": failures}
@@ -542,28 +528,26 @@ def main(argv: list[str] | None = None) -> int:
     from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
 
     spawn = mp.get_context("spawn")
-    legit_pub, legit_rep, hostile_pub, hostile_rep = free_ports(4)
-    legit_ep = f"tcp://127.0.0.1:{legit_pub}"
-    legit_replay = f"tcp://127.0.0.1:{legit_rep}"
     engine_end, engine_conn = spawn.Pipe()
     hostile_end, hostile_conn = spawn.Pipe()
     attacker_end, attacker_conn = spawn.Pipe()
     procs = [
-        spawn.Process(target=legit_engine, args=(engine_end, legit_ep, legit_replay, args.seed)),
-        spawn.Process(target=hostile_engine,
-                      args=(hostile_end, hostile_pub, hostile_rep, args.frames, args.seed + 7)),
+        spawn.Process(target=legit_engine, args=(engine_end, args.seed)),
+        spawn.Process(target=hostile_engine, args=(hostile_end, args.frames, args.seed + 7)),
     ]
     for p in procs:
         p.start()
+    bound: list[tuple[str, str]] = []  # each engine's live and replay endpoints
     for c in (engine_conn, hostile_conn):
         if not c.poll(60):
             raise SystemExit("an engine process did not start")
-        c.recv()
+        bound.append(c.recv())
+    (legit_ep, legit_replay), (hostile_ep, hostile_replay) = bound
 
     index = PrefixIndex(BLOCK)
     sources = [
         EngineSource("legit", legit_ep, legit_replay),
-        EngineSource("hostile", f"tcp://127.0.0.1:{hostile_pub}", f"tcp://127.0.0.1:{hostile_rep}"),
+        EngineSource("hostile", hostile_ep, hostile_replay),
     ]
     rss0 = rss_mb()
     peak = rss0

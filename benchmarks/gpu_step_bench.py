@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,12 +56,6 @@ from kvwire.wire import (
 BLOCK_TOKENS = 16
 TARGET_OVERHEAD_PCT = 1.0
 VLLM_OVERHEAD_PCT = {16: 4.4, 256: 7.8}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sink(endpoints: list[str], conn: Any) -> None:
@@ -196,7 +189,7 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
     coalesces = [default_coalesce] + ([] if args.no_sweep else [0.0, 0.0005, 0.002])
     pubs = {
         coalesce: EventPublisher(
-            f"tcp://127.0.0.1:{free_port()}", topic=f"coalesce{coalesce}", coalesce_s=coalesce
+            "tcp://127.0.0.1:*", topic=f"coalesce{coalesce}", coalesce_s=coalesce
         ).start()
         for coalesce in coalesces
     }

@@ -34,7 +34,6 @@ import multiprocessing as mp
 import random
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -61,12 +60,6 @@ VLLM_CPU_PER_BLOCK = {16: 2.3, 256: 0.74}
 VLLM_CALLING_US = 8.6
 PACE_HIGH = 512
 PACE_LOW = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the SUB process -------------------------------------------------------------
@@ -222,7 +215,7 @@ def run_throughput(blocks: int, kind: str, iterations: int, variant: str = "plai
     """One run; ``variant``: "plain", "mirror" (replay + snapshot mirror) or "curve" (keys)."""
     ctx = mp.get_context("spawn")
     inputs = make_inputs(blocks, kind)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = "tcp://127.0.0.1:*"  # an ephemeral port: the SUB connects to what was bound
     options: dict[str, Any] = {}
     client_keys = None
     tmp = tempfile.TemporaryDirectory()
@@ -299,8 +292,8 @@ def run_floor(blocks: int, kind: str, iterations: int) -> float:
     zctx = zmq.Context()
     pub = zctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    pub.bind(endpoint)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
     parent_conn, child_conn = ctx.Pipe()
     proc = ctx.Process(target=subscriber, args=(endpoint, child_conn, False), daemon=True)
     proc.start()
@@ -347,8 +340,7 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 def run_stalled(blocks: int, iterations: int, max_queue_size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     inputs = make_inputs(blocks, "lists")
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with EventPublisher(endpoint, max_queue_size=max_queue_size, hwm=1000) as pub:
+    with EventPublisher("tcp://127.0.0.1:*", max_queue_size=max_queue_size, hwm=1000) as pub:
         col = EventCollector(pub, BLOCK_TOKENS)
         proc, conn = connect_subscriber(ctx, pub, col, stall=True)
         real_publish = pub.publish

@@ -6,8 +6,9 @@ ENDPOINT``: every decoded batch as a JSON line. ``kvwire keygen NAME``: a
 CURVE key pair for authenticated, encrypted sockets. ``watch`` and ``dump``
 work against any engine publishing KV events (vLLM, SGLang, TensorRT-LLM,
 kvwire's publisher): pass the engine's base endpoint, its replay endpoint if
-it has one, its number of data-parallel ranks and, for a CURVE engine, its
-public key and this client's secret key. Subcommands register themselves on the parser, so
+it has one, its number of data-parallel ranks (or, for ranks that bound
+unrelated ports, each rank's endpoints with ``--rank-endpoint``) and, for a
+CURVE engine, its public key and this client's secret key. Subcommands register themselves on the parser, so
 more can be added next to these.
 """
 
@@ -38,7 +39,18 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "endpoint",
         metavar="ENDPOINT",
+        nargs="?",
         help="the engine's base publish endpoint, e.g. tcp://host:5557",
+    )
+    parser.add_argument(
+        "--rank-endpoint",
+        metavar="EP",
+        nargs="+",
+        action="append",
+        default=[],
+        help="one rank's publish endpoint and, optionally, its replay endpoint; repeat it for "
+        "every rank, in rank order (instead of ENDPOINT, --replay and --ranks: for ranks "
+        "that bound unrelated ports, such as ephemeral ones)",
     )
     parser.add_argument(
         "--replay",
@@ -48,7 +60,6 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks",
         type=int,
-        default=1,
         help="data-parallel ranks: rank r is at port + r (default 1)",
     )
     parser.add_argument(
@@ -80,7 +91,19 @@ def _source(args: argparse.Namespace) -> EngineSource:
         if args.server_key is None or args.client_key is None:
             raise SecurityError("--server-key and --client-key go together")
         keys = ClientKeys(args.server_key, args.client_key)
-    return EngineSource(args.worker, args.endpoint, args.replay, args.ranks, args.topic, keys=keys)
+    if not args.rank_endpoint:
+        if args.endpoint is None:
+            raise ValueError("give the engine's ENDPOINT or every rank's --rank-endpoint")
+        ranks = 1 if args.ranks is None else args.ranks
+        return EngineSource(args.worker, args.endpoint, args.replay, ranks, args.topic, keys=keys)
+    if args.endpoint is not None or args.replay is not None or args.ranks is not None:
+        raise ValueError("--rank-endpoint replaces ENDPOINT, --replay and --ranks")
+    per_rank: list[tuple[str, str | None]] = []
+    for rank, endpoints in enumerate(args.rank_endpoint):
+        if len(endpoints) > 2:
+            raise ValueError(f"--rank-endpoint of rank {rank}: at most ENDPOINT and REPLAY")
+        per_rank.append((endpoints[0], endpoints[1] if len(endpoints) == 2 else None))
+    return EngineSource.from_rank_endpoints(args.worker, per_rank, args.topic, keys)
 
 
 # --- watch ---------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -15,31 +14,8 @@ import zmq
 from kvwire.publisher import EventPublisher
 from kvwire.wire import AllBlocksCleared, KVEventBatch, parse_live
 
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_pair(gap: int = 1) -> int:
-    """A base port with ``base`` .. ``base + 2 * gap`` all free a moment ago."""
-    for _ in range(50):
-        base = free_port()
-        if base + 2 * gap > 65535:
-            continue
-        ok = True
-        for p in range(base, base + 2 * gap + 1):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
+EPHEMERAL = "tcp://127.0.0.1:*"
+"""Bind address for test publishers on tcp: an ephemeral port, reported as ``bound_endpoint``."""
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import threading
@@ -32,7 +33,7 @@ from kvwire.wire import (
     replay_request_frames,
 )
 
-from .conftest import connect_sub, free_port, free_port_pair, recv_live, wait_for
+from .conftest import EPHEMERAL, connect_sub, recv_live, wait_for
 
 
 def batch(i: int, rank: int | None = 0) -> KVEventBatch:
@@ -63,9 +64,9 @@ class FailingBatch:
 
 
 def endpoints(kind: str, ipc_dir: str) -> tuple[str, str]:
+    """Endpoints to bind: tcp ones take ephemeral ports (the tests use what was bound)."""
     if kind == "tcp":
-        base = free_port_pair()
-        return f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
+        return EPHEMERAL, EPHEMERAL
     return f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
 
 
@@ -115,12 +116,34 @@ def test_missing_rank_is_filled_and_array_dialect(ipc_dir: str, zctx: zmq.Contex
 
 
 def test_rank_offsets_tcp_ports() -> None:
-    base = free_port_pair(gap=4)
-    with EventPublisher(
-        f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 4}", rank=2, ranks_per_host=4
-    ) as pub:
-        assert pub.bound_endpoint == f"tcp://127.0.0.1:{base + 2}"
-        assert pub.bound_replay_endpoint == f"tcp://127.0.0.1:{base + 6}"
+    """Rank 2 of 4 binds base + 2 on both sockets.
+
+    The bases are rank 0's ephemeral ports; another process may hold base + 2
+    meanwhile, so a refused bind takes new bases, a few times at most.
+    """
+    for _ in range(20):
+        with EventPublisher(EPHEMERAL, EPHEMERAL, heartbeat=None) as rank0:
+            base, replay = rank0.bound_endpoint, rank0.bound_replay_endpoint
+            assert replay is not None
+            try:
+                pub = EventPublisher(base, replay, rank=2, ranks_per_host=4, heartbeat=None)
+                pub.start()
+            except EndpointError:  # the two bases less than four ports apart
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                pub.close()
+                continue
+            with pub:
+                assert pub.bound_endpoint == f"tcp://127.0.0.1:{_port(base) + 2}"
+                assert pub.bound_replay_endpoint == f"tcp://127.0.0.1:{_port(replay) + 2}"
+            return
+    raise AssertionError("no bases with base + 2 free in 20 tries")
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
 
 
 def test_default_endpoint_is_loopback_only() -> None:
@@ -151,10 +174,9 @@ def test_bad_endpoints_and_settings_are_rejected() -> None:
 
 
 def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
-    port = free_port()
     blocker: zmq.Socket[bytes] = zctx.socket(zmq.PUB)
-    blocker.bind(f"tcp://127.0.0.1:{port}")
-    pub = EventPublisher(f"tcp://127.0.0.1:{port}")
+    blocker.bind(EPHEMERAL)
+    pub = EventPublisher(blocker.getsockopt_string(zmq.LAST_ENDPOINT))
     with pytest.raises(zmq.ZMQError):
         pub.start()
     assert pub.close() is True

@@ -1,4 +1,4 @@
-"""Helpers for socket tests: free endpoints, an engine model, polling with deadlines."""
+"""Helpers for socket tests: endpoints, an engine model, polling with deadlines."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import random
 import shutil
-import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvwire.publisher import EventPublisher
-from kvwire.subscriber import RankState, RankStatus, StreamConfig
+from kvwire.subscriber import EngineSource, RankState, RankStatus, StreamConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
 # Small timeouts so fault tests converge fast; still far above loopback latency.
@@ -26,33 +25,14 @@ FAST = StreamConfig(
 )
 
 
-def free_tcp_base(span: int) -> int:
-    """A base port with ``span`` consecutive free ports (tests run in parallel: bind to check)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError("no free port range found")
+EPHEMERAL = "tcp://127.0.0.1:*"
+"""Bind address for every test publisher on tcp: each rank gets its own ephemeral port."""
 
 
-def tcp_endpoints(ranks: int) -> tuple[str, str]:
-    """Publish and replay base endpoints on loopback, ``ranks`` apart."""
-    base = free_tcp_base(2 * ranks)
-    return f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + ranks}"
+def bound_source(worker_id: str, pubs: Sequence[EventPublisher], **kw: Any) -> EngineSource:
+    """An engine following what started publishers bound, rank ``r`` = ``pubs[r]``."""
+    ranks = [(p.bound_endpoint, p.bound_replay_endpoint) for p in pubs]
+    return EngineSource.from_rank_endpoints(worker_id, ranks, **kw)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """A publisher process for restart tests: publishes a model engine's batches, then waits.
 
 Run as ``python -m tests.subscriber.publisher_proc ENDPOINT REPLAY SEED LIFE COUNT``.
-It prints one JSON line (the blocks its engine holds) once everything is
-published, then blocks until killed or its stdin closes.
+It prints one JSON line once everything is published (the blocks its engine
+holds and the endpoints it bound: ``tcp://127.0.0.1:*`` binds ephemeral ports),
+then blocks until killed or its stdin closes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ def main() -> None:
     engine = Engine(int(seed), life=int(life))
     with EventPublisher(endpoint, replay) as pub:
         engine.publish(pub, int(count))
-        print(json.dumps(sorted(engine.truth)), flush=True)
+        report = {
+            "blocks": sorted(engine.truth),
+            "endpoint": pub.bound_endpoint,
+            "replay_endpoint": pub.bound_replay_endpoint,
+        }
+        print(json.dumps(report), flush=True)
         sys.stdin.read()
 
 

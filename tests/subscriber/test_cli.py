@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import subprocess
@@ -12,18 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from kvwire.cli import _watch, build_parser, main
+from kvwire.cli import _source, _watch, build_parser, main
 from kvwire.publisher import EventPublisher
 from kvwire.wire import BlockStored, KVEventBatch
-from tests.subscriber.helpers import Engine, tcp_endpoints
+from tests.subscriber.helpers import EPHEMERAL, Engine, ipc_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dump_prints_history_and_live_batches_as_json_lines() -> None:
-    ep, rep = tcp_endpoints(1)
     engine = Engine(seed=21)
-    with EventPublisher(ep, rep) as pub:
+    with EventPublisher(EPHEMERAL, EPHEMERAL) as pub:
+        ep, rep = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert rep is not None
         published = [engine.batch() for _ in range(4)]
         for b in published:
             assert pub.publish(b)
@@ -50,10 +52,11 @@ def test_dump_prints_history_and_live_batches_as_json_lines() -> None:
 
 
 def test_dump_reports_a_batch_it_cannot_print_and_keeps_going() -> None:
-    ep, rep = tcp_endpoints(1)
     bad = KVEventBatch(1.0, [BlockStored([7], None, ["a", "b"], 2)], 0)  # type: ignore[list-item]
     good = KVEventBatch(2.0, [BlockStored([8], None, [1, 2], 2)], 0)
-    with EventPublisher(ep, rep) as pub:
+    with EventPublisher(EPHEMERAL, EPHEMERAL) as pub:
+        ep, rep = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert rep is not None
         for b in (good, bad, good, bad, good):
             assert pub.publish(b)
         argv = ["dump", ep, "--replay", rep, "--count", "5", "--duration", "20"]
@@ -73,22 +76,36 @@ def test_dump_reports_a_batch_it_cannot_print_and_keeps_going() -> None:
 def test_dump_stops_after_its_duration_without_traffic(
     capsysbinary: pytest.CaptureFixture[bytes],
 ) -> None:
-    ep, rep = tcp_endpoints(1)
-    with EventPublisher(ep, rep):
+    with EventPublisher(EPHEMERAL, EPHEMERAL) as pub:
+        ep, rep = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert rep is not None
         assert main(["dump", ep, "--replay", rep, "--duration", "0.5"]) == 0
     assert capsysbinary.readouterr().out == b""
 
 
-def test_watch_once_shows_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    ep, rep = tcp_endpoints(2)
+@pytest.mark.parametrize("ranks_given", ["rank-endpoints", "base-and-ranks"])
+def test_watch_once_shows_every_rank(ranks_given: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every rank by its own endpoints (tcp, ephemeral ports) or at its offset of the bases (ipc)."""
     engines = [Engine(seed=30 + r, rank=r) for r in range(2)]
-    with (  # heartbeats too rare to add a seq during the test
-        EventPublisher(ep, rep, rank=0, heartbeat=60) as p0,
-        EventPublisher(ep, rep, rank=1, heartbeat=60) as p1,
-    ):
-        engines[0].publish(p0, 6)
-        engines[1].publish(p1, 9)
-        code = main(["watch", ep, "--replay", rep, "--ranks", "2", "--worker", "gpu7", "--once"])
+    with contextlib.ExitStack() as stack:
+        if ranks_given == "base-and-ranks":
+            ep, rep = stack.enter_context(ipc_endpoints())
+        else:
+            ep, rep = EPHEMERAL, EPHEMERAL
+        # heartbeats too rare to add a seq during the test
+        pubs = [
+            stack.enter_context(EventPublisher(ep, rep, rank=r, heartbeat=60)) for r in range(2)
+        ]
+        engines[0].publish(pubs[0], 6)
+        engines[1].publish(pubs[1], 9)
+        if ranks_given == "base-and-ranks":
+            where = [ep, "--replay", rep, "--ranks", "2"]
+        else:
+            where = []
+            for pub in pubs:
+                assert pub.bound_replay_endpoint is not None
+                where += ["--rank-endpoint", pub.bound_endpoint, pub.bound_replay_endpoint]
+        code = main(["watch", *where, "--worker", "gpu7", "--once"])
     out = capsys.readouterr().out
     assert code == 0
     assert "\x1b[" not in out
@@ -104,12 +121,13 @@ class _Terminal(io.StringIO):
 
 
 def test_watch_refreshes_in_place_on_a_terminal() -> None:
-    ep, rep = tcp_endpoints(1)
     out = _Terminal()
-    args = build_parser().parse_args(
-        ["watch", ep, "--replay", rep, "--duration", "0.7", "--interval", "0.2"]
-    )
-    with EventPublisher(ep, rep) as pub:
+    with EventPublisher(EPHEMERAL, EPHEMERAL) as pub:
+        ep, rep = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert rep is not None
+        args = build_parser().parse_args(
+            ["watch", ep, "--replay", rep, "--duration", "0.7", "--interval", "0.2"]
+        )
         Engine(seed=40).publish(pub, 3)
         assert asyncio.run(_watch(args, out)) == 0
     text = out.getvalue()
@@ -119,9 +137,9 @@ def test_watch_refreshes_in_place_on_a_terminal() -> None:
 
 
 def test_watch_without_a_tty_prints_successive_tables(capsys: pytest.CaptureFixture[str]) -> None:
-    ep, _ = tcp_endpoints(1)
-    with EventPublisher(ep):
-        assert main(["watch", ep, "--duration", "0.5", "--interval", "0.2"]) == 0
+    with EventPublisher(EPHEMERAL) as pub:
+        argv = ["watch", pub.bound_endpoint, "--duration", "0.5", "--interval", "0.2"]
+        assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("kvwire watch") >= 2 and "\x1b[" not in out
     assert "no replay" in out
@@ -132,6 +150,37 @@ def test_bad_endpoints_exit_with_a_clear_message(capsys: pytest.CaptureFixture[s
     assert "bind address" in capsys.readouterr().err
     assert main(["watch", "udp://127.0.0.1:1"]) == 2
     assert "unknown scheme" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        ([], "ENDPOINT or every rank's --rank-endpoint"),
+        (["tcp://127.0.0.1:5557", "--rank-endpoint", "tcp://127.0.0.1:5558"], "replaces"),
+        (["--rank-endpoint", "tcp://127.0.0.1:5558", "--ranks", "2"], "replaces"),
+        (["--rank-endpoint", "tcp://127.0.0.1:5558", "--replay", "tcp://127.0.0.1:6"], "replaces"),
+        (["--rank-endpoint", "tcp://h:1", "tcp://h:2", "tcp://h:3"], "rank 0: at most"),
+        (["--rank-endpoint", "tcp://h:1", "tcp://h:2", "--rank-endpoint", "tcp://h:3"], "every rank"),
+        (["--rank-endpoint", "tcp://127.0.0.1:*"], "bind address"),
+    ],
+)
+def test_rank_endpoints_are_checked(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["dump", *argv, "--duration", "0.1"]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_rank_endpoints_are_given_in_rank_order() -> None:
+    args = build_parser().parse_args(
+        ["dump", "--rank-endpoint", "tcp://h:7", "--rank-endpoint", "tcp://g:3", "--worker", "w"]
+    )
+    source = _source(args)
+    assert [(r.rank, r.endpoint, r.replay_endpoint) for r in source.rank_endpoints()] == [
+        (0, "tcp://h:7", None),
+        (1, "tcp://g:3", None),
+    ]
+    assert source.worker_id == "w" and source.ranks == 2
 
 
 def test_keygen_writes_a_zmq_auth_key_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,8 +218,9 @@ def test_dump_reads_a_curve_publisher_with_the_keys_and_nothing_without(tmp_path
     assert main(["keygen", "engine", "--dir", str(tmp_path)]) == 0
     assert main(["keygen", "router", "--dir", str(allow)]) == 0
     keys = ServerKeys(tmp_path / "engine.key_secret", allow)
-    ep, rep = tcp_endpoints(1)
-    with EventPublisher(ep, rep, server_keys=keys) as pub:
+    with EventPublisher(EPHEMERAL, EPHEMERAL, server_keys=keys) as pub:
+        ep, rep = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert rep is not None
         for _ in range(3):
             assert pub.publish(Engine(seed=5).batch())
         base = [sys.executable, "-m", "kvwire.cli", "dump", ep, "--replay", rep]

@@ -6,17 +6,27 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwire.publisher import EventPublisher
-from kvwire.subscriber import BlockSetSink, EngineSource, RankCounters, Subscriber
+from kvwire.subscriber import BlockSetSink, RankCounters, Subscriber
 from kvwire.subscriber.metrics import register_metrics
-from tests.subscriber.helpers import FAST, Engine, settled, tcp_endpoints, wait_until
+from tests.subscriber.helpers import (
+    EPHEMERAL,
+    FAST,
+    Engine,
+    bound_source,
+    settled,
+    wait_until,
+)
 
 
 def test_metrics_follow_prometheus_conventions_and_report_every_rank() -> None:
-    ep, rep = tcp_endpoints(2)
     registry = prometheus_client.CollectorRegistry()
-    with EventPublisher(ep, rep, rank=0) as p0, EventPublisher(ep, rep, rank=1):
+    with (
+        EventPublisher(EPHEMERAL, EPHEMERAL, rank=0) as p0,
+        EventPublisher(EPHEMERAL, EPHEMERAL, rank=1) as p1,
+    ):
         Engine(seed=50).publish(p0, 4)
-        with Subscriber([EngineSource("w", ep, rep, ranks=2)], BlockSetSink(), config=FAST) as sub:
+        source = bound_source("w", [p0, p1])
+        with Subscriber([source], BlockSetSink(), config=FAST) as sub:
             register_metrics(sub, registry)
             wait_until(lambda: settled(sub.status(), "w", 0, 4), 10, "batches")
             text = prometheus_client.generate_latest(registry).decode()

@@ -30,13 +30,14 @@ from kvwire.subscriber import (
 )
 from kvwire.wire import EndpointError, KVEventBatch
 from tests.subscriber.helpers import (
+    EPHEMERAL,
     FAST,
     Engine,
     await_until,
+    bound_source,
     ipc_endpoints,
     rank_status,
     settled,
-    tcp_endpoints,
     wait_until,
 )
 
@@ -49,8 +50,9 @@ STALL_BATCHES = {"tcp": 6000, "ipc": 2000}
 
 @contextlib.contextmanager
 def endpoints(transport: str, ranks: int) -> Iterator[tuple[str, str]]:
+    """Base endpoints to bind: every tcp rank takes an ephemeral port, ipc ranks their offsets."""
     if transport == "tcp":
-        yield tcp_endpoints(ranks)
+        yield EPHEMERAL, EPHEMERAL
     else:
         with ipc_endpoints() as eps:
             yield eps
@@ -92,7 +94,9 @@ def test_several_ranks_late_join_and_follow_exactly(transport: str) -> None:
         for engine, pub in zip(engines, pubs, strict=True):
             engine.publish(pub, 20)  # before the subscriber exists: replayed on first contact
         sink = BlockSetSink()
-        with Subscriber([EngineSource("w", ep, rep, ranks=ranks)], sink, config=FAST) as sub:
+        # ipc: the base endpoints (rank r at its offset); tcp: the port each rank bound.
+        source = EngineSource("w", ep, rep, ranks) if transport == "ipc" else bound_source("w", pubs)
+        with Subscriber([source], sink, config=FAST) as sub:
             for engine, pub in zip(engines, pubs, strict=True):
                 engine.publish(pub, 30)
             wait_until(
@@ -119,7 +123,7 @@ def test_paused_reader_with_tiny_high_water_marks_is_repaired_by_replay(transpor
     with endpoints(transport, 1) as (ep, rep), publishers(ep, rep, 1, hwm=2) as (pub,):
         engine = Engine(seed=3)
         sink = GatedSink()
-        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST, rcvhwm=2) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=FAST, rcvhwm=2) as sub:
             engine.publish(pub, 5)
             wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
             sink.open.clear()
@@ -208,7 +212,10 @@ def _settled(sub: Subscriber, worker: str, rank: int, next_seq: int) -> bool:
     return settled(sub.status(), worker, rank, next_seq)
 
 
-def _spawn(ep: str, rep: str, life: int, count: int) -> tuple[subprocess.Popen[str], set[int]]:
+def _spawn(
+    ep: str, rep: str, life: int, count: int
+) -> tuple[subprocess.Popen[str], set[int], tuple[str, str]]:
+    """A publisher process bound at ``ep``/``rep``: it, its engine's blocks, what it bound."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -228,7 +235,8 @@ def _spawn(ep: str, rep: str, life: int, count: int) -> tuple[subprocess.Popen[s
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, "the publisher process died"
-    return proc, set(json.loads(line))
+    report = json.loads(line)
+    return proc, set(report["blocks"]), (report["endpoint"], report["replay_endpoint"])
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
@@ -246,15 +254,15 @@ def test_publisher_killed_and_restarted_is_followed_from_its_new_stream(new_coun
     With 10 batches the new stream is behind the old position (the anchored
     replay comes back empty); with 45 it is ahead (the anchor's content differs).
     """
-    ep, rep = tcp_endpoints(1)
     sink = BlockSetSink()
-    proc, truth = _spawn(ep, rep, life=0, count=30)
-    try:
+    proc, truth, (ep, rep) = _spawn(EPHEMERAL, EPHEMERAL, life=0, count=30)
+    try:  # the new life binds the ports the first one bound
         with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
             wait_until(lambda: settled(sub.status(), "w", 0, 30), 10, "the first life")
             assert sink.blocks("w", 0) == truth
             _kill(proc)
-            proc, truth = _spawn(ep, rep, life=1, count=new_count)
+            proc, truth, bound = _spawn(ep, rep, life=1, count=new_count)
+            assert bound == (ep, rep)
             wait_until(
                 lambda: (
                     rank_status(sub.status(), "w", 0).counters.restarts >= 1
@@ -271,19 +279,18 @@ def test_publisher_killed_and_restarted_is_followed_from_its_new_stream(new_coun
 
 
 def test_sources_added_and_removed_at_run_time() -> None:
-    (ep1, rep1), (ep2, rep2) = tcp_endpoints(1), tcp_endpoints(1)
-    with publishers(ep1, rep1, 1) as (p1,), publishers(ep2, rep2, 1) as (p2,):
+    with publishers(EPHEMERAL, EPHEMERAL, 1) as (p1,), publishers(EPHEMERAL, EPHEMERAL, 1) as (p2,):
         e1, e2 = Engine(seed=1), Engine(seed=2)
         e1.publish(p1, 4)
         e2.publish(p2, 6)
         sink = BlockSetSink()
-        with Subscriber([EngineSource("a", ep1, rep1)], sink, config=FAST) as sub:
+        with Subscriber([bound_source("a", [p1])], sink, config=FAST) as sub:
             wait_until(lambda: settled(sub.status(), "a", 0, 4), 10, "worker a")
-            sub.add_source(EngineSource("b", ep2, rep2))
+            sub.add_source(bound_source("b", [p2]))
             wait_until(lambda: settled(sub.status(), "b", 0, 6), 10, "worker b")
             assert sink.blocks("b", 0) == e2.truth
             with pytest.raises(ValueError):
-                sub.add_source(EngineSource("b", ep1, rep1))
+                sub.add_source(bound_source("b", [p1]))
             sub.remove_source("a")
             assert sink.blocks("a", 0) == frozenset(), "removal must clear downstream"
             assert [s.worker_id for s in sub.status()] == ["b"]
@@ -304,11 +311,10 @@ def test_a_failing_sink_is_counted_and_the_rank_cleared_not_fatal() -> None:
                 raise RuntimeError("index full")
             super().apply(worker_id, rank, batch)
 
-    ep, rep = tcp_endpoints(1)
-    with publishers(ep, rep, 1) as (pub,):
+    with publishers(EPHEMERAL, EPHEMERAL, 1) as (pub,):
         engine = Engine(seed=8)
         sink = Flaky()
-        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=FAST) as sub:
             engine.publish(pub, 5)
             wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "batches")
             st = rank_status(sub.status(), "w", 0)
@@ -321,11 +327,10 @@ def test_a_failing_sink_is_counted_and_the_rank_cleared_not_fatal() -> None:
 
 
 def test_envelope_rank_mismatch_is_counted() -> None:
-    ep, rep = tcp_endpoints(2)
-    with publishers(ep, rep, 2) as pubs:
+    with publishers(EPHEMERAL, EPHEMERAL, 2) as pubs:
         wrong = Engine(seed=9, rank=0)  # rank 1's socket sending rank-0 envelopes
         sink = BlockSetSink()
-        with Subscriber([EngineSource("w", ep, rep, ranks=2)], sink, config=FAST) as sub:
+        with Subscriber([bound_source("w", pubs)], sink, config=FAST) as sub:
             wrong.publish(pubs[1], 3)
             wait_until(lambda: settled(sub.status(), "w", 1, 3), 10, "batches")
             assert rank_status(sub.status(), "w", 1).counters.rank_mismatches == 3
@@ -337,15 +342,14 @@ def test_async_iterator_and_clean_shutdown() -> None:
 
 
 async def _async_iterator_and_clean_shutdown() -> None:
-    ep, rep = tcp_endpoints(1)
     fds_before = len(os.listdir("/proc/self/fd"))
     threads_before = set(threading.enumerate())
     ctx = zmq.asyncio.Context()
-    with publishers(ep, rep, 1) as (pub,):
+    with publishers(EPHEMERAL, EPHEMERAL, 1) as (pub,):
         engine = Engine(seed=11)
         engine.publish(pub, 7)
         items: list[Applied | Cleared] = []
-        async with Subscriber([EngineSource("w", ep, rep)], config=FAST, context=ctx) as sub:
+        async with Subscriber([bound_source("w", [pub])], config=FAST, context=ctx) as sub:
 
             async def consume() -> None:
                 async for item in sub:
@@ -372,12 +376,11 @@ async def _async_iterator_and_clean_shutdown() -> None:
 
 
 def test_background_thread_stops_in_bounded_time_leaving_nothing() -> None:
-    ep, rep = tcp_endpoints(2)
     threads_before = set(threading.enumerate())
     fds_before = len(os.listdir("/proc/self/fd"))
-    with publishers(ep, rep, 2) as pubs:
+    with publishers(EPHEMERAL, EPHEMERAL, 2) as pubs:
         sink = BlockSetSink()
-        sub = Subscriber([EngineSource("w", ep, rep, ranks=2)], sink, config=FAST).start()
+        sub = Subscriber([bound_source("w", pubs)], sink, config=FAST).start()
         Engine(seed=12).publish(pubs[0], 2)
         wait_until(lambda: settled(sub.status(), "w", 0, 2), 10, "batches")
         sub.stop(timeout=2.0)
@@ -399,15 +402,25 @@ def test_engine_source_validates_its_endpoints() -> None:
         ("ipc:///tmp/kv", "ipc:///tmp/rp"),
         ("ipc:///tmp/kv_dp1", "ipc:///tmp/rp_dp1"),
     ]
+    src = EngineSource("w", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5657", ranks=3)
+    assert [(r.endpoint, r.replay_endpoint) for r in src.rank_endpoints()] == [
+        (f"tcp://127.0.0.1:{5557 + r}", f"tcp://127.0.0.1:{5657 + r}") for r in range(3)
+    ]
+    explicit = [("tcp://127.0.0.1:41000", "tcp://127.0.0.1:39000"), ("tcp://h:7", "tcp://h:8")]
+    src = EngineSource.from_rank_endpoints("w", explicit)
+    assert [(r.endpoint, r.replay_endpoint) for r in src.rank_endpoints()] == explicit
+    with pytest.raises(EndpointError):  # a bind address, not where to connect
+        EngineSource.from_rank_endpoints("w", [("tcp://127.0.0.1:*", None)])
+    with pytest.raises(ValueError, match="every rank"):
+        EngineSource.from_rank_endpoints("w", [("tcp://h:1", "tcp://h:2"), ("tcp://h:3", None)])
 
 
 def test_stream_config_replay_flag_follows_the_source() -> None:
     """A source without a replay endpoint never sends a replay request."""
-    ep, _ = tcp_endpoints(1)
-    with publishers(ep, None, 1) as (pub,):
+    with publishers(EPHEMERAL, None, 1) as (pub,):
         sink = BlockSetSink()
         cfg = StreamConfig(replay=True, idle_probe=0.05)
-        with Subscriber([EngineSource("w", ep)], sink, config=cfg) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=cfg) as sub:
             Engine(seed=13).publish(pub, 0)
             wait_until(lambda: rank_status(sub.status(), "w", 0).connected, 5, "connection")
             Engine(seed=13).publish(pub, 2)

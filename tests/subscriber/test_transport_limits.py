@@ -26,7 +26,15 @@ from kvwire.wire import (
     replay_end_frames,
     replay_item_frames,
 )
-from tests.subscriber.helpers import FAST, Engine, rank_status, settled, tcp_endpoints, wait_until
+from tests.subscriber.helpers import (
+    EPHEMERAL,
+    FAST,
+    Engine,
+    bound_source,
+    rank_status,
+    settled,
+    wait_until,
+)
 
 HUGE = 200 * 1024 * 1024
 
@@ -54,14 +62,13 @@ def test_an_oversized_payload_never_gets_in_and_the_rank_recovers(
     The rank loses that seq (PARTIAL, cleared: nothing stale), reconnects, and
     is exact again after the engine's next clear.
     """
-    ep, rep = tcp_endpoints(1)
     kw = {} if limit is None else {"max_message_size": limit}
     # The engines' wire (no heartbeat, no snapshot): nothing repairs the loss but a clear.
     engines_wire = {"epoch": False, "heartbeat": None, "snapshot": False}
-    with EventPublisher(ep, rep, buffer_steps=64, **engines_wire) as pub:
+    with EventPublisher(EPHEMERAL, EPHEMERAL, buffer_steps=64, **engines_wire) as pub:
         engine = Engine(seed=21)
         sink = BlockSetSink()
-        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST, **kw) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=FAST, **kw) as sub:
             engine.publish(pub, 5)
             wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "the first batches")
             assert pub.publish(Junk(size))  # seq 5
@@ -122,15 +129,14 @@ def test_a_given_context_with_too_few_sockets_is_a_clear_error() -> None:
 def test_a_rank_at_rest_holds_one_connection_and_no_replay_socket() -> None:
     """Per rank at rest: SUB + monitor pair (three mailboxes) and one TCP connection."""
     ranks = 8
-    ep, rep = tcp_endpoints(ranks)
-    pubs = [EventPublisher(ep, rep, rank=r).start() for r in range(ranks)]
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, rank=r).start() for r in range(ranks)]
     try:
         for r, pub in enumerate(pubs):
             Engine(seed=30 + r, rank=r).publish(pub, 3)
         before = len(os.listdir("/proc/self/fd"))
         sink = BlockSetSink()
         quiet = msgspec.structs.replace(FAST, idle_probe=None)  # no probe opens a socket
-        with Subscriber([EngineSource("w", ep, rep, ranks=ranks)], sink, config=quiet) as sub:
+        with Subscriber([bound_source("w", pubs)], sink, config=quiet) as sub:
             wait_until(
                 lambda: all(settled(sub.status(), "w", r, 3) for r in range(ranks)),
                 10,
@@ -290,14 +296,13 @@ def test_curve_without_an_allowed_key_nothing_is_received(
 def test_one_replay_socket_at_a_time_still_brings_every_rank_in() -> None:
     """``max_replays=1``: first contacts and replays queue for the one socket and all end exact."""
     ranks = 6
-    ep, rep = tcp_endpoints(ranks)
-    pubs = [EventPublisher(ep, rep, rank=r).start() for r in range(ranks)]
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, rank=r).start() for r in range(ranks)]
     try:
         engines = [Engine(seed=50 + r, rank=r) for r in range(ranks)]
         for engine, pub in zip(engines, pubs, strict=True):
             engine.publish(pub, 4)  # history: each first contact must replay it
         sink = BlockSetSink()
-        source = EngineSource("w", ep, rep, ranks=ranks)
+        source = bound_source("w", pubs)
         with Subscriber([source], sink, config=FAST, max_replays=1) as sub:
             for engine, pub in zip(engines, pubs, strict=True):
                 engine.publish(pub, 2)
