@@ -50,6 +50,7 @@ from kvwire.wire import (
     BlockStored,
     KVEventBatch,
     decode_batch,
+    epoch_topic,
     parse_live,
 )
 
@@ -87,6 +88,11 @@ def sink(endpoints: list[str], conn: Any) -> None:
     ctx.term()
 
 
+def wire_topic(pub: EventPublisher) -> bytes:
+    """The topic frame ``pub`` sends: its topic and its epoch."""
+    return epoch_topic(pub.topic.encode(), pub.epoch)
+
+
 def start_sink(pubs: list[EventPublisher]) -> tuple[Any, Any, dict[bytes, int]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -103,7 +109,7 @@ def start_sink(pubs: list[EventPublisher]) -> tuple[Any, Any, dict[bytes, int]]:
     assert parent.recv() == "ready"
     while any(p.queue_depth for p in pubs):
         time.sleep(0.001)
-    first = {p.topic.encode(): p.last_seq + 1 for p in pubs}
+    first = {wire_topic(p): p.last_seq + 1 for p in pubs}
     parent.send(first)
     return proc, parent, first
 
@@ -237,7 +243,7 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
                         times[mode].append(now - prev)
                         call[mode].append(now - c0)
                     prev = now
-        published = sum(p.last_seq + 1 - first[p.topic.encode()] for p in pubs.values())
+        published = sum(p.last_seq + 1 - first[wire_topic(p)] for p in pubs.values())
         dropped = sum(
             p.stats().dropped_queue_full + p.stats().dropped_send_error for p in pubs.values()
         )
