@@ -55,6 +55,7 @@ _REMOVE = 1
 _CLEAR = 2
 _CLEAR_RECORD = (_CLEAR,)
 _CLEARED = AllBlocksCleared()
+_encoder = msgspec.msgpack.Encoder()
 _CHANGED = (
     "the token ids or hashes passed to stored() changed before the batch was encoded; "
     "pass lists that are not modified afterwards"
@@ -398,8 +399,12 @@ class CollectedBatch(msgspec.Struct, gc=False):
                         if extra is not None:
                             extra.extend(nxt[6])
                         i += 1
+                tokens = concat_int_arrays(token_parts)
+                if type(tokens) is not msgspec.Raw:
+                    # Packed once: the payload embeds these bytes and the mirror keeps them.
+                    tokens = msgspec.Raw(_encoder.encode(tokens))
                 out.append(StoredParts(
-                    concat_int_arrays(hash_parts), parent, concat_int_arrays(token_parts), bs,
+                    concat_int_arrays(hash_parts), parent, tokens, bs,
                     None, medium, lora, extra, group,
                 ))  # fmt: skip
             elif tag == _REMOVE:
