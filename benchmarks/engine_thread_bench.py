@@ -71,6 +71,7 @@ CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only"
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
 CPU_RATIO_TARGET = 0.5
+_OPTIONS: dict[str, Any] = {}  # extra EventPublisher keywords for the kvwire-wire/-defaults cases
 
 
 def free_port() -> int:
@@ -136,7 +137,7 @@ def make_inputs(blocks: int, variants: int = 4, seed: int = 0) -> Inputs:
 class Case:
     """One publisher under test: the engine's per-iteration publish call, drain, close."""
 
-    def __init__(self, name: str, inputs: Inputs) -> None:
+    def __init__(self, name: str, inputs: Inputs, options: dict[str, Any] | None = None) -> None:
         self.name = name
         pub_port, replay_port = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{pub_port}"
@@ -184,9 +185,9 @@ class Case:
         else:
             from kvwire.publisher import EventCollector, EventPublisher
 
-            options: dict[str, Any] = {}
+            options = dict(options or {})
             if name == "kvwire-wire":
-                options = {"epoch": False, "heartbeat": None, "snapshot": False}
+                options.update(epoch=False, heartbeat=None, snapshot=False)
             self.pub = (
                 _Discard()
                 if name == "hooks-only"
@@ -327,7 +328,7 @@ def engine_run(
     engine_core, other = cores()
     me = threading.get_native_id()
     os.sched_setaffinity(me, other)  # threads and processes made now inherit "other"
-    case = Case(name, make_inputs(blocks))
+    case = Case(name, make_inputs(blocks), _OPTIONS)
     proc, conn = connect(case, mp.get_context("spawn"))
     os.sched_setaffinity(me, engine_core)
     work = spins["cpu"] if loop == "cpu" else spins["gpu"]
@@ -370,7 +371,7 @@ def throughput_run(name: str, blocks: int, iterations: int) -> tuple[float, int]
     """Whole-process CPU microseconds per stored block, publishing as fast as the loop can."""
     engine_core, other = cores()
     os.sched_setaffinity(threading.get_native_id(), engine_core | other)
-    case = Case(name, make_inputs(blocks))
+    case = Case(name, make_inputs(blocks), _OPTIONS)
     proc, conn = connect(case, mp.get_context("spawn"))
     publish, backlog = case.publish, case.backlog
     c0 = cpu_seconds()
@@ -398,7 +399,12 @@ def main() -> None:
     parser.add_argument(
         "--sections", nargs="+", default=["engine", "cpu"], choices=["engine", "cpu"]
     )
+    parser.add_argument(
+        "--coalesce-ms", type=float, default=None, help="kvwire's coalesce_s (default: its own)"
+    )
     args = parser.parse_args()
+    if args.coalesce_ms is not None:
+        _OPTIONS["coalesce_s"] = args.coalesce_ms / 1000
     logging.getLogger("kvwire").setLevel(logging.ERROR)  # the plugin's loopback-bind warning
     runs = args.runs or (3 if args.quick else 5)
     block_iters, rounds = (40, 6) if args.quick else (60, 8)
