@@ -100,8 +100,6 @@ def _packed(tokens: Any) -> msgspec.Raw:
         return tokens.raw.copy()
     if type(tokens) is msgspec.Raw:  # packed by the collector
         return tokens.copy()
-    if type(tokens) is list:  # the collector's parts: encoding is the private copy
-        return msgspec.Raw(_encoder.encode(tokens))
     return msgspec.Raw(_encoder.encode(list(tokens)))
 
 
