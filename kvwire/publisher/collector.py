@@ -55,6 +55,7 @@ _REMOVE = 1
 _CLEAR = 2
 _CLEAR_RECORD = (_CLEAR,)
 _CLEARED = AllBlocksCleared()
+_encoder = msgspec.msgpack.Encoder()
 _CHANGED = (
     "the token ids or hashes passed to stored() changed before the batch was encoded; "
     "pass lists that are not modified afterwards"
@@ -312,6 +313,8 @@ class CollectedBatch(msgspec.Struct, gc=False):
     rank: int
     block_size: int
     signed: bool
+    encoded: list[EventParts] | None = None
+    """The parts the last :meth:`encode` produced, until :meth:`mirror_events` takes them."""
 
     def encode(self, dialect: Dialect) -> bytes:
         """Convert, coalesce and encode: the bytes ``encode_batch`` gives for :meth:`to_batch`.
@@ -321,10 +324,30 @@ class CollectedBatch(msgspec.Struct, gc=False):
         every list packed natively, which converts ``__index__`` types and
         raises ``ValueError`` naming a value that is no 64-bit int.
         """
+        self.encoded = None
         try:
-            return encode_parts(self.ts, self.parts(), self.rank, dialect=dialect)
+            parts = self.parts()
+            payload = encode_parts(self.ts, parts, self.rank, dialect=dialect)
         except (TypeError, OverflowError):
             return encode_parts(self.ts, self.parts(strict=True), self.rank, dialect=dialect)
+        self.encoded = parts
+        return payload
+
+    def mirror_events(self) -> list[EventParts] | None:
+        """The events just encoded, as the publisher's mirror takes them, or ``None``.
+
+        Saves the sender thread decoding the payload it just encoded. Only
+        when every hash is a list of unsigned ints as encoded (then exactly
+        what subscribers decode): ``None`` after a strict or failed encoding,
+        for signed hashes and for packed hash arrays; the caller decodes then.
+        """
+        parts, self.encoded = self.encoded, None
+        if parts is None or self.signed:
+            return None
+        for p in parts:
+            if not isinstance(p, AllBlocksCleared) and type(p.block_hashes) is not list:
+                return None
+        return parts
 
     def to_batch(self) -> KVEventBatch:
         """The batch as wire structs (hashes unsigned, as decoding yields them)."""
@@ -376,8 +399,12 @@ class CollectedBatch(msgspec.Struct, gc=False):
                         if extra is not None:
                             extra.extend(nxt[6])
                         i += 1
+                tokens = concat_int_arrays(token_parts)
+                if type(tokens) is not msgspec.Raw:
+                    # Packed once: the payload embeds these bytes and the mirror keeps them.
+                    tokens = msgspec.Raw(_encoder.encode(tokens))
                 out.append(StoredParts(
-                    concat_int_arrays(hash_parts), parent, concat_int_arrays(token_parts), bs,
+                    concat_int_arrays(hash_parts), parent, tokens, bs,
                     None, medium, lora, extra, group,
                 ))  # fmt: skip
             elif tag == _REMOVE:

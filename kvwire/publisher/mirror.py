@@ -39,7 +39,7 @@ from __future__ import annotations
 import operator
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEventBatch
-from kvwire.wire.codec import StoredParts, encode_parts
+from kvwire.wire.codec import RemovedParts, StoredParts, encode_parts
 from kvwire.wire.events import TokenIds
 
 __all__ = ["Mirror", "SnapshotCursor"]
@@ -98,6 +98,8 @@ def _packed(tokens: Any) -> msgspec.Raw:
     """A private packed copy of an event's token ids (never a view into a payload)."""
     if type(tokens) is TokenIds:
         return tokens.raw.copy()
+    if type(tokens) is msgspec.Raw:  # packed by the collector
+        return tokens.copy()
     return msgspec.Raw(_encoder.encode(list(tokens)))
 
 
@@ -250,15 +252,21 @@ class Mirror:
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         """Mirror batch ``seq``; a seq skipped since the last one makes the mirror untrusted."""
+        self.apply_events(seq, batch.events)
+
+    def apply_events(self, seq: int, events: Sequence[Any]) -> None:
+        """:meth:`apply` for a batch's events: decoded structs, or the wire parts it was
+        encoded from (:class:`~kvwire.wire.codec.StoredParts`, ``RemovedParts``) when
+        their hashes are lists of unsigned ints, as subscribers decode them."""
         if seq != self.next_seq:
             self.distrust(f"batches {self.next_seq}..{seq - 1} were dropped before publishing")
         self.next_seq = seq + 1
-        for e in batch.events:
+        for e in events:
             kind = type(e)
-            if kind is BlockStored:
-                self._store(e)  # type: ignore[arg-type]
-            elif kind is BlockRemoved:
-                self._remove(e)  # type: ignore[arg-type]
+            if kind is BlockStored or kind is StoredParts:
+                self._store(e)
+            elif kind is BlockRemoved or kind is RemovedParts:
+                self._remove(e)
             elif kind is AllBlocksCleared:
                 self._clear()
         if self._changes >= _MERGE_EVERY:
@@ -298,7 +306,7 @@ class Mirror:
             m = self._media[medium] = _Medium()
         return m
 
-    def _new_chain(self, e: BlockStored) -> _Chain:
+    def _new_chain(self, e: BlockStored | StoredParts) -> _Chain:
         chain = _Chain(
             array("Q", e.block_hashes), e.parent_block_hash, _packed(e.token_ids),
             e.block_size, e.medium, e.lora_name, e.extra_keys, e.group_idx,
@@ -337,7 +345,7 @@ class Mirror:
         for cursor in self._cursors:
             cursor._note((medium, h), holders)
 
-    def _store(self, e: BlockStored) -> None:
+    def _store(self, e: BlockStored | StoredParts) -> None:
         medium = e.medium
         m = self._medium(medium)
         chain = self._new_chain(e)
@@ -360,7 +368,7 @@ class Mirror:
             self._by_id[chain.ident] = None
             self._free_ids.append(chain.ident)
 
-    def _remove(self, e: BlockRemoved) -> None:
+    def _remove(self, e: BlockRemoved | RemovedParts) -> None:
         m = self._media.get(e.medium)
         if m is None:
             return

@@ -602,7 +602,7 @@ class EventPublisher:
                     mirror.skip(seq, "it could not be encoded")
                 continue
             if mirror is not None:
-                self._mirror_batch(mirror, seq, payload)
+                self._mirror_batch(mirror, seq, item, payload)
             ready.append((seq, zmq.Frame(payload)))
             if self._stopping and time.monotonic() >= self._deadline:
                 break
@@ -652,16 +652,28 @@ class EventPublisher:
             except Exception:
                 mirror.skip(seq, "it could not be encoded")
                 continue
-            self._mirror_batch(mirror, seq, payload)
+            self._mirror_batch(mirror, seq, item, payload)
 
-    def _mirror_batch(self, mirror: Mirror, seq: int, payload: bytes) -> None:
-        """Feed the mirror what subscribers will decode (hashes normalised as they see them)."""
-        try:
-            batch = decode_batch(payload)
-        except Exception as exc:  # pragma: no cover - encode and decode disagree
-            mirror.skip(seq, f"its payload did not decode: {exc}")
-            return
-        mirror.apply(seq, batch)
+    def _mirror_batch(
+        self, mirror: Mirror, seq: int, item: KVEventBatch | PendingBatch, payload: bytes
+    ) -> None:
+        """Feed the mirror what subscribers will decode (hashes normalised as they see them).
+
+        A collector's batch hands over the parts it just encoded when they are
+        already in that form; anything else is decoded from its payload.
+        """
+        events = None
+        if type(item) is not KVEventBatch:
+            take = getattr(item, "mirror_events", None)
+            if take is not None:
+                events = take()
+        if events is None:
+            try:
+                events = decode_batch(payload).events
+            except Exception as exc:  # pragma: no cover - encode and decode disagree
+                mirror.skip(seq, f"its payload did not decode: {exc}")
+                return
+        mirror.apply_events(seq, events)
 
     # --- bounded-rate logging ------------------------------------------------------
 

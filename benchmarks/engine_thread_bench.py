@@ -1,0 +1,478 @@
+"""What publishing costs the engine thread (GIL contention), side by side with vLLM 0.33 (issue 10).
+
+An engine's scheduler is Python: every microsecond a publisher's thread holds
+the GIL is a microsecond the scheduler may wait. This measures that loss.
+
+Engine loop, each iteration: a fixed amount of pure-Python work that never
+releases the GIL (calibrated to about 1 ms, like a busy scheduler; "gpu": about
+200 us of Python, then 1.5 ms with the GIL released, like waiting on a GPU
+step), then one batch: B stored blocks of 16 tokens (one chain) and B removed
+blocks, hashes and tokens as Python lists, the way vLLM hands them. A SUB
+process receives everything (seq gaps are counted and printed).
+
+Publishers, each a case:
+- ``vllm``: vLLM 0.33's own ``ZmqEventPublisher`` from its wheel, fed vLLM's
+  ``KVEventBatch`` / ``BlockStored`` / ``BlockRemoved`` structs;
+- ``kvwire-wire``: kvwire's ``EventCollector`` + ``EventPublisher`` speaking
+  the engines' wire (epoch, heartbeat and snapshot mirror off);
+- ``kvwire-plugin``: the publisher ``kvwire.integrations`` puts into vLLM,
+  fed vLLM's structs (the engines' wire, as the plugin's defaults have it);
+- ``kvwire-defaults``: ``EventCollector`` + ``EventPublisher`` with its
+  defaults (epoch, 1 s heartbeat, replay with the snapshot mirror);
+- ``hooks-only``: the ``EventCollector`` hooks with a publisher that drops
+  every batch (no sender thread, no SUB): what the engine thread pays for its
+  own hook calls, the floor the issue aims at.
+Every publisher has a replay endpoint.
+
+This 2-core VM gives a process a full or a half core at random, so a baseline
+from another process means nothing: within one process, blocks of iterations
+with publishing alternate with blocks without, and the engine thread is pinned
+alone on one core while everything else (the sender thread, libzmq's I/O
+threads, the SUB process) runs on the other, as on a host with cores to spare,
+so what remains is the GIL. Slowdown = median iteration with publishing /
+median without - 1 (issue 10's figure); the figure printed is the median over
+``--runs`` runs (the runs' range in brackets). A second line gives the same by
+mean iteration: the sender takes the GIL in bursts (a forced switch after the
+interpreter's 5 ms switch interval), which land in a minority of iterations
+that the median does not see, so the mean is the time the engine loses.
+
+Second table: whole-process CPU per stored block, publishing as fast as a loop
+can (no work between batches, paced so the queue stays below 512), kvwire
+against vLLM, runs alternated, unpinned.
+
+Run: ``python benchmarks/engine_thread_bench.py`` (``--quick``: 3 runs, fewer iterations).
+Needs vLLM 0.33.0's wheel (fetched with ``pip download`` into ``~/.cache/kvwire/wheels``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import random
+import resource
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zmq
+
+BLOCK_TOKENS = 16
+CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only")
+LOOPS = ("cpu", "gpu")
+TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
+CPU_RATIO_TARGET = 0.5
+_OPTIONS: dict[str, Any] = {}  # extra EventPublisher keywords for the kvwire-wire/-defaults cases
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the SUB process ------------------------------------------------------------------
+
+
+def subscriber(endpoint: str, conn: Any) -> None:
+    """Receive everything until told to stop; report messages and seq gaps."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(endpoint)
+    got = gaps = 0
+    prev = -1
+    told = False
+    while True:
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+            seq = int.from_bytes(frames[1], "big")
+            if got == 0:
+                conn.send("ready")
+            elif seq != prev + 1:
+                gaps += max(0, seq - prev - 1)
+            prev = seq
+            got += 1
+            continue
+        if told or (conn.poll() and conn.recv() == "stop"):
+            if told:
+                break
+            told = True  # one more quiet poll, then report
+    conn.send((got, gaps))
+    sub.close(linger=0)
+    ctx.term()
+
+
+# --- inputs and publishers -----------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    stores: list[tuple[list[int], int, list[int]]]
+    removes: list[list[int]]
+
+
+def make_inputs(blocks: int, variants: int = 4, seed: int = 0) -> Inputs:
+    rng = random.Random(seed)
+    stores = []
+    removes = []
+    for _ in range(variants):
+        hashes = [rng.getrandbits(64) for _ in range(blocks)]
+        tokens = [rng.randrange(128_000) for _ in range(blocks * BLOCK_TOKENS)]
+        stores.append((hashes, rng.getrandbits(64), tokens))
+        removes.append([rng.getrandbits(64) for _ in range(blocks)])
+    return Inputs(stores, removes)
+
+
+class Case:
+    """One publisher under test: the engine's per-iteration publish call, drain, close."""
+
+    def __init__(self, name: str, inputs: Inputs, options: dict[str, Any] | None = None) -> None:
+        self.name = name
+        pub_port, replay_port = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{pub_port}"
+        stores, removes = inputs.stores, inputs.removes
+        nvar = len(stores)
+        self.publish: Callable[[int], None]
+        self._depth: Callable[[], int]
+        if name in ("vllm", "kvwire-plugin"):
+            from tests.integrations.engines import import_vllm
+
+            kv = import_vllm().kv_events
+            if name == "vllm":
+                self.pub: Any = kv.ZmqEventPublisher(
+                    0, f"tcp://*:{pub_port}", f"tcp://*:{replay_port}"
+                )
+                q = self.pub._event_queue
+                self._depth = lambda: int(q.unfinished_tasks)
+            else:
+                from kvwire.integrations.adapter import factory_for
+                from kvwire.integrations.vllm import VllmEventPublisher
+
+                for var in [v for v in os.environ if v.startswith("KVWIRE_")]:
+                    del os.environ[var]  # the plugin's defaults: the engines' wire
+                self.pub = factory_for(kv, VllmEventPublisher)(
+                    endpoint=f"tcp://*:{pub_port}",
+                    replay_endpoint=f"tcp://*:{replay_port}",
+                    data_parallel_rank=0,
+                )
+                inner = self.pub.publisher
+                self._depth = lambda: _kvwire_backlog(inner)
+            batch_cls, stored_cls, removed_cls = kv.KVEventBatch, kv.BlockStored, kv.BlockRemoved
+            publish_struct = self.pub.publish
+
+            def publish(i: int) -> None:
+                h, p, t = stores[i % nvar]
+                stored = stored_cls(
+                    block_hashes=h, parent_block_hash=p, token_ids=t, block_size=BLOCK_TOKENS,
+                    lora_id=None, medium="GPU", lora_name=None,
+                )  # fmt: skip
+                removed = removed_cls(block_hashes=removes[i % nvar], medium="GPU")
+                publish_struct(batch_cls(ts=time.time(), events=[stored, removed]))
+
+            self.publish = publish
+            self._close = self.pub.shutdown
+        else:
+            from kvwire.publisher import EventCollector, EventPublisher
+
+            options = dict(options or {})
+            if name == "kvwire-wire":
+                options.update(epoch=False, heartbeat=None, snapshot=False)
+            self.pub = (
+                _Discard()
+                if name == "hooks-only"
+                else EventPublisher(
+                    self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options
+                ).start()
+            )
+            col = EventCollector(self.pub, BLOCK_TOKENS)
+            stored_hook, removed_hook, flush = col.stored, col.removed, col.flush
+
+            def publish(i: int) -> None:
+                h, p, t = stores[i % nvar]
+                stored_hook(h, p, t)
+                removed_hook(removes[i % nvar])
+                flush()
+
+            self.publish = publish
+            inner = self.pub
+            self._depth = lambda: _kvwire_backlog(inner)
+            self._close = self.pub.close
+
+    def backlog(self) -> int:
+        """Batches published but not yet sent."""
+        return self._depth()
+
+    def drain(self, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while self.backlog():
+            if time.monotonic() > end:
+                raise RuntimeError(f"{self.name}: the sender did not drain")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        self._close()
+
+
+class _Discard:
+    """A publisher that drops every batch: the engine thread pays for its hook calls alone."""
+
+    rank = 0
+    endpoint = None
+
+    def publish(self, batch: Any) -> bool:
+        return True
+
+    def stats(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _kvwire_backlog(pub: Any) -> int:
+    if type(pub) is _Discard:
+        return 0
+    s = pub.stats()
+    done = s.published + s.dropped_send_error + s.dropped_encode_error + s.dropped_queue_full
+    return int(s.enqueued + s.dropped_queue_full - done)
+
+
+def connect(case: Case, ctx: mp.context.SpawnContext) -> tuple[Any, Any]:
+    """A SUB process that has received at least one batch (the slow joiner)."""
+    if type(case.pub) is _Discard:
+        return None, None
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=subscriber, args=(case.endpoint, child), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 30
+    i = 0
+    while not parent.poll(0.01):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the SUB process never received anything")
+        case.publish(i)
+        i += 1
+    assert parent.recv() == "ready"
+    case.drain()
+    return proc, parent
+
+
+def finish(case: Case, proc: Any, conn: Any) -> int:
+    """Close the case; the SUB's seq gaps."""
+    case.drain()
+    if conn is None:
+        case.close()
+        return 0
+    conn.send("stop")
+    _got, gaps = conn.recv()
+    proc.join(10)
+    case.close()
+    return int(gaps)
+
+
+# --- the engine loop --------------------------------------------------------------------------
+
+
+def spin(n: int) -> int:
+    """Pure-Python work that never releases the GIL."""
+    x = 0
+    for i in range(n):
+        x ^= i * 7
+    return x
+
+
+def calibrate(seconds: float) -> int:
+    n = 1000
+    while True:
+        t0 = time.perf_counter()
+        spin(n)
+        took = time.perf_counter() - t0
+        if took > 0.002:
+            break
+        n *= 2
+    samples = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        spin(n)
+        samples.append(time.perf_counter() - t0)
+    return max(1, int(n * seconds / statistics.median(samples)))
+
+
+_CORES: list[int] = []
+
+
+def cores() -> tuple[set[int], set[int]]:
+    """The engine's core and the rest (the cores the process was started with)."""
+    if not _CORES:
+        _CORES.extend(sorted(os.sched_getaffinity(0)))
+    avail = _CORES
+    if len(avail) < 2:
+        raise SystemExit("needs at least 2 cores to pin the engine thread alone")
+    return {avail[0]}, set(avail[1:])
+
+
+def engine_run(
+    name: str, blocks: int, loop: str, block_iters: int, rounds: int, spins: dict[str, int]
+) -> tuple[float, float, int]:
+    """One run: the engine thread's slowdown by median and by mean iteration; the SUB's gaps."""
+    engine_core, other = cores()
+    me = threading.get_native_id()
+    os.sched_setaffinity(me, other)  # threads and processes made now inherit "other"
+    case = Case(name, make_inputs(blocks), _OPTIONS)
+    proc, conn = connect(case, mp.get_context("spawn"))
+    os.sched_setaffinity(me, engine_core)
+    work = spins["cpu"] if loop == "cpu" else spins["gpu"]
+    wait = 0.0 if loop == "cpu" else 0.0015
+    publish = case.publish
+    clock = time.perf_counter
+    on: list[float] = []
+    off: list[float] = []
+    i = 0
+    try:
+        for r in range(rounds):
+            for with_pub in (True, False) if r % 2 == 0 else (False, True):
+                out = on if with_pub else off
+                for _ in range(block_iters):
+                    t0 = clock()
+                    spin(work)
+                    if wait:
+                        time.sleep(wait)
+                    if with_pub:
+                        publish(i)
+                        i += 1
+                    out.append(clock() - t0)
+                case.drain()
+    finally:
+        os.sched_setaffinity(me, other)
+        gaps = finish(case, proc, conn)
+    median = statistics.median(on) / statistics.median(off) - 1
+    return median, statistics.fmean(on) / statistics.fmean(off) - 1, gaps
+
+
+# --- whole-process CPU per block ---------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def throughput_run(name: str, blocks: int, iterations: int) -> tuple[float, int]:
+    """Whole-process CPU microseconds per stored block, publishing as fast as the loop can."""
+    engine_core, other = cores()
+    os.sched_setaffinity(threading.get_native_id(), engine_core | other)
+    case = Case(name, make_inputs(blocks), _OPTIONS)
+    proc, conn = connect(case, mp.get_context("spawn"))
+    publish, backlog = case.publish, case.backlog
+    c0 = cpu_seconds()
+    for i in range(iterations):
+        publish(i)
+        if i & 63 == 0 and backlog() > 512:
+            while backlog() > 64:
+                time.sleep(0.001)
+    case.drain()
+    c1 = cpu_seconds()
+    gaps = finish(case, proc, conn)
+    return (c1 - c0) * 1e6 / (iterations * blocks), gaps
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 runs, fewer iterations")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
+    parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
+    parser.add_argument(
+        "--sections", nargs="+", default=["engine", "cpu"], choices=["engine", "cpu"]
+    )
+    parser.add_argument(
+        "--coalesce-ms", type=float, default=None, help="kvwire's coalesce_s (default: its own)"
+    )
+    args = parser.parse_args()
+    if args.coalesce_ms is not None:
+        _OPTIONS["coalesce_s"] = args.coalesce_ms / 1000
+    logging.getLogger("kvwire").setLevel(logging.ERROR)  # the plugin's loopback-bind warning
+    runs = args.runs or (3 if args.quick else 5)
+    block_iters, rounds = (40, 6) if args.quick else (60, 8)
+
+    engine_core, other = cores()
+    os.sched_setaffinity(threading.get_native_id(), engine_core)
+    spins = {"cpu": calibrate(0.001), "gpu": calibrate(0.0002)}
+    os.sched_setaffinity(threading.get_native_id(), other)
+    print(
+        f"engine thread pinned to core {sorted(engine_core)}, everything else to {sorted(other)}; "
+        f"{runs} runs per case, each {rounds} alternated blocks of {block_iters} iterations "
+        f"with publishing and {rounds} without"
+    )
+    if "engine" in args.sections:
+        print(f"\nEngine-thread slowdown, median of {runs} runs [min..max]; {TARGET_NOTE}")
+        header = f"{'loop':>4} {'B':>4} {'':>6} " + " ".join(f"{c:>26}" for c in args.cases)
+        header += "  gaps"
+        print(header)
+        print("-" * len(header))
+        for loop in args.loops:
+            for blocks in args.sizes:
+                per: dict[str, list[float]] = {c: [] for c in args.cases}
+                means: dict[str, list[float]] = {c: [] for c in args.cases}
+                gaps = 0
+                for r in range(runs):
+                    order = args.cases if r % 2 == 0 else list(reversed(args.cases))
+                    for name in order:
+                        slow, mean, g = engine_run(name, blocks, loop, block_iters, rounds, spins)
+                        per[name].append(slow)
+                        means[name].append(mean)
+                        gaps += g
+                for label, table in (("median", per), ("mean", means)):
+                    cells = [
+                        f"{statistics.median(v) * 100:+.2f}% [{min(v) * 100:+.1f}..{max(v) * 100:+.1f}]"
+                        for v in (table[name] for name in args.cases)
+                    ]
+                    first = label == "median"
+                    row = f"{loop if first else '':>4} {blocks if first else '':>4} {label:>6} "
+                    print(
+                        row
+                        + " ".join(f"{c:>26}" for c in cells)
+                        + (f"  {gaps}" if label == "median" else "")
+                    )
+                sys.stdout.flush()
+    if "cpu" in args.sections:
+        print(
+            f"\nWhole-process CPU us per stored block, as fast as possible, median of {runs} "
+            f"alternated runs; target kvwire <= {CPU_RATIO_TARGET}x vLLM"
+        )
+        for blocks in args.sizes:
+            n = (4000 if args.quick else 10_000) if blocks <= 16 else (600 if args.quick else 1500)
+            per = {c: [] for c in args.cases}
+            gaps = 0
+            for r in range(runs):
+                order = args.cases if r % 2 == 0 else list(reversed(args.cases))
+                for name in order:
+                    cpu, g = throughput_run(name, blocks, n)
+                    per[name].append(cpu)
+                    gaps += g
+            med = {c: statistics.median(v) for c, v in per.items()}
+            base = med.get("vllm")
+            cells = [
+                f"{c} {med[c]:.3f}" + (f" ({med[c] / base:.2f}x)" if base and c != "vllm" else "")
+                for c in args.cases
+            ]
+            print(f"  B={blocks:>4}, {n} batches: " + "  ".join(cells) + f"  gaps {gaps}")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
