@@ -93,9 +93,16 @@ class PublisherStats:
 
 
 class _Wakeup:
-    """A file descriptor the engine thread makes readable to wake the sender."""
+    """A file descriptor the engine thread makes readable to wake the sender.
+
+    Closed once, by whichever side finishes last; a ``set()`` after that does
+    nothing, so a descriptor number the system has since given to another
+    file is never written.
+    """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
         if hasattr(os, "eventfd"):
             self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._write_fd = self.fd
@@ -107,11 +114,14 @@ class _Wakeup:
             self._eventfd = False
 
     def set(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            if self._eventfd:
-                os.eventfd_write(self.fd, 1)
-            else:  # pragma: no cover - non-Linux
-                os.write(self._write_fd, b"\0")
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError):
+                if self._eventfd:
+                    os.eventfd_write(self.fd, 1)
+                else:  # pragma: no cover - non-Linux
+                    os.write(self._write_fd, b"\0")
 
     def clear(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -121,9 +131,13 @@ class _Wakeup:
                 os.read(self.fd, 4096)
 
     def close(self) -> None:
-        os.close(self.fd)
-        if self._write_fd != self.fd:  # pragma: no cover - non-Linux
-            os.close(self._write_fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+            if self._write_fd != self.fd:  # pragma: no cover - non-Linux
+                os.close(self._write_fd)
 
 
 def _fast_send(sock: zmq.Socket[bytes]) -> Callable[[bytes | zmq.Frame, int], Any]:

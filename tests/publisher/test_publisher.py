@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 import threading
 import time
@@ -503,3 +504,18 @@ def test_ephemeral_ports_for_every_rank(zctx: zmq.Context[Any]) -> None:
     finally:
         for p in pubs:
             p.close()
+
+
+def test_a_wake_up_after_the_sender_closed_touches_no_descriptor(ipc_dir: str) -> None:
+    """The sender closes its wake-up descriptor on exit; a later wake-up must not write to
+    whatever file the system gives that number next."""
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None).start()
+    assert pub.close() is True
+    wakeup = pub._wakeup
+    assert wakeup is not None
+    reused = os.open(os.devnull, os.O_RDONLY)  # most likely the number just freed
+    try:
+        wakeup.set()  # would raise EBADF (or write elsewhere) if it used the old number
+        wakeup.close()
+    finally:
+        os.close(reused)
