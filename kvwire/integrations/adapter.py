@@ -166,21 +166,28 @@ def factory_for(kv_events: ModuleType, publisher: type[EngineEventPublisher]) ->
     return create_publisher
 
 
-def install(kv_events: ModuleType, publisher: type[EngineEventPublisher]) -> bool:
-    """Register kvwire's publisher as ``"kvwire"`` and in place of ``"zmq"``; idempotent.
+def install(
+    kv_events: ModuleType, publisher: type[EngineEventPublisher], *, replace_zmq: bool = True
+) -> bool:
+    """Register kvwire's publisher as ``"kvwire"`` and, with ``replace_zmq``, in place of
+    ``"zmq"``; idempotent.
 
     Returns whether anything changed. The registry is written directly: the
     engines' ``register_publisher`` refuses a name that exists.
     """
     registry: dict[str, Any] = kv_events.EventPublisherFactory._registry
     factory = factory_for(kv_events, publisher)
-    if registry.get("zmq") is factory and registry.get("kvwire") is factory:
+    names = ("kvwire", "zmq") if replace_zmq else ("kvwire",)
+    if all(registry.get(name) is factory for name in names):
         return False
-    registry["zmq"] = factory
-    registry["kvwire"] = factory
-    log.warning(
-        "kvwire: %s's KV events are published by kvwire (the 'zmq' publisher replaced, "
-        "'kvwire' registered)",
-        publisher.engine,
-    )
+    for name in names:
+        registry[name] = factory
+    if replace_zmq:
+        log.warning(
+            "kvwire: %s's KV events are published by kvwire (the 'zmq' publisher replaced, "
+            "'kvwire' registered)",
+            publisher.engine,
+        )
+    else:
+        log.info("kvwire: publisher 'kvwire' registered in %s", publisher.engine)
     return True

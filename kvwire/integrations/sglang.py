@@ -1,8 +1,8 @@
 """kvwire's publisher inside SGLang, as a general plugin (entry point ``sglang.srt.plugins``).
 
-With ``KVWIRE_PUBLISHER=1`` the plugin registers kvwire's publisher as
-``"kvwire"`` in ``sglang.srt.disaggregation.kv_events.EventPublisherFactory``
-and puts it in place of ``"zmq"``; without it the plugin does nothing.
+The plugin registers kvwire's publisher as ``"kvwire"`` in
+``sglang.srt.disaggregation.kv_events.EventPublisherFactory`` (a config must
+name it), and with ``KVWIRE_PUBLISHER=1`` also puts it in place of ``"zmq"``.
 SGLang's positional batch (``attn_dp_rank`` in the envelope) goes on the wire
 byte for byte as SGLang's own publisher sends it::
 
@@ -73,7 +73,11 @@ class SglangEventPublisher(EngineEventPublisher):
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: idempotent, inert unless ``KVWIRE_PUBLISHER=1``."""
-    if not IntegrationConfig.from_env().enabled:
-        return
-    install(importlib.import_module("sglang.srt.disaggregation.kv_events"), SglangEventPublisher)
+    """The ``sglang.srt.plugins`` entry point, idempotent: ``"kvwire"`` is registered always
+    (SGLang accepts any publisher name, and nothing runs until a config names it); ``"zmq"`` is
+    taken over only with ``KVWIRE_PUBLISHER=1``."""
+    install(
+        importlib.import_module("sglang.srt.disaggregation.kv_events"),
+        SglangEventPublisher,
+        replace_zmq=IntegrationConfig.from_env().enabled,
+    )

@@ -57,7 +57,7 @@ def test_pyproject_declares_the_plugin(kvwire_entry_points: dict[str, dict[str, 
     assert kvwire_entry_points["sglang.srt.plugins"] == {"kvwire": "kvwire.integrations.sglang:register"}
 
 
-def test_factory_gives_kvwire_only_when_enabled(
+def test_factory_gives_kvwire_by_name_and_for_zmq_only_when_enabled(
     sglang: Engine, kvwire_entry_points: Any, monkeypatch: pytest.MonkeyPatch, ipc_dir: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -65,9 +65,12 @@ def test_factory_gives_kvwire_only_when_enabled(
     factory = kv.EventPublisherFactory
     monkeypatch.delenv("KVWIRE_PUBLISHER", raising=False)
     load_plugins(sglang)
-    assert factory._registry == sglang.pristine
-    with pytest.raises(ValueError, match="Unknown event publisher 'kvwire'"):
-        factory.create(config(publisher="kvwire", endpoint=f"ipc://{ipc_dir}/x"), 0)
+    # Without KVWIRE_PUBLISHER only the new name exists; "zmq" stays SGLang's own.
+    assert set(factory._registry) == set(sglang.pristine) | {"kvwire"}
+    assert all(factory._registry[n] is f for n, f in sglang.pristine.items())
+    named = factory.create(config(publisher="kvwire", endpoint=f"ipc://{ipc_dir}/x"), 0)
+    assert isinstance(named, kv.EventPublisher) and isinstance(named, SglangEventPublisher)
+    named.shutdown()
     own = factory.create(config(publisher="zmq", endpoint=f"ipc://{ipc_dir}/own"), 0)
     assert type(own) is kv.ZmqEventPublisher
     own.shutdown()
