@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "wire"
 """Captured engine traffic, copied byte for byte (see its README); never regenerated."""
@@ -23,6 +27,21 @@ def load_fixture(path: Path) -> dict[str, Any]:
 
 def hex_frames(message: list[str]) -> list[bytes]:
     return [bytes.fromhex(f) for f in message]
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[str]:
+    """A short private directory for ipc endpoints (paths are length-limited)."""
+    path = tempfile.mkdtemp(prefix="kvw")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture(params=FIXTURE_FILES, ids=lambda p: p.stem)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import tomllib
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 
 from .engines import SGLANG, VLLM, EngineUnavailable, import_sglang, import_vllm, wheel_cache
 
@@ -91,19 +87,5 @@ def kvwire_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict
     )
     monkeypatch.syspath_prepend(str(info.parent))
     return groups
-
-
-@pytest.fixture
-def ipc_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvwi")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 

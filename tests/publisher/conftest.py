@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import zmq
 
 from kvwire.publisher import EventPublisher
@@ -25,21 +22,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.002)
-
-
-@pytest.fixture
-def ipc_dir() -> Iterator[str]:
-    """A short private directory for ipc endpoints (paths are length-limited)."""
-    path = tempfile.mkdtemp(prefix="kvwp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 PING = KVEventBatch(0.0, [AllBlocksCleared()], 0)
