@@ -13,7 +13,15 @@ import msgspec
 from kvwire.subscriber.state import RankState
 from kvwire.wire import KVEventBatch
 
-__all__ = ["Action", "Apply", "ClearRank", "RequestReplay", "RequestSnapshot", "StateChanged"]
+__all__ = [
+    "Action",
+    "Apply",
+    "ClearRank",
+    "Reconnect",
+    "RequestReplay",
+    "RequestSnapshot",
+    "StateChanged",
+]
 
 
 class Apply(msgspec.Struct, frozen=True, gc=False):
@@ -58,6 +66,18 @@ class RequestSnapshot(msgspec.Struct, frozen=True, gc=False):
     fresh: bool
 
 
+class Reconnect(msgspec.Struct, frozen=True, gc=False):
+    """Drop the live connection and connect again.
+
+    A publisher that heartbeats went silent for two intervals: its TCP
+    connection may be stalled behind a retransmission timer that backed off
+    during a network outage, long after the network came back. A fresh
+    connection shows at once where the publisher is (the reconnect replay).
+    """
+
+    reason: str
+
+
 class StateChanged(msgspec.Struct, frozen=True, gc=False):
     """The rank's state changed, and why."""
 
@@ -66,4 +86,4 @@ class StateChanged(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
-Action: TypeAlias = Apply | ClearRank | RequestReplay | RequestSnapshot | StateChanged
+Action: TypeAlias = Apply | ClearRank | Reconnect | RequestReplay | RequestSnapshot | StateChanged

@@ -43,6 +43,7 @@ _COUNTER_HELP = {
     "resyncs": "Unrecoverable losses after which the rank went on",
     "restarts": "Publisher restarts detected",
     "reconnects": "Reconnections to the publisher",
+    "silent_reconnects": "Fresh connections asked for after a heartbeating publisher went silent",
     "decode_errors": "Frames that could not be parsed or decoded",
     "rank_mismatches": "Batches whose envelope names another rank",
     "duplicates": "Live copies of batches already replayed",

@@ -156,6 +156,8 @@ class RankCounters(msgspec.Struct, kw_only=True):
     restarts: int = 0
     """Publisher restarts detected."""
     reconnects: int = 0
+    silent_reconnects: int = 0
+    """Fresh connections asked for because a heartbeating publisher went silent."""
     decode_errors: int = 0
     """Frames that could not be parsed or decoded (each counted, then treated as lost)."""
     rank_mismatches: int = 0

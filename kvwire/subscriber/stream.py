@@ -123,6 +123,7 @@ from kvwire.subscriber.actions import (
     Action,
     Apply,
     ClearRank,
+    Reconnect,
     RequestReplay,
     RequestSnapshot,
     StateChanged,
@@ -150,6 +151,7 @@ Frame = bytes | bytearray | memoryview
 _LOST_RANGES_KEPT = 64
 _KVWIRE_EPOCH = b"kvw1."
 _STALE_HEARTBEATS = 3
+_RECONNECT_HEARTBEATS = 2  # silence after which a fresh connection is tried, once
 
 
 class Phase(enum.Enum):
@@ -340,6 +342,7 @@ class RankStream:
         self._snapshot_failures = 0  # since the view was last whole, or the last connect
         self._snapshot_after = 0.0  # no snapshot is asked before (a failed one's backoff)
         self._last_live_at = 0.0
+        self._reconnected_after = -1.0  # the silence (by its start) a reconnect was asked for
         self._last_probe_at = 0.0
         self._state = RankState.SYNCING
         self._reason = "waiting for first contact"
@@ -412,6 +415,7 @@ class RankStream:
             self._probe_due_at(),
             self._stale_due_at(),
             self._snapshot_due_at(),
+            self._reconnect_due_at(),
         ):
             if t is not None and (due is None or t < due):
                 due = t
@@ -992,6 +996,13 @@ class RankStream:
         due = self._probe_due_at()
         if due is not None and now >= due:
             self._ask_replay(Phase.PROBING, anchored=None)
+        due = self._reconnect_due_at()
+        if due is not None and now >= due:
+            self._reconnected_after = self._last_live_at
+            self.counters.silent_reconnects += 1
+            self._out.append(
+                Reconnect(f"no message for {_RECONNECT_HEARTBEATS} heartbeat intervals")
+            )
         due = self._stale_due_at()
         if due is not None and now >= due:
             hb = self._epoch_info.heartbeat_s
@@ -1028,6 +1039,17 @@ class RankStream:
         ):
             return None
         return max(self._last_live_at, self._last_probe_at) + idle
+
+    def _reconnect_due_at(self) -> float | None:
+        """When a heartbeating publisher's silence asks for a fresh connection (once a silence)."""
+        hb = self._epoch_info.heartbeat_s
+        if (
+            hb is None
+            or self._phase not in _IDLE_PHASES
+            or self._reconnected_after == self._last_live_at
+        ):
+            return None
+        return self._last_live_at + _RECONNECT_HEARTBEATS * hb
 
     def _stale_due_at(self) -> float | None:
         """When silence makes a rank STALE (nothing can prove it current)."""

@@ -47,6 +47,7 @@ from kvwire.subscriber.actions import (
     Action,
     Apply,
     ClearRank,
+    Reconnect,
     RequestReplay,
     RequestSnapshot,
     StateChanged,
@@ -958,6 +959,8 @@ class Subscriber:
             elif kind is RequestSnapshot:
                 assert isinstance(action, RequestSnapshot)
                 self._send_request(link, snapshot_request_frames(), action.token, action.fresh)
+            elif kind is Reconnect:
+                self._reconnect(link)
             elif kind is StateChanged:
                 assert isinstance(action, StateChanged)
                 if link.connecting_since is not None and action.new is not RankState.SYNCING:

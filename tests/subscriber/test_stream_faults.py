@@ -18,6 +18,7 @@ from kvwire.subscriber import (
     ClearRank,
     RankState,
     RankStream,
+    Reconnect,
     RequestReplay,
     RequestSnapshot,
     StreamConfig,
@@ -427,10 +428,14 @@ def test_a_silent_heartbeat_publisher_goes_stale_and_comes_back() -> None:
     first_contact(r, topic)
     r.live(topic, 0, store(0), 0.0)
     r.live(topic, 1, heartbeat(1), 0.1)
+    assert r.s.next_deadline() == pytest.approx(0.3)  # two intervals: try a fresh connection
+    (reconnect,) = r.tick(0.31)
+    assert isinstance(reconnect, Reconnect) and r.s.state is RankState.SYNCED
     assert r.s.next_deadline() == pytest.approx(0.4)
     assert r.tick(0.35) == [] and r.s.state is RankState.SYNCED
     r.tick(0.41)
     assert r.s.state is RankState.STALE and r.s.counters.probes == 0
+    assert r.tick(5.0) == [] and r.s.counters.silent_reconnects == 1  # once a silence
     r.live(topic, 2, heartbeat(2), 0.5)
     assert r.s.state is RankState.SYNCED
     # Silence, then a message past a hole: the gap is replayed as usual.
@@ -438,6 +443,19 @@ def test_a_silent_heartbeat_publisher_goes_stale_and_comes_back() -> None:
     assert r.s.state is RankState.STALE
     r.live(topic, 5, heartbeat(5), 1.1)
     assert r.s.state is RankState.SYNCING and r.last.start_seq == 2
+
+
+@pytest.mark.parametrize("topic", [TOPIC, epoch(), epoch(snap=True)])
+def test_only_a_heartbeating_publishers_silence_asks_for_a_fresh_connection(topic: bytes) -> None:
+    r = Rank()
+    first_contact(r, topic)
+    r.live(topic, 0, store(0), 0.0)
+    for now in (1.0, 3.0, 6.0, 12.0, 30.0):
+        actions = r.tick(now)
+        assert not any(isinstance(a, Reconnect) for a in actions), actions
+        if r.s.replay_pending:  # an idle probe: nothing new
+            r.reply(replay_end_frames(topic), now)
+    assert r.s.counters.silent_reconnects == 0
 
 
 def test_without_replay_or_heartbeats_silence_is_stale() -> None:
