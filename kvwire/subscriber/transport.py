@@ -65,6 +65,7 @@ log = logging.getLogger("kvwire.subscriber")
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _BURST = 256  # live messages read from one rank before the others get a turn
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
+_REPLAY_RCVHWM = 1024  # replay reply messages queued unread per rank
 _MAX_TIMER_S = 5.0  # a rank's deadline is re-read at least this often
 _CONTACT_S = 5.0  # a first contact holds its slot at most this long
 _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
@@ -640,7 +641,9 @@ class Subscriber:
             self._replay_cap = max(1, self._replays_open)
             self._log_limited(link, f"replay socket not opened ({exc}): waiting for one to close")
             return False
-        dealer.setsockopt(zmq.RCVHWM, 0)  # a whole reply fits; the publisher caps it
+        # Bounded: a reply flows as fast as it is read (the publisher waits on a full
+        # pipe), and a hostile replay socket cannot queue more than this in the router.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
         dealer.connect(link.endpoints.replay_endpoint)
         link.dealer = dealer
         link.dealer_fd = _fd(dealer)
