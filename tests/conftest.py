@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvwire.security import generate_keypair
+
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "wire"
 """Captured engine traffic, copied byte for byte (see its README); never regenerated."""
 
@@ -42,6 +44,22 @@ def zctx() -> Iterator[zmq.Context[Any]]:
     ctx: zmq.Context[Any] = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def curve_keys(tmp_path: Path) -> dict[str, Path]:
+    """CURVE key pairs for a server and three clients (``NAME`` public, ``NAME_secret``), and
+    an allow-list directory (``allow``) that admits alice alone."""
+    out: dict[str, Path] = {}
+    for name in ("server", "alice", "bob", "mallory"):
+        public, secret = generate_keypair(tmp_path / "keys", name)
+        out[name] = public
+        out[f"{name}_secret"] = secret
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    shutil.copy(out["alice"], allow / "alice.key")
+    out["allow"] = allow
+    return out
 
 
 @pytest.fixture(params=FIXTURE_FILES, ids=lambda p: p.stem)

@@ -13,7 +13,7 @@ import zmq
 
 from kvwire import security
 from kvwire.publisher import EventPublisher
-from kvwire.security import ClientKeys, ServerKeys, generate_keypair, secure_client
+from kvwire.security import ClientKeys, ServerKeys, secure_client
 from kvwire.wire import (
     BlockStored,
     KVEventBatch,
@@ -26,28 +26,14 @@ from kvwire.wire import (
 
 
 @pytest.fixture
-def keys(tmp_path: Path) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for name in ("server", "alice", "bob", "mallory"):
-        public, secret = generate_keypair(tmp_path / "keys", name)
-        out[name] = public
-        out[f"{name}_secret"] = secret
-    allow = tmp_path / "allow"
-    allow.mkdir()
-    shutil.copy(out["alice"], allow / "alice.key")
-    out["allow"] = allow
-    return out
-
-
-@pytest.fixture
 def ctx() -> Iterator[zmq.Context[Any]]:
     c: zmq.Context[Any] = zmq.Context()
     yield c
     c.destroy(linger=0)
 
 
-def client(keys: dict[str, Path], name: str) -> ClientKeys:
-    return ClientKeys(keys["server"], keys[f"{name}_secret"])
+def client(curve_keys: dict[str, Path], name: str) -> ClientKeys:
+    return ClientKeys(curve_keys["server"], curve_keys[f"{name}_secret"])
 
 
 def sub(ctx: zmq.Context[Any], endpoint: str, ck: ClientKeys | None) -> zmq.Socket[bytes]:
@@ -100,16 +86,16 @@ def published_until_received(
 
 
 def test_only_allow_listed_clients_read_or_replay(
-    keys: dict[str, Path], ctx: zmq.Context[Any]
+    curve_keys: dict[str, Path], ctx: zmq.Context[Any]
 ) -> None:
-    server_keys = ServerKeys(keys["server_secret"], keys["allow"])
+    server_keys = ServerKeys(curve_keys["server_secret"], curve_keys["allow"])
     with EventPublisher(
         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_keys=server_keys, heartbeat=None
     ) as pub:
         live, rep = pub.bound_endpoint, pub.bound_replay_endpoint or ""
-        alice = sub(ctx, live, client(keys, "alice"))
+        alice = sub(ctx, live, client(curve_keys, "alice"))
         nokeys = sub(ctx, live, None)
-        mallory = sub(ctx, live, client(keys, "mallory"))
+        mallory = sub(ctx, live, client(curve_keys, "mallory"))
         got = published_until_received(pub, [alice, nokeys, mallory], deadline_s=10)
         assert got[0], "the allowed client received nothing"
         assert got[1] == [] and got[2] == []
@@ -122,13 +108,13 @@ def test_only_allow_listed_clients_read_or_replay(
                 break
         assert seqs[-1] == pub.last_seq  # everything, in order
         assert seqs == sorted(seqs)
-        replayed = replay(ctx, rep, client(keys, "alice"), wait_s=5)
+        replayed = replay(ctx, rep, client(curve_keys, "alice"), wait_s=5)
         assert isinstance(replayed[-1], ReplayEnd)
         assert [r.seq for r in replayed if isinstance(r, ReplayItem)] == list(
             range(pub.last_seq + 1)
         )
         assert replay(ctx, rep, None, wait_s=1) == []
-        assert replay(ctx, rep, client(keys, "mallory"), wait_s=1) == []
+        assert replay(ctx, rep, client(curve_keys, "mallory"), wait_s=1) == []
         assert pub.stats().replay_served == 1
         owned = id(pub._ctx)
         assert owned in security._auths  # the ZAP handler of the publisher's own context
@@ -136,16 +122,16 @@ def test_only_allow_listed_clients_read_or_replay(
 
 
 def test_rotating_the_allow_list_admits_a_new_client_without_a_restart(
-    keys: dict[str, Path], ctx: zmq.Context[Any]
+    curve_keys: dict[str, Path], ctx: zmq.Context[Any]
 ) -> None:
-    server_keys = ServerKeys(keys["server_secret"], keys["allow"])
+    server_keys = ServerKeys(curve_keys["server_secret"], curve_keys["allow"])
     with EventPublisher(
         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_keys=server_keys, heartbeat=None
     ) as pub:
         rep = pub.bound_replay_endpoint or ""
         pub.publish(batch(0))
-        assert replay(ctx, rep, client(keys, "bob"), wait_s=1) == []
-        shutil.copy(keys["bob"], keys["allow"] / "bob.key")
-        assert isinstance(replay(ctx, rep, client(keys, "bob"), wait_s=5)[-1], ReplayEnd)
-        bob = sub(ctx, pub.bound_endpoint, client(keys, "bob"))
+        assert replay(ctx, rep, client(curve_keys, "bob"), wait_s=1) == []
+        shutil.copy(curve_keys["bob"], curve_keys["allow"] / "bob.key")
+        assert isinstance(replay(ctx, rep, client(curve_keys, "bob"), wait_s=5)[-1], ReplayEnd)
+        bob = sub(ctx, pub.bound_endpoint, client(curve_keys, "bob"))
         assert published_until_received(pub, [bob], deadline_s=10)[0]

@@ -28,20 +28,6 @@ from kvwire.security import (
 
 
 @pytest.fixture
-def keys(tmp_path: Path) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for name in ("server", "alice", "mallory"):
-        public, secret = generate_keypair(tmp_path / "keys", name)
-        out[name] = public
-        out[f"{name}_secret"] = secret
-    allow = tmp_path / "allow"
-    allow.mkdir()
-    shutil.copy(out["alice"], allow / "alice.key")
-    out["allow"] = allow
-    return out
-
-
-@pytest.fixture
 def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield c
@@ -50,11 +36,11 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 def _server(
-    ctx: zmq.Context[zmq.Socket[bytes]], keys: dict[str, Path]
+    ctx: zmq.Context[zmq.Socket[bytes]], curve_keys: dict[str, Path]
 ) -> tuple[zmq.Socket[bytes], str]:
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    secure_server(router, ServerKeys(keys["server_secret"], keys["allow"]))
+    secure_server(router, ServerKeys(curve_keys["server_secret"], curve_keys["allow"]))
     router.bind("tcp://127.0.0.1:*")
     return router, router.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -80,60 +66,60 @@ def _ask(
 
 
 def test_only_allowed_clients_get_through(
-    ctx: zmq.Context[zmq.Socket[bytes]], keys: dict[str, Path]
+    ctx: zmq.Context[zmq.Socket[bytes]], curve_keys: dict[str, Path]
 ) -> None:
-    server, endpoint = _server(ctx, keys)
+    server, endpoint = _server(ctx, curve_keys)
     assert not _ask(ctx, endpoint, None, server, 0.5)
-    mallory = ClientKeys(keys["server"], keys["mallory_secret"])
+    mallory = ClientKeys(curve_keys["server"], curve_keys["mallory_secret"])
     assert not _ask(ctx, endpoint, mallory, server, 0.5)
-    wrong_server = ClientKeys(keys["alice"], keys["alice_secret"])  # expects another server
+    wrong_server = ClientKeys(curve_keys["alice"], curve_keys["alice_secret"])  # expects another server
     assert not _ask(ctx, endpoint, wrong_server, server, 0.5)
-    alice = ClientKeys(keys["server"], keys["alice_secret"])
+    alice = ClientKeys(curve_keys["server"], curve_keys["alice_secret"])
     assert _ask(ctx, endpoint, alice, server, 5.0)
     assert server.recv_multipart()[1] == b"hello"
     server.close(linger=0)
 
 
 def test_allow_list_rotates_without_a_restart(
-    ctx: zmq.Context[zmq.Socket[bytes]], keys: dict[str, Path]
+    ctx: zmq.Context[zmq.Socket[bytes]], curve_keys: dict[str, Path]
 ) -> None:
-    server, endpoint = _server(ctx, keys)
-    mallory = ClientKeys(keys["server"], keys["mallory_secret"])
+    server, endpoint = _server(ctx, curve_keys)
+    mallory = ClientKeys(curve_keys["server"], curve_keys["mallory_secret"])
     assert not _ask(ctx, endpoint, mallory, server, 0.5)
-    shutil.copy(keys["mallory"], keys["allow"] / "mallory.key")
+    shutil.copy(curve_keys["mallory"], curve_keys["allow"] / "mallory.key")
     assert _ask(ctx, endpoint, mallory, server, 5.0)
     server.recv_multipart()
-    (keys["allow"] / "alice.key").unlink()
-    alice = ClientKeys(keys["server"], keys["alice_secret"])
+    (curve_keys["allow"] / "alice.key").unlink()
+    alice = ClientKeys(curve_keys["server"], curve_keys["alice_secret"])
     assert not _ask(ctx, endpoint, alice, server, 0.5)
     server.close(linger=0)
 
 
-def test_allow_list_rereads_a_changed_directory(keys: dict[str, Path]) -> None:
-    allow = AllowList(keys["allow"])
-    assert allow.keys() == {load_public_key(keys["alice"])}
-    shutil.copy(keys["mallory"], keys["allow"] / "m.key")
-    (keys["allow"] / "junk.key").write_text("not a certificate")
-    assert allow.keys() == {load_public_key(keys["alice"]), load_public_key(keys["mallory"])}
-    assert allow.callback("*", load_public_key(keys["mallory"]))
-    assert not allow.callback("*", load_public_key(keys["server"]))
+def test_allow_list_rereads_a_changed_directory(curve_keys: dict[str, Path]) -> None:
+    allow = AllowList(curve_keys["allow"])
+    assert allow.keys() == {load_public_key(curve_keys["alice"])}
+    shutil.copy(curve_keys["mallory"], curve_keys["allow"] / "m.key")
+    (curve_keys["allow"] / "junk.key").write_text("not a certificate")
+    assert allow.keys() == {load_public_key(curve_keys["alice"]), load_public_key(curve_keys["mallory"])}
+    assert allow.callback("*", load_public_key(curve_keys["mallory"]))
+    assert not allow.callback("*", load_public_key(curve_keys["server"]))
 
 
-def test_bad_key_files_are_refused_early(keys: dict[str, Path], tmp_path: Path) -> None:
+def test_bad_key_files_are_refused_early(curve_keys: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(SecurityError, match="no secret key"):
-        load_secret_key(keys["alice"])
+        load_secret_key(curve_keys["alice"])
     with pytest.raises(SecurityError, match="cannot read"):
         load_public_key(tmp_path / "missing.key")
     with pytest.raises(SecurityError, match="does not exist"):
-        ServerKeys(keys["server_secret"], tmp_path / "nowhere")
+        ServerKeys(curve_keys["server_secret"], tmp_path / "nowhere")
     with pytest.raises(SecurityError, match="no secret key"):
-        ClientKeys(keys["server"], keys["server"])
+        ClientKeys(curve_keys["server"], curve_keys["server"])
     with pytest.raises(SecurityError, match="plain file name"):
         generate_keypair(tmp_path, "../escape")
 
 
-def test_secret_key_file_is_private(keys: dict[str, Path]) -> None:
-    assert keys["alice_secret"].stat().st_mode & 0o077 == 0
+def test_secret_key_file_is_private(curve_keys: dict[str, Path]) -> None:
+    assert curve_keys["alice_secret"].stat().st_mode & 0o077 == 0
 
 
 @pytest.mark.parametrize(
@@ -165,9 +151,9 @@ def test_exposed_binds_are_logged_loudly(caplog: pytest.LogCaptureFixture) -> No
     assert "CURVE keys required" in caplog.records[1].getMessage()
 
 
-def test_release_context_lets_the_context_terminate(keys: dict[str, Path]) -> None:
+def test_release_context_lets_the_context_terminate(curve_keys: dict[str, Path]) -> None:
     c: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    server, _ = _server(c, keys)
+    server, _ = _server(c, curve_keys)
     server.close(linger=0)
     release_context(c)
     started = time.monotonic()
