@@ -16,43 +16,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_native/msgpack.h"
+
 typedef uint64_t u64;
 typedef int64_t i64;
 
-static inline unsigned char *put_be(unsigned char *p, u64 v, int n) {
-    for (int i = n - 1; i >= 0; i--) {
-        p[i] = (unsigned char)v;
-        v >>= 8;
-    }
-    return p + n;
-}
-
-static const unsigned char POS_HEAD[5] = {0, 0xcc, 0xcd, 0xce, 0xcf};
-static const unsigned char NEG_HEAD[5] = {0, 0xd0, 0xd1, 0xd2, 0xd3};
-static const int BODY[5] = {0, 1, 2, 4, 8};
-
-/* One int, `neg` saying whether the 64-bit pattern v is read as negative.
- * Branch-free on the width (token ids mix widths at random): the head byte,
- * then the low BODY bytes of v big-endian, written as one 8-byte store into
- * the slack the caller leaves after the buffer. */
-static inline unsigned char *put_int(unsigned char *p, u64 v, int neg) {
-    int cls;
-    unsigned char head;
-    if (!neg) {
-        cls = (v > 127) + (v > 255) + (v > 65535) + (v > 0xffffffffULL);
-        head = cls ? POS_HEAD[cls] : (unsigned char)v;
-    } else {
-        i64 x = (i64)v;
-        cls = (x < -32) + (x < -128) + (x < -32768) + (x < -2147483648LL);
-        head = cls ? NEG_HEAD[cls] : (unsigned char)v;
-    }
-    int n = BODY[cls];
-    u64 top = n ? v << (64 - 8 * n) : 0;
-    u64 be = __builtin_bswap64(top);
-    p[0] = head;
-    memcpy(p + 1, &be, 8);
-    return p + 1 + n;
-}
+#define put_int kvw_put_int
 
 /* The 64-bit pattern and sign of value (signed `s`, or unsigned `u` when
  * is_unsigned) in a mode. */
@@ -66,12 +35,7 @@ static inline unsigned char *put_mode(unsigned char *p, u64 bits, int is_unsigne
     return put_int(p, bits, neg);
 }
 
-static unsigned char *put_header(unsigned char *p, Py_ssize_t n) {
-    if (n < 16) { *p++ = (unsigned char)(0x90 | n); return p; }
-    if (n < 65536) { *p++ = 0xdc; return put_be(p, (u64)n, 2); }
-    *p++ = 0xdd;
-    return put_be(p, (u64)n, 4);
-}
+#define put_header(p, n) kvw_put_array_header((p), (size_t)(n))
 
 /* One Python int into (bits, is_unsigned); -1 with an exception set. */
 static int read_int(PyObject *o, u64 *bits, int *is_unsigned, const char *what) {

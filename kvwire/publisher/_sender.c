@@ -1,0 +1,1269 @@
+/* The publisher's sender: a native thread that never takes the GIL in steady state.
+ *
+ * Sender.publish(batch), on any engine thread, reserves the next seq and
+ * appends the batch (a strong reference) to a queue, both under one mutex, so
+ * that seq order is queue order, wire order and replay order whatever thread
+ * publishes; it wakes the sender thread only when that thread waits. A full
+ * queue (or a closed sender) drops the batch with its seq reserved: a visible
+ * gap. With the mirror on, batches dropped on a full queue still go through the
+ * queue, up to `mirror_backlog` of them, marked to be encoded for the mirror
+ * only.
+ *
+ * The sender thread (a pthread) encodes each batch into a reference-counted
+ * buffer and sends [topic, seq, payload] on the PUB socket, the payload
+ * zero-copy. A collector's batch (`batch_type`) whose records hold only what
+ * the checks below accept (exact ints in lists or tuples, None, compact ASCII
+ * strs) is read and encoded here without the GIL: the collector's contract is
+ * that the lists it was handed are not changed after the call, the queued
+ * batch holds a reference to every one of them, and ints, tuples and strs are
+ * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
+ * dialects). Anything else is encoded by the Python callable `encode` with the
+ * GIL taken; `stats()` counts both, and every time the thread took the GIL.
+ *
+ * References the thread is done with cannot be released without the GIL: they
+ * go on a "done" list that the next GIL holder releases (publish() on the
+ * engine thread, close(), the thread itself when it holds the GIL anyway or
+ * when the list passes DONE_MAX).
+ *
+ * Sent payloads are kept in a ring of `buffer_steps` for replay, which a
+ * Python thread reads through Payload objects (buffer protocol, no copy). With
+ * the mirror on, every encoded batch (sent or dropped on a full queue) is also
+ * pushed, in seq order, onto a feed a Python thread takes in large batches;
+ * `service_fd` (an eventfd) becomes readable when the armed feed gets an entry
+ * or when wake() is called.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../_native/libzmq.h"
+#include "../_native/msgpack.h"
+
+typedef uint64_t u64;
+typedef int64_t i64;
+
+#define CHUNK 64          /* batches popped, encoded and sent per pass */
+#define DONE_MAX 8192     /* references waiting for a GIL holder before the thread takes it */
+#define FEED_MAX (1 << 20) /* mirror feed entries waiting; beyond, a gap the mirror sees */
+
+enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2 };
+enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
+
+/* --- payload buffers ---------------------------------------------------------------- */
+
+typedef struct Buf {
+    atomic_long refs;
+    size_t len;
+    unsigned char data[];
+} Buf;
+
+static Buf *buf_new(size_t cap) {
+    Buf *b = malloc(sizeof(Buf) + cap);
+    if (b) {
+        atomic_init(&b->refs, 1);
+        b->len = 0;
+    }
+    return b;
+}
+
+static inline void buf_ref(Buf *b) { atomic_fetch_add_explicit(&b->refs, 1, memory_order_relaxed); }
+
+static inline void buf_unref(Buf *b) {
+    if (b && atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) free(b);
+}
+
+static void buf_free_zmq(void *data, void *hint) { buf_unref((Buf *)hint); }
+
+/* A payload as Python sees it: a read-only buffer over a Buf, holding a reference. */
+typedef struct {
+    PyObject_HEAD
+    Buf *buf;
+} Payload;
+
+static PyTypeObject PayloadType;
+
+static PyObject *payload_wrap(Buf *b) { /* takes a new reference to b */
+    Payload *p = PyObject_New(Payload, &PayloadType);
+    if (!p) return NULL;
+    buf_ref(b);
+    p->buf = b;
+    return (PyObject *)p;
+}
+
+static void payload_dealloc(Payload *p) {
+    buf_unref(p->buf);
+    PyObject_Free(p);
+}
+
+static int payload_getbuffer(Payload *p, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)p, p->buf->data, (Py_ssize_t)p->buf->len, 1, flags);
+}
+
+static Py_ssize_t payload_len(Payload *p) { return (Py_ssize_t)p->buf->len; }
+
+static PyBufferProcs payload_as_buffer = {(getbufferproc)payload_getbuffer, NULL};
+static PySequenceMethods payload_as_seq = {.sq_length = (lenfunc)payload_len};
+
+static PyTypeObject PayloadType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Payload",
+    .tp_basicsize = sizeof(Payload),
+    .tp_dealloc = (destructor)payload_dealloc,
+    .tp_as_buffer = &payload_as_buffer,
+    .tp_as_sequence = &payload_as_seq,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A sent batch's payload (read-only buffer, shared, never copied).",
+};
+
+/* --- queue items ---------------------------------------------------------------------- */
+
+typedef struct Item {
+    i64 seq;
+    int kind;
+    int mirror_only;
+    PyObject *obj;     /* the batch (strong), NULL for a heartbeat */
+    PyObject *records; /* a collector batch's record list (strong), else NULL */
+    double ts;
+    i64 rank;
+    long block_size;
+    int hash_signed;
+    Buf *payload; /* set by the sender thread */
+} Item;
+
+typedef struct FeedEntry {
+    i64 seq;
+    Buf *buf; /* NULL: the batch could not be encoded */
+} FeedEntry;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* configuration (fixed at construction) */
+    unsigned char *topic;
+    size_t topic_len;
+    int dialect; /* 0 map, 1 array */
+    i64 rank;
+    double coalesce_s;
+    double heartbeat_s; /* <= 0: none */
+    int mirror;
+    size_t mirror_backlog;
+    size_t buffer_steps;
+    PyObject *batch_type;
+    PyObject *encode;
+    int service_fd;
+    /* queue (mu) */
+    Item *q;
+    size_t qcap, qhead, qlen, q_send, q_mirror_only;
+    size_t max_queue;
+    i64 next_seq;
+    int closed, stopping, waiting, started, joined, flushed;
+    double deadline;
+    double last_sent;
+    /* done references (mu) */
+    PyObject **done;
+    size_t done_len, done_cap;
+    /* replay ring (mu) */
+    FeedEntry *ring;
+    size_t ring_head, ring_len;
+    /* mirror feed (mu) */
+    FeedEntry *feed;
+    size_t feed_len, feed_cap;
+    int feed_armed;
+    /* counters (mu) */
+    i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
+    i64 heartbeats, native_encoded, gil_encoded, gil_takes, mirror_feed_dropped;
+    /* the thread */
+    void *pub;
+    pthread_t thread;
+    PyThreadState *tstate;
+} Sender;
+
+static double mono_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* time.time(), as Python computes it. */
+static double wall_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    i64 ns = (i64)t.tv_sec * 1000000000LL + t.tv_nsec;
+    return ns % 1000000000LL == 0 ? (double)(ns / 1000000000LL) : (double)ns / 1e9;
+}
+
+/* When the next heartbeat is due (CLOCK_MONOTONIC seconds): `interval` after the last
+ * batch sent, heartbeats included, so an idle publisher sends one per interval and a
+ * busy one none; INFINITY without heartbeats. The one place this rule lives. */
+static double heartbeat_due(double last_sent, double interval) {
+    return interval > 0 ? last_sent + interval : INFINITY;
+}
+
+/* --- reading Python objects without the GIL -------------------------------------------
+ * Only exact types whose fields never change: reading their memory needs no lock. */
+
+typedef struct {
+    u64 bits; /* the value modulo 2**64 */
+    int neg;  /* the value is negative */
+} IntV;
+
+/* An exact int within [-2**63, 2**64); 0, or -1 for anything else. */
+static int read_int(PyObject *o, IntV *out) {
+    out->bits = 0;
+    out->neg = 0;
+    if (!PyLong_CheckExact(o)) return -1;
+    PyLongObject *l = (PyLongObject *)o;
+    const digit *d;
+    Py_ssize_t n;
+    int neg;
+#if PY_VERSION_HEX >= 0x030C0000
+    uintptr_t tag = l->long_value.lv_tag;
+    n = (Py_ssize_t)(tag >> 3);
+    neg = (tag & 3) == 2;
+    d = l->long_value.ob_digit;
+#else
+    Py_ssize_t size = Py_SIZE(o);
+    n = size < 0 ? -size : size;
+    neg = size < 0;
+    d = l->ob_digit;
+#endif
+    if (n > 3) return -1;
+    unsigned __int128 m = 0;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) m = (m << PyLong_SHIFT) | d[i];
+    if (m >> 64) return -1;
+    u64 mag = (u64)m;
+    if (neg && mag > (1ULL << 63)) return -1;
+    out->neg = neg && mag != 0;
+    out->bits = neg ? (u64)0 - mag : mag;
+    return 0;
+}
+
+/* A hash in the wire's form: unsigned (wrap negatives) or signed (wrap above 2**63 - 1). */
+static inline IntV hash_form(IntV v, int hash_signed) {
+    v.neg = hash_signed ? (i64)v.bits < 0 : 0;
+    return v;
+}
+
+/* None or an exact, compact ASCII str: 0 (None: *s NULL), -1 for anything else. */
+static int read_str(PyObject *o, const char **s, Py_ssize_t *n) {
+    if (o == Py_None) {
+        *s = NULL;
+        *n = 0;
+        return 0;
+    }
+    if (!PyUnicode_CheckExact(o) || !PyUnicode_IS_COMPACT_ASCII(o)) return -1;
+    *s = (const char *)PyUnicode_DATA(o);
+    *n = PyUnicode_GET_LENGTH(o);
+    return 0;
+}
+
+static int same_str(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (a == Py_None || b == Py_None) return 0;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    return n == PyUnicode_GET_LENGTH(b) && memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), n) == 0;
+}
+
+/* None or an exact int (group_idx). */
+static int read_opt_int(PyObject *o, IntV *v, int *present) {
+    *present = o != Py_None;
+    return *present ? read_int(o, v) : 0;
+}
+
+static int same_opt_int(PyObject *a, PyObject *b) {
+    if (a == Py_None || b == Py_None) return a == b;
+    IntV x, y;
+    read_int(a, &x);
+    read_int(b, &y);
+    return x.bits == y.bits && x.neg == y.neg;
+}
+
+static inline Py_ssize_t seq_len(PyObject *o) { return Py_SIZE(o); }
+
+static inline PyObject **seq_items(PyObject *o) {
+    return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
+}
+
+/* A list or tuple of exact ints in range; its length, or -1. */
+static Py_ssize_t check_ints(PyObject *o) {
+    if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return -1;
+    Py_ssize_t n = seq_len(o);
+    PyObject **items = seq_items(o);
+    IntV v;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (read_int(items[i], &v) < 0) return -1;
+    return n;
+}
+
+/* Whether every record is one the native encoder takes; adds an upper bound of
+ * the payload's size to *size. */
+static int check_records(PyObject *records, long bs, size_t *size) {
+    if (!PyList_CheckExact(records)) return -1;
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    size_t total = 64;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) < 1) return -1;
+        IntV tag;
+        if (read_int(PyTuple_GET_ITEM(rec, 0), &tag) < 0 || tag.neg || tag.bits > 2) return -1;
+        Py_ssize_t len = PyTuple_GET_SIZE(rec);
+        const char *s;
+        Py_ssize_t slen, slen2;
+        IntV v;
+        int present;
+        if (tag.bits == T_STORE) {
+            if (len != 8) return -1;
+            Py_ssize_t nh = check_ints(PyTuple_GET_ITEM(rec, 1));
+            Py_ssize_t nt = check_ints(PyTuple_GET_ITEM(rec, 3));
+            PyObject *parent = PyTuple_GET_ITEM(rec, 2);
+            if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
+            if (parent != Py_None && read_int(parent, &v) < 0) return -1;
+            if (read_str(PyTuple_GET_ITEM(rec, 4), &s, &slen) < 0) return -1;
+            if (read_str(PyTuple_GET_ITEM(rec, 5), &s, &slen2) < 0) return -1;
+            if (PyTuple_GET_ITEM(rec, 6) != Py_None) return -1; /* extra_keys */
+            if (read_opt_int(PyTuple_GET_ITEM(rec, 7), &v, &present) < 0) return -1;
+            total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2) + 160;
+        } else if (tag.bits == T_REMOVE) {
+            if (len != 4) return -1;
+            Py_ssize_t nh = check_ints(PyTuple_GET_ITEM(rec, 1));
+            if (nh <= 0) return -1;
+            if (read_str(PyTuple_GET_ITEM(rec, 2), &s, &slen) < 0) return -1;
+            if (read_opt_int(PyTuple_GET_ITEM(rec, 3), &v, &present) < 0) return -1;
+            total += 9 * (size_t)nh + (size_t)slen + 80;
+        } else {
+            total += 32;
+        }
+    }
+    *size = total;
+    return 0;
+}
+
+/* --- native encoding: CollectedBatch.encode's coalescing and bytes --------------------- */
+
+static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int hash_signed) {
+    Py_ssize_t n = seq_len(seq);
+    PyObject **items = seq_items(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        IntV v;
+        read_int(items[i], &v);
+        if (hashes) v = hash_form(v, hash_signed);
+        p = kvw_put_int(p, v.bits, v.neg);
+    }
+    return p;
+}
+
+static inline unsigned char *put_intv(unsigned char *p, IntV v) { return kvw_put_int(p, v.bits, v.neg); }
+
+static unsigned char *put_opt_str(unsigned char *p, PyObject *o) {
+    if (o == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    return kvw_put_str(p, PyUnicode_DATA(o), (size_t)PyUnicode_GET_LENGTH(o));
+}
+
+static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
+    if (o == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    IntV v;
+    read_int(o, &v);
+    return put_intv(p, v);
+}
+
+#define LIT(p, s) (memcpy((p), (s), sizeof(s) - 1), (p) + sizeof(s) - 1)
+
+/* The last hash of a store record, in the wire's form. */
+static IntV last_hash(PyObject *rec, int hash_signed) {
+    PyObject *hs = PyTuple_GET_ITEM(rec, 1);
+    IntV v;
+    read_int(seq_items(hs)[seq_len(hs) - 1], &v);
+    return hash_form(v, hash_signed);
+}
+
+/* How many records, from i, make one event (a store chain or a run of removes). */
+static Py_ssize_t run_end(PyObject *records, Py_ssize_t i, int hash_signed) {
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    PyObject *rec = PyList_GET_ITEM(records, i);
+    IntV tag;
+    read_int(PyTuple_GET_ITEM(rec, 0), &tag);
+    Py_ssize_t j = i + 1;
+    if (tag.bits == T_STORE) {
+        IntV last = last_hash(rec, hash_signed);
+        for (; j < n; j++) {
+            PyObject *nxt = PyList_GET_ITEM(records, j);
+            IntV t, parent;
+            read_int(PyTuple_GET_ITEM(nxt, 0), &t);
+            if (t.bits != T_STORE) break;
+            PyObject *np = PyTuple_GET_ITEM(nxt, 2);
+            if (np == Py_None) break;
+            if (!same_str(PyTuple_GET_ITEM(nxt, 4), PyTuple_GET_ITEM(rec, 4)) ||
+                !same_str(PyTuple_GET_ITEM(nxt, 5), PyTuple_GET_ITEM(rec, 5)) ||
+                !same_opt_int(PyTuple_GET_ITEM(nxt, 7), PyTuple_GET_ITEM(rec, 7)))
+                break;
+            read_int(np, &parent);
+            if (parent.bits != last.bits) break; /* both in the same form: equal iff equal bits */
+            last = last_hash(nxt, hash_signed);
+        }
+    } else if (tag.bits == T_REMOVE) {
+        for (; j < n; j++) {
+            PyObject *nxt = PyList_GET_ITEM(records, j);
+            IntV t;
+            read_int(PyTuple_GET_ITEM(nxt, 0), &t);
+            if (t.bits != T_REMOVE || !same_str(PyTuple_GET_ITEM(nxt, 2), PyTuple_GET_ITEM(rec, 2)) ||
+                !same_opt_int(PyTuple_GET_ITEM(nxt, 3), PyTuple_GET_ITEM(rec, 3)))
+                break;
+        }
+    }
+    return j;
+}
+
+static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t i, Py_ssize_t end,
+                                long bs, int hash_signed, int dialect) {
+    PyObject *rec = PyList_GET_ITEM(records, i);
+    PyObject *parent = PyTuple_GET_ITEM(rec, 2), *lora = PyTuple_GET_ITEM(rec, 4);
+    PyObject *medium = PyTuple_GET_ITEM(rec, 5), *group = PyTuple_GET_ITEM(rec, 7);
+    size_t nh = 0, nt = 0;
+    for (Py_ssize_t k = i; k < end; k++) {
+        PyObject *r = PyList_GET_ITEM(records, k);
+        nh += (size_t)seq_len(PyTuple_GET_ITEM(r, 1));
+        nt += (size_t)seq_len(PyTuple_GET_ITEM(r, 3));
+    }
+    if (dialect == 0) {
+        *p++ = 0xde;
+        *p++ = 0;
+        *p++ = (unsigned char)(8 + (group != Py_None));
+        p = LIT(p, "\xa4type\xab" "BlockStored\xac" "block_hashes");
+    } else {
+        p = LIT(p, "\x9c\xab" "BlockStored");
+    }
+    p = kvw_put_array_header(p, nh);
+    for (Py_ssize_t k = i; k < end; k++)
+        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
+    if (parent == Py_None) {
+        *p++ = 0xc0;
+    } else {
+        IntV v;
+        read_int(parent, &v);
+        p = put_intv(p, hash_form(v, hash_signed));
+    }
+    if (dialect == 0) p = LIT(p, "\xa9token_ids");
+    p = kvw_put_array_header(p, nt);
+    for (Py_ssize_t k = i; k < end; k++)
+        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 3), 0, 0);
+    if (dialect == 0) p = LIT(p, "\xaa" "block_size");
+    p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
+    if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
+    else *p++ = 0xc0;
+    p = put_opt_str(p, medium);
+    if (dialect == 0) p = LIT(p, "\xa9lora_name");
+    p = put_opt_str(p, lora);
+    if (dialect == 0) {
+        if (group != Py_None) {
+            p = LIT(p, "\xa9group_idx");
+            p = put_opt_int(p, group);
+        }
+    } else {
+        *p++ = 0xc0; /* extra_keys */
+        p = put_opt_int(p, group);
+        *p++ = 0xc0; /* kv_cache_spec_kind */
+        *p++ = 0xc0; /* kv_cache_spec_sliding_window */
+    }
+    return p;
+}
+
+static unsigned char *put_remove(unsigned char *p, PyObject *records, Py_ssize_t i, Py_ssize_t end,
+                                 int hash_signed, int dialect) {
+    PyObject *rec = PyList_GET_ITEM(records, i);
+    PyObject *medium = PyTuple_GET_ITEM(rec, 2), *group = PyTuple_GET_ITEM(rec, 3);
+    size_t nh = 0;
+    for (Py_ssize_t k = i; k < end; k++)
+        nh += (size_t)seq_len(PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1));
+    if (dialect == 0) {
+        *p++ = (unsigned char)(0x83 + (group != Py_None));
+        p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
+    } else {
+        p = LIT(p, "\x93\xac" "BlockRemoved");
+    }
+    p = kvw_put_array_header(p, nh);
+    for (Py_ssize_t k = i; k < end; k++)
+        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    if (dialect == 0) p = LIT(p, "\xa6medium");
+    p = put_opt_str(p, medium);
+    if (dialect == 0 && group != Py_None) {
+        p = LIT(p, "\xa9group_idx");
+        p = put_opt_int(p, group);
+    }
+    return p;
+}
+
+static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t events) {
+    *p++ = 0x93;
+    p = kvw_put_float64(p, ts);
+    return kvw_put_array_header(p, events);
+}
+
+/* A collector batch's payload, or NULL when a record is one only Python encodes
+ * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
+static Buf *encode_records(PyObject *records, double ts, i64 rank, long bs, int hash_signed,
+                           int dialect) {
+    size_t size;
+    if (bs < 1 || check_records(records, bs, &size) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    size_t events = 0;
+    for (Py_ssize_t i = 0; i < n; i = run_end(records, i, hash_signed)) events++;
+    Buf *b = buf_new(size + 16);
+    if (!b) return NULL;
+    unsigned char *p = put_envelope_head(b->data, ts, events);
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t end = run_end(records, i, hash_signed);
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        IntV tag;
+        read_int(PyTuple_GET_ITEM(rec, 0), &tag);
+        if (tag.bits == T_STORE) p = put_store(p, records, i, end, bs, hash_signed, dialect);
+        else if (tag.bits == T_REMOVE) p = put_remove(p, records, i, end, hash_signed, dialect);
+        else if (dialect == 0) p = LIT(p, "\x81\xa4type\xb0" "AllBlocksCleared");
+        else p = LIT(p, "\x91\xb0" "AllBlocksCleared");
+        i = end;
+    }
+    p = kvw_put_int(p, (u64)rank, rank < 0);
+    b->len = (size_t)(p - b->data);
+    return b;
+}
+
+/* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
+static Buf *encode_heartbeat(double ts, i64 rank) {
+    Buf *b = buf_new(32);
+    if (!b) return NULL;
+    unsigned char *p = put_envelope_head(b->data, ts, 0);
+    p = kvw_put_int(p, (u64)rank, rank < 0);
+    b->len = (size_t)(p - b->data);
+    return b;
+}
+
+/* --- the queue, done list, ring and feed (all under mu) ------------------------------- */
+
+static int queue_push(Sender *s, const Item *it) {
+    if (s->qlen == s->qcap) {
+        size_t cap = s->qcap ? s->qcap * 2 : 256;
+        Item *q = malloc(cap * sizeof(Item));
+        if (!q) return -1;
+        for (size_t i = 0; i < s->qlen; i++) q[i] = s->q[(s->qhead + i) % s->qcap];
+        free(s->q);
+        s->q = q;
+        s->qcap = cap;
+        s->qhead = 0;
+    }
+    s->q[(s->qhead + s->qlen) % s->qcap] = *it;
+    s->qlen++;
+    if (it->mirror_only) s->q_mirror_only++;
+    else s->q_send++;
+    return 0;
+}
+
+static Item queue_pop(Sender *s) {
+    Item it = s->q[s->qhead];
+    s->qhead = (s->qhead + 1) % s->qcap;
+    s->qlen--;
+    if (it.mirror_only) s->q_mirror_only--;
+    else s->q_send--;
+    return it;
+}
+
+static int done_push(Sender *s, PyObject *o) {
+    if (!o) return 0;
+    if (s->done_len == s->done_cap) {
+        size_t cap = s->done_cap ? s->done_cap * 2 : 64;
+        PyObject **d = realloc(s->done, cap * sizeof(PyObject *));
+        if (!d) return -1; /* the reference leaks rather than being released without the GIL */
+        s->done = d;
+        s->done_cap = cap;
+    }
+    s->done[s->done_len++] = o;
+    return 0;
+}
+
+/* Take the done list (under mu); release it with release_done() holding the GIL, not mu. */
+static PyObject **take_done(Sender *s, size_t *n) {
+    PyObject **d = s->done;
+    *n = s->done_len;
+    s->done = NULL;
+    s->done_len = s->done_cap = 0;
+    return d;
+}
+
+static void release_done(PyObject **d, size_t n) {
+    for (size_t i = 0; i < n; i++) Py_DECREF(d[i]);
+    free(d);
+}
+
+static void ring_push(Sender *s, i64 seq, Buf *b) {
+    buf_ref(b);
+    if (s->ring_len == s->buffer_steps) {
+        buf_unref(s->ring[s->ring_head].buf);
+        s->ring[s->ring_head] = (FeedEntry){seq, b};
+        s->ring_head = (s->ring_head + 1) % s->buffer_steps;
+    } else {
+        s->ring[(s->ring_head + s->ring_len) % s->buffer_steps] = (FeedEntry){seq, b};
+        s->ring_len++;
+    }
+}
+
+static void wake_service(Sender *s) {
+    u64 one = 1;
+    ssize_t r = write(s->service_fd, &one, sizeof one);
+    (void)r; /* EAGAIN: already readable */
+}
+
+static void feed_push(Sender *s, i64 seq, Buf *b) {
+    if (s->feed_len >= FEED_MAX) {
+        s->mirror_feed_dropped++; /* the mirror sees the gap and stops vouching for itself */
+        return;
+    }
+    if (s->feed_len == s->feed_cap) {
+        size_t cap = s->feed_cap ? s->feed_cap * 2 : 256;
+        FeedEntry *f = realloc(s->feed, cap * sizeof(FeedEntry));
+        if (!f) {
+            s->mirror_feed_dropped++;
+            return;
+        }
+        s->feed = f;
+        s->feed_cap = cap;
+    }
+    if (b) buf_ref(b);
+    s->feed[s->feed_len++] = (FeedEntry){seq, b};
+    if (s->feed_armed) {
+        s->feed_armed = 0;
+        wake_service(s);
+    }
+}
+
+/* --- the sender thread ---------------------------------------------------------------- */
+
+static void take_gil(Sender *s, PyThreadState *ts, int *have) {
+    if (*have) return;
+    PyEval_RestoreThread(ts);
+    *have = 1;
+    pthread_mutex_lock(&s->mu);
+    s->gil_takes++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Encode one item into it->payload (NULL: could not be encoded). */
+static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i64 *native,
+                        i64 *gil) {
+    if (it->kind == K_HEARTBEAT) {
+        it->payload = encode_heartbeat(it->ts, it->rank);
+        return;
+    }
+    if (it->kind == K_COLLECTED) {
+        it->payload = encode_records(it->records, it->ts, it->rank, it->block_size,
+                                     it->hash_signed, s->dialect);
+        if (it->payload) {
+            (*native)++;
+            return;
+        }
+    }
+    take_gil(s, ts, have_gil);
+    (*gil)++;
+    PyObject *r = PyObject_CallOneArg(s->encode, it->obj);
+    if (r && PyBytes_Check(r)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(r);
+        it->payload = buf_new((size_t)n);
+        if (it->payload) {
+            memcpy(it->payload->data, PyBytes_AS_STRING(r), (size_t)n);
+            it->payload->len = (size_t)n;
+        }
+    } else if (!r) {
+        PyErr_WriteUnraisable(s->encode); /* the callable reports its own errors: a bug */
+    }
+    Py_XDECREF(r);
+}
+
+/* Send [topic, seq, payload]; 0, or -1 when libzmq refused it. */
+static int send_item(Sender *s, const Item *it) {
+    unsigned char seq[8];
+    kvw_put_be(seq, (u64)it->seq, 8);
+    if (kvw_zmq.send(s->pub, s->topic, s->topic_len, KVW_ZMQ_SNDMORE | KVW_ZMQ_DONTWAIT) < 0)
+        return -1;
+    if (kvw_zmq.send(s->pub, seq, 8, KVW_ZMQ_SNDMORE | KVW_ZMQ_DONTWAIT) < 0) return -1;
+    kvw_zmq_msg msg;
+    buf_ref(it->payload);
+    if (kvw_zmq.msg_init_data(&msg, it->payload->data, it->payload->len, buf_free_zmq, it->payload) <
+        0) {
+        buf_unref(it->payload);
+        return -1;
+    }
+    if (kvw_zmq.msg_send(&msg, s->pub, KVW_ZMQ_DONTWAIT) < 0) {
+        kvw_zmq.msg_close(&msg); /* drops the reference */
+        return -1;
+    }
+    return 0;
+}
+
+static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
+    int have_gil = 0;
+    i64 native = 0, gil = 0, sent = 0, failed = 0, bad = 0, beats = 0;
+    for (int i = 0; i < n; i++) encode_item(s, &items[i], ts, &have_gil, &native, &gil);
+    if (have_gil) {
+        /* Release what is done while holding it anyway. */
+        size_t nd;
+        pthread_mutex_lock(&s->mu);
+        PyObject **d = take_done(s, &nd);
+        pthread_mutex_unlock(&s->mu);
+        release_done(d, nd);
+        PyEval_SaveThread();
+        have_gil = 0;
+    }
+    for (int i = 0; i < n; i++) {
+        Item *it = &items[i];
+        if (it->mirror_only) continue;
+        if (!it->payload) {
+            bad++;
+            continue;
+        }
+        if (send_item(s, it) < 0) failed++;
+        else sent++;
+        if (it->kind == K_HEARTBEAT) beats++;
+    }
+    double now = mono_now();
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        Item *it = &items[i];
+        if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
+        if (s->mirror) feed_push(s, it->seq, it->payload);
+        buf_unref(it->payload);
+        it->payload = NULL;
+        done_push(s, it->obj);
+        done_push(s, it->records);
+    }
+    s->published += sent;
+    s->dropped_send_error += failed;
+    s->dropped_encode_error += bad;
+    s->heartbeats += beats;
+    s->native_encoded += native;
+    s->gil_encoded += gil;
+    if (sent + failed) s->last_sent = now;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int timed_wait(Sender *s, double until) {
+    if (!isfinite(until)) return pthread_cond_wait(&s->cv, &s->mu);
+    struct timespec t;
+    t.tv_sec = (time_t)until;
+    t.tv_nsec = (long)((until - (double)t.tv_sec) * 1e9);
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return pthread_cond_timedwait(&s->cv, &s->mu, &t);
+}
+
+static void sleep_s(double secs) {
+    struct timespec t = {(time_t)secs, (long)((secs - (double)(time_t)secs) * 1e9)};
+    while (nanosleep(&t, &t) < 0 && errno == EINTR) {
+    }
+}
+
+static void *run(void *arg) {
+    Sender *s = arg;
+    PyGILState_STATE g = PyGILState_Ensure(); /* this thread's state, kept until the end */
+    PyThreadState *ts = PyEval_SaveThread();
+    Item items[CHUNK];
+    pthread_mutex_lock(&s->mu);
+    s->gil_takes++;
+    for (;;) {
+        if (s->qlen == 0) {
+            if (s->stopping) break;
+            double now = mono_now();
+            double due = s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s);
+            if (due <= now) {
+                Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
+                s->last_sent = now;
+                if (s->q_send < s->max_queue && queue_push(s, &hb) == 0) s->next_seq++;
+                continue;
+            }
+            s->waiting = 1;
+            timed_wait(s, due);
+            s->waiting = 0;
+            if (s->qlen && s->coalesce_s > 0 && !s->stopping) {
+                pthread_mutex_unlock(&s->mu);
+                sleep_s(s->coalesce_s);
+                pthread_mutex_lock(&s->mu);
+            }
+            continue;
+        }
+        int n = 0;
+        while (n < CHUNK && s->qlen) items[n++] = queue_pop(s);
+        pthread_mutex_unlock(&s->mu);
+        process(s, items, n, ts);
+        pthread_mutex_lock(&s->mu);
+        if (s->done_len >= DONE_MAX) {
+            size_t nd;
+            PyObject **d = take_done(s, &nd);
+            s->gil_takes++;
+            pthread_mutex_unlock(&s->mu);
+            PyEval_RestoreThread(ts);
+            release_done(d, nd);
+            PyEval_SaveThread();
+            pthread_mutex_lock(&s->mu);
+        }
+        if (s->stopping && mono_now() >= s->deadline) break;
+    }
+    s->flushed = s->q_send == 0;
+    pthread_mutex_unlock(&s->mu);
+    PyEval_RestoreThread(ts);
+    PyGILState_Release(g);
+    return NULL;
+}
+
+/* --- the Python type ------------------------------------------------------------------- */
+
+static void release_item(Item *it) {
+    Py_XDECREF(it->obj);
+    Py_XDECREF(it->records);
+    buf_unref(it->payload);
+}
+
+static PyObject *S_ts, *S_records, *S_rank, *S_block_size, *S_signed;
+
+static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"topic", "dialect", "rank", "max_queue", "buffer_steps", "coalesce_s",
+                            "heartbeat_s", "mirror", "mirror_backlog", "batch_type", "encode",
+                            NULL};
+    Py_buffer topic;
+    const char *dialect;
+    long long rank;
+    Py_ssize_t max_queue, buffer_steps, mirror_backlog;
+    double coalesce_s, heartbeat_s;
+    int mirror;
+    PyObject *batch_type, *encode;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*$sLnnddpnOO", names, &topic, &dialect, &rank,
+                                     &max_queue, &buffer_steps, &coalesce_s, &heartbeat_s, &mirror,
+                                     &mirror_backlog, &batch_type, &encode))
+        return NULL;
+    int d = strcmp(dialect, "map") == 0 ? 0 : strcmp(dialect, "array") == 0 ? 1 : -1;
+    const char *bad = d < 0 ? "dialect must be 'map' or 'array'"
+                      : max_queue < 1 || buffer_steps < 1 || mirror_backlog < 1
+                          ? "max_queue, buffer_steps and mirror_backlog must be >= 1"
+                      : !PyType_Check(batch_type) ? "batch_type must be a type"
+                      : !PyCallable_Check(encode) ? "encode must be callable"
+                                                  : NULL;
+    if (bad) {
+        PyBuffer_Release(&topic);
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    Sender *s = (Sender *)type->tp_alloc(type, 0);
+    if (!s) {
+        PyBuffer_Release(&topic);
+        return NULL;
+    }
+    s->service_fd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    s->topic = malloc(topic.len ? (size_t)topic.len : 1);
+    s->ring = calloc((size_t)buffer_steps, sizeof(FeedEntry));
+    s->service_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!s->topic || !s->ring || s->service_fd < 0) {
+        if (s->service_fd < 0) PyErr_SetFromErrno(PyExc_OSError);
+        else PyErr_NoMemory();
+        PyBuffer_Release(&topic);
+        Py_DECREF(s);
+        return NULL;
+    }
+    memcpy(s->topic, topic.buf, (size_t)topic.len);
+    s->topic_len = (size_t)topic.len;
+    PyBuffer_Release(&topic);
+    s->dialect = d;
+    s->rank = rank;
+    s->max_queue = (size_t)max_queue;
+    s->buffer_steps = (size_t)buffer_steps;
+    s->coalesce_s = coalesce_s > 0 ? coalesce_s : 0;
+    s->heartbeat_s = heartbeat_s;
+    s->mirror = mirror;
+    s->mirror_backlog = (size_t)mirror_backlog;
+    s->batch_type = Py_NewRef(batch_type);
+    s->encode = Py_NewRef(encode);
+    s->flushed = 1;
+    return (PyObject *)s;
+}
+
+static void sender_dealloc(Sender *s) {
+    /* A started thread holds a reference until close() joined it: never running here. */
+    for (size_t i = 0; i < s->qlen; i++) release_item(&s->q[(s->qhead + i) % s->qcap]);
+    free(s->q);
+    release_done(s->done, s->done_len);
+    if (s->ring)
+        for (size_t i = 0; i < s->ring_len; i++)
+            buf_unref(s->ring[(s->ring_head + i) % s->buffer_steps].buf);
+    free(s->ring);
+    for (size_t i = 0; i < s->feed_len; i++) buf_unref(s->feed[i].buf);
+    free(s->feed);
+    free(s->topic);
+    if (s->service_fd >= 0) close(s->service_fd);
+    Py_XDECREF(s->batch_type);
+    Py_XDECREF(s->encode);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* The fields of a collector batch, read on the engine thread; 0, or -1 (then encoded by Python). */
+static int read_collected(PyObject *batch, Item *it) {
+    PyObject *ts = PyObject_GetAttr(batch, S_ts);
+    PyObject *records = PyObject_GetAttr(batch, S_records);
+    PyObject *rank = PyObject_GetAttr(batch, S_rank);
+    PyObject *bs = PyObject_GetAttr(batch, S_block_size);
+    PyObject *sg = PyObject_GetAttr(batch, S_signed);
+    int ok = ts && records && rank && bs && sg && PyFloat_CheckExact(ts) &&
+             PyList_CheckExact(records) && PyLong_CheckExact(rank) && PyLong_CheckExact(bs) &&
+             PyBool_Check(sg);
+    if (ok) {
+        it->ts = PyFloat_AS_DOUBLE(ts);
+        it->rank = PyLong_AsLongLong(rank);
+        it->block_size = PyLong_AsLong(bs);
+        it->hash_signed = sg == Py_True;
+        ok = !PyErr_Occurred();
+    }
+    PyErr_Clear();
+    Py_XDECREF(ts);
+    Py_XDECREF(rank);
+    Py_XDECREF(bs);
+    Py_XDECREF(sg);
+    if (!ok) {
+        Py_XDECREF(records);
+        return -1;
+    }
+    it->records = records;
+    return 0;
+}
+
+static PyObject *sender_publish(Sender *s, PyObject *batch) {
+    Item it = {.kind = K_OTHER, .obj = batch};
+    if (Py_TYPE(batch) == (PyTypeObject *)s->batch_type && read_collected(batch, &it) == 0)
+        it.kind = K_COLLECTED;
+    Py_INCREF(batch);
+    size_t nd;
+    int queued = 0;
+    pthread_mutex_lock(&s->mu);
+    PyObject **done = take_done(s, &nd);
+    it.seq = s->next_seq++;
+    if (s->closed) {
+        s->dropped_closed++;
+    } else if (s->q_send >= s->max_queue) {
+        s->dropped_queue_full++;
+        if (s->mirror && s->q_mirror_only < s->mirror_backlog) {
+            it.mirror_only = 1; /* never sent, but the mirror learns it */
+            queued = queue_push(s, &it) == 0 ? -1 : 0;
+        }
+    } else if (queue_push(s, &it) == 0) {
+        queued = 1;
+        if (s->waiting) {
+            s->waiting = 0;
+            pthread_cond_signal(&s->cv);
+        }
+    } else {
+        s->dropped_queue_full++; /* out of memory: a gap like any drop */
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!queued) release_item(&it);
+    release_done(done, nd);
+    return PyBool_FromLong(queued == 1);
+}
+
+static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "start(socket_address, libzmq_path)");
+        return NULL;
+    }
+    void *pub = PyLong_AsVoidPtr(args[0]);
+    if (!pub && PyErr_Occurred()) return NULL;
+    const char *path = PyUnicode_AsUTF8(args[1]);
+    if (!path) return NULL;
+    char err[512];
+    if (kvw_zmq_load(path, err, sizeof err) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, err);
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    int bad = s->started || s->closed;
+    s->started = 1;
+    s->pub = pub;
+    s->last_sent = mono_now();
+    pthread_mutex_unlock(&s->mu);
+    if (bad) {
+        PyErr_SetString(PyExc_RuntimeError, "sender already started or closed");
+        return NULL;
+    }
+    Py_INCREF(s); /* the thread's, dropped by close() after joining it */
+    int rc = pthread_create(&s->thread, NULL, run, s);
+    if (rc != 0) {
+        Py_DECREF(s);
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* close(timeout) -> flushed: stop accepting batches, send what is queued within
+ * `timeout` s, join the thread (without the GIL), release what is left. */
+static PyObject *sender_close(Sender *s, PyObject *arg) {
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&s->mu);
+    int was_closed = s->closed, running = s->started && !s->joined;
+    s->closed = 1;
+    s->stopping = 1;
+    s->deadline = mono_now() + (timeout > 0 ? timeout : 0);
+    if (s->waiting) {
+        s->waiting = 0;
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (running) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(s->thread, NULL);
+        Py_END_ALLOW_THREADS
+        s->joined = 1;
+    }
+    pthread_mutex_lock(&s->mu);
+    if (!running && !was_closed) s->flushed = s->q_send == 0;
+    i64 left = (i64)s->q_send;
+    if (running) s->dropped_closed += left; /* never started: discarded, as before */
+    Item *q = s->q;
+    size_t qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
+    s->q = NULL;
+    s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
+    size_t nd;
+    PyObject **done = take_done(s, &nd);
+    int flushed = s->flushed;
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
+    free(q);
+    release_done(done, nd);
+    if (running) Py_DECREF(s);
+    return Py_BuildValue("(OL)", flushed ? Py_True : Py_False, running ? left : (long long)0);
+}
+
+static PyObject *sender_stats(Sender *s, PyObject *unused) {
+    pthread_mutex_lock(&s->mu);
+    long long v[14] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
+                       s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
+                       s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
+                       s->mirror_feed_dropped, (i64)s->ring_len, (i64)s->feed_len};
+    pthread_mutex_unlock(&s->mu);
+    return Py_BuildValue(
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
+        "dropped_queue_full", v[3], "dropped_closed", v[4], "dropped_send_error", v[5],
+        "dropped_encode_error", v[6], "heartbeats", v[7], "native_encoded", v[8], "gil_encoded",
+        v[9], "sender_gil_takes", v[10], "mirror_feed_dropped", v[11], "buffered", v[12],
+        "mirror_feed", v[13]);
+}
+
+static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_queue must be >= 1");
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->max_queue = (size_t)n;
+    pthread_mutex_unlock(&s->mu);
+    Py_RETURN_NONE;
+}
+
+/* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
+ * first whose seq is >= start_seq. */
+static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "replay_range(start_seq, n)");
+        return NULL;
+    }
+    long long start = PyLong_AsLongLong(args[0]);
+    Py_ssize_t want = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (want < 0) want = 0;
+    FeedEntry got[64];
+    if (want > 64) want = 64;
+    Py_ssize_t n = 0;
+    pthread_mutex_lock(&s->mu);
+    size_t lo = 0, hi = s->ring_len; /* seqs ascend along the ring */
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->ring[(s->ring_head + mid) % s->buffer_steps].seq < start) lo = mid + 1;
+        else hi = mid;
+    }
+    for (size_t i = lo; i < s->ring_len && n < want; i++, n++) {
+        got[n] = s->ring[(s->ring_head + i) % s->buffer_steps];
+        buf_ref(got[n].buf);
+    }
+    pthread_mutex_unlock(&s->mu);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = out ? payload_wrap(got[i].buf) : NULL;
+        PyObject *t = p ? Py_BuildValue("(LN)", (long long)got[i].seq, p) : NULL;
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, t);
+        buf_unref(got[i].buf);
+    }
+    return out;
+}
+
+/* take_feed() -> [(seq, Payload | None)]: the mirror feed so far, in seq order. */
+static PyObject *sender_take_feed(Sender *s, PyObject *unused) {
+    pthread_mutex_lock(&s->mu);
+    FeedEntry *f = s->feed;
+    size_t n = s->feed_len;
+    s->feed = NULL;
+    s->feed_len = s->feed_cap = 0;
+    pthread_mutex_unlock(&s->mu);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; i < n; i++) {
+        PyObject *t = NULL;
+        if (out) {
+            PyObject *p = f[i].buf ? payload_wrap(f[i].buf) : Py_NewRef(Py_None);
+            t = p ? Py_BuildValue("(LN)", (long long)f[i].seq, p) : NULL;
+        }
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+        buf_unref(f[i].buf);
+    }
+    free(f);
+    return out;
+}
+
+/* arm_feed(): make service_fd readable at the feed's next entry (now, if it has one). */
+static PyObject *sender_arm_feed(Sender *s, PyObject *unused) {
+    pthread_mutex_lock(&s->mu);
+    if (s->feed_len) wake_service(s);
+    else s->feed_armed = 1;
+    pthread_mutex_unlock(&s->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *sender_wake(Sender *s, PyObject *unused) {
+    wake_service(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *sender_clear_wake(Sender *s, PyObject *unused) {
+    u64 v;
+    ssize_t r = read(s->service_fd, &v, sizeof v);
+    (void)r;
+    Py_RETURN_NONE;
+}
+
+/* Seqs waiting in the queue, and in the replay ring (for tests). */
+static PyObject *sender_seqs(Sender *s, PyObject *which) {
+    int ring = PyObject_IsTrue(which);
+    if (ring < 0) return NULL;
+    pthread_mutex_lock(&s->mu);
+    size_t n = ring ? s->ring_len : s->qlen;
+    i64 *seqs = malloc((n ? n : 1) * sizeof(i64));
+    for (size_t i = 0; seqs && i < n; i++)
+        seqs[i] = ring ? s->ring[(s->ring_head + i) % s->buffer_steps].seq
+                       : s->q[(s->qhead + i) % s->qcap].seq;
+    pthread_mutex_unlock(&s->mu);
+    if (!seqs) return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(seqs[i]);
+        if (!v) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    free(seqs);
+    return out;
+}
+
+static PyObject *sender_encode(Sender *s, PyObject *batch) {
+    /* encode_native(batch) -> bytes | None: what the thread would send for a collector
+     * batch, or None when it leaves the batch to Python (for tests). */
+    Item it = {.kind = K_OTHER};
+    if (Py_TYPE(batch) != (PyTypeObject *)s->batch_type || read_collected(batch, &it) < 0)
+        Py_RETURN_NONE;
+    Buf *b = encode_records(it.records, it.ts, it.rank, it.block_size, it.hash_signed, s->dialect);
+    Py_DECREF(it.records);
+    if (!b) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
+    buf_unref(b);
+    return out;
+}
+
+static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong(s->service_fd); }
+
+static PyGetSetDef sender_getset[] = {
+    {"service_fd", (getter)sender_get_fd, NULL,
+     "An eventfd readable when the armed mirror feed gets an entry, or after wake().", NULL},
+    {NULL},
+};
+
+static PyMethodDef sender_methods[] = {
+    {"publish", (PyCFunction)sender_publish, METH_O, "Reserve a seq and queue a batch; never blocks."},
+    {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
+     "start(socket_address, libzmq_path): start the thread, sole user of the PUB socket."},
+    {"close", (PyCFunction)sender_close, METH_O,
+     "close(timeout) -> (flushed, dropped): flush within timeout s and join the thread."},
+    {"stats", (PyCFunction)sender_stats, METH_NOARGS, "The counters by name."},
+    {"set_max_queue", (PyCFunction)sender_set_max_queue, METH_O, "Change the queue's bound."},
+    {"replay_range", (PyCFunction)(void (*)(void))sender_replay_range, METH_FASTCALL,
+     "replay_range(start_seq, n) -> [(seq, payload)] from the replay ring."},
+    {"take_feed", (PyCFunction)sender_take_feed, METH_NOARGS, "The mirror feed so far."},
+    {"arm_feed", (PyCFunction)sender_arm_feed, METH_NOARGS,
+     "Make service_fd readable at the feed's next entry."},
+    {"wake", (PyCFunction)sender_wake, METH_NOARGS, "Make service_fd readable."},
+    {"clear_wake", (PyCFunction)sender_clear_wake, METH_NOARGS, "Reset service_fd."},
+    {"seqs", (PyCFunction)sender_seqs, METH_O, "seqs(ring): queued (False) or buffered (True) seqs."},
+    {"encode_native", (PyCFunction)sender_encode, METH_O,
+     "The native encoding of a collector batch, or None when Python encodes it."},
+    {NULL},
+};
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_dealloc = (destructor)sender_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The publisher's queue and native sender thread.",
+    .tp_new = sender_new,
+    .tp_methods = sender_methods,
+    .tp_getset = sender_getset,
+};
+
+static struct PyModuleDef sendermodule = {
+    PyModuleDef_HEAD_INIT, "_sender", "The publisher's native sender thread.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__sender(void) {
+    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0) return NULL;
+    if (!(S_ts = PyUnicode_InternFromString("ts")) ||
+        !(S_records = PyUnicode_InternFromString("records")) ||
+        !(S_rank = PyUnicode_InternFromString("rank")) ||
+        !(S_block_size = PyUnicode_InternFromString("block_size")) ||
+        !(S_signed = PyUnicode_InternFromString("signed")))
+        return NULL;
+    PyObject *m = PyModule_Create(&sendermodule);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
+        PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
