@@ -32,6 +32,7 @@
  * `service_fd` (an eventfd) becomes readable when the armed feed gets an entry
  * or when wake() is called.
  */
+#define _GNU_SOURCE /* pthread_timedjoin_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -651,6 +652,13 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
 
 /* --- the sender thread ---------------------------------------------------------------- */
 
+static void release_item(Item *it) {
+    Py_XDECREF(it->obj);
+    Py_XDECREF(it->records);
+    buf_unref(it->payload);
+}
+
+
 static void take_gil(Sender *s, PyThreadState *ts, int *have) {
     if (*have) return;
     PyEval_RestoreThread(ts);
@@ -677,7 +685,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     }
     take_gil(s, ts, have_gil);
     (*gil)++;
-    PyObject *r = PyObject_CallOneArg(s->encode, it->obj);
+    PyObject *r = s->encode ? PyObject_CallOneArg(s->encode, it->obj) : Py_NewRef(Py_None);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
         it->payload = buf_new((size_t)n);
@@ -821,20 +829,25 @@ static void *run(void *arg) {
         }
         if (s->stopping && mono_now() >= s->deadline) break;
     }
+    /* What is left after the deadline is dropped and counted, then released here. */
     s->flushed = s->q_send == 0;
+    s->dropped_closed += (i64)s->q_send;
+    Item *q = s->q;
+    size_t qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
+    s->q = NULL;
+    s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
+    size_t nd;
+    PyObject **done = take_done(s, &nd);
     pthread_mutex_unlock(&s->mu);
     PyEval_RestoreThread(ts);
+    for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
+    free(q);
+    release_done(done, nd);
     PyGILState_Release(g);
     return NULL;
 }
 
 /* --- the Python type ------------------------------------------------------------------- */
-
-static void release_item(Item *it) {
-    Py_XDECREF(it->obj);
-    Py_XDECREF(it->records);
-    buf_unref(it->payload);
-}
 
 static PyObject *S_ts, *S_records, *S_rank, *S_block_size, *S_signed;
 
@@ -904,8 +917,22 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)s;
 }
 
+static int sender_traverse(Sender *s, visitproc visit, void *arg) {
+    Py_VISIT(s->batch_type);
+    Py_VISIT(s->encode);
+    return 0;
+}
+
+static int sender_clear(Sender *s) {
+    /* Only reachable once the thread is joined (it holds a reference until then). */
+    Py_CLEAR(s->batch_type);
+    Py_CLEAR(s->encode);
+    return 0;
+}
+
 static void sender_dealloc(Sender *s) {
     /* A started thread holds a reference until close() joined it: never running here. */
+    PyObject_GC_UnTrack(s);
     for (size_t i = 0; i < s->qlen; i++) release_item(&s->q[(s->qhead + i) % s->qcap]);
     free(s->q);
     release_done(s->done, s->done_len);
@@ -956,7 +983,7 @@ static int read_collected(PyObject *batch, Item *it) {
 
 static PyObject *sender_publish(Sender *s, PyObject *batch) {
     Item it = {.kind = K_OTHER, .obj = batch};
-    if (Py_TYPE(batch) == (PyTypeObject *)s->batch_type && read_collected(batch, &it) == 0)
+    if (s->batch_type && Py_TYPE(batch) == (PyTypeObject *)s->batch_type && read_collected(batch, &it) == 0)
         it.kind = K_COLLECTED;
     Py_INCREF(batch);
     size_t nd;
@@ -1021,44 +1048,67 @@ static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
-/* close(timeout) -> flushed: stop accepting batches, send what is queued within
- * `timeout` s, join the thread (without the GIL), release what is left. */
+/* Join the thread without the GIL, until `until` (CLOCK_REALTIME s; INFINITY: for good). */
+static int join_thread(Sender *s, double until) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    if (isfinite(until)) {
+        struct timespec t = {(time_t)until, (long)((until - (double)(time_t)until) * 1e9)};
+        rc = pthread_timedjoin_np(s->thread, NULL, &t);
+    } else {
+        rc = pthread_join(s->thread, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc == 0) {
+        s->joined = 1;
+        Py_DECREF(s); /* the thread's reference */
+    }
+    return rc == 0;
+}
+
+/* close(timeout) -> (flushed, joined): stop accepting batches and send what is queued
+ * within `timeout` s; wait for the thread up to a second longer. When it did not end
+ * (a Python encoder stuck), it drops what is left at its next step and join() waits. */
 static PyObject *sender_close(Sender *s, PyObject *arg) {
     double timeout = PyFloat_AsDouble(arg);
     if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    if (timeout < 0) timeout = 0;
     pthread_mutex_lock(&s->mu);
-    int was_closed = s->closed, running = s->started && !s->joined;
+    int running = s->started && !s->joined && !s->stopping;
     s->closed = 1;
     s->stopping = 1;
-    s->deadline = mono_now() + (timeout > 0 ? timeout : 0);
+    s->deadline = mono_now() + timeout;
     if (s->waiting) {
         s->waiting = 0;
         pthread_cond_signal(&s->cv);
     }
-    pthread_mutex_unlock(&s->mu);
-    if (running) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(s->thread, NULL);
-        Py_END_ALLOW_THREADS
-        s->joined = 1;
+    Item *q = NULL;
+    size_t qlen = 0, qhead = 0, qcap = 0;
+    if (!s->started) { /* never started: what was queued is discarded */
+        s->flushed = s->q_send == 0;
+        q = s->q;
+        qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
+        s->q = NULL;
+        s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
     }
-    pthread_mutex_lock(&s->mu);
-    if (!running && !was_closed) s->flushed = s->q_send == 0;
-    i64 left = (i64)s->q_send;
-    if (running) s->dropped_closed += left; /* never started: discarded, as before */
-    Item *q = s->q;
-    size_t qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
-    s->q = NULL;
-    s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
-    size_t nd;
-    PyObject **done = take_done(s, &nd);
-    int flushed = s->flushed;
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
     free(q);
+    int joined = !s->started || s->joined;
+    if (running) joined = join_thread(s, wall_now() + timeout + 1.0);
+    pthread_mutex_lock(&s->mu);
+    int flushed = s->flushed && joined;
+    size_t nd;
+    PyObject **done = take_done(s, &nd);
+    pthread_mutex_unlock(&s->mu);
     release_done(done, nd);
-    if (running) Py_DECREF(s);
-    return Py_BuildValue("(OL)", flushed ? Py_True : Py_False, running ? left : (long long)0);
+    return Py_BuildValue("(OO)", flushed ? Py_True : Py_False, joined ? Py_True : Py_False);
+}
+
+/* join(): wait for the thread to end (after close()), without the GIL. */
+static PyObject *sender_join(Sender *s, PyObject *unused) {
+    if (s->started && !s->joined && s->stopping) join_thread(s, INFINITY);
+    Py_RETURN_NONE;
 }
 
 static PyObject *sender_stats(Sender *s, PyObject *unused) {
@@ -1196,7 +1246,8 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
     /* encode_native(batch) -> bytes | None: what the thread would send for a collector
      * batch, or None when it leaves the batch to Python (for tests). */
     Item it = {.kind = K_OTHER};
-    if (Py_TYPE(batch) != (PyTypeObject *)s->batch_type || read_collected(batch, &it) < 0)
+    if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type ||
+        read_collected(batch, &it) < 0)
         Py_RETURN_NONE;
     Buf *b = encode_records(it.records, it.ts, it.rank, it.block_size, it.hash_signed, s->dialect);
     Py_DECREF(it.records);
@@ -1219,7 +1270,8 @@ static PyMethodDef sender_methods[] = {
     {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
      "start(socket_address, libzmq_path): start the thread, sole user of the PUB socket."},
     {"close", (PyCFunction)sender_close, METH_O,
-     "close(timeout) -> (flushed, dropped): flush within timeout s and join the thread."},
+     "close(timeout) -> (flushed, joined): flush within timeout s and join the thread."},
+    {"join", (PyCFunction)sender_join, METH_NOARGS, "Wait for the thread to end (after close)."},
     {"stats", (PyCFunction)sender_stats, METH_NOARGS, "The counters by name."},
     {"set_max_queue", (PyCFunction)sender_set_max_queue, METH_O, "Change the queue's bound."},
     {"replay_range", (PyCFunction)(void (*)(void))sender_replay_range, METH_FASTCALL,
@@ -1239,8 +1291,10 @@ static PyTypeObject SenderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Sender",
     .tp_basicsize = sizeof(Sender),
     .tp_dealloc = (destructor)sender_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The publisher's queue and native sender thread.",
+    .tp_traverse = (traverseproc)sender_traverse,
+    .tp_clear = (inquiry)sender_clear,
     .tp_new = sender_new,
     .tp_methods = sender_methods,
     .tp_getset = sender_getset,

@@ -313,8 +313,6 @@ class CollectedBatch(msgspec.Struct, gc=False):
     rank: int
     block_size: int
     signed: bool
-    encoded: list[EventParts] | None = None
-    """The parts the last :meth:`encode` produced, until :meth:`mirror_events` takes them."""
 
     def encode(self, dialect: Dialect) -> bytes:
         """Convert, coalesce and encode: the bytes ``encode_batch`` gives for :meth:`to_batch`.
@@ -324,30 +322,10 @@ class CollectedBatch(msgspec.Struct, gc=False):
         every list packed natively, which converts ``__index__`` types and
         raises ``ValueError`` naming a value that is no 64-bit int.
         """
-        self.encoded = None
         try:
-            parts = self.parts()
-            payload = encode_parts(self.ts, parts, self.rank, dialect=dialect)
+            return encode_parts(self.ts, self.parts(), self.rank, dialect=dialect)
         except (TypeError, OverflowError):
             return encode_parts(self.ts, self.parts(strict=True), self.rank, dialect=dialect)
-        self.encoded = parts
-        return payload
-
-    def mirror_events(self) -> list[EventParts] | None:
-        """The events just encoded, as the publisher's mirror takes them, or ``None``.
-
-        Saves the sender thread decoding the payload it just encoded. Only
-        when every hash is a list of unsigned ints as encoded (then exactly
-        what subscribers decode): ``None`` after a strict or failed encoding,
-        for signed hashes and for packed hash arrays; the caller decodes then.
-        """
-        parts, self.encoded = self.encoded, None
-        if parts is None or self.signed:
-            return None
-        for p in parts:
-            if not isinstance(p, AllBlocksCleared) and type(p.block_hashes) is not list:
-                return None
-        return parts
 
     def to_batch(self) -> KVEventBatch:
         """The batch as wire structs (hashes unsigned, as decoding yields them)."""

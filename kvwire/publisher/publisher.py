@@ -1,38 +1,38 @@
 """The engine-side event publisher: a live PUB socket and an optional replay ROUTER.
 
 The engine thread only ever reserves a sequence number and appends to a bounded
-queue, both under one lock so that seq order is queue order whatever thread
-publishes; a background thread encodes, sends, buffers batches for replay,
-mirrors the rank's cache for snapshots, heartbeats when idle and serves replay
-and snapshot requests (:mod:`kvwire.publisher.replay`). A full queue drops the
-batch (counted, logged at a bounded rate) instead of blocking the engine, and
-because the seq was reserved first the drop is a visible gap to every consumer.
+queue, both under one lock (in C) so that seq order is queue order whatever
+thread publishes. A native sender thread encodes, sends, keeps batches for
+replay and heartbeats when idle, without the GIL for a collector's batches of
+Python ints (:mod:`kvwire.publisher._sender`). A Python service thread serves
+replay and snapshot requests (:mod:`kvwire.publisher.replay`) and keeps the
+rank's mirror for snapshots. A full queue drops the batch (counted, logged at a
+bounded rate) instead of blocking the engine, and because the seq was reserved
+first the drop is a visible gap to every consumer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
-import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
+from kvwire._native import libzmq_path
+from kvwire.publisher._sender import Sender
 from kvwire.publisher.mirror import Mirror
-from kvwire.publisher.replay import ReplayBuffer, ReplayServer
+from kvwire.publisher.replay import ReplayServer
 from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 from kvwire.wire import (
     Dialect,
     KVEventBatch,
+    WireError,
     decode_batch,
     encode_batch,
     epoch_topic,
@@ -50,9 +50,7 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
 
 _LOG_INTERVAL_S = 10.0
-_CHUNK_BATCHES = 64  # batches encoded, then sent back to back, per pass
-_CHUNK_S = 0.0005  # or fewer, when encoding them takes longer than this
-_pack_seq = struct.Struct(">Q").pack
+_MIRROR_EVERY_S = 0.08  # the service thread applies the mirror feed at most this often
 
 
 class PendingBatch(Protocol):
@@ -69,7 +67,13 @@ class PendingBatch(Protocol):
 
 @dataclass(frozen=True)
 class PublisherStats:
-    """A snapshot of a publisher's counters (batches unless named otherwise)."""
+    """A snapshot of a publisher's counters (batches unless named otherwise).
+
+    ``native_encoded`` batches were encoded by the sender thread without the
+    GIL, ``gil_encoded`` by Python with it; ``sender_gil_takes`` counts every
+    time the sender thread took the GIL (once at start, then only for
+    ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
+    """
 
     enqueued: int
     published: int
@@ -86,67 +90,13 @@ class PublisherStats:
     snapshots_served: int = 0
     snapshots_refused: int = 0
     mirrored_blocks: int = 0
+    native_encoded: int = 0
+    gil_encoded: int = 0
+    sender_gil_takes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
         return asdict(self)
-
-
-class _Wakeup:
-    """A file descriptor the engine thread makes readable to wake the sender.
-
-    Closed once, by whichever side finishes last; a ``set()`` after that does
-    nothing, so a descriptor number the system has since given to another
-    file is never written.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._closed = False
-        if hasattr(os, "eventfd"):
-            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._write_fd = self.fd
-            self._eventfd = True
-        else:  # pragma: no cover - non-Linux
-            self.fd, self._write_fd = os.pipe()
-            os.set_blocking(self.fd, False)
-            os.set_blocking(self._write_fd, False)
-            self._eventfd = False
-
-    def set(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            with contextlib.suppress(BlockingIOError):
-                if self._eventfd:
-                    os.eventfd_write(self.fd, 1)
-                else:  # pragma: no cover - non-Linux
-                    os.write(self._write_fd, b"\0")
-
-    def clear(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            if self._eventfd:
-                os.eventfd_read(self.fd)
-            else:  # pragma: no cover - non-Linux
-                os.read(self.fd, 4096)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            os.close(self.fd)
-            if self._write_fd != self.fd:  # pragma: no cover - non-Linux
-                os.close(self._write_fd)
-
-
-def _fast_send(sock: zmq.Socket[bytes]) -> Callable[[bytes | zmq.Frame, int], Any]:
-    """``sock.send`` without the Python-level convenience layer (a third of the cost)."""
-    base = getattr(zmq.backend, "Socket", None)
-    if base is not None and isinstance(sock, base):
-        bound: Callable[[bytes | zmq.Frame, int], Any] = base.send.__get__(sock)
-        return bound
-    return cast("Callable[[bytes | zmq.Frame, int], Any]", sock.send)
 
 
 class EventPublisher:
@@ -191,11 +141,21 @@ class EventPublisher:
       is the caller's (``kvwire.security.release_context``).
 
     ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
-    this long (not holding the GIL) before encoding and sending. The engine
-    thread that just published is then usually waiting on the GPU rather than
-    launching kernels, so the two threads do not fight over the GIL, and batches
-    that arrive meanwhile share one wake-up. It delays each batch by at most
-    that much; 0 sends at once. Under a backlog there is no waiting.
+    this long before encoding and sending, so that batches arriving meanwhile
+    share one wake-up. It delays each batch by at most that much; 0 sends at
+    once. Under a backlog there is no waiting.
+
+    The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
+    takes the GIL for a collector's batch of Python lists, tuples or arrays'
+    snapshots of exact ints (the hooks' common case): it reads those objects,
+    which the collector's contract keeps unchanged, encodes them byte for byte
+    as :meth:`CollectedBatch.encode` would and sends them zero-copy. Anything
+    else (a ``KVEventBatch``, an engine plugin's batch, numpy or CUDA captures,
+    int subclasses, ``extra_keys``) is encoded by Python with the GIL taken;
+    :meth:`stats` counts both (``native_encoded``, ``gil_encoded``,
+    ``sender_gil_takes``). Replay, snapshots and the mirror run on a Python
+    thread that sleeps in a poll without the GIL and wakes for requests, and,
+    with the mirror on, a few times a second to apply the batches sent since.
     """
 
     def __init__(
@@ -273,76 +233,55 @@ class EventPublisher:
         self._router: zmq.Socket[bytes] | None = None
         self._bound: str | None = None
         self._bound_replay: str | None = None
+        self._mirror = Mirror() if self.snapshot else None
+        from kvwire.publisher.collector import CollectedBatch  # imports this module
 
-        self._queue: deque[tuple[int, KVEventBatch | PendingBatch]] = deque()
-        self._seq_lock = threading.Lock()
-        self._next_seq = 0
-        self._wakeup: _Wakeup | None = None
-        self._idle = False  # True while the sender waits; the next publish wakes it
+        # Batches dropped on a full queue still reach the mirror, up to mirror_backlog.
+        self._sender = Sender(
+            topic=self._topic,
+            dialect=dialect,
+            rank=rank,
+            max_queue=max_queue_size,
+            buffer_steps=buffer_steps,
+            coalesce_s=coalesce_s,
+            heartbeat_s=heartbeat or 0.0,
+            mirror=self._mirror is not None,
+            mirror_backlog=mirror_backlog,
+            batch_type=CollectedBatch,
+            encode=self._encode,
+        )
+        self.publish = self._sender.publish  # type: ignore[method-assign]
         self._started = False
         self._closed = False
-        self._stopping = False
         self._flushed = True
-        self._thread: threading.Thread | None = None
+        self._service: threading.Thread | None = None
+        self._service_stop = False
         self._lifecycle = threading.Lock()
-        self._buffer: ReplayBuffer = deque(maxlen=buffer_steps)
-        self._mirror = Mirror() if self.snapshot else None
-        # Batches dropped on a full queue, kept (up to mirror_backlog) for the mirror alone.
-        self._mirror_backlog = mirror_backlog
-        self._unsent: deque[tuple[int, KVEventBatch | PendingBatch]] | None = (
-            deque() if self._mirror is not None else None
-        )
+        self._mirror_lock = threading.Lock()
         self._replay: ReplayServer | None = None
-
-        self._dropped_queue_full = 0
-        self._dropped_closed = 0
-        self._published = 0
-        self._heartbeats = 0
-        self._dropped_send_error = 0
-        self._dropped_encode_error = 0
         self._problems = _RateLimitedLog(rank)
         self._next_log = 0.0
         self._logged_queue_full = 0
+        self._logged_send_error = 0
         self._queue_full_logged_at = -_LOG_INTERVAL_S
-        self._deadline = 0.0
-        self._last_sent = 0.0
 
     # --- engine-thread API -----------------------------------------------------
 
     def publish(self, batch: KVEventBatch | PendingBatch) -> bool:
-        """Queue ``batch`` for sending; never blocks (beyond a lock held for a few bytecodes).
+        """Queue ``batch`` for sending; never blocks (beyond a mutex held for a few stores).
 
         The seq is reserved first, so a batch dropped here (queue full, or the
         publisher closed) leaves a gap consumers can see. Returns whether the
         batch was queued. A batch whose ``data_parallel_rank`` is ``None`` is
         sent with this publisher's rank. Safe to call from several threads: the
         seq is reserved and the batch queued atomically, so seq order is queue
-        order, wire order and replay order.
+        order, wire order and replay order. The call also releases the batches
+        the sender has finished with (it cannot without the GIL).
+
+        (Bound to the native sender's ``publish`` on each instance; this body
+        documents it.)
         """
-        lock = self._seq_lock
-        lock.acquire()
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        queue = self._queue
-        if self._closed:
-            self._dropped_closed += 1
-            lock.release()
-            return False
-        if len(queue) >= self._max_queue:
-            self._dropped_queue_full += 1
-            unsent = self._unsent
-            if unsent is not None and len(unsent) < self._mirror_backlog:
-                unsent.append((seq, batch))  # never sent, but the mirror learns it
-            lock.release()
-            return False
-        queue.append((seq, batch))
-        lock.release()
-        if self._idle:
-            self._idle = False
-            wakeup = self._wakeup
-            if wakeup is not None:
-                wakeup.set()
-        return True
+        return bool(self._sender.publish(batch))
 
     @property
     def max_queue_size(self) -> int:
@@ -353,45 +292,49 @@ class EventPublisher:
     def max_queue_size(self, value: int) -> None:
         if value < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {value}")
+        self._sender.set_max_queue(value)
         self._max_queue = value
 
     @property
     def queue_depth(self) -> int:
         """Batches waiting for the sender thread."""
-        return len(self._queue)
+        return int(self._sender.stats()["queue_depth"])
 
     @property
     def last_seq(self) -> int:
         """The seq reserved by the latest ``publish()`` call (or heartbeat); -1 before the first."""
-        return self._next_seq - 1
+        return int(self._sender.stats()["last_seq"])
 
     def stats(self) -> PublisherStats:
         """Current counters; cheap, callable from any thread at any time."""
-        with self._seq_lock:
-            last = self._next_seq - 1
-            depth = len(self._queue)
-            dropped = self._dropped_queue_full + self._dropped_closed
-            full = self._dropped_queue_full
-            closed = self._dropped_closed
+        c = self._sender.stats()
         replay = self._replay
         mirror = self._mirror
         return PublisherStats(
-            enqueued=last + 1 - dropped,
-            published=self._published,
-            dropped_queue_full=full,
-            dropped_send_error=self._dropped_send_error,
-            dropped_encode_error=self._dropped_encode_error,
-            dropped_closed=closed,
+            enqueued=c["last_seq"] + 1 - c["dropped_queue_full"] - c["dropped_closed"],
+            published=c["published"],
+            dropped_queue_full=c["dropped_queue_full"],
+            dropped_send_error=c["dropped_send_error"],
+            dropped_encode_error=c["dropped_encode_error"],
+            dropped_closed=c["dropped_closed"],
             replay_served=replay.served if replay else 0,
             replay_invalid=replay.invalid if replay else 0,
             replay_dropped=replay.dropped if replay else 0,
-            queue_depth=depth,
-            last_seq=last,
-            heartbeats=self._heartbeats,
+            queue_depth=c["queue_depth"],
+            last_seq=c["last_seq"],
+            heartbeats=c["heartbeats"],
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
             mirrored_blocks=mirror.approx_blocks if mirror else 0,
+            native_encoded=c["native_encoded"],
+            gil_encoded=c["gil_encoded"],
+            sender_gil_takes=c["sender_gil_takes"],
         )
+
+    def replayable_seqs(self) -> list[int]:
+        """The seqs the replay buffer holds, oldest first (for tests and diagnostics)."""
+        seqs: list[int] = self._sender.seqs(True)
+        return seqs
 
     @property
     def bound_endpoint(self) -> str:
@@ -410,7 +353,7 @@ class EventPublisher:
     # --- lifecycle ---------------------------------------------------------------
 
     def start(self) -> EventPublisher:
-        """Bind the sockets and start the sender thread; raises if a bind fails."""
+        """Bind the sockets and start the sender and service threads; raises if a bind fails."""
         with self._lifecycle:
             if self._closed:
                 raise RuntimeError("publisher is closed")
@@ -447,6 +390,8 @@ class EventPublisher:
                     )
                     router.bind(address)
                     self._bound_replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
+                # From here on the sender thread is the PUB socket's only user.
+                self._sender.start(pub.underlying, libzmq_path())
             except BaseException:
                 for sock in (pub, router):
                     if sock is not None:
@@ -457,17 +402,17 @@ class EventPublisher:
                 raise
             self._ctx = ctx
             self._pub = pub
-            self._send = _fast_send(pub)
             self._router = router
             if router is not None:
                 self._replay = ReplayServer(
                     router,
-                    self._buffer,
+                    self._sender.replay_range,
                     self._topic,
                     # Engines close a replay with an empty topic; kvwire with its epoch.
                     end_topic=self._topic if self.epoch is not None else b"",
                     max_batches=self.max_replay_batches,
                     mirror=self._mirror,
+                    sync_mirror=self._apply_mirror_feed,
                     rank=self.rank,
                     dialect=self.dialect,
                     note_error=self._note_error,
@@ -475,13 +420,11 @@ class EventPublisher:
                     stall_s=self.replay_stall_s,
                     snapshot_chunk_blocks=self.snapshot_chunk_blocks,
                 )
-            self._wakeup = _Wakeup()
-            self._thread = threading.Thread(
-                target=self._run, name=f"kvwire-publisher-{self.rank}", daemon=True
+            self._service = threading.Thread(
+                target=self._serve, name=f"kvwire-publisher-{self.rank}", daemon=True
             )
             self._started = True
-            self._last_sent = time.monotonic()
-            self._thread.start()
+            self._service.start()
             return self
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -493,21 +436,47 @@ class EventPublisher:
         with self._lifecycle:
             if self._closed:
                 return self._flushed
-            with self._seq_lock:
-                self._closed = True
-            if not self._started or self._thread is None:
-                self._flushed = not self._queue
-                self._queue.clear()
+            self._closed = True
+            deadline = time.monotonic() + max(0.0, timeout)
+            flushed, joined = self._sender.close(max(0.0, timeout))
+            self._flushed = bool(flushed)
+            if not self._started:
                 return self._flushed
-            self._deadline = time.monotonic() + max(0.0, timeout)
-            self._stopping = True
-            assert self._wakeup is not None
-            self._wakeup.set()
-            self._thread.join(max(0.0, timeout) + 1.0)
-            if self._thread.is_alive():  # pragma: no cover - a wedged libzmq
+            if joined:
+                self._shut_down(deadline)
+            else:  # pragma: no cover - timing; a Python encoder stuck past the deadline
                 log.error("publisher thread for rank %d did not stop in time", self.rank)
-                self._flushed = False
+                threading.Thread(
+                    target=self._shut_down,
+                    args=(deadline,),
+                    name="kvwire-publisher-close",
+                    daemon=True,
+                ).start()
             return self._flushed
+
+    def _shut_down(self, deadline: float) -> None:
+        """Once the sender thread ended: stop the service thread, close the sockets."""
+        self._sender.join()
+        dropped = self._sender.stats()["dropped_closed"]
+        if dropped:
+            self._note_error("closed", f"{dropped} batches dropped at or after close")
+        self._service_stop = True
+        self._sender.wake()
+        if self._service is not None:
+            self._service.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            if self._service.is_alive():  # pragma: no cover - a wedged libzmq
+                log.error("publisher service thread for rank %d did not stop", self.rank)
+        remaining = max(0.0, deadline - time.monotonic())
+        assert self._pub is not None
+        self._pub.close(linger=int(remaining * 1000))
+        if self._replay is not None:
+            self._replay.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._own_context and self._ctx is not None:
+            release_context(self._ctx)
+            self._ctx.term()
+        self._maybe_log(force=True)
 
     def __enter__(self) -> EventPublisher:
         return self.start()
@@ -520,174 +489,74 @@ class EventPublisher:
     ) -> None:
         self.close()
 
-    # --- sender thread -------------------------------------------------------------
+    # --- the sender's Python encoder ------------------------------------------------
 
-    def _run(self) -> None:
-        pub = self._pub
+    def _encode(self, item: KVEventBatch | PendingBatch) -> bytes | None:
+        """Encode what the native sender leaves to Python (it holds the GIL for this);
+        ``None`` when the batch cannot be encoded (counted, logged, a gap)."""
+        try:
+            if type(item) is KVEventBatch:
+                if item.data_parallel_rank is None:
+                    item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
+                return encode_batch(item, dialect=self.dialect)
+            return item.encode(self.dialect)  # type: ignore[union-attr]
+        except Exception as exc:
+            self._note_error("encode", f"a batch could not be encoded: {exc}")
+            return None
+
+    # --- service thread: replay, snapshots, the mirror, logging ----------------------
+
+    def _serve(self) -> None:
+        sender = self._sender
         replay = self._replay
-        wakeup = self._wakeup
-        assert pub is not None and wakeup is not None
+        mirror = self._mirror
         poller = zmq.Poller()
-        poller.register(wakeup.fd, zmq.POLLIN)
+        poller.register(sender.service_fd, zmq.POLLIN)
         if replay is not None:
             poller.register(replay.router, zmq.POLLIN)
-        queue = self._queue
-        heartbeat = self.heartbeat
+        next_apply = 0.0
         try:
-            while True:
-                busy = self._send_live()
-                if replay is not None:
-                    busy = replay.serve() or busy
+            while not self._service_stop:
+                now = time.monotonic()
+                if mirror is not None and now >= next_apply:
+                    if self._apply_mirror_feed():
+                        next_apply = now + _MIRROR_EVERY_S
+                    else:
+                        sender.arm_feed()  # the next batch sent wakes this thread
+                busy = replay.serve() if replay is not None else False
                 self._maybe_log()
-                if self._stopping and (not queue or time.monotonic() >= self._deadline):
-                    break
                 if busy:
                     continue
-                timeout = 500.0
-                if heartbeat is not None and not self._stopping:
-                    due = self._last_sent + heartbeat - time.monotonic()
-                    if due <= 0:
-                        self._heartbeat()
-                        continue
-                    timeout = min(timeout, due * 1000 + 1)
-                self._idle = True
-                if queue or self._stopping:
-                    self._idle = False
-                    continue
-                poller.poll(2 if replay is not None and replay.jobs else int(timeout))
-                self._idle = False
-                wakeup.clear()
-                if self.coalesce_s and queue and not self._stopping:
-                    time.sleep(self.coalesce_s)
+                timeout = _LOG_INTERVAL_S
+                if mirror is not None and next_apply > now:
+                    timeout = min(timeout, next_apply - now)
+                if replay is not None and replay.jobs:
+                    timeout = min(timeout, 0.002)
+                if poller.poll(int(timeout * 1000) + 1):
+                    sender.clear_wake()
         except Exception:  # pragma: no cover - a bug; keep the engine alive
-            log.exception("publisher thread for rank %d failed", self.rank)
-        finally:
-            self._idle = False
-            with self._seq_lock:
-                self._flushed = not queue
-                if queue:
-                    self._dropped_closed += len(queue)
-                    self._note_error("closed", f"{len(queue)} queued batches dropped at close")
-                    queue.clear()
-            remaining = max(0.0, self._deadline - time.monotonic()) if self._stopping else 0.0
-            pub.close(linger=int(remaining * 1000))
-            if replay is not None:
-                replay.close()
-                replay.router.close(linger=0)
-            if self._own_context and self._ctx is not None:
-                release_context(self._ctx)
-                self._ctx.term()
-            wakeup.close()
-            self._maybe_log(force=True)
+            log.exception("publisher service thread for rank %d failed", self.rank)
 
-    def _heartbeat(self) -> None:
-        """Publish an empty batch on the next seq, through ``publish()``'s own atomic path."""
-        self._last_sent = time.monotonic()
-        if self.publish(KVEventBatch(time.time(), [], self.rank)):
-            self._heartbeats += 1
-
-    def _send_live(self) -> bool:
-        """Encode, then send, up to one chunk of queued batches; returns whether more wait.
-
-        Sending a chunk back to back lets libzmq's I/O thread write many
-        messages per wake-up instead of one. Each payload becomes one
-        ``zmq.Frame`` that the PUB socket, the replay buffer and every replay
-        share.
-        """
-        queue = self._queue
-        unsent = self._unsent
-        if unsent:
-            self._mirror_unsent(None)
-        if not queue:
-            return bool(unsent)
+    def _apply_mirror_feed(self) -> bool:
+        """Apply the batches the sender encoded since the last call to the mirror, in
+        seq order; returns whether there were any. Runs before a snapshot starts, so a
+        snapshot is the state as of every batch encoded so far."""
         mirror = self._mirror
-        ready: list[tuple[int, zmq.Frame]] = []
-        deadline = time.perf_counter() + _CHUNK_S
-        while queue and len(ready) < _CHUNK_BATCHES:
-            seq, item = queue.popleft()
-            if unsent and unsent[0][0] < seq:
-                self._mirror_unsent(seq)
-            try:
-                payload = self._encode(item)
-            except Exception as exc:
-                self._dropped_encode_error += 1
-                self._note_error("encode", f"batch seq {seq} could not be encoded: {exc}")
-                if mirror is not None:
+        if mirror is None:
+            return False
+        with self._mirror_lock:
+            feed = self._sender.take_feed()
+            for seq, payload in feed:
+                if payload is None:
                     mirror.skip(seq, "it could not be encoded")
-                continue
-            if mirror is not None:
-                self._mirror_batch(mirror, seq, item, payload)
-            ready.append((seq, zmq.Frame(payload)))
-            if self._stopping and time.monotonic() >= self._deadline:
-                break
-            if not len(ready) & 7 and time.perf_counter() >= deadline:
-                break
-        topic = self._topic
-        more = zmq.SNDMORE | zmq.NOBLOCK
-        noblock = zmq.NOBLOCK
-        pack = _pack_seq
-        send = self._send
-        failed = 0
-        for seq, frame in ready:
-            try:
-                send(topic, more)
-                send(pack(seq), more)
-                send(frame, noblock)
-            except zmq.ZMQError as exc:
-                failed += 1
-                self._note_error("send", f"batch seq {seq} not sent: {exc}")
-        self._published += len(ready) - failed
-        self._dropped_send_error += failed
-        self._buffer.extend(ready)
-        if ready:
-            self._last_sent = time.monotonic()
-        return bool(queue)
-
-    def _encode(self, item: KVEventBatch | PendingBatch) -> bytes:
-        if type(item) is KVEventBatch:
-            if item.data_parallel_rank is None:
-                item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
-            return encode_batch(item, dialect=self.dialect)
-        return item.encode(self.dialect)  # type: ignore[union-attr]
-
-    def _mirror_unsent(self, before: int | None) -> None:
-        """Mirror, in seq order, the dropped batches below ``before`` (``None``: below every
-        batch still queued or yet to come)."""
-        unsent = self._unsent
-        mirror = self._mirror
-        assert unsent is not None and mirror is not None
-        if before is None:
-            with self._seq_lock:  # a consistent bound: queue head, or the next seq
-                before = self._queue[0][0] if self._queue else self._next_seq
-        while unsent and unsent[0][0] < before:
-            seq, item = unsent.popleft()
-            try:
-                payload = self._encode(item)
-            except Exception:
-                mirror.skip(seq, "it could not be encoded")
-                continue
-            self._mirror_batch(mirror, seq, item, payload)
-
-    def _mirror_batch(
-        self, mirror: Mirror, seq: int, item: KVEventBatch | PendingBatch, payload: bytes
-    ) -> None:
-        """Feed the mirror what subscribers will decode (hashes normalised as they see them).
-
-        A collector's batch hands over the parts it just encoded when they are
-        already in that form; anything else is decoded from its payload.
-        """
-        events = None
-        if type(item) is not KVEventBatch:
-            take = getattr(item, "mirror_events", None)
-            if take is not None:
-                events = take()
-        if events is None:
-            try:
-                events = decode_batch(payload).events
-            except Exception as exc:  # pragma: no cover - encode and decode disagree
-                mirror.skip(seq, f"its payload did not decode: {exc}")
-                return
-        mirror.apply_events(seq, events)
+                    continue
+                try:
+                    events = decode_batch(payload).events
+                except WireError as exc:  # pragma: no cover - encode and decode disagree
+                    mirror.skip(seq, f"its payload did not decode: {exc}")
+                    continue
+                mirror.apply_events(seq, events)
+            return bool(feed)
 
     # --- bounded-rate logging ------------------------------------------------------
 
@@ -699,7 +568,8 @@ class EventPublisher:
         if not force and now < self._next_log:
             return
         self._next_log = now + 0.5
-        dropped = self._dropped_queue_full
+        counts = self._sender.stats()
+        dropped = counts["dropped_queue_full"]
         if dropped != self._logged_queue_full and (
             force or now - self._queue_full_logged_at >= _LOG_INTERVAL_S
         ):
@@ -713,6 +583,12 @@ class EventPublisher:
             )
             self._logged_queue_full = dropped
             self._queue_full_logged_at = now
+        failed = counts["dropped_send_error"]
+        if failed != self._logged_send_error:
+            self._note_error(
+                "send", f"{failed - self._logged_send_error} batches not sent (libzmq refused them)"
+            )
+            self._logged_send_error = failed
         self._problems.emit(now, force)
 
 

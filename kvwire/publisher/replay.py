@@ -1,10 +1,11 @@
 """The replay ROUTER's server: replays from the shared buffer, and snapshots of the mirror.
 
-Runs on the publisher's sender thread, a bounded slice at a time between live
-sends. What keeps a hostile or stalled client from costing more than a slot:
+Runs on the publisher's service thread, which sleeps in a poll without the GIL
+until a request comes, then serves a bounded slice at a time. What keeps a
+hostile or stalled client from costing more than a slot:
 
-- a replay sends the buffer's own ``zmq.Frame`` objects (libzmq shares their
-  bytes by reference count), never a copy per client;
+- a replay sends the sender's own payload buffers (zero-copy: libzmq holds a
+  reference to the one buffer every client shares), never a copy per client;
 - at most one job per client identity (a new request replaces the old job);
 - at most ``max_jobs`` jobs, served round robin; when all are taken, a job that
   has made no progress the longest is cut off to admit the new request;
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -34,19 +35,17 @@ from kvwire.wire import (
     snapshot_refused_frames,
 )
 
-__all__ = ["ReplayBuffer", "ReplayServer"]
+__all__ = ["ReplayRange", "ReplayServer"]
 
-ReplayBuffer = deque[tuple[int, zmq.Frame]]
-"""The last batches sent, ``(seq, payload frame)``, oldest first."""
+ReplayRange = Callable[[int, int], list[tuple[int, Any]]]
+"""``(start_seq, n)`` -> up to ``n`` buffered batches ``(seq, payload)`` from the
+first whose seq is ``>= start_seq``, oldest first; a payload is any
+read-only buffer ZeroMQ can send without copying."""
 
 _REQUESTS_PER_PASS = 16
 _REPLAY_CHUNK = 32  # replay messages per job per pass
 _MAX_SNAPSHOTS = 2  # served at once (each logs the changes made while it runs)
 _FLAGS = zmq.SNDMORE | zmq.NOBLOCK
-
-
-def _seq_key(item: tuple[int, zmq.Frame]) -> int:
-    return item[0]
 
 
 class _Job:
@@ -83,17 +82,21 @@ class _SnapshotJob(_Job):
 
 
 class ReplayServer:
-    """Answers replay and snapshot requests on ``router`` (sender thread only)."""
+    """Answers replay and snapshot requests on ``router`` (one thread only).
+
+    ``sync_mirror`` brings the mirror up to date before a snapshot starts.
+    """
 
     def __init__(
         self,
         router: zmq.Socket[bytes],
-        buffer: ReplayBuffer,
+        buffer: ReplayRange,
         topic: bytes,
         *,
         end_topic: bytes,
         max_batches: int,
         mirror: Mirror | None,
+        sync_mirror: Callable[[], object] = lambda: None,
         rank: int,
         dialect: Dialect,
         note_error: Callable[[str, str], None],
@@ -107,6 +110,7 @@ class ReplayServer:
         self.end_topic = end_topic
         self.max_batches = max_batches
         self.mirror = mirror
+        self.sync_mirror = sync_mirror
         self.rank = rank
         self.dialect: Dialect = dialect
         self.max_jobs = max_jobs
@@ -224,6 +228,7 @@ class ReplayServer:
                     [identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK
                 )
             return None
+        self.sync_mirror()
         if mirror.distrust_reason is not None:
             reason = f"state cannot be vouched for: {mirror.distrust_reason}"
         elif mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
@@ -266,26 +271,22 @@ class ReplayServer:
         return True
 
     def _replay_slice(self, job: _ReplayJob) -> bool:
-        buffer = self.buffer
         send = self.router.send
         identity = job.identity
         topic = self.topic
-        idx = bisect_left(buffer, job.next_seq, key=_seq_key)
-        sent = 0
-        while job.remaining > 0 and idx < len(buffer) and sent < _REPLAY_CHUNK:
-            seq, frame = buffer[idx]
+        want = min(_REPLAY_CHUNK, job.remaining)
+        items = self.buffer(job.next_seq, want)
+        for seq, payload in items:
             send(identity, _FLAGS)  # raises Again here only, before any other part
             send(b"", _FLAGS)
             send(topic, _FLAGS)
             send(pack_seq(seq), _FLAGS)
-            send(frame, zmq.NOBLOCK, copy=False)
+            send(zmq.Frame(payload, copy=False), zmq.NOBLOCK, copy=False)
             job.next_seq = seq + 1
             job.remaining -= 1
             job.stalled_since = None
             self._sent = True
-            idx += 1
-            sent += 1
-        if job.remaining > 0 and idx < len(buffer):
+        if job.remaining > 0 and len(items) == want:
             return False
         self.router.send_multipart([identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
         self.served += 1

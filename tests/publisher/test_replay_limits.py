@@ -188,7 +188,7 @@ def thread_cpu_s(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_stalled_clients_do_not_keep_the_sender_busy(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+def test_stalled_clients_do_not_keep_the_replay_thread_busy(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
         f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
         max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=60,
@@ -198,9 +198,9 @@ def test_stalled_clients_do_not_keep_the_sender_busy(ipc_dir: str, zctx: zmq.Con
         wait_for(lambda: pub.stats().published == N_BATCHES, what="buffer filled")
         socks = [hostile(zctx, pub.bound_replay_endpoint or "") for _ in range(16)]
         replay = pub._replay
-        assert replay is not None and pub._thread is not None
+        assert replay is not None and pub._service is not None
         wait_for(lambda: replay.jobs == 16, what="every job started")
-        sender = pub._thread.native_id
+        sender = pub._service.native_id
         assert sender is not None
         wait_for(  # their pipes fill up
             lambda: all(job.stalled_since is not None for job in replay._jobs.values()),
@@ -210,6 +210,6 @@ def test_stalled_clients_do_not_keep_the_sender_busy(ipc_dir: str, zctx: zmq.Con
         time.sleep(1.0)  # the window measured: every job stalled, none cut (60 s deadline)
         used = (thread_cpu_s(sender) - cpu0) / (time.monotonic() - t0)
         assert replay.jobs == 16
-        assert used < 0.3, f"the sender thread used {used:.0%} of a core on stalled clients"
+        assert used < 0.3, f"the replay thread used {used:.0%} of a core on stalled clients"
         for s in socks:
             s.close(linger=0)

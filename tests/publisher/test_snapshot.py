@@ -6,7 +6,6 @@ import random
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 import zmq
 
@@ -222,50 +221,6 @@ class _Keep:
     def publish(self, batch: Any) -> bool:
         self.batch = batch
         return True
-
-
-@pytest.mark.parametrize("form", ["lists", "numpy tokens", "numpy hashes", "signed"])
-def test_the_mirror_fed_a_collectors_parts_equals_the_mirror_fed_its_payload(form: str) -> None:
-    """The sender feeds the mirror the parts it encoded when they are what subscribers decode."""
-    rng = random.Random(7)
-    batches = random_batches(rng, 300)
-    keep = _Keep()
-    col = EventCollector(keep, BS, hash_format="signed" if form == "signed" else "unsigned")
-    from_parts, from_payload, model = Mirror(), Mirror(), Model()
-    handed = 0
-    for seq, b in enumerate(batches):
-        for e in b.events:
-            if isinstance(e, BlockStored):
-                hs: Any = list(e.block_hashes)
-                toks: Any = list(e.token_ids)
-                if form == "numpy hashes":
-                    hs = np.array(hs, dtype=np.uint64)
-                if form == "numpy tokens":
-                    toks = np.array(toks, dtype=np.int64)
-                col.stored(hs, e.parent_block_hash, toks, lora_name=e.lora_name, medium=e.medium)
-            elif isinstance(e, BlockRemoved):
-                gone: Any = list(e.block_hashes)
-                if form == "numpy hashes":
-                    gone = np.array(gone, dtype=np.uint64)
-                col.removed(gone, medium=e.medium)
-            else:
-                col.cleared()
-        assert col.flush()
-        payload = keep.batch.encode("map")
-        events = keep.batch.mirror_events()
-        assert keep.batch.mirror_events() is None  # handed over once
-        handed += events is not None
-        from_parts.apply_events(seq, decode_batch(payload).events if events is None else events)
-        from_payload.apply(seq, decode_batch(payload))
-        model.apply(decode_batch(payload))
-    only_clears = sum(all(type(e) is AllBlocksCleared for e in b.events) for b in batches)
-    assert handed == (len(batches) if form in ("lists", "numpy tokens") else 0) + (
-        only_clears if form == "numpy hashes" else 0
-    )
-    assert from_parts.distrust_reason is None
-    assert rebuild(drain(from_parts.snapshot(0, chunk_blocks=5))).state() == model.state()
-    assert rebuild(drain(from_payload.snapshot(0, chunk_blocks=5))).state() == model.state()
-    assert from_parts.count_blocks() == from_payload.count_blocks() == len(model.held)
 
 
 # --- over sockets ------------------------------------------------------------------
