@@ -250,7 +250,7 @@ class EventPublisher:
             batch_type=CollectedBatch,
             encode=self._encode,
         )
-        self.publish = self._sender.publish  # type: ignore[method-assign]
+        self.publish = self._sender.publish  # type: ignore[method-assign,assignment]
         self._started = False
         self._closed = False
         self._flushed = True
@@ -551,7 +551,7 @@ class EventPublisher:
                     mirror.skip(seq, "it could not be encoded")
                     continue
                 try:
-                    events = decode_batch(payload).events
+                    events = decode_batch(memoryview(payload)).events
                 except WireError as exc:  # pragma: no cover - encode and decode disagree
                     mirror.skip(seq, f"its payload did not decode: {exc}")
                     continue

@@ -1,0 +1,206 @@
+"""The native sender: GIL-free encoding of collector batches, byte-identical to Python's.
+
+The sender thread encodes a collector's batch of lists and tuples of exact ints
+without the GIL; anything else goes to ``CollectedBatch.encode`` with the GIL
+taken. Both must put the same bytes on the wire, and a steady stream of list
+batches must never make the sender take the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher
+from kvwire.publisher._sender import Sender
+from kvwire.wire import KVEventBatch, decode_batch
+
+from .conftest import connect_sub, recv_live, wait_for
+
+BS = 2
+U64 = (1 << 64) - 1
+
+
+def native(dialect: str) -> Sender:
+    """A sender that is never started: only its encoder is used."""
+    return Sender(
+        topic=b"", dialect=dialect, rank=0, max_queue=1, buffer_steps=1, coalesce_s=0.0,
+        heartbeat_s=0.0, mirror=False, mirror_backlog=1, batch_type=CollectedBatch,
+        encode=lambda b: None,
+    )  # fmt: skip
+
+
+class Index(int):
+    """An int subclass: valid, but only Python encodes it."""
+
+
+# Hashes: small, chained, signed and unsigned edges, and ones needing conversion.
+hash_values = st.one_of(
+    st.integers(0, 300),
+    st.sampled_from([-1, -(1 << 63), (1 << 63) - 1, 1 << 63, U64, 2**31, -(2**31) - 1]),
+    st.integers(-(1 << 63), U64),
+)
+token_values = st.one_of(
+    st.integers(0, 200_000),
+    st.integers(-(1 << 63), U64),
+    st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, -32, -33, -129, U64]),
+)
+names = st.sampled_from([None, "GPU", "CPU", "x" * 40, "y" * 300])
+groups = st.sampled_from([None, 0, 1, 7, 1 << 40, -3])
+
+
+@st.composite
+def records(draw: Any) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    last: int | None = None
+    for _ in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from(["store", "store", "chain", "remove", "clear"]))
+        if kind == "clear":
+            out.append((2,))
+            continue
+        n = draw(st.integers(1, 5))
+        hs: Any = draw(st.lists(hash_values, min_size=n, max_size=n))
+        if draw(st.booleans()):
+            hs = tuple(hs)
+        if kind == "remove":
+            out.append((1, hs, draw(names), draw(groups)))
+            continue
+        if kind == "chain" and last is not None:
+            other = last - (1 << 64) if last > (1 << 63) - 1 else last + (1 << 64) if last < 0 else last
+            parent: int | None = last if draw(st.booleans()) else other  # the other form
+        else:
+            parent = draw(st.one_of(st.none(), hash_values))
+        toks: Any = draw(st.lists(token_values, min_size=n * BS, max_size=n * BS))
+        if draw(st.booleans()):
+            toks = tuple(toks)
+        lora, medium = draw(names), draw(st.sampled_from(["GPU", "GPU", None, "CPU"]))
+        out.append((0, hs, parent, toks, lora, medium, None, draw(st.sampled_from([None, None, 1]))))
+        last = hs[-1]
+    return out
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    recs=records(),
+    signed=st.booleans(),
+    ts=st.floats(allow_nan=False),
+    rank=st.integers(0, 1 << 40),
+)
+def test_native_encoding_is_the_python_encoding_byte_for_byte(
+    recs: list[tuple[Any, ...]], signed: bool, ts: float, rank: int
+) -> None:
+    batch = CollectedBatch(ts, recs, rank, BS, signed)
+    for dialect in ("map", "array"):
+        got = native(dialect).encode_native(batch)
+        assert got is not None, "a batch of exact ints is encoded natively"
+        assert got == batch.encode(dialect)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(recs=records(), signed=st.booleans())
+def test_what_native_code_refuses_python_encodes_the_same(
+    recs: list[tuple[Any, ...]], signed: bool
+) -> None:
+    """Int subclasses and numpy captures fall back to Python: same bytes as the lists."""
+    batch = CollectedBatch(1.25, recs, 3, BS, signed)
+    expected = native("map").encode_native(batch)
+    changed = []
+    for rec in recs:
+        if rec[0] == 0:
+            hs = [Index(h) for h in rec[1]]
+            changed.append((0, hs, rec[2], np.array(rec[3], dtype=object).tolist(), *rec[4:]))
+        elif rec[0] == 1:
+            changed.append((1, [Index(h) for h in rec[1]], *rec[2:]))
+        else:
+            changed.append(rec)
+    other = CollectedBatch(1.25, changed, 3, BS, signed)
+    if any(r[0] != 2 for r in recs):
+        assert native("map").encode_native(other) is None
+    assert other.encode("map") == expected
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        (0, [1], None, [1, 2], None, "GPU", [("k",)], None),  # extra_keys
+        (0, [1 << 64], None, [1, 2], None, "GPU", None, None),  # a hash beyond 64 bits
+        (0, [1], None, [1, 2, 3], None, "GPU", None, None),  # tokens changed after the call
+        (0, [True], None, [1, 2], None, "GPU", None, None),  # bool is an int subclass
+        (0, [1], None, [1, 2], "lörà", "GPU", None, None),  # not ASCII
+        (1, np.array([1], dtype=np.uint64), "GPU", None),  # an array capture
+    ],
+)
+def test_records_only_python_encodes(record: tuple[Any, ...]) -> None:
+    assert native("map").encode_native(CollectedBatch(0.0, [record], 0, BS, False)) is None
+
+
+def test_a_steady_stream_of_list_batches_never_takes_the_gil(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+        sub, first = connect_sub(zctx, pub)  # its pings are KVEventBatch: Python encodes them
+        before = pub.stats()
+        col = EventCollector(pub, BS)
+        n = 300
+        for i in range(n):
+            col.stored([2 * i + 10, 2 * i + 11], None, [i, i, i, i])
+            col.removed([i])
+            assert col.flush()
+            if i % 50 == 0:
+                time.sleep(0.005)  # idle wake-ups too, not one backlog
+        got = [recv_live(sub) for _ in range(n)]
+        assert [m.seq for m in got] == list(range(first, first + n))
+        assert decode_batch(got[7].payload).events[0].block_hashes == [24, 25]  # type: ignore[union-attr]
+        wait_for(lambda: pub.stats().published == first + n, what="all sent")
+        after = pub.stats()
+        assert after.native_encoded - before.native_encoded == n
+        assert after.gil_encoded == before.gil_encoded
+        assert after.sender_gil_takes == before.sender_gil_takes  # not once
+        # Anything else is encoded by Python, in seq order with the rest.
+        pub.publish(KVEventBatch(1.0, [], None))
+        col.removed([5])
+        col.flush()
+        a, b = recv_live(sub), recv_live(sub)
+        assert (a.seq, b.seq) == (first + n, first + n + 1)
+        assert decode_batch(a.payload).data_parallel_rank == 0 and decode_batch(b.payload).events
+        wait_for(lambda: pub.stats().published == first + n + 2, what="all sent")
+        last = pub.stats()
+        assert last.gil_encoded == after.gil_encoded + 1
+        assert last.sender_gil_takes == after.sender_gil_takes + 1
+        assert last.native_encoded == after.native_encoded + 1
+
+
+def test_replayed_payloads_are_the_live_ones(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    from kvwire.wire import ReplayEnd, parse_replay_reply, replay_request_frames
+
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, buffer_steps=50
+    ) as pub:
+        sub, first = connect_sub(zctx, pub)
+        col = EventCollector(pub, BS)
+        live = []
+        for i in range(80):
+            col.stored([i + 1], i or None, [i, i])
+            col.flush()
+            live.append(recv_live(sub))
+        dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
+        dealer.connect(pub.bound_replay_endpoint or "")
+        dealer.send_multipart(replay_request_frames(0))
+        replayed = []
+        while True:
+            assert dealer.poll(5000)
+            reply = parse_replay_reply(dealer.recv_multipart())
+            if isinstance(reply, ReplayEnd):
+                break
+            replayed.append(reply)
+        dealer.close(linger=0)
+        # The ring keeps the last 50: exactly the live messages' seqs and bytes.
+        tail = live[-50:]
+        assert [r.seq for r in replayed] == [m.seq for m in tail]
+        assert [bytes(r.payload) for r in replayed] == [bytes(m.payload) for m in tail]
