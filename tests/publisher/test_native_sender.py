@@ -72,7 +72,9 @@ def records(draw: Any) -> list[tuple[Any, ...]]:
             out.append((1, hs, draw(names), draw(groups)))
             continue
         if kind == "chain" and last is not None:
-            other = last - (1 << 64) if last > (1 << 63) - 1 else last + (1 << 64) if last < 0 else last
+            other = (
+                last - (1 << 64) if last > (1 << 63) - 1 else last + (1 << 64) if last < 0 else last
+            )
             parent: int | None = last if draw(st.booleans()) else other  # the other form
         else:
             parent = draw(st.one_of(st.none(), hash_values))
@@ -80,7 +82,9 @@ def records(draw: Any) -> list[tuple[Any, ...]]:
         if draw(st.booleans()):
             toks = tuple(toks)
         lora, medium = draw(names), draw(st.sampled_from(["GPU", "GPU", None, "CPU"]))
-        out.append((0, hs, parent, toks, lora, medium, None, draw(st.sampled_from([None, None, 1]))))
+        out.append(
+            (0, hs, parent, toks, lora, medium, None, draw(st.sampled_from([None, None, 1])))
+        )
         last = hs[-1]
     return out
 
@@ -182,7 +186,7 @@ def test_replayed_payloads_are_the_live_ones(ipc_dir: str, zctx: zmq.Context[Any
     with EventPublisher(
         f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, buffer_steps=50
     ) as pub:
-        sub, first = connect_sub(zctx, pub)
+        sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
         live = []
         for i in range(80):
