@@ -294,19 +294,15 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
-/* A list or tuple of exact ints in range; its length, or -1. */
+/* A list or tuple (its items are checked as they are written); its length, or -1. */
 static Py_ssize_t check_ints(PyObject *o) {
     if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return -1;
-    Py_ssize_t n = seq_len(o);
-    PyObject **items = seq_items(o);
-    IntV v;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (read_int(items[i], &v) < 0) return -1;
-    return n;
+    return seq_len(o);
 }
 
-/* Whether every record is one the native encoder takes; adds an upper bound of
- * the payload's size to *size. */
+/* Whether every record has the shape the native encoder takes (the ints in its
+ * lists are checked while writing them); sets *size to an upper bound of the
+ * payload's size. */
 static int check_records(PyObject *records, long bs, size_t *size) {
     if (!PyList_CheckExact(records)) return -1;
     Py_ssize_t n = PyList_GET_SIZE(records);
@@ -350,12 +346,18 @@ static int check_records(PyObject *records, long bs, size_t *size) {
 
 /* --- native encoding: CollectedBatch.encode's coalescing and bytes --------------------- */
 
+#define PREFETCH 8 /* ints ahead: their objects lie anywhere in memory */
+
+/* A list's ints, each checked as it is read; NULL at the first that is not an exact
+ * int in range. */
 static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int hash_signed) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++) __builtin_prefetch(items[i]);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) __builtin_prefetch(items[i + PREFETCH]);
         IntV v;
-        read_int(items[i], &v);
+        if (read_int(items[i], &v) < 0) return NULL;
         if (hashes) v = hash_form(v, hash_signed);
         p = kvw_put_int(p, v.bits, v.neg);
     }
@@ -449,8 +451,9 @@ static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t 
         p = LIT(p, "\x9c\xab" "BlockStored");
     }
     p = kvw_put_array_header(p, nh);
-    for (Py_ssize_t k = i; k < end; k++)
+    for (Py_ssize_t k = i; k < end && p; k++)
         p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
     if (parent == Py_None) {
         *p++ = 0xc0;
@@ -461,8 +464,9 @@ static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t 
     }
     if (dialect == 0) p = LIT(p, "\xa9token_ids");
     p = kvw_put_array_header(p, nt);
-    for (Py_ssize_t k = i; k < end; k++)
+    for (Py_ssize_t k = i; k < end && p; k++)
         p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 3), 0, 0);
+    if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xaa" "block_size");
     p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
     if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
@@ -498,8 +502,9 @@ static unsigned char *put_remove(unsigned char *p, PyObject *records, Py_ssize_t
         p = LIT(p, "\x93\xac" "BlockRemoved");
     }
     p = kvw_put_array_header(p, nh);
-    for (Py_ssize_t k = i; k < end; k++)
+    for (Py_ssize_t k = i; k < end && p; k++)
         p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xa6medium");
     p = put_opt_str(p, medium);
     if (dialect == 0 && group != Py_None) {
@@ -536,6 +541,10 @@ static Buf *encode_records(PyObject *records, double ts, i64 rank, long bs, int 
         else if (tag.bits == T_REMOVE) p = put_remove(p, records, i, end, hash_signed, dialect);
         else if (dialect == 0) p = LIT(p, "\x81\xa4type\xb0" "AllBlocksCleared");
         else p = LIT(p, "\x91\xb0" "AllBlocksCleared");
+        if (!p) { /* an int only Python encodes (or refuses) */
+            buf_unref(b);
+            return NULL;
+        }
         i = end;
     }
     p = kvw_put_int(p, (u64)rank, rank < 0);
