@@ -237,6 +237,12 @@ static int read_int(PyObject *o, IntV *out) {
     neg = size < 0;
     d = l->ob_digit;
 #endif
+    if (n <= 1) { /* every token id: one digit, or zero */
+        u64 mag = n ? d[0] : 0;
+        out->neg = neg;
+        out->bits = neg ? (u64)0 - mag : mag;
+        return 0;
+    }
     if (n > 3) return -1;
     unsigned __int128 m = 0;
     for (Py_ssize_t i = n - 1; i >= 0; i--) m = (m << PyLong_SHIFT) | d[i];

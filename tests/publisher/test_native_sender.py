@@ -208,3 +208,23 @@ def test_replayed_payloads_are_the_live_ones(ipc_dir: str, zctx: zmq.Context[Any
         tail = live[-50:]
         assert [r.seq for r in replayed] == [m.seq for m in tail]
         assert [bytes(r.payload) for r in replayed] == [bytes(m.payload) for m in tail]
+
+
+@pytest.mark.parametrize("dialect", ["map", "array"])
+def test_heartbeats_are_pythons_empty_batch_byte_for_byte(
+    dialect: str, ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    from kvwire.wire import encode_batch
+
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", heartbeat=0.05, rank=5, dialect=dialect,  # type: ignore[arg-type]
+        ranks_per_host=8,
+    ) as pub:  # fmt: skip
+        sub, first = connect_sub(zctx, pub)
+        beat = recv_live(sub)  # nothing else is published: a heartbeat
+        assert beat.seq == first
+        ts = decode_batch(beat.payload).ts
+        assert abs(ts - time.time()) < 5
+        expected = encode_batch(KVEventBatch(ts, [], 5), dialect=dialect)  # type: ignore[arg-type]
+        assert bytes(beat.payload) == expected
+        assert pub.stats().heartbeats >= 1
