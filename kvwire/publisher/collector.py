@@ -5,8 +5,16 @@ tuples are kept by reference, as engines pass fresh ones (slices, new lists of
 hashes): they must not be changed after the call. Numpy arrays and CPU tensors
 are copied (engines reuse buffers), CUDA tensors copied into pinned host memory
 without waiting (a CUDA event marks when the copy is done). Conversion,
-coalescing and msgpack encoding happen later, on the publisher's thread, when
-it calls :meth:`CollectedBatch.encode`.
+coalescing and msgpack encoding happen later, on the publisher's sender thread.
+
+That contract is what lets :class:`~kvwire.publisher.EventPublisher`'s native
+sender read a batch's lists without the GIL: when every list or tuple holds
+exact ints (within 64 bits), parents and group indices are ints or ``None``,
+``medium`` and ``lora_name`` are ``None`` or ASCII strs and no store has
+``extra_keys``, the sender thread encodes the batch itself, byte for byte as
+:meth:`CollectedBatch.encode` would, and the engine thread never waits for it.
+Anything else (array or tensor captures, int subclasses, ``extra_keys``) is
+encoded by :meth:`CollectedBatch.encode` with the GIL taken.
 """
 
 from __future__ import annotations
@@ -302,7 +310,13 @@ class EventCollector:
 
 
 class CollectedBatch(msgspec.Struct, gc=False):
-    """One iteration's records; encoded on the publisher's thread.
+    """One iteration's records; encoded on the publisher's sender thread.
+
+    ``records`` is a list of tuples in the collector's layout: ``(0, hashes,
+    parent, token_ids, lora_name, medium, extra_keys, group_idx)`` for a store,
+    ``(1, hashes, medium, group_idx)`` for a removal, ``(2,)`` for a clear. The
+    native sender reads these fields directly (``kvwire/publisher/_sender.c``
+    mirrors :meth:`parts`' coalescing): change both together.
 
     Not tracked by the cyclic garbage collector: a backlog of these must not
     make every collection slower (it holds only tuples, arrays and ints).

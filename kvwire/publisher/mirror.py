@@ -1,9 +1,12 @@
 """The publisher's mirror of its own rank's cache, and consistent snapshots of it.
 
-The sender thread feeds every batch it encodes, in seq order, to :class:`Mirror`,
-and also the batches ``publish()`` dropped on a full queue: those are never
-sent, but the publisher keeps them (at most as many again as its queue holds)
-for the mirror alone, so a snapshot repairs such a drop instead of refusing.
+Every batch the sender thread encodes reaches :class:`Mirror` in seq order:
+the sender pushes each payload onto a feed that the publisher's service thread
+decodes and applies in large batches (a few times a second, and always before
+a snapshot starts), so the GIL changes hands rarely. The batches ``publish()``
+dropped on a full queue go the same way: those are never sent, but the
+publisher keeps them (at most ``mirror_backlog``) for the mirror alone, so a
+snapshot repairs such a drop instead of refusing.
 A gap in the seqs the mirror sees means a batch it never learnt (that second
 bound was exceeded too): the mirror then stops vouching for itself until an
 ``AllBlocksCleared`` resets it, and snapshots are refused (the subscriber ends
@@ -235,7 +238,7 @@ _Holders = tuple[_Chain, ...]
 
 
 class Mirror:
-    """What a rank holds, as its own published events describe it (sender thread only)."""
+    """What a rank holds, as its own published events describe it (one thread only)."""
 
     def __init__(self) -> None:
         self._media: dict[str | None, _Medium] = {}

@@ -257,7 +257,6 @@ class EventPublisher:
         self._service: threading.Thread | None = None
         self._service_stop = False
         self._lifecycle = threading.Lock()
-        self._mirror_lock = threading.Lock()
         self._replay: ReplayServer | None = None
         self._problems = _RateLimitedLog(rank)
         self._next_log = 0.0
@@ -544,19 +543,18 @@ class EventPublisher:
         mirror = self._mirror
         if mirror is None:
             return False
-        with self._mirror_lock:
-            feed = self._sender.take_feed()
-            for seq, payload in feed:
-                if payload is None:
-                    mirror.skip(seq, "it could not be encoded")
-                    continue
-                try:
-                    events = decode_batch(memoryview(payload)).events
-                except WireError as exc:  # pragma: no cover - encode and decode disagree
-                    mirror.skip(seq, f"its payload did not decode: {exc}")
-                    continue
-                mirror.apply_events(seq, events)
-            return bool(feed)
+        feed = self._sender.take_feed()
+        for seq, payload in feed:
+            if payload is None:
+                mirror.skip(seq, "it could not be encoded")
+                continue
+            try:
+                events = decode_batch(memoryview(payload)).events
+            except WireError as exc:  # pragma: no cover - encode and decode disagree
+                mirror.skip(seq, f"its payload did not decode: {exc}")
+                continue
+            mirror.apply_events(seq, events)
+        return bool(feed)
 
     # --- bounded-rate logging ------------------------------------------------------
 
