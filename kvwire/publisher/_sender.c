@@ -1056,6 +1056,9 @@ static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs
     Py_INCREF(s); /* the thread's, dropped by close() after joining it */
     int rc = pthread_create(&s->thread, NULL, run, s);
     if (rc != 0) {
+        pthread_mutex_lock(&s->mu);
+        s->started = 0;
+        pthread_mutex_unlock(&s->mu);
         Py_DECREF(s);
         errno = rc;
         return PyErr_SetFromErrno(PyExc_OSError);
