@@ -19,6 +19,9 @@
  * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
  * dialects). Anything else is encoded by the Python callable `encode` with the
  * GIL taken; `stats()` counts both, and every time the thread took the GIL.
+ * While batches keep coming, the thread looks at the queue every `coalesce_s`
+ * instead of waiting on the condition variable, so publish() makes no wake-up
+ * syscall; POLL_S after the last batch it goes back to waiting.
  *
  * References the thread is done with cannot be released without the GIL: they
  * go on a "done" list that the next GIL holder releases (publish() on the
@@ -55,6 +58,7 @@ typedef int64_t i64;
 #define CHUNK 64          /* batches popped, encoded and sent per pass */
 #define DONE_MAX 8192     /* references waiting for a GIL holder before the thread takes it */
 #define FEED_MAX (1 << 20) /* mirror feed entries waiting; beyond, a gap the mirror sees */
+#define POLL_S 0.05       /* how long the sender polls the queue after a batch (with coalesce_s) */
 
 enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2 };
 enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
@@ -804,6 +808,8 @@ static void *run(void *arg) {
     PyGILState_STATE g = PyGILState_Ensure(); /* this thread's state, kept until the end */
     PyThreadState *ts = PyEval_SaveThread();
     Item items[CHUNK];
+    /* After a batch, poll every coalesce_s for POLL_S before waiting to be woken. */
+    int max_polls = s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0, polls = 0;
     pthread_mutex_lock(&s->mu);
     s->gil_takes++;
     for (;;) {
@@ -815,6 +821,15 @@ static void *run(void *arg) {
                 Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
                 s->last_sent = now;
                 if (s->q_send < s->max_queue && queue_push(s, &hb) == 0) s->next_seq++;
+                continue;
+            }
+            if (polls > 0 && !s->closed) {
+                /* Recently busy: look again in coalesce_s rather than be woken, so that a
+                 * steadily publishing engine thread never makes a wake-up syscall. */
+                polls--;
+                pthread_mutex_unlock(&s->mu);
+                sleep_s(s->coalesce_s);
+                pthread_mutex_lock(&s->mu);
                 continue;
             }
             s->waiting = 1;
@@ -832,6 +847,7 @@ static void *run(void *arg) {
         pthread_mutex_unlock(&s->mu);
         process(s, items, n, ts);
         pthread_mutex_lock(&s->mu);
+        polls = max_polls;
         if (s->done_len >= DONE_MAX) {
             size_t nd;
             PyObject **d = take_done(s, &nd);
