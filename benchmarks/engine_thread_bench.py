@@ -21,7 +21,10 @@ Publishers, each a case:
   defaults (epoch, 1 s heartbeat, replay with the snapshot mirror);
 - ``hooks-only``: the ``EventCollector`` hooks with a publisher that drops
   every batch (no sender thread, no SUB): what the engine thread pays for its
-  own hook calls, the floor the issue aims at.
+  own hook calls, the floor the issue aims at;
+- ``kvwire-nosub``: ``kvwire-wire`` with no SUB connected (libzmq drops each
+  message at once): what is left of ``kvwire-wire`` without the consumer and
+  the transport running on the other core (engine-thread table only).
 Every publisher has a replay endpoint.
 
 This 2-core VM gives a process a full or a half core at random, so a baseline
@@ -29,12 +32,14 @@ from another process means nothing: within one process, blocks of iterations
 with publishing alternate with blocks without, and the engine thread is pinned
 alone on one core while everything else (the sender thread, libzmq's I/O
 threads, the SUB process) runs on the other, as on a host with cores to spare,
-so what remains is the GIL. Slowdown = median iteration with publishing /
+so what remains is the GIL (and, on a VM whose two vCPUs share a physical
+core, the other core's load: compare ``kvwire-nosub``). Slowdown = median iteration with publishing /
 median without - 1 (issue 10's figure); the figure printed is the median over
 ``--runs`` runs (the runs' range in brackets). A second line gives the same by
 mean iteration: the sender takes the GIL in bursts (a forced switch after the
 interpreter's 5 ms switch interval), which land in a minority of iterations
-that the median does not see, so the mean is the time the engine loses.
+that the median does not see, so the mean is the time the engine loses
+(kvwire's native sender takes it only for batches Python must encode).
 
 Second table: whole-process CPU per stored block, publishing as fast as a loop
 can (no work between batches, paced so the queue stays below 512), kvwire
@@ -67,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zmq
 
 BLOCK_TOKENS = 16
-CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only")
+CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
 CPU_RATIO_TARGET = 0.5
@@ -186,7 +191,7 @@ class Case:
             from kvwire.publisher import EventCollector, EventPublisher
 
             options = dict(options or {})
-            if name == "kvwire-wire":
+            if name in ("kvwire-wire", "kvwire-nosub"):
                 options.update(epoch=False, heartbeat=None, snapshot=False)
             self.pub = (
                 _Discard()
@@ -250,7 +255,7 @@ def _kvwire_backlog(pub: Any) -> int:
 
 def connect(case: Case, ctx: mp.context.SpawnContext) -> tuple[Any, Any]:
     """A SUB process that has received at least one batch (the slow joiner)."""
-    if type(case.pub) is _Discard:
+    if type(case.pub) is _Discard or case.name == "kvwire-nosub":
         return None, None
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=subscriber, args=(case.endpoint, child), daemon=True)
@@ -454,12 +459,13 @@ def main() -> None:
             f"\nWhole-process CPU us per stored block, as fast as possible, median of {runs} "
             f"alternated runs; target kvwire <= {CPU_RATIO_TARGET}x vLLM"
         )
+        cases = [c for c in args.cases if c != "kvwire-nosub"]  # nothing received: no figure
         for blocks in args.sizes:
             n = (4000 if args.quick else 10_000) if blocks <= 16 else (600 if args.quick else 1500)
-            per = {c: [] for c in args.cases}
+            per = {c: [] for c in cases}
             gaps = 0
             for r in range(runs):
-                order = args.cases if r % 2 == 0 else list(reversed(args.cases))
+                order = cases if r % 2 == 0 else list(reversed(cases))
                 for name in order:
                     cpu, g = throughput_run(name, blocks, n)
                     per[name].append(cpu)
@@ -468,7 +474,7 @@ def main() -> None:
             base = med.get("vllm")
             cells = [
                 f"{c} {med[c]:.3f}" + (f" ({med[c] / base:.2f}x)" if base and c != "vllm" else "")
-                for c in args.cases
+                for c in cases
             ]
             print(f"  B={blocks:>4}, {n} batches: " + "  ".join(cells) + f"  gaps {gaps}")
             sys.stdout.flush()

@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEventBatch
-from kvwire.wire.codec import RemovedParts, StoredParts, encode_parts
+from kvwire.wire.codec import StoredParts, encode_parts
 from kvwire.wire.events import TokenIds
 
 __all__ = ["Mirror", "SnapshotCursor"]
@@ -101,8 +101,6 @@ def _packed(tokens: Any) -> msgspec.Raw:
     """A private packed copy of an event's token ids (never a view into a payload)."""
     if type(tokens) is TokenIds:
         return tokens.raw.copy()
-    if type(tokens) is msgspec.Raw:  # packed by the collector
-        return tokens.copy()
     return msgspec.Raw(_encoder.encode(list(tokens)))
 
 
@@ -258,17 +256,15 @@ class Mirror:
         self.apply_events(seq, batch.events)
 
     def apply_events(self, seq: int, events: Sequence[Any]) -> None:
-        """:meth:`apply` for a batch's events: decoded structs, or the wire parts it was
-        encoded from (:class:`~kvwire.wire.codec.StoredParts`, ``RemovedParts``) when
-        their hashes are lists of unsigned ints, as subscribers decode them."""
+        """:meth:`apply` for a batch's decoded events."""
         if seq != self.next_seq:
             self.distrust(f"batches {self.next_seq}..{seq - 1} were dropped before publishing")
         self.next_seq = seq + 1
         for e in events:
             kind = type(e)
-            if kind is BlockStored or kind is StoredParts:
+            if kind is BlockStored:
                 self._store(e)
-            elif kind is BlockRemoved or kind is RemovedParts:
+            elif kind is BlockRemoved:
                 self._remove(e)
             elif kind is AllBlocksCleared:
                 self._clear()
@@ -309,7 +305,7 @@ class Mirror:
             m = self._media[medium] = _Medium()
         return m
 
-    def _new_chain(self, e: BlockStored | StoredParts) -> _Chain:
+    def _new_chain(self, e: BlockStored) -> _Chain:
         chain = _Chain(
             array("Q", e.block_hashes), e.parent_block_hash, _packed(e.token_ids),
             e.block_size, e.medium, e.lora_name, e.extra_keys, e.group_idx,
@@ -348,7 +344,7 @@ class Mirror:
         for cursor in self._cursors:
             cursor._note((medium, h), holders)
 
-    def _store(self, e: BlockStored | StoredParts) -> None:
+    def _store(self, e: BlockStored) -> None:
         medium = e.medium
         m = self._medium(medium)
         chain = self._new_chain(e)
@@ -371,7 +367,7 @@ class Mirror:
             self._by_id[chain.ident] = None
             self._free_ids.append(chain.ident)
 
-    def _remove(self, e: BlockRemoved | RemovedParts) -> None:
+    def _remove(self, e: BlockRemoved) -> None:
         m = self._media.get(e.medium)
         if m is None:
             return
