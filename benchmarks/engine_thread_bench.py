@@ -39,7 +39,10 @@ median without - 1 (issue 10's figure); the figure printed is the median over
 mean iteration: the sender takes the GIL in bursts (a forced switch after the
 interpreter's 5 ms switch interval), which land in a minority of iterations
 that the median does not see, so the mean is the time the engine loses
-(kvwire's native sender takes it only for batches Python must encode).
+(kvwire's native sender takes it only for batches Python must encode). A
+third line ("call") gives the median time of the publishing step itself
+(hooks, flush, ``publish()``) in the iterations that publish: what the engine
+thread pays in its own calls, apart from anything it waits for.
 
 Second table: whole-process CPU per stored block, publishing as fast as a loop
 can (no work between batches, paced so the queue stays below 512), kvwire
@@ -328,8 +331,9 @@ def cores() -> tuple[set[int], set[int]]:
 
 def engine_run(
     name: str, blocks: int, loop: str, block_iters: int, rounds: int, spins: dict[str, int]
-) -> tuple[float, float, int]:
-    """One run: the engine thread's slowdown by median and by mean iteration; the SUB's gaps."""
+) -> tuple[float, float, float, int]:
+    """One run: the engine thread's slowdown by median and by mean iteration, the median
+    time (µs) of the publishing step itself (hooks, flush, publish); the SUB's gaps."""
     engine_core, other = cores()
     me = threading.get_native_id()
     os.sched_setaffinity(me, other)  # threads and processes made now inherit "other"
@@ -342,6 +346,7 @@ def engine_run(
     clock = time.perf_counter
     on: list[float] = []
     off: list[float] = []
+    calls: list[float] = []
     i = 0
     try:
         for r in range(rounds):
@@ -353,7 +358,9 @@ def engine_run(
                     if wait:
                         time.sleep(wait)
                     if with_pub:
+                        t1 = clock()
                         publish(i)
+                        calls.append(clock() - t1)
                         i += 1
                     out.append(clock() - t0)
                 case.drain()
@@ -361,7 +368,8 @@ def engine_run(
         os.sched_setaffinity(me, other)
         gaps = finish(case, proc, conn)
     median = statistics.median(on) / statistics.median(off) - 1
-    return median, statistics.fmean(on) / statistics.fmean(off) - 1, gaps
+    mean = statistics.fmean(on) / statistics.fmean(off) - 1
+    return median, mean, statistics.median(calls) * 1e6, gaps
 
 
 # --- whole-process CPU per block ---------------------------------------------------------------
@@ -433,13 +441,17 @@ def main() -> None:
             for blocks in args.sizes:
                 per: dict[str, list[float]] = {c: [] for c in args.cases}
                 means: dict[str, list[float]] = {c: [] for c in args.cases}
+                steps: dict[str, list[float]] = {c: [] for c in args.cases}
                 gaps = 0
                 for r in range(runs):
                     order = args.cases if r % 2 == 0 else list(reversed(args.cases))
                     for name in order:
-                        slow, mean, g = engine_run(name, blocks, loop, block_iters, rounds, spins)
+                        slow, mean, step, g = engine_run(
+                            name, blocks, loop, block_iters, rounds, spins
+                        )
                         per[name].append(slow)
                         means[name].append(mean)
+                        steps[name].append(step)
                         gaps += g
                 for label, table in (("median", per), ("mean", means)):
                     cells = [
@@ -453,6 +465,8 @@ def main() -> None:
                         + " ".join(f"{c:>26}" for c in cells)
                         + (f"  {gaps}" if label == "median" else "")
                     )
+                cells = [f"{statistics.median(steps[name]):.2f} us" for name in args.cases]
+                print(f"{'':>4} {'':>4} {'call':>6} " + " ".join(f"{c:>26}" for c in cells))
                 sys.stdout.flush()
     if "cpu" in args.sections:
         print(
