@@ -142,8 +142,11 @@ class EventPublisher:
 
     ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
     this long before encoding and sending, so that batches arriving meanwhile
-    share one wake-up. It delays each batch by at most that much; 0 sends at
-    once. Under a backlog there is no waiting.
+    share one wake-up; while batches keep coming (for 50 ms after the last
+    one) it looks at the queue every ``coalesce_s`` instead of being woken, so
+    that ``publish()`` makes no system call. It delays each batch by at most
+    that much; 0 sends at once (every batch then wakes the sender). Under a
+    backlog there is no waiting.
 
     The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
     takes the GIL for a collector's batch of Python lists, tuples or arrays'
