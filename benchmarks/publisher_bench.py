@@ -159,6 +159,7 @@ def wait_drained(pub: EventPublisher, timeout: float = 120.0) -> None:
         if (
             s.queue_depth == 0
             and s.published + s.dropped_send_error + s.dropped_encode_error >= s.enqueued
+            and s.mirror_pending == 0  # the mirror's work counted too
         ):
             return
         time.sleep(0.001)

@@ -73,6 +73,8 @@ class PublisherStats:
     GIL, ``gil_encoded`` by Python with it; ``sender_gil_takes`` counts every
     time the sender thread took the GIL (once at start, then only for
     ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
+    ``mirror_pending``: batches encoded but not yet applied to the snapshot
+    mirror (it takes them in batches, a few times a second).
     """
 
     enqueued: int
@@ -93,6 +95,7 @@ class PublisherStats:
     native_encoded: int = 0
     gil_encoded: int = 0
     sender_gil_takes: int = 0
+    mirror_pending: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
@@ -261,6 +264,7 @@ class EventPublisher:
         self._service_stop = False
         self._lifecycle = threading.Lock()
         self._replay: ReplayServer | None = None
+        self._mirror_in_hand = 0  # taken from the feed, being applied
         self._problems = _RateLimitedLog(rank)
         self._next_log = 0.0
         self._logged_queue_full = 0
@@ -331,6 +335,7 @@ class EventPublisher:
             native_encoded=c["native_encoded"],
             gil_encoded=c["gil_encoded"],
             sender_gil_takes=c["sender_gil_takes"],
+            mirror_pending=c["mirror_feed"] + self._mirror_in_hand,
         )
 
     def replayable_seqs(self) -> list[int]:
@@ -546,7 +551,9 @@ class EventPublisher:
         mirror = self._mirror
         if mirror is None:
             return False
+        self._mirror_in_hand = 1  # never 0 while taking: stats() may read in between
         feed = self._sender.take_feed()
+        self._mirror_in_hand = len(feed)
         for seq, payload in feed:
             if payload is None:
                 mirror.skip(seq, "it could not be encoded")
@@ -557,6 +564,7 @@ class EventPublisher:
                 mirror.skip(seq, f"its payload did not decode: {exc}")
                 continue
             mirror.apply_events(seq, events)
+        self._mirror_in_hand = 0
         return bool(feed)
 
     # --- bounded-rate logging ------------------------------------------------------
