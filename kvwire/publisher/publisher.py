@@ -506,7 +506,7 @@ class EventPublisher:
                 if item.data_parallel_rank is None:
                     item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
                 return encode_batch(item, dialect=self.dialect)
-            return item.encode(self.dialect)  # type: ignore[union-attr]
+            return bytes(item.encode(self.dialect))  # type: ignore[union-attr]
         except Exception as exc:
             self._note_error("encode", f"a batch could not be encoded: {exc}")
             return None
