@@ -85,8 +85,9 @@ Rules
   back empty is first asked for its whole buffer: a buffer always holds the
   latest batch, so batches that all lie below the anchor prove a restart.)
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
-  sends the next seq every interval: silence for three intervals makes the
-  rank STALE, and the next message shows any gap. Without heartbeats the
+  sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
+  silence for 2.5 intervals asks for a fresh connection (once a silence), for
+  3.5 makes the rank STALE, and the next message shows any gap. Without heartbeats the
   rank is probed after ``idle_probe`` of silence: the engines' publishers
   assign a seq when they send, so their replay buffer holds every seq and a
   probe proves the tail; kvwire's (epoch ``kvw1.``) reserve a seq before
@@ -143,6 +144,7 @@ from kvwire.wire import (
     parse_replay_reply,
     split_topic,
 )
+from kvwire.wire.heartbeat import MAX_SILENCE
 
 __all__ = ["TRANSITIONS", "Phase", "RankStream"]
 
@@ -150,8 +152,11 @@ Frame = bytes | bytearray | memoryview
 
 _LOST_RANGES_KEPT = 64
 _KVWIRE_EPOCH = b"kvw1."
-_STALE_HEARTBEATS = 3
-_RECONNECT_HEARTBEATS = 2  # silence after which a fresh connection is tried, once
+# Silence (in heartbeat intervals) after which a fresh connection is tried (once a
+# silence), and after which the rank is STALE: one and two intervals past the longest
+# a healthy heartbeating publisher is silent (kvwire.wire.heartbeat).
+_RECONNECT_HEARTBEATS = MAX_SILENCE + 1
+_STALE_HEARTBEATS = MAX_SILENCE + 2
 
 
 class Phase(enum.Enum):
