@@ -38,9 +38,7 @@ def test_idle_publishers_heartbeat_together_on_the_grid(
         assert statistics.median(phases) < 0.05, phases
 
 
-def test_a_publisher_sending_often_does_not_heartbeat(
-    ipc_dir: str, zctx: zmq.Context[Any]
-) -> None:
+def test_a_publisher_sending_often_does_not_heartbeat(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     beat = 0.5
     with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=beat, coalesce_s=0) as pub:
         connect_sub(zctx, pub)

@@ -35,7 +35,6 @@ from kvwire.subscriber import (
     StateChanged,
     StreamConfig,
 )
-from kvwire.wire.heartbeat import heartbeat_at
 from kvwire.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -52,6 +51,7 @@ from kvwire.wire import (
     snapshot_end_frames,
     snapshot_refused_frames,
 )
+from kvwire.wire.heartbeat import heartbeat_at
 
 TOPIC = b"kv"
 BLOCK = 4
