@@ -52,6 +52,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.receive import drain
 from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -64,6 +65,9 @@ log = logging.getLogger("kvwire.subscriber")
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _BURST = 256  # live messages read from one rank before the others get a turn
+_LIVE_FRAMES = 3  # [topic, seq, payload]; a longer message is read as () and counted
+_REPLY_FRAMES = 6  # the longest replay reply (a snapshot chunk)
+_MONITOR_FRAMES = 2  # [event and value, endpoint]
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
 _REPLAY_RCVHWM = 1024  # replay reply messages queued unread per rank
 _MAX_TIMER_S = 5.0  # a rank's deadline is re-read at least this often
@@ -94,7 +98,7 @@ class _Link:
     __slots__ = (
         "closed",
         "connecting_since",
-                "dealer",
+        "dealer",
         "dealer_fd",
         "dealer_token",
         "endpoints",
@@ -114,9 +118,7 @@ class _Link:
         "worker_id",
     )
 
-    def __init__(
-        self, source: EngineSource, endpoints: RankEndpoints, stream: RankStream
-    ) -> None:
+    def __init__(self, source: EngineSource, endpoints: RankEndpoints, stream: RankStream) -> None:
         self.worker_id = source.worker_id
         self.keys = source.keys
         self.topic = source.topic.encode()
@@ -783,8 +785,7 @@ class Subscriber:
             return
         burst = 0
         try:
-            monitor = link.monitor
-            if monitor is not None and _readable(monitor):
+            if link.monitor is not None:
                 self._on_monitor(link)
             if link.sub is not None:
                 burst = self._drain_live(link, _BURST)
@@ -803,12 +804,10 @@ class Subscriber:
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
         assert monitor is not None
-        while True:
-            try:
-                msg = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(msg)["event"]
+        for msg in drain(monitor, _BURST, _MONITOR_FRAMES):
+            if len(msg) != _MONITOR_FRAMES:
+                continue  # not libzmq's: nothing to go by
+            event = parse_monitor_message(list(msg))["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.reconnect_delay = 0.0
                 link.reconnect_at = None
@@ -847,39 +846,40 @@ class Subscriber:
         clock = self._clock
         sink = self._sink
         worker_id, rank = link.worker_id, link.rank
-        recv = sub.recv_multipart
         n = 0
         while n < budget:
-            try:
-                frames = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            n += 1
-            actions = live(frames, clock())
-            if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
-                try:
-                    sink.apply(worker_id, rank, actions[0].batch)
-                except Exception as exc:
-                    self._sink_failed(link, exc)
-            elif actions:
-                self._deliver(link, actions)
-            if link.sub is not sub:
-                break  # the rank was removed by what it delivered
+            chunk = min(_BURST, budget - n)
+            messages = drain(sub, chunk, _LIVE_FRAMES)
+            now = clock()
+            for frames in messages:
+                n += 1
+                actions = live(frames, now)
+                if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
+                    try:
+                        sink.apply(worker_id, rank, actions[0].batch)
+                    except Exception as exc:
+                        self._sink_failed(link, exc)
+                elif actions:
+                    self._deliver(link, actions)
+                if link.sub is not sub:
+                    return n  # the rank was removed by what it delivered
+            if len(messages) < chunk:
+                break  # the socket is empty
         return n
 
     def _drain_replay(self, link: _Link) -> None:
         applied = False
-        while link.dealer is not None:
-            dealer = link.dealer
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        dealer = link.dealer
+        while dealer is not None and link.dealer is dealer:
+            messages = drain(dealer, _BURST, _REPLY_FRAMES)
+            for frames in messages:
+                actions = link.stream.replay_reply(frames, link.dealer_token, self._clock())
+                applied = applied or bool(actions)
+                self._deliver(link, actions)
+                if link.dealer is not dealer:
+                    break  # a fresh replay socket replaced this one: read it on its own signal
+            if len(messages) < _BURST:
                 break
-            actions = link.stream.replay_reply(frames, link.dealer_token, self._clock())
-            applied = applied or bool(actions)
-            self._deliver(link, actions)
-            if link.dealer is not dealer:
-                break  # a fresh replay socket replaced this one: read it on its own signal
         if not link.closed:
             self._release_dealer(link)
             if applied and self._sink_flush is not None:
@@ -1056,10 +1056,6 @@ class Subscriber:
 
 def _fd(sock: zmq.Socket[bytes]) -> int:
     return cast(int, sock.getsockopt(zmq.FD))
-
-
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
