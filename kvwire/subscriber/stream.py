@@ -643,7 +643,8 @@ class RankStream:
     def _held_overflow(self) -> None:
         self.counters.held_overflows += 1
         why = (
-            f"held buffer full ({self.config.max_held} batches, {self.config.max_held_bytes} bytes)"
+            f"held buffer full ({self.config.max_held} batches, "
+            f"{self.config.max_held_bytes} bytes)"
         )
         active = self._active
         if isinstance(active, _Snapshot):
