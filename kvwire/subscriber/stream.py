@@ -497,6 +497,10 @@ class RankStream:
         due = self._due  # never later than next_deadline(): live batches only delay it
         if due is None or now < due:
             return []
+        if self._fast:  # live batches moved it (silence deadlines): nothing else is due
+            due = self._due = self.next_deadline()
+            if due is None or now < due:
+                return []
         self._begin(now)
         try:
             self._on_tick()

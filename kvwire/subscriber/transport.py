@@ -248,7 +248,7 @@ class Subscriber:
         self._first_contacts = 0
         self._epoll = select.epoll()
         self._fd_links: dict[int, _Link] = {}
-        self._continue: dict[_Link, None] = {}  # ranks with more to read than one burst
+        self._continue: dict[_Link, bool] = {}  # ranks with more to read than one burst
         self._armed = False
         self._followup: asyncio.Handle | None = None
         self._coalesce_s = coalesce_s
@@ -534,7 +534,7 @@ class Subscriber:
     def _resume_deferred(self) -> None:
         """The reader caught up: read on from the ranks that waited (their sockets won't signal)."""
         deferred, self._deferred = self._deferred, {}
-        self._continue.update(deferred)
+        self._continue.update(dict.fromkeys(deferred, True))
         if self._running and self._loop is not None:
             self._disarm()
             self._followup = self._loop.call_soon(self._wake)
@@ -629,6 +629,9 @@ class Subscriber:
         link.sub = sub
         monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         link.monitor = monitor
+        # A fresh inproc pipe does not signal its first message: one read (of nothing,
+        # before the SUB connects) makes it signal from then on.
+        drain(monitor, 1, _MONITOR_FRAMES)
         sub.connect(link.endpoints.endpoint)
         link.sub_fd = _fd(sub)
         link.monitor_fd = _fd(monitor)
@@ -751,15 +754,18 @@ class Subscriber:
             self._followup = None  # the loop is ours: stay registered
         else:
             self._disarm()
-        ready = self._continue
+        ready = self._continue  # rank -> whether its monitor signalled
         self._continue = {}
         fd_links = self._fd_links
         for fd, _ in self._epoll.poll(0):
             link = fd_links.get(fd)
             if link is not None:
-                ready[link] = None
-        for link in ready:
-            self._service(link)
+                if fd == link.monitor_fd:
+                    ready[link] = True
+                elif link not in ready:
+                    ready[link] = False
+        for link, monitor in ready.items():
+            self._service(link, monitor)
         if self._flush_links:
             self._flush()
         if not self._running or self._loop is None:
@@ -775,8 +781,15 @@ class Subscriber:
         else:
             self._arm()
 
-    def _service(self, link: _Link) -> None:
-        """Everything the rank's sockets hold, in order: connection events, live, replies."""
+    def _service(self, link: _Link, monitor: bool) -> None:
+        """Everything the rank's sockets hold, in order: connection events, live, replies.
+
+        ``monitor``: its monitor's descriptor signalled. Otherwise the monitor is
+        not read: it was read to the end before, so nothing waits there unless
+        it signals (an event arriving meanwhile is read in the next round, before
+        the fresh connection it announces can deliver: libzmq reconnects 100 ms
+        after a disconnect at the earliest).
+        """
         if link.closed:
             return
         space = self._space
@@ -785,7 +798,7 @@ class Subscriber:
             return
         burst = 0
         try:
-            if link.monitor is not None:
+            if monitor and link.monitor is not None:
                 self._on_monitor(link)
             if link.sub is not None:
                 burst = self._drain_live(link, _BURST)
@@ -797,14 +810,21 @@ class Subscriber:
             self._log_limited(link, "subscriber loop error", exc_info=True)
         if burst >= _BURST and not link.closed:
             # More may be queued, and the socket will not signal it again.
-            self._continue[link] = None
+            self._continue[link] = False
         elif burst and self._sink_flush is not None:
             self._flush_links[link] = None
 
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
         assert monitor is not None
-        for msg in drain(monitor, _BURST, _MONITOR_FRAMES):
+        # Read to the end: the monitor signals again only once it has been found empty.
+        events: list[tuple[bytes, ...]] = []
+        while len(batch := drain(monitor, _BURST, _MONITOR_FRAMES)) == _BURST:
+            events += batch
+        events += batch
+        for msg in events:
+            if link.monitor is not monitor:
+                return  # the rank was removed by what it delivered
             if len(msg) != _MONITOR_FRAMES:
                 continue  # not libzmq's: nothing to go by
             event = parse_monitor_message(list(msg))["event"]
