@@ -414,6 +414,13 @@ class RankStream:
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
+        hb = self._epoch_info.heartbeat_s
+        if self._fast and self._active is None and hb is not None:
+            # In sequence and nothing asked (FOLLOWING): only the silence deadlines,
+            # which every live message moves; read once per message batch at scale.
+            if self._reconnected_after == self._last_live_at:
+                return self._last_live_at + _STALE_HEARTBEATS * hb
+            return self._last_live_at + _RECONNECT_HEARTBEATS * hb
         due = self._active.deadline if self._active is not None else None
         for t in (
             self._retry_at if self._phase is Phase.BACKOFF else None,

@@ -907,11 +907,12 @@ class Subscriber:
 
     # --- time ---------------------------------------------------------------------------
 
-    def _schedule(self, link: _Link) -> None:
+    def _schedule(self, link: _Link, now: float | None = None) -> None:
         """Put the rank's next deadline on the heap (re-read at least every few seconds)."""
         if link.closed:
             return
-        now = self._clock()
+        if now is None:
+            now = self._clock()
         deadline = link.stream.next_deadline()
         cap = now + _MAX_TIMER_S
         at = cap if deadline is None or deadline > cap else deadline
@@ -948,12 +949,14 @@ class Subscriber:
             if link.reconnect_at is not None and now >= link.reconnect_at:
                 self._reconnect(link)
             try:
-                self._deliver(link, link.stream.tick(now))
-                if not link.closed:
+                actions = link.stream.tick(now)
+                if actions:
+                    self._deliver(link, actions)
+                if link.dealer is not None and not link.closed:
                     self._release_dealer(link)
             except Exception:
                 self._log_limited(link, "subscriber timer error", exc_info=True)
-            self._schedule(link)
+            self._schedule(link, now)
         while timers and (timers[0][2].timer_at != timers[0][0] or timers[0][2].closed):
             heapq.heappop(timers)  # superseded entries
         if timers and (self._timer_due is None or timers[0][0] < self._timer_due):
