@@ -6,9 +6,10 @@ replay or snapshot request is out, and is closed once the stream has nothing
 pending, so a rank at rest holds three sockets (one TCP connection). Every
 socket's ZeroMQ file descriptor is registered with the asyncio loop's
 selector (epoll), so a wake-up costs in proportion to the ranks that have
-something to read, not to the ranks followed; one timer heap holds every
-rank's next deadline (replay timeouts, retries, idle probes) behind a single
-loop timer.
+something to read, not to the ranks followed; a ready socket is read to the
+end in one native call (:mod:`kvwire.subscriber.receive`), and a monitor only
+when its descriptor signalled. One timer heap holds every rank's next deadline
+(replay timeouts, retries, idle probes) behind a single loop timer.
 
 A rank is always serviced in the same order: connection events first
 (draining the SUB before a disconnect, so the old connection's batches come
