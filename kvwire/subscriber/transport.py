@@ -871,6 +871,8 @@ class Subscriber:
         while n < budget:
             chunk = min(_BURST, budget - n)
             messages = drain(sub, chunk, _LIVE_FRAMES)
+            if not messages:
+                break
             now = clock()
             for frames in messages:
                 n += 1
