@@ -118,9 +118,10 @@ static inline int token_of(PyObject *o, u64 *out) {
     return 0;
 }
 
-/* A msgpack array of integers (what engines put in token_ids). */
-static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
-                         Py_ssize_t *count) {
+/* A msgpack array of integers at the start of p[0..len) (what engines put
+ * in token_ids); *used: the bytes it takes. */
+static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
+                            Py_ssize_t *count, Py_ssize_t *used) {
     PyObject *VE = PyExc_ValueError;
     if (len < 1) return refuse(VE, "empty token_ids");
     Py_ssize_t n, i = 1;
@@ -165,9 +166,18 @@ static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64
         t[k] = v;
         i += 1 + bytes;
     }
-    if (i != len) return refuse(VE, "trailing bytes after token_ids");
     *out = t;
     *count = n;
+    *used = i;
+    return 0;
+}
+
+/* The same, the array filling p[0..len) exactly. */
+static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
+                         Py_ssize_t *count) {
+    Py_ssize_t used;
+    if (tokens_packed_at(p, len, s, out, count, &used) < 0) return -1;
+    if (used != len) return refuse(PyExc_ValueError, "trailing bytes after token_ids");
     return 0;
 }
 
@@ -277,19 +287,34 @@ static inline u64 block_sum(const u64 *t, const u64 *w, Py_ssize_t bs) {
     return (a0 + a1) + (a2 + a3);
 }
 
+/* One link of the chain: block sum l at absolute position pos after state. */
+static inline u64 chain_step(const KeyChain *c, u64 state, u64 l, u64 pos, u64 extra) {
+    u64 x = l ^ fmix64((pos + 1) * GOLDEN ^ c->pos_k) ^ extra;
+    x ^= x >> 32;
+    x *= F1;
+    return state * c->q + x;
+}
+
+static inline u64 block_sum_of(const KeyChain *c, const u64 *tok, Py_ssize_t b) {
+    /* 16 tokens a block is what engines use: a constant lets it unroll. */
+    return c->bs == 16 ? block_sum(tok + b * 16, c->w, 16) : block_sum(tok + b * c->bs, c->w, c->bs);
+}
+
 static void chain_keys(const KeyChain *c, const u64 *tok, Py_ssize_t nblocks, u64 start,
                        u64 position, const u64 *extra, u64 *out) {
-    const Py_ssize_t bs = c->bs;
-    const u64 *w = c->w;
     u64 state = start;
     for (Py_ssize_t b = 0; b < nblocks; b++) {
-        /* 16 tokens a block is what engines use: a constant lets it unroll. */
-        u64 l = bs == 16 ? block_sum(tok + b * 16, w, 16) : block_sum(tok + b * bs, w, bs);
-        u64 x = l ^ fmix64((position + (u64)b + 1) * GOLDEN ^ c->pos_k);
-        if (extra) x ^= extra[b];
-        x ^= x >> 32;
-        x *= F1;
-        state = state * c->q + x;
+        state = chain_step(c, state, block_sum_of(c, tok, b), position + (u64)b, extra ? extra[b] : 0);
+        out[b] = state;
+    }
+}
+
+/* The chain from block sums computed already (the fused apply's first pass). */
+static void chain_sums(const KeyChain *c, const u64 *sums, Py_ssize_t nblocks, u64 start,
+                       u64 position, u64 *out) {
+    u64 state = start;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        state = chain_step(c, state, sums[b], position + (u64)b, 0);
         out[b] = state;
     }
 }
@@ -883,24 +908,22 @@ static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssi
  * detached chain under it), key every block from its tokens (unusable
  * tokens: unmatchable keys from the hashes), count one more copy of every
  * block in `tier`. tokens None forces the unmatchable keys. */
-/* The store itself, once every input is read: no Python code runs here. */
-static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tier, const u64 *hashes,
-                              Py_ssize_t n, PyObject *parent_obj, PyObject *start_obj,
-                              const u64 *tok, Py_ssize_t ntok, const u64 *extra) {
+/* The store itself, once every input is read: no Python code runs here.
+ * Block keys come from the tokens (tok, ntok), or from their block sums
+ * computed already (sums, n of them); neither, or tokens of the wrong
+ * count: unmatchable keys. Returns the flags, or -1 with an exception. */
+static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const u64 *hashes,
+                      Py_ssize_t n, int has_parent, u64 parent, u64 start, const u64 *tok,
+                      Py_ssize_t ntok, const u64 *sums, const u64 *extra) {
     int flags = 0;
-    if (n == 0) return PyLong_FromLong(0);
-    if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return NULL;
+    if (n == 0) return 0;
+    if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return -1;
 
     Rank *rk = &self->ranks[sid];
-    if (over_cap(self, rk, hashes, n)) return PyLong_FromLong(OVER_CAP);
-    u64 start;
+    if (over_cap(self, rk, hashes, n)) return OVER_CAP;
     int64_t d0 = 0;
     int detached = 0;
-    if (parent_obj == Py_None) {
-        if (u64_arg(start_obj, &start, "start") < 0) return NULL;
-    } else {
-        u64 parent;
-        if (u64_arg(parent_obj, &parent, "parent") < 0) return NULL;
+    if (has_parent) {
         Entry *pe = (Entry *)t_find(&rk->entries, parent, entry_occ);
         int64_t dd;
         if (pe) {
@@ -920,10 +943,11 @@ static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tie
     }
 
     u64 *keys = scratch_get(&self->keys, n);
-    if (!keys) return NULL;
+    if (!keys) return -1;
     int ok = 0;
-    if (tok && ntok == n * chain->bs && d0 + n < DEPTH_LIMIT) {
-        chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
+    if ((sums || (tok && ntok == n * chain->bs)) && d0 + n < DEPTH_LIMIT) {
+        if (sums) chain_sums(chain, sums, n, start, (u64)d0, keys);
+        else chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
         ok = 1;
     }
     if (!ok) {
@@ -946,7 +970,7 @@ static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tie
         i32 depth = (i32)(detached ? ~pos : pos);
         int added;
         Entry *e = (Entry *)t_upsert(&rk->entries, hashes[i], entry_occ, &added);
-        if (!e) return NULL;
+        if (!e) return -1;
         if (added) {
             /* Occupied from here on: the count below is at least one. */
             e->key = keys[i];
@@ -956,9 +980,9 @@ static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tie
         int pb = presence(e);
         if (e->c[tier] != UINT32_MAX) e->c[tier]++;
         int pa = presence(e);
-        if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return NULL;
+        if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return -1;
     }
-    return PyLong_FromLong(flags);
+    return flags;
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1010,10 +1034,39 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "extra has %zd entries for %zd blocks", ev.len / 8, n);
         goto done;
     }
-    result = store_blocks(self, sid, chain, tier, hashes, n, args[3], args[6], tok, ntok, extra);
+    u64 parent = 0, start = 0;
+    int has_parent = args[3] != Py_None;
+    if (has_parent ? u64_arg(args[3], &parent, "parent") : u64_arg(args[6], &start, "start")) goto done;
+    int flags = store_core(self, sid, chain, (int)tier, hashes, n, has_parent, parent, start, tok,
+                           ntok, NULL, extra);
+    if (flags >= 0) result = PyLong_FromLong(flags);
 done:
     if (extra) PyBuffer_Release(&ev);
     return result;
+}
+
+/* One copy fewer of each block in `tier`; returns the removals of copies
+ * the rank did not hold, or -1 with an exception. */
+static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssize_t n, int tier) {
+    Rank *rk = &self->ranks[sid];
+    Py_ssize_t unknown = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = (Entry *)t_find(&rk->entries, hashes[i], entry_occ);
+        if (!e || e->c[tier] == 0) {
+            unknown++;
+            continue;
+        }
+        int pb = presence(e);
+        e->c[tier]--;
+        int pa = presence(e);
+        if (pb == pa) continue;
+        if (node_update(self, sid, e->key, pb, pa) < 0) return -1;
+        if (!pa) {
+            if (e->depth < 0) rk->detached--;
+            if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return -1;
+        }
+    }
+    return unknown;
 }
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
@@ -1033,40 +1086,29 @@ static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t n;
     u64 *hashes = read_hashes(self, args[1], &n);
     if (!hashes) return NULL;
-    Rank *rk = &self->ranks[sid];
-    Py_ssize_t unknown = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Entry *e = (Entry *)t_find(&rk->entries, hashes[i], entry_occ);
-        if (!e || e->c[tier] == 0) {
-            unknown++;
-            continue;
-        }
-        int pb = presence(e);
-        e->c[tier]--;
-        int pa = presence(e);
-        if (pb == pa) continue;
-        if (node_update(self, sid, e->key, pb, pa) < 0) return NULL;
-        if (!pa) {
-            if (e->depth < 0) rk->detached--;
-            if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return NULL;
-        }
-    }
-    return PyLong_FromSsize_t(unknown);
+    Py_ssize_t unknown = remove_core(self, sid, hashes, n, (int)tier);
+    return unknown < 0 ? NULL : PyLong_FromSsize_t(unknown);
 }
 
-/* clear_rank(sid): forget every block of the rank, in time linear in them. */
-static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
-    size_t sid;
-    if (check_sid(self, arg, &sid) < 0) return NULL;
+/* Forget every block of rank sid, in time linear in them. */
+static int clear_core(Index *self, size_t sid) {
     Rank *rk = &self->ranks[sid];
     Table *t = &rk->entries;
     for (size_t j = 0; j < t->cap; j++) {
         const Entry *e = (const Entry *)(t->a + j * t->rs);
         if (!entry_occ((const char *)e, t->rs)) continue;
         char *r = t_find(&self->nodes, e->key, node_occ);
-        if (r && node_drop(self, r, sid) < 0) return NULL;
+        if (r && node_drop(self, r, sid) < 0) return -1;
     }
     rank_free(rk);
+    return 0;
+}
+
+/* clear_rank(sid): forget every block of the rank. */
+static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    if (clear_core(self, sid) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
