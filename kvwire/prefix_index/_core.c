@@ -668,6 +668,8 @@ typedef struct {
     size_t detached;
 } Rank;
 
+typedef struct PEv PEv; /* an event of a payload being applied (below) */
+
 typedef struct {
     PyObject_HEAD
     Table nodes;
@@ -677,6 +679,10 @@ typedef struct {
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     Scratch tok, keys, hashes;
+    /* apply_payload's first pass: hashes, block sums, events */
+    Scratch ph, ps;
+    Py_ssize_t ph_len, ps_len, pev_cap;
+    PEv *pev;
     /* Per rank slot, the name last reported and its hash: a match result
      * is built without touching (or re-hashing) every name's objects. Only
      * exact (str, int) tuples are kept: they cannot be part of a cycle. */
@@ -724,6 +730,9 @@ static void Index_dealloc(Index *self) {
     scratch_free(&self->tok);
     scratch_free(&self->keys);
     scratch_free(&self->hashes);
+    scratch_free(&self->ph);
+    scratch_free(&self->ps);
+    PyMem_Free(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1400,6 +1409,490 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------ */
+/* The fused apply: one batch payload's msgpack straight into the tables.    */
+/*
+ * What kvwire.wire.decode_batch followed by PrefixIndex.apply does, without
+ * a Python object per event or block, for the batches engines send: events
+ * all maps (decode_batch's typed path) or all tagged arrays (its generic
+ * path), int hashes, no lora_name, extra keys, cache salt or lookahead tokens,
+ * scalar values in the fields nobody reads. A first pass reads and checks the
+ * whole payload (hashes and block sums into scratch); a second applies it.
+ * Anything outside that subset, well formed or not, changes nothing and is
+ * answered None: the caller decodes it the general way, which applies it or
+ * raises WireError exactly as before. So the subset read here only has to be
+ * a part of what decode_batch accepts, read the way it reads it. */
+
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t n, i;
+} Rd;
+
+#define FALL 1 /* outside the subset: decode the general way */
+
+/* An integer of any msgpack form; *neg: a negative signed one. */
+static int rd_int(Rd *r, u64 *v, int *neg) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    *neg = 0;
+    if (c <= 0x7f) { *v = c; r->i++; return 0; }
+    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; r->i++; return 0; }
+    int w;
+    switch (c) {
+        case 0xcc: w = 1; break;
+        case 0xcd: w = 2; break;
+        case 0xce: w = 4; break;
+        case 0xcf: w = 8; break;
+        case 0xd0: w = -1; break;
+        case 0xd1: w = -2; break;
+        case 0xd2: w = -4; break;
+        case 0xd3: w = -8; break;
+        default: return FALL;
+    }
+    int bytes = w < 0 ? -w : w;
+    if (r->n - r->i - 1 < bytes) return FALL;
+    u64 x = be(r->p + r->i + 1, bytes);
+    if (w < 0) {
+        if (bytes < 8) {
+            int shift = 64 - 8 * bytes;
+            x = (u64)(((int64_t)(x << shift)) >> shift);
+        }
+        *neg = (int64_t)x < 0;
+    }
+    *v = x;
+    r->i += 1 + bytes;
+    return 0;
+}
+
+static inline int rd_nil(Rd *r) {
+    if (r->i < r->n && r->p[r->i] == 0xc0) {
+        r->i++;
+        return 1;
+    }
+    return 0;
+}
+
+/* An array (fix 0x90) or map (fix 0x80) header; its length is checked
+ * against the bytes left (every item takes at least one). */
+static int rd_head(Rd *r, Py_ssize_t *n, unsigned char fix, unsigned char b16, unsigned char b32,
+                   Py_ssize_t per_item) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1;
+    if (c >= fix && c <= fix + 15) { *n = c & 15; r->i += 1; }
+    else if (c == b16) { if (rem < 2) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; }
+    else if (c == b32) { if (rem < 4) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; }
+    else return FALL;
+    return *n > (r->n - r->i) / per_item ? FALL : 0;
+}
+
+static inline int is_array_head(unsigned char c) { return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd; }
+static inline int is_map_head(unsigned char c) { return (c >= 0x80 && c <= 0x8f) || c == 0xde || c == 0xdf; }
+
+/* An ASCII string (valid UTF-8 for every decoder). */
+static int rd_str(Rd *r, const char **s, Py_ssize_t *len) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1, n, h;
+    if (c >= 0xa0 && c <= 0xbf) { n = c & 31; h = 1; }
+    else if (c == 0xd9) { if (rem < 1) return FALL; n = r->p[r->i + 1]; h = 2; }
+    else if (c == 0xda) { if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); h = 3; }
+    else if (c == 0xdb) { if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); h = 5; }
+    else return FALL;
+    if (n > r->n - r->i - h) return FALL;
+    const unsigned char *b = r->p + r->i + h;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (b[k] & 0x80) return FALL;
+    *s = (const char *)b;
+    *len = n;
+    r->i += h + n;
+    return 0;
+}
+
+/* A value nobody reads: nil, a bool, a number, an ASCII string or bytes. */
+static int rd_skip(Rd *r) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1, n;
+    u64 v;
+    int neg;
+    const char *s;
+    switch (c) {
+        case 0xc0: case 0xc2: case 0xc3: r->i++; return 0;
+        case 0xca: if (rem < 4) return FALL; r->i += 5; return 0;
+        case 0xcb: if (rem < 8) return FALL; r->i += 9; return 0;
+        case 0xc4: if (rem < 1) return FALL; n = r->p[r->i + 1]; r->i += 2; break;
+        case 0xc5: if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; break;
+        case 0xc6: if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; break;
+        default:
+            if (rd_int(r, &v, &neg) == 0) return 0;
+            return rd_str(r, &s, &n);
+    }
+    if (n > r->n - r->i) return FALL;
+    r->i += n;
+    return 0;
+}
+
+static int str_is(const char *s, Py_ssize_t n, const char *lit) {
+    return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
+}
+
+/* The fields of BlockStored in declaration (positional) order, then the tag. */
+enum {
+    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
+    F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_SALT, F_TYPE, F_COUNT,
+    F_UNKNOWN = -1
+};
+static const char *const FIELD_NAMES[F_COUNT] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+    "locality", "ownership", "session_id", "lookahead_token_ids", "cache_salt", "type",
+};
+/* BlockRemoved's fields, positional order. */
+static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
+#define N_REMOVED 5
+#define N_STORED 16
+#define REQUIRED_STORED ((1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_BS))
+
+enum { EV_STORED, EV_REMOVED, EV_CLEARED };
+
+/* One event read by the first pass. */
+struct PEv {
+    int kind, tier, group_ok, has_parent, other_size;
+    u64 parent;
+    Py_ssize_t n, hoff, soff; /* hashes; their block sums (-1: tokens unusable) */
+};
+
+typedef struct {
+    Index *self;
+    KeyChain *chain;
+    PyObject *groups, *tiers;
+    int none_ok;
+    Py_ssize_t max_events, max_blocks, max_bs, max_tokens, index_max_bs;
+    /* the medium last looked up */
+    const char *med;
+    Py_ssize_t med_len;
+    int med_tier;
+} PCtx;
+
+static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = PyMem_Realloc(*a, (size_t)c * item);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
+/* tier_of(medium) from PrefixIndex's cache of it; a name not cached yet: FALL. */
+static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
+    if (cx->med && cx->med_len == n && memcmp(cx->med, s, (size_t)n) == 0) {
+        *tier = cx->med_tier;
+        return 0;
+    }
+    PyObject *key = PyUnicode_FromStringAndSize(s, n);
+    if (!key) return -1;
+    PyObject *v = PyDict_GetItemWithError(cx->tiers, key);
+    Py_DECREF(key);
+    if (!v) return PyErr_Occurred() ? -1 : FALL;
+    long t = PyLong_Check(v) ? PyLong_AsLong(v) : -1;
+    if (t < 0 || t > 2) {
+        PyErr_Clear();
+        return FALL;
+    }
+    cx->med = s;
+    cx->med_len = n;
+    cx->med_tier = *tier = (int)t;
+    return 0;
+}
+
+/* One field's value into ev (and the hashes/tokens into scratch). */
+static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t *ntok,
+                    Py_ssize_t *bs) {
+    Index *self = cx->self;
+    u64 v;
+    int neg, rc;
+    const char *s;
+    Py_ssize_t n;
+    switch (f) {
+        case F_HASHES: {
+            if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+            if (n > cx->max_blocks) return FALL;
+            Py_ssize_t off = self->ph_len;
+            if (!scratch_get(&self->ph, off + n)) return -1;
+            for (Py_ssize_t k = 0; k < n; k++)
+                if (rd_int(r, &self->ph.p[off + k], &neg)) return FALL;
+            self->ph_len = off + n;
+            ev->hoff = off;
+            ev->n = n;
+            return 0;
+        }
+        case F_PARENT:
+            if (rd_nil(r)) return 0;
+            if (rd_int(r, &ev->parent, &neg)) return FALL;
+            ev->has_parent = 1;
+            return 0;
+        case F_TOKENS: {
+            if (r->i >= r->n || !is_array_head(r->p[r->i])) return FALL;
+            u64 *t;
+            Py_ssize_t used;
+            if (tokens_packed_at(r->p + r->i, r->n - r->i, &cx->chain->tok, &t, ntok, &used) < 0)
+                return clear_refusal() ? FALL : -1;
+            if (*ntok > cx->max_tokens) return FALL;
+            *tok = t;
+            r->i += used;
+            return 0;
+        }
+        case F_BS:
+            if (rd_int(r, &v, &neg) || neg || v < 1 || v > (u64)cx->max_bs) return FALL;
+            *bs = (Py_ssize_t)v;
+            return 0;
+        case F_LORA_ID:
+        case F_WINDOW:
+            return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
+        case F_KIND:
+            return rd_nil(r) ? 0 : rd_str(r, &s, &n);
+        case F_MEDIUM:
+            if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
+            if (rd_str(r, &s, &n)) return FALL;
+            return medium_tier(cx, s, n, &ev->tier);
+        case F_GROUP: {
+            if (rd_nil(r)) { ev->group_ok = cx->none_ok; return 0; }
+            if (rd_int(r, &v, &neg)) return FALL;
+            PyObject *g = neg ? PyLong_FromLongLong((long long)v) : PyLong_FromUnsignedLongLong(v);
+            if (!g) return -1;
+            rc = PySet_Contains(cx->groups, g);
+            Py_DECREF(g);
+            if (rc < 0) return -1;
+            ev->group_ok = rc;
+            return 0;
+        }
+        case F_LORA_NAME:
+        case F_EXTRA:
+        case F_LOOKAHEAD:
+        case F_SALT:
+            return rd_nil(r) ? 0 : FALL;
+        case F_LOCALITY:
+        case F_OWNERSHIP:
+        case F_SESSION:
+        case F_UNKNOWN:
+            return rd_skip(r);
+        default:
+            return FALL; /* a second tag */
+    }
+}
+
+/* A field id by name, for an event of this kind (F_UNKNOWN: not its field). */
+static int field_of(int kind, const char *s, Py_ssize_t n) {
+    if (kind == EV_CLEARED) return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
+    if (kind == EV_STORED) {
+        for (int f = 0; f < F_COUNT; f++)
+            if (str_is(s, n, FIELD_NAMES[f])) return f;
+        return F_UNKNOWN;
+    }
+    for (int k = 0; k < N_REMOVED; k++)
+        if (str_is(s, n, FIELD_NAMES[REMOVED_FIELDS[k]])) return REMOVED_FIELDS[k];
+    return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
+}
+
+static int kind_of(const char *s, Py_ssize_t n) {
+    if (str_is(s, n, "BlockStored")) return EV_STORED;
+    if (str_is(s, n, "BlockRemoved")) return EV_REMOVED;
+    if (str_is(s, n, "AllBlocksCleared")) return EV_CLEARED;
+    return -1;
+}
+
+/* One event, a map (`map` 1) or a tagged array, into ev. */
+static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
+    Py_ssize_t n, len;
+    const char *s;
+    if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+    if (n < 1) return FALL;
+    if (map && (rd_str(r, &s, &len) || !str_is(s, len, "type"))) return FALL;
+    if (rd_str(r, &s, &len)) return FALL;
+    int kind = kind_of(s, len);
+    if (kind < 0) return FALL;
+    memset(ev, 0, sizeof *ev);
+    ev->kind = kind;
+    ev->group_ok = cx->none_ok; /* group_idx None unless given */
+    ev->soff = -1;
+    const u64 *tok = NULL;
+    Py_ssize_t ntok = 0, bs = 0;
+    unsigned seen = 0;
+    for (Py_ssize_t k = 1; k < n; k++) {
+        int f;
+        if (map) {
+            if (rd_str(r, &s, &len)) return FALL;
+            f = field_of(kind, s, len);
+        } else {
+            Py_ssize_t at = k - 1;
+            if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_UNKNOWN;
+            else if (kind == EV_REMOVED) f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_UNKNOWN;
+            else f = F_UNKNOWN;
+        }
+        if (f >= 0) {
+            if (seen & (1u << f)) return FALL;
+            seen |= 1u << f;
+        }
+        int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
+        if (rc) return rc;
+    }
+    if (kind == EV_REMOVED && !(seen & (1u << F_HASHES))) return FALL;
+    if (kind != EV_STORED) return 0;
+    if ((seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
+    /* PrefixIndex._store: tokens count only at the index's block size. */
+    int usable = bs == cx->chain->bs;
+    ev->other_size = !usable && bs <= cx->index_max_bs;
+    if (usable && ev->n && ntok == ev->n * bs) {
+        Index *self = cx->self;
+        Py_ssize_t off = self->ps_len;
+        if (!scratch_get(&self->ps, off + ev->n)) return -1;
+        for (Py_ssize_t b = 0; b < ev->n; b++) self->ps.p[off + b] = block_sum_of(cx->chain, tok, b);
+        self->ps_len = off + ev->n;
+        ev->soff = off;
+    }
+    return 0;
+}
+
+/* The first pass: the whole payload read and checked; *count events. */
+static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
+    Index *self = cx->self;
+    Py_ssize_t n, m;
+    if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1) || n < 2 || n > 3) return FALL;
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
+    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
+    else return FALL;
+    if (rd_head(r, &m, 0x90, 0xdc, 0xdd, 1) || m > cx->max_events) return FALL;
+    if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
+    int map = m > 0 && r->i < r->n && is_map_head(r->p[r->i]);
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int rc = rd_event(cx, r, map, &self->pev[k]);
+        if (rc) return rc;
+    }
+    if (n == 3 && !rd_nil(r)) {
+        u64 v;
+        int neg;
+        if (rd_int(r, &v, &neg)) return FALL;
+    }
+    if (r->i != r->n) return FALL; /* trailing bytes */
+    *count = m;
+    return 0;
+}
+
+/* Scratch that one hostile payload grew is given back afterwards. */
+#define SCRATCH_KEEP ((Py_ssize_t)1 << 16)
+
+static void scratch_trim(Scratch *s) {
+    if (s->cap > SCRATCH_KEEP) scratch_free(s);
+}
+
+static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
+    Py_ssize_t v = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
+    if (v < 0) *fail = 1;
+    PyErr_Clear();
+    return v;
+}
+
+/* apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers,
+ *               max_events, max_blocks, max_block_size, max_tokens)
+ *   -> (orphans, unknown removals, ignored, malformed, refused, over_cap) | None
+ *
+ * over_cap: 0 unchanged, 1 a store was refused last, 2 a clear came last.
+ * None: the payload is outside the subset read here; nothing changed. */
+static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "apply_payload takes 11 arguments");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
+        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+        return NULL;
+    }
+    if (!PyAnySet_Check(args[5]) || !PyDict_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "groups must be a set, tiers a dict");
+        return NULL;
+    }
+    PCtx cx = {.self = self, .chain = (KeyChain *)args[1], .groups = args[5], .tiers = args[6]};
+    u64 root;
+    if (u64_arg(args[3], &root, "root") < 0) return NULL;
+    int bad = 0;
+    cx.index_max_bs = ssize_arg(args[4], &bad);
+    cx.max_events = ssize_arg(args[7], &bad);
+    cx.max_blocks = ssize_arg(args[8], &bad);
+    cx.max_bs = ssize_arg(args[9], &bad);
+    cx.max_tokens = ssize_arg(args[10], &bad);
+    if (bad) Py_RETURN_NONE; /* limits this path does not read: the general way */
+    Py_buffer pv;
+    if (PyObject_GetBuffer(args[2], &pv, PyBUF_SIMPLE) < 0) {
+        if (!clear_refusal() && !PyErr_ExceptionMatches(PyExc_BufferError)) return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL;
+    size_t sid;
+    if (chain_ready(cx.chain) < 0 || check_sid(self, args[0], &sid) < 0) goto done;
+    cx.none_ok = PySet_Contains(cx.groups, Py_None);
+    if (cx.none_ok < 0) goto done;
+    self->ph_len = self->ps_len = 0;
+    Rd r = {pv.buf, pv.len, 0};
+    Py_ssize_t m = 0;
+    int rc = rd_batch(&cx, &r, &m);
+    if (rc) {
+        if (rc == FALL) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    /* The second pass: nothing below can refuse the batch. */
+    Py_ssize_t orphans = 0, unknown = 0, ignored = 0, malformed = 0, refused = 0;
+    int over = 0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        const PEv *ev = &self->pev[k];
+        if (ev->kind == EV_CLEARED) {
+            if (clear_core(self, sid) < 0) goto done;
+            over = 2;
+            continue;
+        }
+        if (!ev->group_ok) {
+            ignored++;
+            continue;
+        }
+        if (!ev->n) continue;
+        const u64 *h = self->ph.p + ev->hoff;
+        if (ev->kind == EV_REMOVED) {
+            Py_ssize_t u = remove_core(self, sid, h, ev->n, ev->tier);
+            if (u < 0) goto done;
+            unknown += u;
+            continue;
+        }
+        const u64 *sums = ev->soff < 0 ? NULL : self->ps.p + ev->soff;
+        int flags = store_core(self, sid, cx.chain, ev->tier, h, ev->n, ev->has_parent, ev->parent,
+                               root, NULL, 0, sums, NULL);
+        if (flags < 0) goto done;
+        if (flags & OVER_CAP) {
+            refused++;
+            over = 1;
+            continue;
+        }
+        if (flags & ORPHAN) orphans++;
+        if ((flags & MALFORMED) && !ev->other_size) malformed++;
+    }
+    result = Py_BuildValue("nnnnni", orphans, unknown, ignored, malformed, refused, over);
+done:
+    PyBuffer_Release(&pv);
+    scratch_trim(&self->ph);
+    scratch_trim(&self->ps);
+    scratch_trim(&cx.chain->tok);
+    if (self->pev_cap > SCRATCH_KEEP) {
+        PyMem_Free(self->pev);
+        self->pev = NULL;
+        self->pev_cap = 0;
+    }
+    return result;
+}
+
 static size_t rank_bytes(const Rank *r) {
     return r->entries.cap * r->entries.rs + r->multi.cap * r->multi.rs;
 }
@@ -1427,6 +1920,9 @@ static PyMethodDef Index_methods[] = {
     {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
     {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached)"},
+    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload, METH_FASTCALL,
+     "apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers, max_events, "
+     "max_blocks, max_block_size, max_tokens) -> counter deltas, or None (decode it the general way)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(keys, names, tiers_type) -> {name: depth}"},
     {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
