@@ -31,6 +31,7 @@ typedef int32_t i32;
 #define DEPTH_LIMIT ((1LL << 31) - (1LL << 20))
 #define MIN_CAP 8
 #define PREFETCH 12
+#define STORE_PREFETCH 24
 
 static inline u64 fmix64(u64 x) {
     x ^= x >> 33;
@@ -571,6 +572,15 @@ static size_t cap_for(size_t n) {
     return cap;
 }
 
+/* Room for `more` records without a rehash. */
+static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
+    size_t need = t->count + (size_t)more;
+    if (need * 10 <= t->cap * 7) return 0;
+    size_t cap = t->cap ? t->cap : MIN_CAP;
+    while (need * 10 > cap * 7) cap *= 2;
+    return t_rehash(t, cap, occ);
+}
+
 /* The record of key k, inserted zeroed (*added = 1) when absent: one probe. */
 static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
     if ((t->count + 1) * 10 > t->cap * 7) {
@@ -966,14 +976,17 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         detached = 1;
         d0 = 0;
     }
-    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) {
+    /* Both tables grown for the whole store first, so that the prefetches
+     * below stay in the tables the loop probes. */
+    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
+    for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
         t_prefetch(&rk->entries, hashes[k]);
         t_prefetch(&self->nodes, keys[k]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH < n) {
-            t_prefetch(&rk->entries, hashes[i + PREFETCH]);
-            t_prefetch(&self->nodes, keys[i + PREFETCH]);
+        if (i + STORE_PREFETCH < n) {
+            t_prefetch(&rk->entries, hashes[i + STORE_PREFETCH]);
+            t_prefetch(&self->nodes, keys[i + STORE_PREFETCH]);
         }
         int64_t pos = ok ? d0 + i : 0;
         i32 depth = (i32)(detached ? ~pos : pos);
