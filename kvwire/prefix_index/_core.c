@@ -32,6 +32,7 @@ typedef int32_t i32;
 #define MIN_CAP 8
 #define PREFETCH 12
 #define STORE_PREFETCH 24
+#define WALK_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
     x ^= x >> 33;
@@ -1197,9 +1198,11 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
     const size_t W = wk->W, T = wk->T;
     u64 *acc = wk->acc;
     i32 *depth = wk->depth;
-    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
+    /* A prompt's probes are independent: have them all in flight at once
+     * (a window of WALK_PREFETCH), not one cache miss after another. */
+    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
     for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
-        if (i + PREFETCH < n) t_prefetch(&self->nodes, keys[i + PREFETCH]);
+        if (i + WALK_PREFETCH < n) t_prefetch(&self->nodes, keys[i + WALK_PREFETCH]);
         char *r = t_find(&self->nodes, keys[i], node_occ);
         if (!r) { wk->dead = 1; break; }
         i32 pos = (i32)wk->at;
@@ -1401,7 +1404,10 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
             /* PyLong_Check'ed conversions run no Python code: the list
              * cannot change under us. */
             PyObject **items = PySequence_Fast_ITEMS(seq) + b * bs;
-            for (Py_ssize_t k = 0; k < m * bs; k++) {
+            const Py_ssize_t mt = m * bs;
+            for (Py_ssize_t k = 0; k < mt; k++) {
+                /* The int objects are the cache misses of a cold prompt. */
+                if (k + 16 < mt) __builtin_prefetch(items[k + 16]);
                 if (token_of(items[k], &tok[k]) < 0) {
                     PyMem_Free(wk.acc);
                     goto done;
