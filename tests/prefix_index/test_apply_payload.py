@@ -115,8 +115,14 @@ def test_fused_path_is_taken_for_what_engines_send() -> None:
     batches = [
         KVEventBatch(1.0, [BlockStored(hashes[:4], None, list(range(16)), 4)], 0),
         KVEventBatch(2.0, [BlockStored(hashes[4:], 4, list(range(16, 32)), 4, medium="CPU")], 0),
-        KVEventBatch(3.0, [BlockRemoved([2**64 - 1, 8], medium=None), BlockStored(
-            [2**63 + 5], 3, list(range(4)), 4, group_idx=1)], None),  # fmt: skip
+        KVEventBatch(
+            3.0,
+            [
+                BlockRemoved([2**64 - 1, 8], medium=None),
+                BlockStored([2**63 + 5], 3, list(range(4)), 4, group_idx=1),
+            ],
+            None,
+        ),
         KVEventBatch(4.0, [AllBlocksCleared(), BlockStored([7], None, list(range(4)), 4)], 0),
     ]
     for dialect in ("map", "array"):
