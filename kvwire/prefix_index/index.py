@@ -253,7 +253,7 @@ class PrefixIndex:
                     sid, self._chain, payload, self._root, self.max_block_size,
                     self._groups, _TIER_OF, *lim[1],
                 )  # fmt: skip
-            if done is not None:
+            if done is not None and sid is not None:
                 orphans, unknown, ignored, malformed, refused, over = done
                 self._orphan_stores += orphans
                 self._unknown_removals += unknown

@@ -97,7 +97,9 @@ class PayloadDriver(Driver):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops, st.sampled_from([["map"], ["array"], ["map", "array"]]))
-def test_fused_apply_equals_decode_and_apply(op_list: list[tuple[Any, ...]], dialects: list[str]) -> None:
+def test_fused_apply_equals_decode_and_apply(
+    op_list: list[tuple[Any, ...]], dialects: list[str]
+) -> None:
     """Both dialects, every event form the model test makes: the same index, the model's answers."""
     d = PayloadDriver(dialects)
     for op in op_list:
@@ -166,7 +168,9 @@ event = st.one_of(stored_event, stored_event, removed_event, st.just(AllBlocksCl
 def aligned(ev: Any) -> Any:
     """Mostly whole blocks of tokens, as engines send."""
     if type(ev) is BlockStored and ev.block_size == 4 and random.random() < 0.8:
-        toks = (list(ev.token_ids) * 40)[: 4 * len(ev.block_hashes)] or [0] * (4 * len(ev.block_hashes))
+        toks = (list(ev.token_ids) * 40)[: 4 * len(ev.block_hashes)] or [0] * (
+            4 * len(ev.block_hashes)
+        )
         return msgspec.structs.replace(ev, token_ids=toks)
     return ev
 
@@ -186,7 +190,9 @@ def test_fused_apply_of_many_event_batches(
     ref = PrefixIndex(4, max_blocks_per_rank=cap)
     idx, _ = fused_index(4, max_blocks_per_rank=cap)
     for rank, events in batches:
-        payload = encode_batch(KVEventBatch(0.5, [aligned(e) for e in events], rank), dialect=dialect)
+        payload = encode_batch(
+            KVEventBatch(0.5, [aligned(e) for e in events], rank), dialect=dialect
+        )
         ref.apply("w", rank, decode_batch(payload))
         idx.apply_payload("w", rank, payload)
     assert_same(ref, idx, [list(range(n)) for n in range(0, 24, 4)])
@@ -240,7 +246,9 @@ def test_hostile_payloads_are_refused_or_applied_as_decode_batch_does(
 @settings(max_examples=300, deadline=None)
 def test_random_bytes_never_crash_or_change_the_index(data: bytes) -> None:
     idx, _ = fused_index(4)
-    idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)], 0)))
+    idx.apply_payload(
+        "w", 0, encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)], 0))
+    )
     before = idx.stats()
     try:
         batch = decode_batch(data)
