@@ -478,6 +478,7 @@ typedef struct {
     size_t count;
     size_t rs;    /* record size in bytes */
     int shift;
+    int homed;    /* the record's second 8 bytes are its home hash (below) */
 } Table;
 
 /* Big tables get their own mapping with transparent huge pages, when the
@@ -507,10 +508,21 @@ static void table_free(void *p, size_t bytes) {
     PyMem_Free(p);
 }
 
-static inline size_t slot_of(u64 k, int shift) {
+/* Where a record lives: its home hash hh picks the slot, from its top
+ * bits (cap <= 2**61), plus its low 3 bits. A record's own key gives
+ * hh = mix(key) with those bits clear; the nodes' table uses a home hash
+ * shared by 8 consecutive blocks of a chain with their offsets in it, so a
+ * prompt's walk reads a few neighbouring cache lines (and pages) per 8
+ * blocks instead of one random line per block. */
+static inline u64 mix64(u64 k) {
     k ^= k >> 31;
-    k *= GOLDEN;
-    return (size_t)(k >> shift);
+    return k * GOLDEN;
+}
+
+static inline u64 own_home(u64 k) { return mix64(k) & ~7ULL; }
+
+static inline size_t home_at(u64 hh, int shift, size_t m) {
+    return ((size_t)(hh >> shift) + (size_t)(hh & 7)) & m;
 }
 
 static inline u64 rec_key(const char *r) {
@@ -519,20 +531,34 @@ static inline u64 rec_key(const char *r) {
     return k;
 }
 
-static inline char *t_find(const Table *t, u64 k, Occupied occ) {
+static inline u64 rec_hh(const Table *t, const char *r) {
+    if (!t->homed) return own_home(rec_key(r));
+    u64 h;
+    memcpy(&h, r + 8, 8);
+    return h;
+}
+
+/* The record of (k, hh): a homed table tells records apart by both. */
+static inline char *t_find_h(const Table *t, u64 k, u64 hh, Occupied occ) {
     if (!t->cap) return NULL;
-    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
         if (!occ(r, t->rs)) return NULL;
-        if (rec_key(r) == k) return r;
+        if (rec_key(r) == k && (!t->homed || rec_hh(t, r) == hh)) return r;
         i = (i + 1) & m;
     }
 }
 
-static inline void t_prefetch(const Table *t, u64 k) {
-    if (t->cap) __builtin_prefetch(t->a + slot_of(k, t->shift) * t->rs);
+static inline char *t_find(const Table *t, u64 k, Occupied occ) {
+    return t_find_h(t, k, own_home(k), occ);
 }
+
+static inline void t_prefetch_h(const Table *t, u64 hh) {
+    if (t->cap) __builtin_prefetch(t->a + home_at(hh, t->shift, t->cap - 1) * t->rs);
+}
+
+static inline void t_prefetch(const Table *t, u64 k) { t_prefetch_h(t, own_home(k)); }
 
 static int shift_for(size_t cap) {
     int bits = 0;
@@ -556,7 +582,7 @@ static int t_rehash(Table *t, size_t cap, Occupied occ) {
     for (size_t j = 0; j < t->cap; j++) {
         const char *r = t->a + j * t->rs;
         if (!occ(r, t->rs)) continue;
-        size_t i = slot_of(rec_key(r), shift);
+        size_t i = home_at(rec_hh(t, r), shift, m);
         while (occ(a + i * t->rs, t->rs)) i = (i + 1) & m;
         memcpy(a + i * t->rs, r, t->rs);
     }
@@ -582,27 +608,33 @@ static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
     return t_rehash(t, cap, occ);
 }
 
-/* The record of key k, inserted zeroed (*added = 1) when absent: one probe. */
-static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+/* The record of (k, hh), inserted zeroed but for them (*added = 1) when
+ * absent: one probe. */
+static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
     if ((t->count + 1) * 10 > t->cap * 7) {
         if (t_rehash(t, t->cap ? t->cap * 2 : MIN_CAP, occ) < 0) return NULL;
     }
-    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
         if (!occ(r, t->rs)) {
             memset(r, 0, t->rs);
             memcpy(r, &k, 8);
+            if (t->homed) memcpy(r + 8, &hh, 8);
             t->count++;
             *added = 1;
             return r;
         }
-        if (rec_key(r) == k) {
+        if (rec_key(r) == k && (!t->homed || rec_hh(t, r) == hh)) {
             *added = 0;
             return r;
         }
         i = (i + 1) & m;
     }
+}
+
+static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+    return t_upsert_h(t, k, own_home(k), occ, added);
 }
 
 /* Remove the record at r: backward-shift the run after it; shrink or free. */
@@ -613,7 +645,7 @@ static int t_delete(Table *t, char *r, Occupied occ) {
         j = (j + 1) & m;
         char *rj = t->a + j * t->rs;
         if (!occ(rj, t->rs)) break;
-        size_t h = slot_of(rec_key(rj), t->shift);
+        size_t h = home_at(rec_hh(t, rj), t->shift, m);
         /* rj may move back to i only if its home is not in (i, j]. */
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (stays) continue;
@@ -637,6 +669,7 @@ static int t_delete(Table *t, char *r, Occupied occ) {
 typedef struct {
     u64 h;
     u64 key;
+    u64 hh;    /* the key's home hash in the nodes' table */
     u32 c[3];
     i32 depth; /* block position; ~position on a detached chain */
 } Entry;
@@ -659,9 +692,10 @@ typedef struct {
 
 static int multi_occ(const char *r, size_t rs) { return ((const Multi *)r)->n[0] != 0; }
 
-/* A node: its key, then mask words laid out [word][tier] (one tier until a
- * non-GPU medium shows up). Occupied while some rank holds it. */
-#define NODE_HEAD 8
+/* A node: its key, its home hash, then mask words laid out [word][tier]
+ * (one tier until a non-GPU medium shows up). Occupied while some rank
+ * holds it. */
+#define NODE_HEAD 16
 
 static int node_occ(const char *r, size_t rs) {
     const u64 *m = (const u64 *)(r + NODE_HEAD);
@@ -710,6 +744,7 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->words = 1;
     self->tiers = 1;
     self->nodes.rs = NODE_HEAD + 8;
+    self->nodes.homed = 1;
     return (PyObject *)self;
 }
 
@@ -803,7 +838,7 @@ static int node_drop(Index *self, char *r, size_t sid) {
 }
 
 /* An entry of rank sid with this key went from tier presence pb to pa. */
-static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
+static int node_update(Index *self, size_t sid, u64 key, u64 hh, int pb, int pa) {
     Rank *rk = &self->ranks[sid];
     Multi *mu = (Multi *)t_find(&rk->multi, key, multi_occ);
     if (mu) {
@@ -814,14 +849,14 @@ static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
             mu->n[1 + k] += ((pa >> k) & 1) - ((pb >> k) & 1);
             if (mu->n[1 + k]) bits |= 1 << k;
         }
-        char *r = t_find(&self->nodes, key, node_occ);
+        char *r = t_find_h(&self->nodes, key, hh, node_occ);
         if (r) node_set_bits(self, r, sid, bits);
         if (mu->n[0] <= 1) return t_delete(&rk->multi, (char *)mu, multi_occ);
         return 0;
     }
     if (!pb) {
         int added;
-        char *r = t_upsert(&self->nodes, key, node_occ, &added);
+        char *r = t_upsert_h(&self->nodes, key, hh, node_occ, &added);
         if (!r) return -1;
         int held = added ? 0 : node_bits(self, r, sid);
         if (held) {
@@ -841,7 +876,7 @@ static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
         node_set_bits(self, r, sid, pa);
         return 0;
     }
-    char *r = t_find(&self->nodes, key, node_occ);
+    char *r = t_find_h(&self->nodes, key, hh, node_occ);
     if (!r) return 0;
     if (!pa) return node_drop(self, r, sid);
     node_set_bits(self, r, sid, pa);
@@ -943,12 +978,14 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
     if (over_cap(self, rk, hashes, n)) return OVER_CAP;
     int64_t d0 = 0;
     int detached = 0;
+    u64 parent_hh = 0;
     if (has_parent) {
         Entry *pe = (Entry *)t_find(&rk->entries, parent, entry_occ);
         int64_t dd;
         if (pe) {
             start = pe->key;
             dd = pe->depth;
+            parent_hh = pe->hh;
         } else {
             flags |= ORPHAN;
             start = fmix64(chain->detached_k ^ parent);
@@ -962,8 +999,9 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         }
     }
 
-    u64 *keys = scratch_get(&self->keys, n);
+    u64 *keys = scratch_get(&self->keys, 2 * n);
     if (!keys) return -1;
+    u64 *hhs = keys + n;
     int ok = 0;
     if ((sums || (tok && ntok == n * chain->bs)) && d0 + n < DEPTH_LIMIT) {
         if (sums) chain_sums(chain, sums, n, start, (u64)d0, keys);
@@ -977,17 +1015,28 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         detached = 1;
         d0 = 0;
     }
+    /* Home hashes: a chain from a root shares one per 8 positions (that of
+     * the key at the first of them: this store's, or its parent's group's);
+     * a detached or unmatchable key has its own. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (detached) {
+            hhs[i] = own_home(keys[i]);
+            continue;
+        }
+        int64_t pos = d0 + i, a = pos & ~(int64_t)7;
+        hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & ~7ULL)) | (u64)(pos & 7);
+    }
     /* Both tables grown for the whole store first, so that the prefetches
      * below stay in the tables the loop probes. */
     if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
     for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
         t_prefetch(&rk->entries, hashes[k]);
-        t_prefetch(&self->nodes, keys[k]);
+        t_prefetch_h(&self->nodes, hhs[k]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + STORE_PREFETCH < n) {
             t_prefetch(&rk->entries, hashes[i + STORE_PREFETCH]);
-            t_prefetch(&self->nodes, keys[i + STORE_PREFETCH]);
+            t_prefetch_h(&self->nodes, hhs[i + STORE_PREFETCH]);
         }
         int64_t pos = ok ? d0 + i : 0;
         i32 depth = (i32)(detached ? ~pos : pos);
@@ -997,13 +1046,14 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         if (added) {
             /* Occupied from here on: the count below is at least one. */
             e->key = keys[i];
+            e->hh = hhs[i];
             e->depth = depth;
             if (depth < 0) rk->detached++;
         }
         int pb = presence(e);
         if (e->c[tier] != UINT32_MAX) e->c[tier]++;
         int pa = presence(e);
-        if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return -1;
+        if (pb != pa && node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
     }
     return flags;
 }
@@ -1083,7 +1133,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
         e->c[tier]--;
         int pa = presence(e);
         if (pb == pa) continue;
-        if (node_update(self, sid, e->key, pb, pa) < 0) return -1;
+        if (node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
         if (!pa) {
             if (e->depth < 0) rk->detached--;
             if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return -1;
@@ -1120,7 +1170,7 @@ static int clear_core(Index *self, size_t sid) {
     for (size_t j = 0; j < t->cap; j++) {
         const Entry *e = (const Entry *)(t->a + j * t->rs);
         if (!entry_occ((const char *)e, t->rs)) continue;
-        char *r = t_find(&self->nodes, e->key, node_occ);
+        char *r = t_find_h(&self->nodes, e->key, e->hh, node_occ);
         if (r && node_drop(self, r, sid) < 0) return -1;
     }
     rank_free(rk);
@@ -1193,17 +1243,23 @@ static int walk_begin(Walk *wk, const Index *self, int tiers) {
     return 0;
 }
 
-/* Walk n more keys (stops early once nobody holds the prefix). */
+/* The home hash of a prompt's key i, keys[0] at a multiple of 8 positions. */
+static inline u64 walk_hh(const u64 *keys, Py_ssize_t i) {
+    return own_home(keys[i & ~(Py_ssize_t)7]) | (u64)(i & 7);
+}
+
+/* Walk n more keys, the first at a multiple of 8 positions (stops early
+ * once nobody holds the prefix). */
 static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
     const size_t W = wk->W, T = wk->T;
     u64 *acc = wk->acc;
     i32 *depth = wk->depth;
     /* A prompt's probes are independent: have them all in flight at once
      * (a window of WALK_PREFETCH), not one cache miss after another. */
-    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
+    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch_h(&self->nodes, walk_hh(keys, k));
     for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
-        if (i + WALK_PREFETCH < n) t_prefetch(&self->nodes, keys[i + WALK_PREFETCH]);
-        char *r = t_find(&self->nodes, keys[i], node_occ);
+        if (i + WALK_PREFETCH < n) t_prefetch_h(&self->nodes, walk_hh(keys, i + WALK_PREFETCH));
+        char *r = t_find_h(&self->nodes, keys[i], walk_hh(keys, i), node_occ);
         if (!r) { wk->dead = 1; break; }
         i32 pos = (i32)wk->at;
         u64 alive = 0;

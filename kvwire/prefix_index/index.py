@@ -363,7 +363,8 @@ class PrefixIndex:
             )
 
     def match_keys(self, keys: U64) -> dict[RankKey, int]:
-        """:meth:`match` for keys computed already (with this index's seed)."""
+        """:meth:`match` for keys computed already (with this index's seed), the
+        prompt's from its first block (as :meth:`keys` and :func:`block_keys` give them)."""
         return self._match_keys(keys, None)
 
     def match_keys_tiers(self, keys: U64) -> dict[RankKey, TierDepths]:
