@@ -1407,6 +1407,45 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
  * hashed only a chunk past it. */
 #define MATCH_CHUNK 16
 
+/* A prompt's keys a chunk at a time: from a list's items (read as far as
+ * that) or from tokens read up front. */
+typedef struct {
+    KeyChain *chain;
+    PyObject *seq;
+    const u64 *all;
+    u64 *tok;
+    const u64 *extra;
+    Py_ssize_t nb;
+    u64 state;
+} MatchChunks;
+
+/* Keys of the chunk at block b into out (*m of them), their nodes
+ * prefetched; -1 with TypeError or ValueError for an unusable item. */
+static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out, Py_ssize_t *m) {
+    const Py_ssize_t bs = mc->chain->bs;
+    Py_ssize_t n = mc->nb - b < MATCH_CHUNK ? mc->nb - b : MATCH_CHUNK;
+    const u64 *t;
+    if (mc->seq) {
+        /* PyLong_Check'ed conversions run no Python code: the list cannot
+         * change under us. */
+        PyObject **items = PySequence_Fast_ITEMS(mc->seq) + b * bs;
+        const Py_ssize_t nt = n * bs;
+        for (Py_ssize_t k = 0; k < nt; k++) {
+            /* The int objects are the cache misses of a cold prompt. */
+            if (k + 16 < nt) __builtin_prefetch(items[k + 16]);
+            if (token_of(items[k], &mc->tok[k]) < 0) return -1;
+        }
+        t = mc->tok;
+    } else {
+        t = mc->all + b * bs;
+    }
+    chain_keys(mc->chain, t, n, mc->state, (u64)b, mc->extra ? mc->extra + b : NULL, out);
+    mc->state = out[n - 1];
+    for (Py_ssize_t k = 0; k < n; k++) t_prefetch_h(&self->nodes, walk_hh(out, k));
+    *m = n;
+    return 0;
+}
+
 /* match_tokens(chain, tokens, packed, start, extra, names, tiers_type)
  *
  * match() from token ids in one call: keys are computed a chunk at a time
@@ -1447,35 +1486,38 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
         extra = ev.buf;
     }
     if (walk_begin(&wk, self, args[6] != Py_None) < 0) goto done;
-    u64 keys[MATCH_CHUNK];
+    u64 keys[2][MATCH_CHUNK];
     u64 *tok = NULL;
     if (seq && !(tok = scratch_get(&chain->tok, MATCH_CHUNK * bs))) {
         PyMem_Free(wk.acc);
         goto done;
     }
-    for (Py_ssize_t b = 0; b < nb && !wk.dead; b += MATCH_CHUNK) {
-        Py_ssize_t m = nb - b < MATCH_CHUNK ? nb - b : MATCH_CHUNK;
-        const u64 *t;
-        if (seq) {
-            /* PyLong_Check'ed conversions run no Python code: the list
-             * cannot change under us. */
-            PyObject **items = PySequence_Fast_ITEMS(seq) + b * bs;
-            const Py_ssize_t mt = m * bs;
-            for (Py_ssize_t k = 0; k < mt; k++) {
-                /* The int objects are the cache misses of a cold prompt. */
-                if (k + 16 < mt) __builtin_prefetch(items[k + 16]);
-                if (token_of(items[k], &tok[k]) < 0) {
-                    PyMem_Free(wk.acc);
-                    goto done;
-                }
+    /* Chunk c + 1's keys are computed (its list items read) while chunk c's
+     * probes, prefetched, are on their way. An unusable item there is
+     * raised only if the walk gets that far, as when chunks go one by one. */
+    MatchChunks mc = {chain, seq, all, tok, extra, nb, state};
+    Py_ssize_t b = 0, m = 0;
+    if (nb > 0 && chunk_keys(&mc, self, 0, keys[0], &m) < 0) {
+        PyMem_Free(wk.acc);
+        goto done;
+    }
+    for (int c = 0; b < nb && !wk.dead; c ^= 1) {
+        Py_ssize_t next = b + m, m2 = 0;
+        PyObject *et = NULL, *ev2 = NULL, *etb = NULL;
+        if (next < nb && chunk_keys(&mc, self, next, keys[c ^ 1], &m2) < 0) PyErr_Fetch(&et, &ev2, &etb);
+        walk_keys(&wk, self, keys[c], m);
+        if (et) {
+            if (!wk.dead) {
+                PyErr_Restore(et, ev2, etb);
+                PyMem_Free(wk.acc);
+                goto done;
             }
-            t = tok;
-        } else {
-            t = all + b * bs;
+            Py_XDECREF(et);
+            Py_XDECREF(ev2);
+            Py_XDECREF(etb);
         }
-        chain_keys(chain, t, m, state, (u64)b, extra ? extra + b : NULL, keys);
-        state = keys[m - 1];
-        walk_keys(&wk, self, keys, m);
+        b = next;
+        m = m2;
     }
     result = walk_result(self, &wk, args[5], args[6]);
 done:
