@@ -33,6 +33,7 @@ typedef int32_t i32;
 #define PREFETCH 12
 #define STORE_PREFETCH 24
 #define WALK_PREFETCH 64
+#define TOKEN_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
     x ^= x >> 33;
@@ -1429,10 +1430,11 @@ static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out
         /* PyLong_Check'ed conversions run no Python code: the list cannot
          * change under us. */
         PyObject **items = PySequence_Fast_ITEMS(mc->seq) + b * bs;
-        const Py_ssize_t nt = n * bs;
+        const Py_ssize_t nt = n * bs, ahead = mc->nb * bs - b * bs - TOKEN_PREFETCH;
         for (Py_ssize_t k = 0; k < nt; k++) {
-            /* The int objects are the cache misses of a cold prompt. */
-            if (k + 16 < nt) __builtin_prefetch(items[k + 16]);
+            /* The int objects are the cache misses of a cold prompt: have
+             * them on their way well ahead, into the next chunk. */
+            if (k < ahead) __builtin_prefetch(items[k + TOKEN_PREFETCH]);
             if (token_of(items[k], &mc->tok[k]) < 0) return -1;
         }
         t = mc->tok;
