@@ -1251,7 +1251,56 @@ static inline u64 walk_hh(const u64 *keys, Py_ssize_t i) {
 
 /* Walk n more keys, the first at a multiple of 8 positions (stops early
  * once nobody holds the prefix). */
+/* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
+ * slot is empty exactly when that word is 0. */
+static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
+    const Table *t = &self->nodes;
+    if (wk->dead) return;
+    if (!t->cap) {
+        wk->dead = 1;
+        return;
+    }
+    const char *a = t->a;
+    const size_t rs = t->rs, m = t->cap - 1;
+    const int shift = t->shift;
+    u64 acc = wk->acc[0];
+    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++)
+        __builtin_prefetch(a + home_at(walk_hh(keys, k), shift, m) * rs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + WALK_PREFETCH < n)
+            __builtin_prefetch(a + home_at(walk_hh(keys, i + WALK_PREFETCH), shift, m) * rs);
+        const u64 k = keys[i], hh = walk_hh(keys, i);
+        size_t s = home_at(hh, shift, m);
+        u64 mask;
+        for (;;) {
+            const char *r = a + s * rs;
+            u64 rk, rh;
+            memcpy(&rk, r, 8);
+            memcpy(&mask, r + NODE_HEAD, 8);
+            if (rk == k) {
+                memcpy(&rh, r + 8, 8);
+                if (rh == hh) break;
+            }
+            if (!mask) break; /* an empty slot: not held by anyone */
+            s = (s + 1) & m;
+        }
+        u64 na = acc & mask;
+        if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
+        acc = na;
+        if (!acc) {
+            wk->dead = 1;
+            break;
+        }
+        wk->at++;
+    }
+    wk->acc[0] = acc;
+}
+
 static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
+    if (wk->W == 1 && wk->T == 1) {
+        walk_keys_one(wk, self, keys, n);
+        return;
+    }
     const size_t W = wk->W, T = wk->T;
     u64 *acc = wk->acc;
     i32 *depth = wk->depth;
