@@ -79,6 +79,13 @@ static int refuse(PyObject *type, const char *why) {
     return -1;
 }
 
+/* 0 when a METH_FASTCALL method got its `want` arguments; else -1 with TypeError. */
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+    return -1;
+}
+
 static inline u64 be(const unsigned char *p, int n) {
     u64 v = 0;
     for (int i = 0; i < n; i++) v = (v << 8) | p[i];
@@ -121,6 +128,39 @@ static inline int token_of(PyObject *o, u64 *out) {
     return 0;
 }
 
+/* A msgpack integer of any form at p[0..len): the bytes it takes (0: not an
+ * integer, -1: truncated); *v two's complement, *neg for a negative one. */
+static inline int mp_int(const unsigned char *p, Py_ssize_t len, u64 *v, int *neg) {
+    unsigned char c = p[0];
+    *neg = 0;
+    if (c <= 0x7f) { *v = c; return 1; }
+    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; return 1; }
+    int w;
+    switch (c) {
+        case 0xcc: w = 1; break;
+        case 0xcd: w = 2; break;
+        case 0xce: w = 4; break;
+        case 0xcf: w = 8; break;
+        case 0xd0: w = -1; break;
+        case 0xd1: w = -2; break;
+        case 0xd2: w = -4; break;
+        case 0xd3: w = -8; break;
+        default: return 0;
+    }
+    int bytes = w < 0 ? -w : w;
+    if (len - 1 < bytes) return -1;
+    u64 x = be(p + 1, bytes);
+    if (w < 0) {
+        if (bytes < 8) {
+            int shift = 64 - 8 * bytes;
+            x = (u64)(((int64_t)(x << shift)) >> shift);
+        }
+        *neg = (int64_t)x < 0;
+    }
+    *v = x;
+    return 1 + bytes;
+}
+
 /* A msgpack array of integers at the start of p[0..len) (what engines put
  * in token_ids); *used: the bytes it takes. */
 static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
@@ -147,27 +187,9 @@ static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, 
             i += 3;
             continue;
         }
-        if (c >= 0xe0) { t[k] = (u64)(int64_t)(int8_t)c; i++; continue; }
-        int w;
-        switch (c) {
-            case 0xcc: w = 1; break;
-            case 0xce: w = 4; break;
-            case 0xcf: w = 8; break;
-            case 0xd0: w = -1; break;
-            case 0xd1: w = -2; break;
-            case 0xd2: w = -4; break;
-            case 0xd3: w = -8; break;
-            default: return refuse(VE, "a token id is not an integer");
-        }
-        int bytes = w < 0 ? -w : w;
-        if (len - i - 1 < bytes) return refuse(VE, "truncated integer");
-        u64 v = be(p + i + 1, bytes);
-        if (w < 0 && bytes < 8) {
-            int shift = 64 - 8 * bytes;
-            v = (u64)(((int64_t)(v << shift)) >> shift);
-        }
-        t[k] = v;
-        i += 1 + bytes;
+        int neg, used = mp_int(p + i, len - i, &t[k], &neg);
+        if (used <= 0) return refuse(VE, used ? "truncated integer" : "a token id is not an integer");
+        i += used;
     }
     *out = t;
     *count = n;
@@ -397,10 +419,7 @@ static int chain_ready(const KeyChain *c) {
 /* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
 static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
     if (chain_ready(self) < 0) return NULL;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "keys_into takes 6 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 6, "keys_into") < 0) return NULL;
     int packed = PyObject_IsTrue(args[1]);
     u64 start, position;
     if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
@@ -467,6 +486,13 @@ static PyTypeObject KeyChainType = {
     .tp_methods = KeyChain_methods,
     .tp_getset = KeyChain_getset,
 };
+
+/* The chain argument of an Index method, or NULL with TypeError. */
+static KeyChain *chain_arg(PyObject *o) {
+    if (PyObject_TypeCheck(o, &KeyChainType)) return (KeyChain *)o;
+    PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+    return NULL;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Open addressing over fixed-size records whose first 8 bytes are the key. */
@@ -1060,17 +1086,11 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "store takes 9 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 9, "store") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
-    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
-    KeyChain *chain = (KeyChain *)args[1];
+    KeyChain *chain = chain_arg(args[1]);
+    if (!chain) return NULL;
     long tier = PyLong_AsLong(args[8]);
     if (tier == -1 && PyErr_Occurred()) return NULL;
     if (tier < 0 || tier > 2) {
@@ -1145,10 +1165,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
 static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "remove takes 3 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 3, "remove") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     long tier = PyLong_AsLong(args[2]);
@@ -1436,10 +1453,7 @@ static int names_arg(PyObject *names) {
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
  * the runs held on GPU, on GPU or CPU, and anywhere. */
 static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "match takes 3 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 3, "match") < 0) return NULL;
     if (names_arg(args[1]) < 0) return NULL;
     Py_buffer kv;
     if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
@@ -1502,15 +1516,9 @@ static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out
  * match() from token ids in one call: keys are computed a chunk at a time
  * as the walk goes, and list items are read only as far as that. */
 static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "match_tokens takes 7 arguments");
-        return NULL;
-    }
-    if (!PyObject_TypeCheck(args[0], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
-    KeyChain *chain = (KeyChain *)args[0];
+    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
+    KeyChain *chain = chain_arg(args[0]);
+    if (!chain) return NULL;
     if (chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
     int packed = PyObject_IsTrue(args[2]);
     u64 state;
@@ -1601,34 +1609,9 @@ typedef struct {
 /* An integer of any msgpack form; *neg: a negative signed one. */
 static int rd_int(Rd *r, u64 *v, int *neg) {
     if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    *neg = 0;
-    if (c <= 0x7f) { *v = c; r->i++; return 0; }
-    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; r->i++; return 0; }
-    int w;
-    switch (c) {
-        case 0xcc: w = 1; break;
-        case 0xcd: w = 2; break;
-        case 0xce: w = 4; break;
-        case 0xcf: w = 8; break;
-        case 0xd0: w = -1; break;
-        case 0xd1: w = -2; break;
-        case 0xd2: w = -4; break;
-        case 0xd3: w = -8; break;
-        default: return FALL;
-    }
-    int bytes = w < 0 ? -w : w;
-    if (r->n - r->i - 1 < bytes) return FALL;
-    u64 x = be(r->p + r->i + 1, bytes);
-    if (w < 0) {
-        if (bytes < 8) {
-            int shift = 64 - 8 * bytes;
-            x = (u64)(((int64_t)(x << shift)) >> shift);
-        }
-        *neg = (int64_t)x < 0;
-    }
-    *v = x;
-    r->i += 1 + bytes;
+    int used = mp_int(r->p + r->i, r->n - r->i, v, neg);
+    if (used <= 0) return FALL;
+    r->i += used;
     return 0;
 }
 
@@ -1972,14 +1955,8 @@ static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
  * over_cap: 0 unchanged, 1 a store was refused last, 2 a clear came last.
  * None: the payload is outside the subset read here; nothing changed. */
 static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "apply_payload takes 11 arguments");
-        return NULL;
-    }
-    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 11, "apply_payload") < 0) return NULL;
+    if (!chain_arg(args[1])) return NULL;
     if (!PyAnySet_Check(args[5]) || !PyDict_Check(args[6])) {
         PyErr_SetString(PyExc_TypeError, "groups must be a set, tiers a dict");
         return NULL;
