@@ -1,7 +1,9 @@
 """The prefix index: which (worker, rank) holds how much of a prompt's prefix.
 
 It is a sink for the subscriber: ``apply(worker_id, rank, batch)`` and
-``clear(worker_id, rank)``. Engine block hashes stay opaque ids; the index
+``clear(worker_id, rank)``; ``apply_payload(worker_id, rank, payload)`` takes a
+batch's msgpack bytes instead and applies them without decoding them into
+Python objects. Engine block hashes stay opaque ids; the index
 computes its own chained content keys from each store's token ids (see
 :mod:`kvwire.prefix_index.keys`), so a router matches prompts with the same
 function and never needs the engine's hash.
@@ -14,7 +16,9 @@ arrives, token bytes read straight from the decoded payload:
   twice and remove one copy. Dropping a rank walks only its own table.
 - one shared table: our key -> a bitmask of the ranks holding it (one bit per
   rank, 64 ranks a word; per tier once a non-GPU medium shows up). A match
-  ANDs the masks along the prompt's keys.
+  ANDs the masks along the prompt's keys. Eight consecutive blocks of a chain
+  live side by side in it, so a prompt's walk reads a few cache lines per
+  eight blocks.
 
 A store whose parent hash the rank never reported (a late join, a partial
 replay) starts a detached chain: its keys derive from the unknown parent, so
