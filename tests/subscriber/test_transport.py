@@ -371,8 +371,21 @@ async def _async_iterator_and_clean_shutdown() -> None:
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert others == []
     ctx.term()  # would block if any socket were still open
-    assert set(threading.enumerate()) <= threads_before
-    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    _assert_nothing_left(threads_before, fds_before)
+
+
+def _assert_nothing_left(threads_before: set[threading.Thread], fds_before: int) -> None:
+    """No thread and no descriptor beyond those there before, within a deadline.
+
+    libzmq's reaper closes a socket's descriptors just after ``close()`` returns,
+    so a loaded machine may need a moment; a real leak never ends.
+    """
+    wait_until(
+        lambda: set(threading.enumerate()) <= threads_before
+        and len(os.listdir("/proc/self/fd")) <= fds_before + 2,
+        5,
+        "threads and descriptors released",
+    )
 
 
 def test_background_thread_stops_in_bounded_time_leaving_nothing() -> None:
@@ -386,8 +399,7 @@ def test_background_thread_stops_in_bounded_time_leaving_nothing() -> None:
         sub.stop(timeout=2.0)
         with pytest.raises(RuntimeError):
             asyncio.run(sub.run())  # a subscriber runs once
-    assert set(threading.enumerate()) <= threads_before
-    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    _assert_nothing_left(threads_before, fds_before)
 
 
 def test_engine_source_validates_its_endpoints() -> None:
