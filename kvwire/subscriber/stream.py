@@ -87,8 +87,8 @@ Rules
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
   sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
   silence for 2.5 intervals asks for a fresh connection (once a silence), for
-  3.5 makes the rank STALE, and the next message shows any gap. Without heartbeats the
-  rank is probed after ``idle_probe`` of silence: the engines' publishers
+  3.5 makes the rank STALE, and the next message shows any gap. Without
+  heartbeats the rank is probed after ``idle_probe`` of silence: the engines' publishers
   assign a seq when they send, so their replay buffer holds every seq and a
   probe proves the tail; kvwire's (epoch ``kvw1.``) reserve a seq before
   queueing, so a batch dropped at the end of a burst leaves no trace and the
@@ -417,7 +417,7 @@ class RankStream:
         hb = self._epoch_info.heartbeat_s
         if self._fast and self._active is None and hb is not None:
             # In sequence and nothing asked (FOLLOWING): only the silence deadlines,
-            # which every live message moves; read once per message batch at scale.
+            # which every live message moves (the timers of a large fleet ask often).
             if self._reconnected_after == self._last_live_at:
                 return self._last_live_at + _STALE_HEARTBEATS * hb
             return self._last_live_at + _RECONNECT_HEARTBEATS * hb
