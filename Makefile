@@ -47,7 +47,7 @@ asan: $(STAMP)
 # Dynamo's RadixTree, the index benchmark's baseline, in a venv of its own.
 .venv-dynamo/.installed:
 	$(PYTHON) -m venv .venv-dynamo
-	.venv-dynamo/bin/pip install -q ai-dynamo-runtime numpy msgspec
+	.venv-dynamo/bin/pip install -q ai-dynamo-runtime==1.6.1 numpy msgspec
 	touch $@
 
 # One BLAS thread: idle OpenBLAS workers spinning in every numpy process add noise.

@@ -116,6 +116,7 @@ def engine_main(args: argparse.Namespace) -> None:
             rank=r,
             ranks_per_host=ranks,
             context=ctx,
+            heartbeat=args.heartbeat or None,
         ).start()
         for r in range(ranks)
     ]
@@ -218,6 +219,8 @@ class Engine:
                 str(self.index),
                 "--life",
                 str(self.life),
+                "--heartbeat",
+                str(a.heartbeat),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -353,7 +356,9 @@ def fleet(args: argparse.Namespace) -> None:
     ranks = args.engines * args.ranks_per_engine
     print(
         f"fleet: {args.engines} engine processes x {args.ranks_per_engine} ranks = {ranks} ranks, "
-        f"{args.rate} batch/rank/s; router: one Subscriber + BlockSetSink in this process"
+        f"{args.rate} batch/rank/s, heartbeats "
+        + (f"every {args.heartbeat:g} s" if args.heartbeat else "off")
+        + "; router: one Subscriber + BlockSetSink in this process"
     )
     engines = start_engines(args)
     try:
@@ -410,18 +415,23 @@ def fleet(args: argparse.Namespace) -> None:
         )
         # Idle ranks are probed once per interval, counted from their last batch:
         # measure once the first round of probes is under way.
+        # (Publishers that heartbeat are never probed: nothing to wait for.)
         interval = max(1.0, ranks / PROBE_RATE)
         settle = min(interval, args.idle_settle) - (time.monotonic() - t_pause)
-        if settle > 0:
+        if settle > 0 and not args.heartbeat:
             print(f"(waiting {settle:.0f} s for the idle probes to start)")
             time.sleep(settle)
         idle = [measure_cpu(args.window) for _ in range(args.repeats)]
         i = statistics.median(idle)
         probes = sum(s.counters.probes for s in sub.status())
+        what = (
+            f"{ranks / args.heartbeat:.0f} heartbeats/s"
+            if args.heartbeat
+            else f"{probes} idle probes so far, each rank probed every {interval:.0f} s"
+        )
         print(
             f"router CPU with every rank idle: {100 * i:.2f}% of a core "
-            f"({'meets' if i <= 0.02 else 'MISSES'} <= 2%; {probes} idle probes so far, "
-            f"each rank probed every {interval:.0f} s)"
+            f"({'meets' if i <= 0.02 else 'MISSES'} <= 2%; {what})"
         )
         # One engine restarted: fresh seqs, empty cache, same ports.
         victim = engines[0]
@@ -582,6 +592,9 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="CPU window, seconds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument(
+        "--heartbeat", type=float, default=1.0, help="publishers' heartbeat interval, s (0: none)"
+    )
     parser.add_argument(
         "--idle-settle", type=float, default=120.0, help="longest wait for idle probes to start"
     )

@@ -31,6 +31,9 @@ typedef int32_t i32;
 #define DEPTH_LIMIT ((1LL << 31) - (1LL << 20))
 #define MIN_CAP 8
 #define PREFETCH 12
+#define STORE_PREFETCH 24
+#define WALK_PREFETCH 64
+#define TOKEN_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
     x ^= x >> 33;
@@ -76,6 +79,13 @@ static int refuse(PyObject *type, const char *why) {
     return -1;
 }
 
+/* 0 when a METH_FASTCALL method got its `want` arguments; else -1 with TypeError. */
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+    return -1;
+}
+
 static inline u64 be(const unsigned char *p, int n) {
     u64 v = 0;
     for (int i = 0; i < n; i++) v = (v << 8) | p[i];
@@ -118,9 +128,43 @@ static inline int token_of(PyObject *o, u64 *out) {
     return 0;
 }
 
-/* A msgpack array of integers (what engines put in token_ids). */
-static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
-                         Py_ssize_t *count) {
+/* A msgpack integer of any form at p[0..len): the bytes it takes (0: not an
+ * integer, -1: truncated); *v two's complement, *neg for a negative one. */
+static inline int mp_int(const unsigned char *p, Py_ssize_t len, u64 *v, int *neg) {
+    unsigned char c = p[0];
+    *neg = 0;
+    if (c <= 0x7f) { *v = c; return 1; }
+    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; return 1; }
+    int w;
+    switch (c) {
+        case 0xcc: w = 1; break;
+        case 0xcd: w = 2; break;
+        case 0xce: w = 4; break;
+        case 0xcf: w = 8; break;
+        case 0xd0: w = -1; break;
+        case 0xd1: w = -2; break;
+        case 0xd2: w = -4; break;
+        case 0xd3: w = -8; break;
+        default: return 0;
+    }
+    int bytes = w < 0 ? -w : w;
+    if (len - 1 < bytes) return -1;
+    u64 x = be(p + 1, bytes);
+    if (w < 0) {
+        if (bytes < 8) {
+            int shift = 64 - 8 * bytes;
+            x = (u64)(((int64_t)(x << shift)) >> shift);
+        }
+        *neg = (int64_t)x < 0;
+    }
+    *v = x;
+    return 1 + bytes;
+}
+
+/* A msgpack array of integers at the start of p[0..len) (what engines put
+ * in token_ids); *used: the bytes it takes. */
+static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
+                            Py_ssize_t *count, Py_ssize_t *used) {
     PyObject *VE = PyExc_ValueError;
     if (len < 1) return refuse(VE, "empty token_ids");
     Py_ssize_t n, i = 1;
@@ -143,31 +187,22 @@ static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64
             i += 3;
             continue;
         }
-        if (c >= 0xe0) { t[k] = (u64)(int64_t)(int8_t)c; i++; continue; }
-        int w;
-        switch (c) {
-            case 0xcc: w = 1; break;
-            case 0xce: w = 4; break;
-            case 0xcf: w = 8; break;
-            case 0xd0: w = -1; break;
-            case 0xd1: w = -2; break;
-            case 0xd2: w = -4; break;
-            case 0xd3: w = -8; break;
-            default: return refuse(VE, "a token id is not an integer");
-        }
-        int bytes = w < 0 ? -w : w;
-        if (len - i - 1 < bytes) return refuse(VE, "truncated integer");
-        u64 v = be(p + i + 1, bytes);
-        if (w < 0 && bytes < 8) {
-            int shift = 64 - 8 * bytes;
-            v = (u64)(((int64_t)(v << shift)) >> shift);
-        }
-        t[k] = v;
-        i += 1 + bytes;
+        int neg, used = mp_int(p + i, len - i, &t[k], &neg);
+        if (used <= 0) return refuse(VE, used ? "truncated integer" : "a token id is not an integer");
+        i += used;
     }
-    if (i != len) return refuse(VE, "trailing bytes after token_ids");
     *out = t;
     *count = n;
+    *used = i;
+    return 0;
+}
+
+/* The same, the array filling p[0..len) exactly. */
+static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
+                         Py_ssize_t *count) {
+    Py_ssize_t used;
+    if (tokens_packed_at(p, len, s, out, count, &used) < 0) return -1;
+    if (used != len) return refuse(PyExc_ValueError, "trailing bytes after token_ids");
     return 0;
 }
 
@@ -277,19 +312,34 @@ static inline u64 block_sum(const u64 *t, const u64 *w, Py_ssize_t bs) {
     return (a0 + a1) + (a2 + a3);
 }
 
+/* One link of the chain: block sum l at absolute position pos after state. */
+static inline u64 chain_step(const KeyChain *c, u64 state, u64 l, u64 pos, u64 extra) {
+    u64 x = l ^ fmix64((pos + 1) * GOLDEN ^ c->pos_k) ^ extra;
+    x ^= x >> 32;
+    x *= F1;
+    return state * c->q + x;
+}
+
+static inline u64 block_sum_of(const KeyChain *c, const u64 *tok, Py_ssize_t b) {
+    /* 16 tokens a block is what engines use: a constant lets it unroll. */
+    return c->bs == 16 ? block_sum(tok + b * 16, c->w, 16) : block_sum(tok + b * c->bs, c->w, c->bs);
+}
+
 static void chain_keys(const KeyChain *c, const u64 *tok, Py_ssize_t nblocks, u64 start,
                        u64 position, const u64 *extra, u64 *out) {
-    const Py_ssize_t bs = c->bs;
-    const u64 *w = c->w;
     u64 state = start;
     for (Py_ssize_t b = 0; b < nblocks; b++) {
-        /* 16 tokens a block is what engines use: a constant lets it unroll. */
-        u64 l = bs == 16 ? block_sum(tok + b * 16, w, 16) : block_sum(tok + b * bs, w, bs);
-        u64 x = l ^ fmix64((position + (u64)b + 1) * GOLDEN ^ c->pos_k);
-        if (extra) x ^= extra[b];
-        x ^= x >> 32;
-        x *= F1;
-        state = state * c->q + x;
+        state = chain_step(c, state, block_sum_of(c, tok, b), position + (u64)b, extra ? extra[b] : 0);
+        out[b] = state;
+    }
+}
+
+/* The chain from block sums computed already (the fused apply's first pass). */
+static void chain_sums(const KeyChain *c, const u64 *sums, Py_ssize_t nblocks, u64 start,
+                       u64 position, u64 *out) {
+    u64 state = start;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        state = chain_step(c, state, sums[b], position + (u64)b, 0);
         out[b] = state;
     }
 }
@@ -369,10 +419,7 @@ static int chain_ready(const KeyChain *c) {
 /* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
 static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
     if (chain_ready(self) < 0) return NULL;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "keys_into takes 6 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 6, "keys_into") < 0) return NULL;
     int packed = PyObject_IsTrue(args[1]);
     u64 start, position;
     if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
@@ -440,6 +487,13 @@ static PyTypeObject KeyChainType = {
     .tp_getset = KeyChain_getset,
 };
 
+/* The chain argument of an Index method, or NULL with TypeError. */
+static KeyChain *chain_arg(PyObject *o) {
+    if (PyObject_TypeCheck(o, &KeyChainType)) return (KeyChain *)o;
+    PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
+    return NULL;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Open addressing over fixed-size records whose first 8 bytes are the key. */
 
@@ -451,6 +505,7 @@ typedef struct {
     size_t count;
     size_t rs;    /* record size in bytes */
     int shift;
+    int homed;    /* the record's second 8 bytes are its home hash (below) */
 } Table;
 
 /* Big tables get their own mapping with transparent huge pages, when the
@@ -480,10 +535,21 @@ static void table_free(void *p, size_t bytes) {
     PyMem_Free(p);
 }
 
-static inline size_t slot_of(u64 k, int shift) {
+/* Where a record lives: its home hash hh picks the slot, from its top
+ * bits (cap <= 2**61), plus its low 3 bits. A record's own key gives
+ * hh = mix(key) with those bits clear; the nodes' table uses a home hash
+ * shared by 8 consecutive blocks of a chain with their offsets in it, so a
+ * prompt's walk reads a few neighbouring cache lines (and pages) per 8
+ * blocks instead of one random line per block. */
+static inline u64 mix64(u64 k) {
     k ^= k >> 31;
-    k *= GOLDEN;
-    return (size_t)(k >> shift);
+    return k * GOLDEN;
+}
+
+static inline u64 own_home(u64 k) { return mix64(k) & ~7ULL; }
+
+static inline size_t home_at(u64 hh, int shift, size_t m) {
+    return ((size_t)(hh >> shift) + (size_t)(hh & 7)) & m;
 }
 
 static inline u64 rec_key(const char *r) {
@@ -492,20 +558,34 @@ static inline u64 rec_key(const char *r) {
     return k;
 }
 
-static inline char *t_find(const Table *t, u64 k, Occupied occ) {
+static inline u64 rec_hh(const Table *t, const char *r) {
+    if (!t->homed) return own_home(rec_key(r));
+    u64 h;
+    memcpy(&h, r + 8, 8);
+    return h;
+}
+
+/* The record of (k, hh): a homed table tells records apart by both. */
+static inline char *t_find_h(const Table *t, u64 k, u64 hh, Occupied occ) {
     if (!t->cap) return NULL;
-    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
         if (!occ(r, t->rs)) return NULL;
-        if (rec_key(r) == k) return r;
+        if (rec_key(r) == k && (!t->homed || rec_hh(t, r) == hh)) return r;
         i = (i + 1) & m;
     }
 }
 
-static inline void t_prefetch(const Table *t, u64 k) {
-    if (t->cap) __builtin_prefetch(t->a + slot_of(k, t->shift) * t->rs);
+static inline char *t_find(const Table *t, u64 k, Occupied occ) {
+    return t_find_h(t, k, own_home(k), occ);
 }
+
+static inline void t_prefetch_h(const Table *t, u64 hh) {
+    if (t->cap) __builtin_prefetch(t->a + home_at(hh, t->shift, t->cap - 1) * t->rs);
+}
+
+static inline void t_prefetch(const Table *t, u64 k) { t_prefetch_h(t, own_home(k)); }
 
 static int shift_for(size_t cap) {
     int bits = 0;
@@ -529,7 +609,7 @@ static int t_rehash(Table *t, size_t cap, Occupied occ) {
     for (size_t j = 0; j < t->cap; j++) {
         const char *r = t->a + j * t->rs;
         if (!occ(r, t->rs)) continue;
-        size_t i = slot_of(rec_key(r), shift);
+        size_t i = home_at(rec_hh(t, r), shift, m);
         while (occ(a + i * t->rs, t->rs)) i = (i + 1) & m;
         memcpy(a + i * t->rs, r, t->rs);
     }
@@ -546,27 +626,42 @@ static size_t cap_for(size_t n) {
     return cap;
 }
 
-/* The record of key k, inserted zeroed (*added = 1) when absent: one probe. */
-static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+/* Room for `more` records without a rehash. */
+static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
+    size_t need = t->count + (size_t)more;
+    if (need * 10 <= t->cap * 7) return 0;
+    size_t cap = t->cap ? t->cap : MIN_CAP;
+    while (need * 10 > cap * 7) cap *= 2;
+    return t_rehash(t, cap, occ);
+}
+
+/* The record of (k, hh), inserted zeroed but for them (*added = 1) when
+ * absent: one probe. */
+static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
     if ((t->count + 1) * 10 > t->cap * 7) {
         if (t_rehash(t, t->cap ? t->cap * 2 : MIN_CAP, occ) < 0) return NULL;
     }
-    size_t m = t->cap - 1, i = slot_of(k, t->shift);
+    size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
         if (!occ(r, t->rs)) {
             memset(r, 0, t->rs);
             memcpy(r, &k, 8);
+            if (t->homed) memcpy(r + 8, &hh, 8);
             t->count++;
             *added = 1;
             return r;
         }
-        if (rec_key(r) == k) {
+        if (rec_key(r) == k && (!t->homed || rec_hh(t, r) == hh)) {
             *added = 0;
             return r;
         }
         i = (i + 1) & m;
     }
+}
+
+static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+    return t_upsert_h(t, k, own_home(k), occ, added);
 }
 
 /* Remove the record at r: backward-shift the run after it; shrink or free. */
@@ -577,7 +672,7 @@ static int t_delete(Table *t, char *r, Occupied occ) {
         j = (j + 1) & m;
         char *rj = t->a + j * t->rs;
         if (!occ(rj, t->rs)) break;
-        size_t h = slot_of(rec_key(rj), t->shift);
+        size_t h = home_at(rec_hh(t, rj), t->shift, m);
         /* rj may move back to i only if its home is not in (i, j]. */
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (stays) continue;
@@ -601,6 +696,7 @@ static int t_delete(Table *t, char *r, Occupied occ) {
 typedef struct {
     u64 h;
     u64 key;
+    u64 hh;    /* the key's home hash in the nodes' table */
     u32 c[3];
     i32 depth; /* block position; ~position on a detached chain */
 } Entry;
@@ -623,9 +719,10 @@ typedef struct {
 
 static int multi_occ(const char *r, size_t rs) { return ((const Multi *)r)->n[0] != 0; }
 
-/* A node: its key, then mask words laid out [word][tier] (one tier until a
- * non-GPU medium shows up). Occupied while some rank holds it. */
-#define NODE_HEAD 8
+/* A node: its key, its home hash, then mask words laid out [word][tier]
+ * (one tier until a non-GPU medium shows up). Occupied while some rank
+ * holds it. */
+#define NODE_HEAD 16
 
 static int node_occ(const char *r, size_t rs) {
     const u64 *m = (const u64 *)(r + NODE_HEAD);
@@ -643,6 +740,8 @@ typedef struct {
     size_t detached;
 } Rank;
 
+typedef struct PEv PEv; /* an event of a payload being applied (below) */
+
 typedef struct {
     PyObject_HEAD
     Table nodes;
@@ -652,6 +751,10 @@ typedef struct {
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     Scratch tok, keys, hashes;
+    /* apply_payload's first pass: hashes, block sums, events */
+    Scratch ph, ps;
+    Py_ssize_t ph_len, ps_len, pev_cap;
+    PEv *pev;
     /* Per rank slot, the name last reported and its hash: a match result
      * is built without touching (or re-hashing) every name's objects. Only
      * exact (str, int) tuples are kept: they cannot be part of a cycle. */
@@ -668,6 +771,7 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->words = 1;
     self->tiers = 1;
     self->nodes.rs = NODE_HEAD + 8;
+    self->nodes.homed = 1;
     return (PyObject *)self;
 }
 
@@ -699,6 +803,9 @@ static void Index_dealloc(Index *self) {
     scratch_free(&self->tok);
     scratch_free(&self->keys);
     scratch_free(&self->hashes);
+    scratch_free(&self->ph);
+    scratch_free(&self->ps);
+    PyMem_Free(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -758,7 +865,7 @@ static int node_drop(Index *self, char *r, size_t sid) {
 }
 
 /* An entry of rank sid with this key went from tier presence pb to pa. */
-static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
+static int node_update(Index *self, size_t sid, u64 key, u64 hh, int pb, int pa) {
     Rank *rk = &self->ranks[sid];
     Multi *mu = (Multi *)t_find(&rk->multi, key, multi_occ);
     if (mu) {
@@ -769,14 +876,14 @@ static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
             mu->n[1 + k] += ((pa >> k) & 1) - ((pb >> k) & 1);
             if (mu->n[1 + k]) bits |= 1 << k;
         }
-        char *r = t_find(&self->nodes, key, node_occ);
+        char *r = t_find_h(&self->nodes, key, hh, node_occ);
         if (r) node_set_bits(self, r, sid, bits);
         if (mu->n[0] <= 1) return t_delete(&rk->multi, (char *)mu, multi_occ);
         return 0;
     }
     if (!pb) {
         int added;
-        char *r = t_upsert(&self->nodes, key, node_occ, &added);
+        char *r = t_upsert_h(&self->nodes, key, hh, node_occ, &added);
         if (!r) return -1;
         int held = added ? 0 : node_bits(self, r, sid);
         if (held) {
@@ -796,7 +903,7 @@ static int node_update(Index *self, size_t sid, u64 key, int pb, int pa) {
         node_set_bits(self, r, sid, pa);
         return 0;
     }
-    char *r = t_find(&self->nodes, key, node_occ);
+    char *r = t_find_h(&self->nodes, key, hh, node_occ);
     if (!r) return 0;
     if (!pa) return node_drop(self, r, sid);
     node_set_bits(self, r, sid, pa);
@@ -883,29 +990,29 @@ static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssi
  * detached chain under it), key every block from its tokens (unusable
  * tokens: unmatchable keys from the hashes), count one more copy of every
  * block in `tier`. tokens None forces the unmatchable keys. */
-/* The store itself, once every input is read: no Python code runs here. */
-static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tier, const u64 *hashes,
-                              Py_ssize_t n, PyObject *parent_obj, PyObject *start_obj,
-                              const u64 *tok, Py_ssize_t ntok, const u64 *extra) {
+/* The store itself, once every input is read: no Python code runs here.
+ * Block keys come from the tokens (tok, ntok), or from their block sums
+ * computed already (sums, n of them); neither, or tokens of the wrong
+ * count: unmatchable keys. Returns the flags, or -1 with an exception. */
+static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const u64 *hashes,
+                      Py_ssize_t n, int has_parent, u64 parent, u64 start, const u64 *tok,
+                      Py_ssize_t ntok, const u64 *sums, const u64 *extra) {
     int flags = 0;
-    if (n == 0) return PyLong_FromLong(0);
-    if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return NULL;
+    if (n == 0) return 0;
+    if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return -1;
 
     Rank *rk = &self->ranks[sid];
-    if (over_cap(self, rk, hashes, n)) return PyLong_FromLong(OVER_CAP);
-    u64 start;
+    if (over_cap(self, rk, hashes, n)) return OVER_CAP;
     int64_t d0 = 0;
     int detached = 0;
-    if (parent_obj == Py_None) {
-        if (u64_arg(start_obj, &start, "start") < 0) return NULL;
-    } else {
-        u64 parent;
-        if (u64_arg(parent_obj, &parent, "parent") < 0) return NULL;
+    u64 parent_hh = 0;
+    if (has_parent) {
         Entry *pe = (Entry *)t_find(&rk->entries, parent, entry_occ);
         int64_t dd;
         if (pe) {
             start = pe->key;
             dd = pe->depth;
+            parent_hh = pe->hh;
         } else {
             flags |= ORPHAN;
             start = fmix64(chain->detached_k ^ parent);
@@ -919,11 +1026,13 @@ static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tie
         }
     }
 
-    u64 *keys = scratch_get(&self->keys, n);
-    if (!keys) return NULL;
+    u64 *keys = scratch_get(&self->keys, 2 * n);
+    if (!keys) return -1;
+    u64 *hhs = keys + n;
     int ok = 0;
-    if (tok && ntok == n * chain->bs && d0 + n < DEPTH_LIMIT) {
-        chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
+    if ((sums || (tok && ntok == n * chain->bs)) && d0 + n < DEPTH_LIMIT) {
+        if (sums) chain_sums(chain, sums, n, start, (u64)d0, keys);
+        else chain_keys(chain, tok, n, start, (u64)d0, extra, keys);
         ok = 1;
     }
     if (!ok) {
@@ -933,46 +1042,55 @@ static PyObject *store_blocks(Index *self, size_t sid, KeyChain *chain, long tie
         detached = 1;
         d0 = 0;
     }
-    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) {
+    /* Home hashes: a chain from a root shares one per 8 positions (that of
+     * the key at the first of them: this store's, or its parent's group's);
+     * a detached or unmatchable key has its own. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (detached) {
+            hhs[i] = own_home(keys[i]);
+            continue;
+        }
+        int64_t pos = d0 + i, a = pos & ~(int64_t)7;
+        hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & ~7ULL)) | (u64)(pos & 7);
+    }
+    /* Both tables grown for the whole store first, so that the prefetches
+     * below stay in the tables the loop probes. */
+    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
+    for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
         t_prefetch(&rk->entries, hashes[k]);
-        t_prefetch(&self->nodes, keys[k]);
+        t_prefetch_h(&self->nodes, hhs[k]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH < n) {
-            t_prefetch(&rk->entries, hashes[i + PREFETCH]);
-            t_prefetch(&self->nodes, keys[i + PREFETCH]);
+        if (i + STORE_PREFETCH < n) {
+            t_prefetch(&rk->entries, hashes[i + STORE_PREFETCH]);
+            t_prefetch_h(&self->nodes, hhs[i + STORE_PREFETCH]);
         }
         int64_t pos = ok ? d0 + i : 0;
         i32 depth = (i32)(detached ? ~pos : pos);
         int added;
         Entry *e = (Entry *)t_upsert(&rk->entries, hashes[i], entry_occ, &added);
-        if (!e) return NULL;
+        if (!e) return -1;
         if (added) {
             /* Occupied from here on: the count below is at least one. */
             e->key = keys[i];
+            e->hh = hhs[i];
             e->depth = depth;
             if (depth < 0) rk->detached++;
         }
         int pb = presence(e);
         if (e->c[tier] != UINT32_MAX) e->c[tier]++;
         int pa = presence(e);
-        if (pb != pa && node_update(self, sid, e->key, pb, pa) < 0) return NULL;
+        if (pb != pa && node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
     }
-    return PyLong_FromLong(flags);
+    return flags;
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "store takes 9 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 9, "store") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
-    if (!PyObject_TypeCheck(args[1], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
-    KeyChain *chain = (KeyChain *)args[1];
+    KeyChain *chain = chain_arg(args[1]);
+    if (!chain) return NULL;
     long tier = PyLong_AsLong(args[8]);
     if (tier == -1 && PyErr_Occurred()) return NULL;
     if (tier < 0 || tier > 2) {
@@ -1010,29 +1128,20 @@ static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t narg
         PyErr_Format(PyExc_ValueError, "extra has %zd entries for %zd blocks", ev.len / 8, n);
         goto done;
     }
-    result = store_blocks(self, sid, chain, tier, hashes, n, args[3], args[6], tok, ntok, extra);
+    u64 parent = 0, start = 0;
+    int has_parent = args[3] != Py_None;
+    if (has_parent ? u64_arg(args[3], &parent, "parent") : u64_arg(args[6], &start, "start")) goto done;
+    int flags = store_core(self, sid, chain, (int)tier, hashes, n, has_parent, parent, start, tok,
+                           ntok, NULL, extra);
+    if (flags >= 0) result = PyLong_FromLong(flags);
 done:
     if (extra) PyBuffer_Release(&ev);
     return result;
 }
 
-/* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
-static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "remove takes 3 arguments");
-        return NULL;
-    }
-    size_t sid;
-    if (check_sid(self, args[0], &sid) < 0) return NULL;
-    long tier = PyLong_AsLong(args[2]);
-    if (tier == -1 && PyErr_Occurred()) return NULL;
-    if (tier < 0 || tier > 2) {
-        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
-        return NULL;
-    }
-    Py_ssize_t n;
-    u64 *hashes = read_hashes(self, args[1], &n);
-    if (!hashes) return NULL;
+/* One copy fewer of each block in `tier`; returns the removals of copies
+ * the rank did not hold, or -1 with an exception. */
+static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssize_t n, int tier) {
     Rank *rk = &self->ranks[sid];
     Py_ssize_t unknown = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1045,28 +1154,52 @@ static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nar
         e->c[tier]--;
         int pa = presence(e);
         if (pb == pa) continue;
-        if (node_update(self, sid, e->key, pb, pa) < 0) return NULL;
+        if (node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
         if (!pa) {
             if (e->depth < 0) rk->detached--;
-            if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return NULL;
+            if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return -1;
         }
     }
-    return PyLong_FromSsize_t(unknown);
+    return unknown;
 }
 
-/* clear_rank(sid): forget every block of the rank, in time linear in them. */
-static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
+/* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
+static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 3, "remove") < 0) return NULL;
     size_t sid;
-    if (check_sid(self, arg, &sid) < 0) return NULL;
+    if (check_sid(self, args[0], &sid) < 0) return NULL;
+    long tier = PyLong_AsLong(args[2]);
+    if (tier == -1 && PyErr_Occurred()) return NULL;
+    if (tier < 0 || tier > 2) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
+        return NULL;
+    }
+    Py_ssize_t n;
+    u64 *hashes = read_hashes(self, args[1], &n);
+    if (!hashes) return NULL;
+    Py_ssize_t unknown = remove_core(self, sid, hashes, n, (int)tier);
+    return unknown < 0 ? NULL : PyLong_FromSsize_t(unknown);
+}
+
+/* Forget every block of rank sid, in time linear in them. */
+static int clear_core(Index *self, size_t sid) {
     Rank *rk = &self->ranks[sid];
     Table *t = &rk->entries;
     for (size_t j = 0; j < t->cap; j++) {
         const Entry *e = (const Entry *)(t->a + j * t->rs);
         if (!entry_occ((const char *)e, t->rs)) continue;
-        char *r = t_find(&self->nodes, e->key, node_occ);
-        if (r && node_drop(self, r, sid) < 0) return NULL;
+        char *r = t_find_h(&self->nodes, e->key, e->hh, node_occ);
+        if (r && node_drop(self, r, sid) < 0) return -1;
     }
     rank_free(rk);
+    return 0;
+}
+
+/* clear_rank(sid): forget every block of the rank. */
+static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    if (clear_core(self, sid) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1128,15 +1261,72 @@ static int walk_begin(Walk *wk, const Index *self, int tiers) {
     return 0;
 }
 
-/* Walk n more keys (stops early once nobody holds the prefix). */
+/* The home hash of a prompt's key i, keys[0] at a multiple of 8 positions. */
+static inline u64 walk_hh(const u64 *keys, Py_ssize_t i) {
+    return own_home(keys[i & ~(Py_ssize_t)7]) | (u64)(i & 7);
+}
+
+/* Walk n more keys, the first at a multiple of 8 positions (stops early
+ * once nobody holds the prefix). */
+/* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
+ * slot is empty exactly when that word is 0. */
+static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
+    const Table *t = &self->nodes;
+    if (wk->dead) return;
+    if (!t->cap) {
+        wk->dead = 1;
+        return;
+    }
+    const char *a = t->a;
+    const size_t rs = t->rs, m = t->cap - 1;
+    const int shift = t->shift;
+    u64 acc = wk->acc[0];
+    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++)
+        __builtin_prefetch(a + home_at(walk_hh(keys, k), shift, m) * rs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + WALK_PREFETCH < n)
+            __builtin_prefetch(a + home_at(walk_hh(keys, i + WALK_PREFETCH), shift, m) * rs);
+        const u64 k = keys[i], hh = walk_hh(keys, i);
+        size_t s = home_at(hh, shift, m);
+        u64 mask;
+        for (;;) {
+            const char *r = a + s * rs;
+            u64 rk, rh;
+            memcpy(&rk, r, 8);
+            memcpy(&mask, r + NODE_HEAD, 8);
+            if (rk == k) {
+                memcpy(&rh, r + 8, 8);
+                if (rh == hh) break;
+            }
+            if (!mask) break; /* an empty slot: not held by anyone */
+            s = (s + 1) & m;
+        }
+        u64 na = acc & mask;
+        if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
+        acc = na;
+        if (!acc) {
+            wk->dead = 1;
+            break;
+        }
+        wk->at++;
+    }
+    wk->acc[0] = acc;
+}
+
 static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
+    if (wk->W == 1 && wk->T == 1) {
+        walk_keys_one(wk, self, keys, n);
+        return;
+    }
     const size_t W = wk->W, T = wk->T;
     u64 *acc = wk->acc;
     i32 *depth = wk->depth;
-    for (Py_ssize_t k = 0; k < n && k < PREFETCH; k++) t_prefetch(&self->nodes, keys[k]);
+    /* A prompt's probes are independent: have them all in flight at once
+     * (a window of WALK_PREFETCH), not one cache miss after another. */
+    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch_h(&self->nodes, walk_hh(keys, k));
     for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
-        if (i + PREFETCH < n) t_prefetch(&self->nodes, keys[i + PREFETCH]);
-        char *r = t_find(&self->nodes, keys[i], node_occ);
+        if (i + WALK_PREFETCH < n) t_prefetch_h(&self->nodes, walk_hh(keys, i + WALK_PREFETCH));
+        char *r = t_find_h(&self->nodes, keys[i], walk_hh(keys, i), node_occ);
         if (!r) { wk->dead = 1; break; }
         i32 pos = (i32)wk->at;
         u64 alive = 0;
@@ -1263,10 +1453,7 @@ static int names_arg(PyObject *names) {
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
  * the runs held on GPU, on GPU or CPU, and anywhere. */
 static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "match takes 3 arguments");
-        return NULL;
-    }
+    if (nargs_ok(nargs, 3, "match") < 0) return NULL;
     if (names_arg(args[1]) < 0) return NULL;
     Py_buffer kv;
     if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
@@ -1284,20 +1471,54 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
  * hashed only a chunk past it. */
 #define MATCH_CHUNK 16
 
+/* A prompt's keys a chunk at a time: from a list's items (read as far as
+ * that) or from tokens read up front. */
+typedef struct {
+    KeyChain *chain;
+    PyObject *seq;
+    const u64 *all;
+    u64 *tok;
+    const u64 *extra;
+    Py_ssize_t nb;
+    u64 state;
+} MatchChunks;
+
+/* Keys of the chunk at block b into out (*m of them), their nodes
+ * prefetched; -1 with TypeError or ValueError for an unusable item. */
+static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out, Py_ssize_t *m) {
+    const Py_ssize_t bs = mc->chain->bs;
+    Py_ssize_t n = mc->nb - b < MATCH_CHUNK ? mc->nb - b : MATCH_CHUNK;
+    const u64 *t;
+    if (mc->seq) {
+        /* PyLong_Check'ed conversions run no Python code: the list cannot
+         * change under us. */
+        PyObject **items = PySequence_Fast_ITEMS(mc->seq) + b * bs;
+        const Py_ssize_t nt = n * bs, ahead = mc->nb * bs - b * bs - TOKEN_PREFETCH;
+        for (Py_ssize_t k = 0; k < nt; k++) {
+            /* The int objects are the cache misses of a cold prompt: have
+             * them on their way well ahead, into the next chunk. */
+            if (k < ahead) __builtin_prefetch(items[k + TOKEN_PREFETCH]);
+            if (token_of(items[k], &mc->tok[k]) < 0) return -1;
+        }
+        t = mc->tok;
+    } else {
+        t = mc->all + b * bs;
+    }
+    chain_keys(mc->chain, t, n, mc->state, (u64)b, mc->extra ? mc->extra + b : NULL, out);
+    mc->state = out[n - 1];
+    for (Py_ssize_t k = 0; k < n; k++) t_prefetch_h(&self->nodes, walk_hh(out, k));
+    *m = n;
+    return 0;
+}
+
 /* match_tokens(chain, tokens, packed, start, extra, names, tiers_type)
  *
  * match() from token ids in one call: keys are computed a chunk at a time
  * as the walk goes, and list items are read only as far as that. */
 static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "match_tokens takes 7 arguments");
-        return NULL;
-    }
-    if (!PyObject_TypeCheck(args[0], &KeyChainType)) {
-        PyErr_SetString(PyExc_TypeError, "chain must be a KeyChain");
-        return NULL;
-    }
-    KeyChain *chain = (KeyChain *)args[0];
+    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
+    KeyChain *chain = chain_arg(args[0]);
+    if (!chain) return NULL;
     if (chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
     int packed = PyObject_IsTrue(args[2]);
     u64 state;
@@ -1324,37 +1545,496 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
         extra = ev.buf;
     }
     if (walk_begin(&wk, self, args[6] != Py_None) < 0) goto done;
-    u64 keys[MATCH_CHUNK];
+    u64 keys[2][MATCH_CHUNK];
     u64 *tok = NULL;
     if (seq && !(tok = scratch_get(&chain->tok, MATCH_CHUNK * bs))) {
         PyMem_Free(wk.acc);
         goto done;
     }
-    for (Py_ssize_t b = 0; b < nb && !wk.dead; b += MATCH_CHUNK) {
-        Py_ssize_t m = nb - b < MATCH_CHUNK ? nb - b : MATCH_CHUNK;
-        const u64 *t;
-        if (seq) {
-            /* PyLong_Check'ed conversions run no Python code: the list
-             * cannot change under us. */
-            PyObject **items = PySequence_Fast_ITEMS(seq) + b * bs;
-            for (Py_ssize_t k = 0; k < m * bs; k++) {
-                if (token_of(items[k], &tok[k]) < 0) {
-                    PyMem_Free(wk.acc);
-                    goto done;
-                }
+    /* Chunk c + 1's keys are computed (its list items read) while chunk c's
+     * probes, prefetched, are on their way. An unusable item there is
+     * raised only if the walk gets that far, as when chunks go one by one. */
+    MatchChunks mc = {chain, seq, all, tok, extra, nb, state};
+    Py_ssize_t b = 0, m = 0;
+    if (nb > 0 && chunk_keys(&mc, self, 0, keys[0], &m) < 0) {
+        PyMem_Free(wk.acc);
+        goto done;
+    }
+    for (int c = 0; b < nb && !wk.dead; c ^= 1) {
+        Py_ssize_t next = b + m, m2 = 0;
+        PyObject *et = NULL, *ev2 = NULL, *etb = NULL;
+        if (next < nb && chunk_keys(&mc, self, next, keys[c ^ 1], &m2) < 0) PyErr_Fetch(&et, &ev2, &etb);
+        walk_keys(&wk, self, keys[c], m);
+        if (et) {
+            if (!wk.dead) {
+                PyErr_Restore(et, ev2, etb);
+                PyMem_Free(wk.acc);
+                goto done;
             }
-            t = tok;
-        } else {
-            t = all + b * bs;
+            Py_XDECREF(et);
+            Py_XDECREF(ev2);
+            Py_XDECREF(etb);
         }
-        chain_keys(chain, t, m, state, (u64)b, extra ? extra + b : NULL, keys);
-        state = keys[m - 1];
-        walk_keys(&wk, self, keys, m);
+        b = next;
+        m = m2;
     }
     result = walk_result(self, &wk, args[5], args[6]);
 done:
     if (extra) PyBuffer_Release(&ev);
     Py_XDECREF(seq);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The fused apply: one batch payload's msgpack straight into the tables.    */
+/*
+ * What kvwire.wire.decode_batch followed by PrefixIndex.apply does, without
+ * a Python object per event or block, for the batches engines send: events
+ * all maps (decode_batch's typed path) or all tagged arrays (its generic
+ * path), int hashes, no lora_name, extra keys, cache salt or lookahead tokens,
+ * scalar values in the fields nobody reads. A first pass reads and checks the
+ * whole payload (hashes and block sums into scratch); a second applies it.
+ * Anything outside that subset, well formed or not, changes nothing and is
+ * answered None: the caller decodes it the general way, which applies it or
+ * raises WireError exactly as before. So the subset read here only has to be
+ * a part of what decode_batch accepts, read the way it reads it. */
+
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t n, i;
+} Rd;
+
+#define FALL 1 /* outside the subset: decode the general way */
+
+/* An integer of any msgpack form; *neg: a negative signed one. */
+static int rd_int(Rd *r, u64 *v, int *neg) {
+    if (r->i >= r->n) return FALL;
+    int used = mp_int(r->p + r->i, r->n - r->i, v, neg);
+    if (used <= 0) return FALL;
+    r->i += used;
+    return 0;
+}
+
+static inline int rd_nil(Rd *r) {
+    if (r->i < r->n && r->p[r->i] == 0xc0) {
+        r->i++;
+        return 1;
+    }
+    return 0;
+}
+
+/* An array (fix 0x90) or map (fix 0x80) header; its length is checked
+ * against the bytes left (every item takes at least one). */
+static int rd_head(Rd *r, Py_ssize_t *n, unsigned char fix, unsigned char b16, unsigned char b32,
+                   Py_ssize_t per_item) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1;
+    if (c >= fix && c <= fix + 15) { *n = c & 15; r->i += 1; }
+    else if (c == b16) { if (rem < 2) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; }
+    else if (c == b32) { if (rem < 4) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; }
+    else return FALL;
+    return *n > (r->n - r->i) / per_item ? FALL : 0;
+}
+
+static inline int is_array_head(unsigned char c) { return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd; }
+static inline int is_map_head(unsigned char c) { return (c >= 0x80 && c <= 0x8f) || c == 0xde || c == 0xdf; }
+
+/* An ASCII string (valid UTF-8 for every decoder). */
+static int rd_str(Rd *r, const char **s, Py_ssize_t *len) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1, n, h;
+    if (c >= 0xa0 && c <= 0xbf) { n = c & 31; h = 1; }
+    else if (c == 0xd9) { if (rem < 1) return FALL; n = r->p[r->i + 1]; h = 2; }
+    else if (c == 0xda) { if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); h = 3; }
+    else if (c == 0xdb) { if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); h = 5; }
+    else return FALL;
+    if (n > r->n - r->i - h) return FALL;
+    const unsigned char *b = r->p + r->i + h;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (b[k] & 0x80) return FALL;
+    *s = (const char *)b;
+    *len = n;
+    r->i += h + n;
+    return 0;
+}
+
+/* A value nobody reads: nil, a bool, a number, an ASCII string or bytes. */
+static int rd_skip(Rd *r) {
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    Py_ssize_t rem = r->n - r->i - 1, n;
+    u64 v;
+    int neg;
+    const char *s;
+    switch (c) {
+        case 0xc0: case 0xc2: case 0xc3: r->i++; return 0;
+        case 0xca: if (rem < 4) return FALL; r->i += 5; return 0;
+        case 0xcb: if (rem < 8) return FALL; r->i += 9; return 0;
+        case 0xc4: if (rem < 1) return FALL; n = r->p[r->i + 1]; r->i += 2; break;
+        case 0xc5: if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; break;
+        case 0xc6: if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; break;
+        default:
+            if (rd_int(r, &v, &neg) == 0) return 0;
+            return rd_str(r, &s, &n);
+    }
+    if (n > r->n - r->i) return FALL;
+    r->i += n;
+    return 0;
+}
+
+static int str_is(const char *s, Py_ssize_t n, const char *lit) {
+    return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
+}
+
+/* The fields of BlockStored in declaration (positional) order, then the tag. */
+enum {
+    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
+    F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_SALT, F_TYPE, F_COUNT,
+    F_UNKNOWN = -1
+};
+static const char *const FIELD_NAMES[F_COUNT] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+    "locality", "ownership", "session_id", "lookahead_token_ids", "cache_salt", "type",
+};
+/* BlockRemoved's fields, positional order. */
+static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
+#define N_REMOVED 5
+#define N_STORED 16
+#define REQUIRED_STORED ((1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_BS))
+
+enum { EV_STORED, EV_REMOVED, EV_CLEARED };
+
+/* One event read by the first pass. */
+struct PEv {
+    int kind, tier, group_ok, has_parent, other_size;
+    u64 parent;
+    Py_ssize_t n, hoff, soff; /* hashes; their block sums (-1: tokens unusable) */
+};
+
+typedef struct {
+    Index *self;
+    KeyChain *chain;
+    PyObject *groups, *tiers;
+    int none_ok;
+    Py_ssize_t max_events, max_blocks, max_bs, max_tokens, index_max_bs;
+    /* the medium last looked up */
+    const char *med;
+    Py_ssize_t med_len;
+    int med_tier;
+} PCtx;
+
+static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = PyMem_Realloc(*a, (size_t)c * item);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
+/* tier_of(medium) from PrefixIndex's cache of it; a name not cached yet: FALL. */
+static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
+    if (cx->med && cx->med_len == n && memcmp(cx->med, s, (size_t)n) == 0) {
+        *tier = cx->med_tier;
+        return 0;
+    }
+    PyObject *key = PyUnicode_FromStringAndSize(s, n);
+    if (!key) return -1;
+    PyObject *v = PyDict_GetItemWithError(cx->tiers, key);
+    Py_DECREF(key);
+    if (!v) return PyErr_Occurred() ? -1 : FALL;
+    long t = PyLong_Check(v) ? PyLong_AsLong(v) : -1;
+    if (t < 0 || t > 2) {
+        PyErr_Clear();
+        return FALL;
+    }
+    cx->med = s;
+    cx->med_len = n;
+    cx->med_tier = *tier = (int)t;
+    return 0;
+}
+
+/* One field's value into ev (and the hashes/tokens into scratch). */
+static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t *ntok,
+                    Py_ssize_t *bs) {
+    Index *self = cx->self;
+    u64 v;
+    int neg, rc;
+    const char *s;
+    Py_ssize_t n;
+    switch (f) {
+        case F_HASHES: {
+            if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+            if (n > cx->max_blocks) return FALL;
+            Py_ssize_t off = self->ph_len;
+            if (!scratch_get(&self->ph, off + n)) return -1;
+            for (Py_ssize_t k = 0; k < n; k++)
+                if (rd_int(r, &self->ph.p[off + k], &neg)) return FALL;
+            self->ph_len = off + n;
+            ev->hoff = off;
+            ev->n = n;
+            return 0;
+        }
+        case F_PARENT:
+            if (rd_nil(r)) return 0;
+            if (rd_int(r, &ev->parent, &neg)) return FALL;
+            ev->has_parent = 1;
+            return 0;
+        case F_TOKENS: {
+            if (r->i >= r->n || !is_array_head(r->p[r->i])) return FALL;
+            u64 *t;
+            Py_ssize_t used;
+            if (tokens_packed_at(r->p + r->i, r->n - r->i, &cx->chain->tok, &t, ntok, &used) < 0)
+                return clear_refusal() ? FALL : -1;
+            if (*ntok > cx->max_tokens) return FALL;
+            *tok = t;
+            r->i += used;
+            return 0;
+        }
+        case F_BS:
+            if (rd_int(r, &v, &neg) || neg || v < 1 || v > (u64)cx->max_bs) return FALL;
+            *bs = (Py_ssize_t)v;
+            return 0;
+        case F_LORA_ID:
+        case F_WINDOW:
+            return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
+        case F_KIND:
+            return rd_nil(r) ? 0 : rd_str(r, &s, &n);
+        case F_MEDIUM:
+            if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
+            if (rd_str(r, &s, &n)) return FALL;
+            return medium_tier(cx, s, n, &ev->tier);
+        case F_GROUP: {
+            if (rd_nil(r)) { ev->group_ok = cx->none_ok; return 0; }
+            if (rd_int(r, &v, &neg)) return FALL;
+            PyObject *g = neg ? PyLong_FromLongLong((long long)v) : PyLong_FromUnsignedLongLong(v);
+            if (!g) return -1;
+            rc = PySet_Contains(cx->groups, g);
+            Py_DECREF(g);
+            if (rc < 0) return -1;
+            ev->group_ok = rc;
+            return 0;
+        }
+        case F_LORA_NAME:
+        case F_EXTRA:
+        case F_LOOKAHEAD:
+        case F_SALT:
+            return rd_nil(r) ? 0 : FALL;
+        case F_LOCALITY:
+        case F_OWNERSHIP:
+        case F_SESSION:
+        case F_UNKNOWN:
+            return rd_skip(r);
+        default:
+            return FALL; /* a second tag */
+    }
+}
+
+/* A field id by name, for an event of this kind (F_UNKNOWN: not its field). */
+static int field_of(int kind, const char *s, Py_ssize_t n) {
+    if (kind == EV_CLEARED) return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
+    if (kind == EV_STORED) {
+        for (int f = 0; f < F_COUNT; f++)
+            if (str_is(s, n, FIELD_NAMES[f])) return f;
+        return F_UNKNOWN;
+    }
+    for (int k = 0; k < N_REMOVED; k++)
+        if (str_is(s, n, FIELD_NAMES[REMOVED_FIELDS[k]])) return REMOVED_FIELDS[k];
+    return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
+}
+
+static int kind_of(const char *s, Py_ssize_t n) {
+    if (str_is(s, n, "BlockStored")) return EV_STORED;
+    if (str_is(s, n, "BlockRemoved")) return EV_REMOVED;
+    if (str_is(s, n, "AllBlocksCleared")) return EV_CLEARED;
+    return -1;
+}
+
+/* One event, a map (`map` 1) or a tagged array, into ev. */
+static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
+    Py_ssize_t n, len;
+    const char *s;
+    if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+    if (n < 1) return FALL;
+    if (map && (rd_str(r, &s, &len) || !str_is(s, len, "type"))) return FALL;
+    if (rd_str(r, &s, &len)) return FALL;
+    int kind = kind_of(s, len);
+    if (kind < 0) return FALL;
+    memset(ev, 0, sizeof *ev);
+    ev->kind = kind;
+    ev->group_ok = cx->none_ok; /* group_idx None unless given */
+    ev->soff = -1;
+    const u64 *tok = NULL;
+    Py_ssize_t ntok = 0, bs = 0;
+    unsigned seen = 0;
+    for (Py_ssize_t k = 1; k < n; k++) {
+        int f;
+        if (map) {
+            if (rd_str(r, &s, &len)) return FALL;
+            f = field_of(kind, s, len);
+        } else {
+            Py_ssize_t at = k - 1;
+            if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_UNKNOWN;
+            else if (kind == EV_REMOVED) f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_UNKNOWN;
+            else f = F_UNKNOWN;
+        }
+        if (f >= 0) {
+            if (seen & (1u << f)) return FALL;
+            seen |= 1u << f;
+        }
+        int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
+        if (rc) return rc;
+    }
+    if (kind == EV_REMOVED && !(seen & (1u << F_HASHES))) return FALL;
+    if (kind != EV_STORED) return 0;
+    if ((seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
+    /* PrefixIndex._store: tokens count only at the index's block size. */
+    int usable = bs == cx->chain->bs;
+    ev->other_size = !usable && bs <= cx->index_max_bs;
+    if (usable && ev->n && ntok == ev->n * bs) {
+        Index *self = cx->self;
+        Py_ssize_t off = self->ps_len;
+        if (!scratch_get(&self->ps, off + ev->n)) return -1;
+        for (Py_ssize_t b = 0; b < ev->n; b++) self->ps.p[off + b] = block_sum_of(cx->chain, tok, b);
+        self->ps_len = off + ev->n;
+        ev->soff = off;
+    }
+    return 0;
+}
+
+/* The first pass: the whole payload read and checked; *count events. */
+static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
+    Index *self = cx->self;
+    Py_ssize_t n, m;
+    if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1) || n < 2 || n > 3) return FALL;
+    if (r->i >= r->n) return FALL;
+    unsigned char c = r->p[r->i];
+    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
+    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
+    else return FALL;
+    if (rd_head(r, &m, 0x90, 0xdc, 0xdd, 1) || m > cx->max_events) return FALL;
+    if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
+    int map = m > 0 && r->i < r->n && is_map_head(r->p[r->i]);
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int rc = rd_event(cx, r, map, &self->pev[k]);
+        if (rc) return rc;
+    }
+    if (n == 3 && !rd_nil(r)) {
+        u64 v;
+        int neg;
+        if (rd_int(r, &v, &neg)) return FALL;
+    }
+    if (r->i != r->n) return FALL; /* trailing bytes */
+    *count = m;
+    return 0;
+}
+
+/* Scratch that one hostile payload grew is given back afterwards. */
+#define SCRATCH_KEEP ((Py_ssize_t)1 << 16)
+
+static void scratch_trim(Scratch *s) {
+    if (s->cap > SCRATCH_KEEP) scratch_free(s);
+}
+
+static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
+    Py_ssize_t v = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
+    if (v < 0) *fail = 1;
+    PyErr_Clear();
+    return v;
+}
+
+/* apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers,
+ *               max_events, max_blocks, max_block_size, max_tokens)
+ *   -> (orphans, unknown removals, ignored, malformed, refused, over_cap) | None
+ *
+ * over_cap: 0 unchanged, 1 a store was refused last, 2 a clear came last.
+ * None: the payload is outside the subset read here; nothing changed. */
+static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 11, "apply_payload") < 0) return NULL;
+    if (!chain_arg(args[1])) return NULL;
+    if (!PyAnySet_Check(args[5]) || !PyDict_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "groups must be a set, tiers a dict");
+        return NULL;
+    }
+    PCtx cx = {.self = self, .chain = (KeyChain *)args[1], .groups = args[5], .tiers = args[6]};
+    u64 root;
+    if (u64_arg(args[3], &root, "root") < 0) return NULL;
+    int bad = 0;
+    cx.index_max_bs = ssize_arg(args[4], &bad);
+    cx.max_events = ssize_arg(args[7], &bad);
+    cx.max_blocks = ssize_arg(args[8], &bad);
+    cx.max_bs = ssize_arg(args[9], &bad);
+    cx.max_tokens = ssize_arg(args[10], &bad);
+    if (bad) Py_RETURN_NONE; /* limits this path does not read: the general way */
+    Py_buffer pv;
+    if (PyObject_GetBuffer(args[2], &pv, PyBUF_SIMPLE) < 0) {
+        if (!clear_refusal() && !PyErr_ExceptionMatches(PyExc_BufferError)) return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL;
+    size_t sid;
+    if (chain_ready(cx.chain) < 0 || check_sid(self, args[0], &sid) < 0) goto done;
+    cx.none_ok = PySet_Contains(cx.groups, Py_None);
+    if (cx.none_ok < 0) goto done;
+    self->ph_len = self->ps_len = 0;
+    Rd r = {pv.buf, pv.len, 0};
+    Py_ssize_t m = 0;
+    int rc = rd_batch(&cx, &r, &m);
+    if (rc) {
+        if (rc == FALL) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    /* The second pass: nothing below can refuse the batch. */
+    Py_ssize_t orphans = 0, unknown = 0, ignored = 0, malformed = 0, refused = 0;
+    int over = 0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        const PEv *ev = &self->pev[k];
+        if (ev->kind == EV_CLEARED) {
+            if (clear_core(self, sid) < 0) goto done;
+            over = 2;
+            continue;
+        }
+        if (!ev->group_ok) {
+            ignored++;
+            continue;
+        }
+        if (!ev->n) continue;
+        const u64 *h = self->ph.p + ev->hoff;
+        if (ev->kind == EV_REMOVED) {
+            Py_ssize_t u = remove_core(self, sid, h, ev->n, ev->tier);
+            if (u < 0) goto done;
+            unknown += u;
+            continue;
+        }
+        const u64 *sums = ev->soff < 0 ? NULL : self->ps.p + ev->soff;
+        int flags = store_core(self, sid, cx.chain, ev->tier, h, ev->n, ev->has_parent, ev->parent,
+                               root, NULL, 0, sums, NULL);
+        if (flags < 0) goto done;
+        if (flags & OVER_CAP) {
+            refused++;
+            over = 1;
+            continue;
+        }
+        if (flags & ORPHAN) orphans++;
+        if ((flags & MALFORMED) && !ev->other_size) malformed++;
+    }
+    result = Py_BuildValue("nnnnni", orphans, unknown, ignored, malformed, refused, over);
+done:
+    PyBuffer_Release(&pv);
+    scratch_trim(&self->ph);
+    scratch_trim(&self->ps);
+    scratch_trim(&cx.chain->tok);
+    if (self->pev_cap > SCRATCH_KEEP) {
+        PyMem_Free(self->pev);
+        self->pev = NULL;
+        self->pev_cap = 0;
+    }
     return result;
 }
 
@@ -1385,6 +2065,9 @@ static PyMethodDef Index_methods[] = {
     {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
     {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached)"},
+    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload, METH_FASTCALL,
+     "apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers, max_events, "
+     "max_blocks, max_block_size, max_tokens) -> counter deltas, or None (decode it the general way)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(keys, names, tiers_type) -> {name: depth}"},
     {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,

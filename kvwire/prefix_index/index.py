@@ -1,7 +1,9 @@
 """The prefix index: which (worker, rank) holds how much of a prompt's prefix.
 
 It is a sink for the subscriber: ``apply(worker_id, rank, batch)`` and
-``clear(worker_id, rank)``. Engine block hashes stay opaque ids; the index
+``clear(worker_id, rank)``; ``apply_payload(worker_id, rank, payload)`` takes a
+batch's msgpack bytes instead and applies them without decoding them into
+Python objects. Engine block hashes stay opaque ids; the index
 computes its own chained content keys from each store's token ids (see
 :mod:`kvwire.prefix_index.keys`), so a router matches prompts with the same
 function and never needs the engine's hash.
@@ -14,7 +16,9 @@ arrives, token bytes read straight from the decoded payload:
   twice and remove one copy. Dropping a rank walks only its own table.
 - one shared table: our key -> a bitmask of the ranks holding it (one bit per
   rank, 64 ranks a word; per tier once a non-GPU medium shows up). A match
-  ANDs the masks along the prompt's keys.
+  ANDs the masks along the prompt's keys. Eight consecutive blocks of a chain
+  live side by side in it, so a prompt's walk reads a few cache lines per
+  eight blocks.
 
 A store whose parent hash the rank never reported (a late join, a partial
 replay) starts a detached chain: its keys derive from the unknown parent, so
@@ -35,12 +39,15 @@ import numpy.typing as npt
 from kvwire.prefix_index._core import MALFORMED, ORPHAN, OVER_CAP, Index
 from kvwire.prefix_index.keys import KeyScheme, key_scheme, token_source
 from kvwire.wire import (
+    DEFAULT_LIMITS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    DecodeLimits,
     KVEventBatch,
     TokenIds,
     WireError,
+    decode_batch,
     normalise_hash,
 )
 
@@ -89,6 +96,10 @@ def _tier_of_name(medium: str) -> int:
     if "CPU" in m or m in ("HOST", "DRAM"):
         return CPU
     return STORAGE
+
+
+for _medium in ("GPU", "CPU", "CPU_PINNED", "STORAGE", "DISK", "EXTERNAL"):
+    tier_of(_medium)  # the engines' media, known to apply_payload from the start
 
 
 class TierDepths(NamedTuple):
@@ -176,6 +187,9 @@ class PrefixIndex:
         self._root = self._scheme.root()
         self._chain = self._scheme.native
         self._groups = frozenset(groups)
+        # apply_payload's native path compares groups in C: ints and None only.
+        self._native_groups = all(g is None or type(g) is int for g in self._groups)
+        self._limits: tuple[DecodeLimits, tuple[int, int, int, int]] | None = None
         self._lock = threading.Lock()
         self._core = Index(max_blocks_per_rank or 0)
         self._sids: dict[RankKey, int] = {}
@@ -212,6 +226,50 @@ class PrefixIndex:
                         self._remove(sid, ev)
                 elif isinstance(ev, AllBlocksCleared):
                     self._clear_sid(sid)
+
+    def apply_payload(
+        self,
+        worker_id: str,
+        rank: int,
+        payload: bytes | bytearray | memoryview,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+    ) -> None:
+        """``apply(worker_id, rank, decode_batch(payload, limits))``, in one native pass.
+
+        The batches engines send go from their msgpack straight into the
+        tables, with no Python object per event or block; any other payload
+        (rarer dialect forms, a rank's first batch) takes the general path.
+        Either way the index ends as ``apply`` leaves it, and a payload
+        ``decode_batch`` refuses raises its :class:`WireError` with nothing
+        applied.
+        """
+        lim = self._limits
+        if lim is None or lim[0] is not limits:
+            lim = self._limits = (
+                limits,
+                (limits.max_events, limits.max_blocks, limits.max_block_size, limits.max_tokens),
+            )
+        with self._lock:
+            sid = self._sids.get((worker_id, rank))
+            done = None
+            if sid is not None and self._native_groups:
+                done = self._core.apply_payload(
+                    sid, self._chain, payload, self._root, self.max_block_size,
+                    self._groups, _TIER_OF, *lim[1],
+                )  # fmt: skip
+            if done is not None and sid is not None:
+                orphans, unknown, ignored, malformed, refused, over = done
+                self._orphan_stores += orphans
+                self._unknown_removals += unknown
+                self._ignored += ignored
+                self._malformed += malformed
+                self._refused += refused
+                if over == 1:
+                    self._over_cap.add(sid)
+                elif over == 2:
+                    self._over_cap.discard(sid)
+                return
+        self.apply(worker_id, rank, decode_batch(payload, limits))
 
     def clear(self, worker_id: str, rank: int) -> None:
         """Forget every block of one rank (its state is about to be rebuilt)."""
@@ -309,7 +367,8 @@ class PrefixIndex:
             )
 
     def match_keys(self, keys: U64) -> dict[RankKey, int]:
-        """:meth:`match` for keys computed already (with this index's seed)."""
+        """:meth:`match` for keys computed already (with this index's seed), the
+        prompt's from its first block (as :meth:`keys` and :func:`block_keys` give them)."""
         return self._match_keys(keys, None)
 
     def match_keys_tiers(self, keys: U64) -> dict[RankKey, TierDepths]:

@@ -206,11 +206,21 @@ static double wall_now(void) {
     return ns % 1000000000LL == 0 ? (double)(ns / 1000000000LL) : (double)ns / 1e9;
 }
 
-/* When the next heartbeat is due (CLOCK_MONOTONIC seconds): `interval` after the last
- * batch sent, heartbeats included, so an idle publisher sends one per interval and a
- * busy one none; INFINITY without heartbeats. The one place this rule lives. */
-static double heartbeat_due(double last_sent, double interval) {
-    return interval > 0 ? last_sent + interval : INFINITY;
+#define HEARTBEAT_QUIET 0.5 /* kvwire.wire.heartbeat.HEARTBEAT_QUIET */
+
+/* When the next heartbeat is due (CLOCK_MONOTONIC seconds; INFINITY without heartbeats):
+ * kvwire.wire.heartbeat.heartbeat_at, the one rule publisher and subscriber share, ported
+ * line for line (change both together). Heartbeats fall on the wall-clock grid of the
+ * interval: the first grid instant at or after last_sent + interval / 2, where last_sent
+ * is the monotonic time of the last batch sent (heartbeats included) and wall is
+ * time.time() read at now. */
+static double heartbeat_due(double last_sent, double interval, double now, double wall) {
+    if (!(interval > 0)) return INFINITY;
+    double earliest = last_sent + HEARTBEAT_QUIET * interval;
+    double earliest_wall = wall + (earliest - now);
+    double grid = ceil(earliest_wall / interval) * interval;
+    double wait = grid - earliest_wall;
+    return earliest + (wait < 0 ? 0 : wait > interval ? interval : wait);
 }
 
 /* --- reading Python objects without the GIL -------------------------------------------
@@ -816,7 +826,8 @@ static void *run(void *arg) {
         if (s->qlen == 0) {
             if (s->stopping) break;
             double now = mono_now();
-            double due = s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s);
+            double due =
+                s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s, now, wall_now());
             if (due <= now) {
                 Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
                 s->last_sent = now;

@@ -129,9 +129,11 @@ class EventPublisher:
 
     - ``epoch``: a random 64-bit id per instance, appended to every topic frame
       (live, replay, snapshot) as ``\\x00sgl-kv-epoch=kvw1.<hex>[.hb<ms>][.snap]``.
-    - ``heartbeat``: after that many seconds without a batch, the sender thread
-      publishes an empty batch on the next seq, so a trailing drop is a visible
-      gap within one heartbeat (``None``: never).
+    - ``heartbeat``: the interval (s) of the wall-clock grid on which the sender
+      thread publishes an empty batch on the next seq when nothing went out in
+      the last half interval (:mod:`kvwire.wire.heartbeat`), so a trailing drop
+      is a visible gap within 1.5 intervals and a fleet's heartbeats arrive
+      together (``None``: never).
     - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
       and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
       chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a

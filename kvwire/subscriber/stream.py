@@ -85,9 +85,10 @@ Rules
   back empty is first asked for its whole buffer: a buffer always holds the
   latest batch, so batches that all lie below the anchor prove a restart.)
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
-  sends the next seq every interval: silence for three intervals makes the
-  rank STALE, and the next message shows any gap. Without heartbeats the
-  rank is probed after ``idle_probe`` of silence: the engines' publishers
+  sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
+  silence for 2.5 intervals asks for a fresh connection (once a silence), for
+  3.5 makes the rank STALE, and the next message shows any gap. Without
+  heartbeats the rank is probed after ``idle_probe`` of silence: the engines' publishers
   assign a seq when they send, so their replay buffer holds every seq and a
   probe proves the tail; kvwire's (epoch ``kvw1.``) reserve a seq before
   queueing, so a batch dropped at the end of a burst leaves no trace and the
@@ -143,6 +144,7 @@ from kvwire.wire import (
     parse_replay_reply,
     split_topic,
 )
+from kvwire.wire.heartbeat import MAX_SILENCE
 
 __all__ = ["TRANSITIONS", "Phase", "RankStream"]
 
@@ -150,8 +152,11 @@ Frame = bytes | bytearray | memoryview
 
 _LOST_RANGES_KEPT = 64
 _KVWIRE_EPOCH = b"kvw1."
-_STALE_HEARTBEATS = 3
-_RECONNECT_HEARTBEATS = 2  # silence after which a fresh connection is tried, once
+# Silence (in heartbeat intervals) after which a fresh connection is tried (once a
+# silence), and after which the rank is STALE: one and two intervals past the longest
+# a healthy heartbeating publisher is silent (kvwire.wire.heartbeat).
+_RECONNECT_HEARTBEATS = MAX_SILENCE + 1
+_STALE_HEARTBEATS = MAX_SILENCE + 2
 
 
 class Phase(enum.Enum):
@@ -409,6 +414,13 @@ class RankStream:
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
+        hb = self._epoch_info.heartbeat_s
+        if self._fast and self._active is None and hb is not None:
+            # In sequence and nothing asked (FOLLOWING): only the silence deadlines,
+            # which every live message moves (the timers of a large fleet ask often).
+            if self._reconnected_after == self._last_live_at:
+                return self._last_live_at + _STALE_HEARTBEATS * hb
+            return self._last_live_at + _RECONNECT_HEARTBEATS * hb
         due = self._active.deadline if self._active is not None else None
         for t in (
             self._retry_at if self._phase is Phase.BACKOFF else None,
@@ -492,6 +504,10 @@ class RankStream:
         due = self._due  # never later than next_deadline(): live batches only delay it
         if due is None or now < due:
             return []
+        if self._fast:  # live batches moved it (silence deadlines): nothing else is due
+            due = self._due = self.next_deadline()
+            if due is None or now < due:
+                return []
         self._begin(now)
         try:
             self._on_tick()

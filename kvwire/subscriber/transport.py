@@ -6,9 +6,10 @@ replay or snapshot request is out, and is closed once the stream has nothing
 pending, so a rank at rest holds three sockets (one TCP connection). Every
 socket's ZeroMQ file descriptor is registered with the asyncio loop's
 selector (epoll), so a wake-up costs in proportion to the ranks that have
-something to read, not to the ranks followed; one timer heap holds every
-rank's next deadline (replay timeouts, retries, idle probes) behind a single
-loop timer.
+something to read, not to the ranks followed; a ready socket is read to the
+end in one native call (:mod:`kvwire.subscriber.receive`), and a monitor only
+when its descriptor signalled. One timer heap holds every rank's next deadline
+(replay timeouts, retries, idle probes) behind a single loop timer.
 
 A rank is always serviced in the same order: connection events first
 (draining the SUB before a disconnect, so the old connection's batches come
@@ -52,6 +53,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.receive import drain
 from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -64,6 +66,9 @@ log = logging.getLogger("kvwire.subscriber")
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _BURST = 256  # live messages read from one rank before the others get a turn
+_LIVE_FRAMES = 3  # [topic, seq, payload]; a longer message is read as () and counted
+_REPLY_FRAMES = 6  # the longest replay reply (a snapshot chunk)
+_MONITOR_FRAMES = 2  # [event and value, endpoint]
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
 _REPLAY_RCVHWM = 1024  # replay reply messages queued unread per rank
 _MAX_TIMER_S = 5.0  # a rank's deadline is re-read at least this often
@@ -94,7 +99,7 @@ class _Link:
     __slots__ = (
         "closed",
         "connecting_since",
-                "dealer",
+        "dealer",
         "dealer_fd",
         "dealer_token",
         "endpoints",
@@ -114,9 +119,7 @@ class _Link:
         "worker_id",
     )
 
-    def __init__(
-        self, source: EngineSource, endpoints: RankEndpoints, stream: RankStream
-    ) -> None:
+    def __init__(self, source: EngineSource, endpoints: RankEndpoints, stream: RankStream) -> None:
         self.worker_id = source.worker_id
         self.keys = source.keys
         self.topic = source.topic.encode()
@@ -246,7 +249,7 @@ class Subscriber:
         self._first_contacts = 0
         self._epoll = select.epoll()
         self._fd_links: dict[int, _Link] = {}
-        self._continue: dict[_Link, None] = {}  # ranks with more to read than one burst
+        self._continue: dict[_Link, bool] = {}  # ranks with more to read than one burst
         self._armed = False
         self._followup: asyncio.Handle | None = None
         self._coalesce_s = coalesce_s
@@ -532,7 +535,7 @@ class Subscriber:
     def _resume_deferred(self) -> None:
         """The reader caught up: read on from the ranks that waited (their sockets won't signal)."""
         deferred, self._deferred = self._deferred, {}
-        self._continue.update(deferred)
+        self._continue.update(dict.fromkeys(deferred, True))
         if self._running and self._loop is not None:
             self._disarm()
             self._followup = self._loop.call_soon(self._wake)
@@ -627,6 +630,9 @@ class Subscriber:
         link.sub = sub
         monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
         link.monitor = monitor
+        # A fresh inproc pipe does not signal its first message: one read (of nothing,
+        # before the SUB connects) makes it signal from then on.
+        drain(monitor, 1, _MONITOR_FRAMES)
         sub.connect(link.endpoints.endpoint)
         link.sub_fd = _fd(sub)
         link.monitor_fd = _fd(monitor)
@@ -749,15 +755,18 @@ class Subscriber:
             self._followup = None  # the loop is ours: stay registered
         else:
             self._disarm()
-        ready = self._continue
+        ready = self._continue  # rank -> whether its monitor signalled
         self._continue = {}
         fd_links = self._fd_links
         for fd, _ in self._epoll.poll(0):
             link = fd_links.get(fd)
             if link is not None:
-                ready[link] = None
-        for link in ready:
-            self._service(link)
+                if fd == link.monitor_fd:
+                    ready[link] = True
+                elif link not in ready:
+                    ready[link] = False
+        for link, monitor in ready.items():
+            self._service(link, monitor)
         if self._flush_links:
             self._flush()
         if not self._running or self._loop is None:
@@ -773,8 +782,15 @@ class Subscriber:
         else:
             self._arm()
 
-    def _service(self, link: _Link) -> None:
-        """Everything the rank's sockets hold, in order: connection events, live, replies."""
+    def _service(self, link: _Link, monitor: bool) -> None:
+        """Everything the rank's sockets hold, in order: connection events, live, replies.
+
+        ``monitor``: its monitor's descriptor signalled. Otherwise the monitor is
+        not read: it was read to the end before, so nothing waits there unless
+        it signals (an event arriving meanwhile is read in the next round, before
+        the fresh connection it announces can deliver: libzmq reconnects 100 ms
+        after a disconnect at the earliest).
+        """
         if link.closed:
             return
         space = self._space
@@ -783,8 +799,7 @@ class Subscriber:
             return
         burst = 0
         try:
-            monitor = link.monitor
-            if monitor is not None and _readable(monitor):
+            if monitor and link.monitor is not None:
                 self._on_monitor(link)
             if link.sub is not None:
                 burst = self._drain_live(link, _BURST)
@@ -796,19 +811,24 @@ class Subscriber:
             self._log_limited(link, "subscriber loop error", exc_info=True)
         if burst >= _BURST and not link.closed:
             # More may be queued, and the socket will not signal it again.
-            self._continue[link] = None
+            self._continue[link] = False
         elif burst and self._sink_flush is not None:
             self._flush_links[link] = None
 
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
         assert monitor is not None
-        while True:
-            try:
-                msg = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(msg)["event"]
+        # Read to the end: the monitor signals again only once it has been found empty.
+        events: list[tuple[bytes, ...]] = []
+        while len(batch := drain(monitor, _BURST, _MONITOR_FRAMES)) == _BURST:
+            events += batch
+        events += batch
+        for msg in events:
+            if link.monitor is not monitor:
+                return  # the rank was removed by what it delivered
+            if len(msg) != _MONITOR_FRAMES:
+                continue  # not libzmq's: nothing to go by
+            event = parse_monitor_message(list(msg))["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.reconnect_delay = 0.0
                 link.reconnect_at = None
@@ -847,39 +867,42 @@ class Subscriber:
         clock = self._clock
         sink = self._sink
         worker_id, rank = link.worker_id, link.rank
-        recv = sub.recv_multipart
         n = 0
         while n < budget:
-            try:
-                frames = recv(zmq.NOBLOCK)
-            except zmq.Again:
+            chunk = min(_BURST, budget - n)
+            messages = drain(sub, chunk, _LIVE_FRAMES)
+            if not messages:
                 break
-            n += 1
-            actions = live(frames, clock())
-            if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
-                try:
-                    sink.apply(worker_id, rank, actions[0].batch)
-                except Exception as exc:
-                    self._sink_failed(link, exc)
-            elif actions:
-                self._deliver(link, actions)
-            if link.sub is not sub:
-                break  # the rank was removed by what it delivered
+            now = clock()
+            for frames in messages:
+                n += 1
+                actions = live(frames, now)
+                if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
+                    try:
+                        sink.apply(worker_id, rank, actions[0].batch)
+                    except Exception as exc:
+                        self._sink_failed(link, exc)
+                elif actions:
+                    self._deliver(link, actions)
+                if link.sub is not sub:
+                    return n  # the rank was removed by what it delivered
+            if len(messages) < chunk:
+                break  # the socket is empty
         return n
 
     def _drain_replay(self, link: _Link) -> None:
         applied = False
-        while link.dealer is not None:
-            dealer = link.dealer
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        dealer = link.dealer
+        while dealer is not None and link.dealer is dealer:
+            messages = drain(dealer, _BURST, _REPLY_FRAMES)
+            for frames in messages:
+                actions = link.stream.replay_reply(frames, link.dealer_token, self._clock())
+                applied = applied or bool(actions)
+                self._deliver(link, actions)
+                if link.dealer is not dealer:
+                    break  # a fresh replay socket replaced this one: read it on its own signal
+            if len(messages) < _BURST:
                 break
-            actions = link.stream.replay_reply(frames, link.dealer_token, self._clock())
-            applied = applied or bool(actions)
-            self._deliver(link, actions)
-            if link.dealer is not dealer:
-                break  # a fresh replay socket replaced this one: read it on its own signal
         if not link.closed:
             self._release_dealer(link)
             if applied and self._sink_flush is not None:
@@ -887,11 +910,12 @@ class Subscriber:
 
     # --- time ---------------------------------------------------------------------------
 
-    def _schedule(self, link: _Link) -> None:
+    def _schedule(self, link: _Link, now: float | None = None) -> None:
         """Put the rank's next deadline on the heap (re-read at least every few seconds)."""
         if link.closed:
             return
-        now = self._clock()
+        if now is None:
+            now = self._clock()
         deadline = link.stream.next_deadline()
         cap = now + _MAX_TIMER_S
         at = cap if deadline is None or deadline > cap else deadline
@@ -928,12 +952,14 @@ class Subscriber:
             if link.reconnect_at is not None and now >= link.reconnect_at:
                 self._reconnect(link)
             try:
-                self._deliver(link, link.stream.tick(now))
-                if not link.closed:
+                actions = link.stream.tick(now)
+                if actions:
+                    self._deliver(link, actions)
+                if link.dealer is not None and not link.closed:
                     self._release_dealer(link)
             except Exception:
                 self._log_limited(link, "subscriber timer error", exc_info=True)
-            self._schedule(link)
+            self._schedule(link, now)
         while timers and (timers[0][2].timer_at != timers[0][0] or timers[0][2].closed):
             heapq.heappop(timers)  # superseded entries
         if timers and (self._timer_due is None or timers[0][0] < self._timer_due):
@@ -1056,10 +1082,6 @@ class Subscriber:
 
 def _fd(sock: zmq.Socket[bytes]) -> int:
     return cast(int, sock.getsockopt(zmq.FD))
-
-
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -184,3 +184,19 @@ def test_match_reads_a_list_only_as_far_as_it_matches() -> None:
     with pytest.raises(ValueError):
         idx.match([2**64, *range(2 * BS)])
     assert idx.match([2**64 - 1] * BS) == {}
+
+
+def test_match_raises_for_a_bad_item_only_where_the_walk_reaches() -> None:
+    """The next chunk's items are read ahead of the walk; their errors wait for it."""
+    idx = PrefixIndex(BS)
+    toks = list(range(40 * BS))
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockStored(list(range(1, 41)), None, toks, BS)], 0))
+    for bad_block in (16, 17, 31, 32, 39):
+        prompt: list[object] = list(toks)
+        prompt[bad_block * BS + 1] = "x"
+        with pytest.raises(TypeError):
+            idx.match(prompt)
+        # The same bad item past where the prompt stops matching: never raised.
+        prompt[(bad_block - 16) * BS] = -1
+        held = bad_block - 16
+        assert idx.match(prompt) == ({("w", 0): held} if held else {})

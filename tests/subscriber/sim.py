@@ -8,7 +8,7 @@ holds), a bounded replay buffer, and restarts like a real process (seq back to
   a seq when it sends, so it never drops a batch whose seq was reserved
   (a batch it fails to deliver is lost on the wire but buffered);
 - kvwire's: a new epoch per life on every topic, optionally heartbeats (an
-  empty batch on the next seq after ``heartbeat`` s of silence) and
+  empty batch on the next seq on the wall-clock grid, ``kvwire.wire.heartbeat``) and
   snapshots; it reserves a seq before queueing, so a dropped batch is a hole
   in its buffer, and its snapshot mirror either still learns what a dropped
   batch carried or refuses to serve.
@@ -51,6 +51,7 @@ from kvwire.wire import (
     snapshot_end_frames,
     snapshot_refused_frames,
 )
+from kvwire.wire.heartbeat import heartbeat_at
 
 TOPIC = b"kv"
 BLOCK = 4
@@ -106,6 +107,7 @@ class SimPublisher:
         self.last_sent = 0.0
         self.topic = TOPIC
         self._new_epoch()
+        self.wall_offset = self.rng.uniform(0.0, 1e6)  # the wall clock, against sim time
 
     def _new_epoch(self) -> None:
         k = self.kind
@@ -168,9 +170,12 @@ class SimPublisher:
             self.dropped = True
         return seq, payload
 
-    def heartbeat_due(self, now: float) -> bool:
+    def heartbeat_at(self, now: float) -> float | None:
+        """When the next heartbeat goes out (kvwire's own rule), if nothing else does."""
         hb = self.kind.heartbeat
-        return hb is not None and now - self.last_sent >= hb
+        if hb is None:
+            return None
+        return heartbeat_at(self.last_sent, hb, now, now + self.wall_offset)
 
     def restart(self, now: float) -> None:
         self.incarnation += 1
@@ -378,10 +383,9 @@ class Harness:
 
     def tick(self, dt: float) -> None:
         """Time passes: the publisher heartbeats on time, then the stream's timers run."""
-        hb = self.pub.kind.heartbeat
         end = self.now + dt
-        while hb is not None and self.pub.last_sent + hb <= end:
-            self.now = max(self.now, self.pub.last_sent + hb)
+        while (at := self.pub.heartbeat_at(self.now)) is not None and at <= end:
+            self.now = max(self.now, at)
             self.publish("heartbeat", "deliver")
         self.now = end
         self.feed(self.stream.tick(self.now))

@@ -428,12 +428,14 @@ def test_a_silent_heartbeat_publisher_goes_stale_and_comes_back() -> None:
     first_contact(r, topic)
     r.live(topic, 0, store(0), 0.0)
     r.live(topic, 1, heartbeat(1), 0.1)
-    assert r.s.next_deadline() == pytest.approx(0.3)  # two intervals: try a fresh connection
-    (reconnect,) = r.tick(0.31)
+    # A healthy publisher is silent for under 1.5 intervals (kvwire.wire.heartbeat):
+    assert r.s.next_deadline() == pytest.approx(0.35)  # 2.5 intervals: a fresh connection
+    assert r.tick(0.34) == []
+    (reconnect,) = r.tick(0.36)
     assert isinstance(reconnect, Reconnect) and r.s.state is RankState.SYNCED
-    assert r.s.next_deadline() == pytest.approx(0.4)
-    assert r.tick(0.35) == [] and r.s.state is RankState.SYNCED
-    r.tick(0.41)
+    assert r.s.next_deadline() == pytest.approx(0.45)  # 3.5 intervals: STALE
+    assert r.tick(0.44) == [] and r.s.state is RankState.SYNCED
+    r.tick(0.46)
     assert r.s.state is RankState.STALE and r.s.counters.probes == 0
     assert r.tick(5.0) == [] and r.s.counters.silent_reconnects == 1  # once a silence
     r.live(topic, 2, heartbeat(2), 0.5)

@@ -1,0 +1,6 @@
+"""Types of the subscriber's native receive drain (``_recv.c``)."""
+
+from typing import Any
+
+def load(path: str) -> None: ...
+def drain(socket: Any, cap: int, max_frames: int) -> list[tuple[bytes, ...]]: ...

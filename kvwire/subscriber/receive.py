@@ -1,0 +1,64 @@
+"""Reading a socket's ready messages in one call: native where libzmq can be reached.
+
+:func:`drain` returns up to ``cap`` messages ready on a ZeroMQ socket (each a
+tuple of frames as ``bytes``) without blocking, and stops when the socket has
+nothing more, so that its edge-triggered descriptor signals the next arrival;
+at the cap the caller reads on without waiting for a signal. A message of
+more than ``max_frames`` frames is read to its end and returned as ``()``:
+the caller counts it as malformed, and nothing of it is kept. The socket's own
+size limit (``ZMQ_MAXMSGSIZE``) stays libzmq's to enforce.
+
+The native drain (``_recv.c``) calls libzmq directly, one C call for all the
+messages instead of pyzmq's call per frame and an exception at the end; it
+needs the shared libzmq pyzmq loaded (:func:`kvwire._native.libzmq_path`).
+Where that cannot be found, the same contract is kept in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvwire._native import libzmq_path
+
+__all__ = ["NATIVE", "drain"]
+
+log = logging.getLogger("kvwire.subscriber")
+
+
+def _drain_py(sock: zmq.Socket[Any], cap: int, max_frames: int) -> list[tuple[bytes, ...]]:
+    """:func:`drain` through pyzmq, for a pyzmq whose libzmq cannot be reached."""
+    if cap < 0 or not 1 <= max_frames <= 64:
+        raise ValueError("cap must be >= 0, max_frames in 1..64")
+    out: list[tuple[bytes, ...]] = []
+    recv = sock.recv_multipart
+    while len(out) < cap:
+        try:
+            frames = recv(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        out.append(tuple(frames) if len(frames) <= max_frames else ())
+    return out
+
+
+def _native() -> Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] | None:
+    try:
+        from kvwire.subscriber import _recv
+
+        _recv.load(libzmq_path())
+    except (ImportError, RuntimeError) as exc:
+        log.info("native receive drain unavailable (%s): reading through pyzmq", exc)
+        return None
+    return _recv.drain
+
+
+_NATIVE = _native()
+NATIVE = _NATIVE is not None
+"""Whether :func:`drain` is the native one."""
+
+drain: Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] = (
+    _NATIVE if _NATIVE is not None else _drain_py
+)

@@ -1,0 +1,281 @@
+"""PrefixIndex.apply_payload: the fused native path leaves exactly what decode + apply leave."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire.prefix_index import PrefixIndex
+from kvwire.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeLimits,
+    KVEventBatch,
+    WireError,
+    decode_batch,
+    encode_batch,
+)
+
+from .test_index_model import BS, Driver, ops
+
+MEDIA = [None, "GPU", "CPU", "CPU_PINNED", "DISK", "HBM", "tape"]
+
+
+class CountingCore:
+    """The native tables, counting the payloads their fused path took."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.native = 0
+        self.general = 0
+
+    def apply_payload(self, *args: Any) -> Any:
+        done = self.core.apply_payload(*args)
+        if done is None:
+            self.general += 1
+        else:
+            self.native += 1
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+
+def fused_index(*args: Any, **kw: Any) -> tuple[PrefixIndex, CountingCore]:
+    idx = PrefixIndex(*args, **kw)
+    counting = CountingCore(idx._core)
+    idx._core = counting  # type: ignore[assignment]
+    return idx, counting
+
+
+def assert_same(a: PrefixIndex, b: PrefixIndex, prompts: list[list[int]]) -> None:
+    """Same state: counters, table sizes, every rank's blocks and cap state, matches."""
+    assert a.stats() == b.stats()
+    assert a.ranks() == b.ranks()
+    for name in a.ranks():
+        assert a.blocks(*name) == b.blocks(*name), name
+        assert a.over_cap(*name) == b.over_cap(*name), name
+    for p in prompts:
+        assert a.match_tiers(p) == b.match_tiers(p)
+
+
+class PayloadDriver(Driver):
+    """The model test's driver, with a second index fed the encoded batches."""
+
+    def __init__(self, dialects: list[str]) -> None:
+        super().__init__()
+        self.fused, self.counting = fused_index(BS, seed=7)
+        self.dialects = dialects
+        self.sent = 0
+
+    def send(self, w: str, r: int, events: list[Any]) -> None:
+        dialect: Any = self.dialects[self.sent % len(self.dialects)]
+        self.sent += 1
+        payload = encode_batch(KVEventBatch(0.0, events, r), dialect=dialect)
+        # What the wire carries (the array dialect stops before cache_salt).
+        super().send(w, r, decode_batch(payload).events)
+        self.fused.apply_payload(w, r, payload)
+
+    def run(self, op: tuple[Any, ...]) -> None:
+        super().run(op)
+        w = ["w0", "w1", "w2"][op[1]]
+        if op[0] == "sink_clear":
+            self.fused.clear(w, op[2])
+        elif op[0] == "remove_worker":
+            self.fused.remove_worker(w)
+
+    def check(self) -> None:
+        super().check()
+        assert_same(self.index, self.fused, [p[0] for p in self.all_probes()])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.sampled_from([["map"], ["array"], ["map", "array"]]))
+def test_fused_apply_equals_decode_and_apply(
+    op_list: list[tuple[Any, ...]], dialects: list[str]
+) -> None:
+    """Both dialects, every event form the model test makes: the same index, the model's answers."""
+    d = PayloadDriver(dialects)
+    for op in op_list:
+        d.run(op)
+    d.check()
+    d.remove_everything()
+    d.check()
+
+
+def test_fused_path_is_taken_for_what_engines_send() -> None:
+    """After a rank's first batch, plain stores, removals and clears of both dialects go native."""
+    idx, counting = fused_index(4)
+    ref = PrefixIndex(4)
+    hashes = list(range(1, 9))
+    batches = [
+        KVEventBatch(1.0, [BlockStored(hashes[:4], None, list(range(16)), 4)], 0),
+        KVEventBatch(2.0, [BlockStored(hashes[4:], 4, list(range(16, 32)), 4, medium="CPU")], 0),
+        KVEventBatch(
+            3.0,
+            [
+                BlockRemoved([2**64 - 1, 8], medium=None),
+                BlockStored([2**63 + 5], 3, list(range(4)), 4, group_idx=1),
+            ],
+            None,
+        ),
+        KVEventBatch(4.0, [AllBlocksCleared(), BlockStored([7], None, list(range(4)), 4)], 0),
+    ]
+    for dialect in ("map", "array"):
+        for b in batches:
+            payload = encode_batch(b, dialect=dialect)  # type: ignore[arg-type]
+            idx.apply_payload("w", 0, payload)
+            ref.apply("w", 0, decode_batch(payload))
+            assert_same(ref, idx, [list(range(32))])
+    assert counting.general == 0  # the rank's first batch goes the general way, before the core
+    assert counting.native == 2 * len(batches) - 1
+    # TensorRT-LLM's signed hashes: masked as decode_batch masks them.
+    signed = msgspec.msgpack.encode(
+        [0.0, [{"type": "BlockStored", "block_hashes": [-3], "parent_block_hash": -1,
+                "token_ids": [1, 2, 3, 4], "block_size": 4}], 0]
+    )  # fmt: skip
+    idx.apply_payload("w", 0, signed)
+    ref.apply("w", 0, decode_batch(signed))
+    assert_same(ref, idx, [])
+    assert 2**64 - 3 in idx.blocks("w", 0)
+
+
+stored_event = st.builds(
+    BlockStored,
+    block_hashes=st.lists(st.integers(0, 12), max_size=5),
+    parent_block_hash=st.one_of(st.none(), st.integers(0, 14)),
+    token_ids=st.lists(st.integers(-3, 70_000), max_size=22),
+    block_size=st.sampled_from([4, 4, 4, 2, 5000]),
+    medium=st.sampled_from(MEDIA),
+    group_idx=st.sampled_from([None, None, 0, 1, 2**64 - 1]),
+    lora_name=st.sampled_from([None, None, None, "l"]),
+)
+removed_event = st.builds(
+    BlockRemoved,
+    block_hashes=st.lists(st.integers(0, 14), max_size=5),
+    medium=st.sampled_from(MEDIA),
+    group_idx=st.sampled_from([None, 0, 3]),
+)
+event = st.one_of(stored_event, stored_event, removed_event, st.just(AllBlocksCleared()))
+
+
+def aligned(ev: Any) -> Any:
+    """Mostly whole blocks of tokens, as engines send."""
+    if type(ev) is BlockStored and ev.block_size == 4 and random.random() < 0.8:
+        toks = (list(ev.token_ids) * 40)[: 4 * len(ev.block_hashes)] or [0] * (
+            4 * len(ev.block_hashes)
+        )
+        return msgspec.structs.replace(ev, token_ids=toks)
+    return ev
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.lists(event, max_size=6)), min_size=1, max_size=12),
+    st.sampled_from(["map", "array"]),
+    st.sampled_from([None, 6, 20]),
+    st.integers(0, 2**32),
+)
+def test_fused_apply_of_many_event_batches(
+    batches: list[tuple[int, list[Any]]], dialect: Any, cap: int | None, seed: int
+) -> None:
+    """Batches of several events (stores refused at a rank's cap, clears, ignored groups)."""
+    random.seed(seed)
+    ref = PrefixIndex(4, max_blocks_per_rank=cap)
+    idx, _ = fused_index(4, max_blocks_per_rank=cap)
+    for rank, events in batches:
+        payload = encode_batch(
+            KVEventBatch(0.5, [aligned(e) for e in events], rank), dialect=dialect
+        )
+        ref.apply("w", rank, decode_batch(payload))
+        idx.apply_payload("w", rank, payload)
+    assert_same(ref, idx, [list(range(n)) for n in range(0, 24, 4)])
+
+
+def mutate(payload: bytes, rnd: random.Random) -> bytes:
+    b = bytearray(payload)
+    for _ in range(rnd.randrange(1, 4)):
+        op = rnd.randrange(4)
+        i = rnd.randrange(len(b)) if b else 0
+        if op == 0 and b:
+            b[i] = rnd.randrange(256)
+        elif op == 1:
+            del b[i:]
+        elif op == 2:
+            b[i:i] = bytes([rnd.choice([0xC0, 0xDC, 0xDD, 0xCF, 0xD3, 0x91, 0xA4, 0xFF])])
+        else:
+            b[i : i + 1] = b""
+    return bytes(b)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(event, min_size=1, max_size=4), min_size=1, max_size=6),
+       st.sampled_from(["map", "array"]), st.integers(0, 2**32))  # fmt: skip
+def test_hostile_payloads_are_refused_or_applied_as_decode_batch_does(
+    batches: list[list[Any]], dialect: Any, seed: int
+) -> None:
+    """Damaged payloads: WireError with nothing applied exactly when decode_batch refuses them."""
+    rnd = random.Random(seed)
+    limits = DecodeLimits(max_events=3, max_blocks=4, max_block_size=4096, max_tokens=18)
+    ref = PrefixIndex(4)
+    idx, _ = fused_index(4)
+    warm = encode_batch(KVEventBatch(0.0, [], 0))
+    ref.apply("w", 0, decode_batch(warm))
+    idx.apply_payload("w", 0, warm)
+    for events in batches:
+        payload = encode_batch(KVEventBatch(0.0, events, 0), dialect=dialect)
+        for p in (payload, mutate(payload, rnd), mutate(payload, rnd)):
+            try:
+                batch = decode_batch(p, limits)
+            except WireError:
+                with pytest.raises(WireError):
+                    idx.apply_payload("w", 0, p, limits)
+            else:
+                ref.apply("w", 0, batch)
+                idx.apply_payload("w", 0, p, limits)
+            assert_same(ref, idx, [list(range(8))])
+
+
+@given(st.binary(max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_never_crash_or_change_the_index(data: bytes) -> None:
+    idx, _ = fused_index(4)
+    idx.apply_payload(
+        "w", 0, encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)], 0))
+    )
+    before = idx.stats()
+    try:
+        batch = decode_batch(data)
+    except WireError:
+        with pytest.raises(WireError):
+            idx.apply_payload("w", 0, data)
+        assert idx.stats() == before
+    else:
+        ref = PrefixIndex(4)
+        ref.apply("w", 0, KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)], 0))
+        ref.apply("w", 0, batch)
+        idx.apply_payload("w", 0, data)
+        assert_same(ref, idx, [[1, 2, 3, 4]])
+
+
+def test_payload_forms_and_groups_outside_the_native_path() -> None:
+    """Buffers of every kind, and an index whose groups are not plain ints, give the same state."""
+    payload = encode_batch(KVEventBatch(0.0, [BlockStored([1, 2], None, list(range(8)), 4)], 0))
+    for form in (payload, bytearray(payload), memoryview(payload)):
+        idx, counting = fused_index(4)
+        idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [], 0)))
+        idx.apply_payload("w", 0, form)
+        assert idx.match(list(range(8))) == {("w", 0): 2}
+        assert counting.native == 1
+    odd, counting = fused_index(4, groups=("x", None))
+    odd.apply_payload("w", 0, payload)
+    odd.apply_payload("w", 0, payload)
+    assert counting.native == 0 and odd.match(list(range(8))) == {("w", 0): 2}
+    with pytest.raises(WireError):
+        odd.apply_payload("w", 0, b"\x93")
