@@ -1345,8 +1345,22 @@ static PyTypeObject SenderType = {
     .tp_getset = sender_getset,
 };
 
+/* heartbeat_due(last_sent, interval, now, wall): the sender's rule, for tests to hold it
+ * equal to kvwire.wire.heartbeat.heartbeat_at. */
+static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
+    double last_sent, interval, now, wall;
+    if (!PyArg_ParseTuple(args, "dddd", &last_sent, &interval, &now, &wall)) return NULL;
+    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall));
+}
+
+static PyMethodDef module_methods[] = {
+    {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
+     "heartbeat_due(last_sent, interval, now, wall) -> when the next heartbeat is due"},
+    {NULL},
+};
+
 static struct PyModuleDef sendermodule = {
-    PyModuleDef_HEAD_INIT, "_sender", "The publisher's native sender thread.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_sender", "The publisher's native sender thread.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__sender(void) {

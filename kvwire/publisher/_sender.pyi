@@ -3,6 +3,9 @@
 from collections.abc import Callable
 from typing import Any, final
 
+def heartbeat_due(last_sent: float, interval: float, now: float, wall: float, /) -> float:
+    """The sender's heartbeat rule (``kvwire.wire.heartbeat.heartbeat_at``, in C)."""
+
 @final
 class Payload:
     """A sent batch's payload: a read-only buffer, shared, never copied."""
