@@ -818,8 +818,7 @@ static void *run(void *arg) {
     PyGILState_STATE g = PyGILState_Ensure(); /* this thread's state, kept until the end */
     PyThreadState *ts = PyEval_SaveThread();
     Item items[CHUNK];
-    /* After a batch, poll every coalesce_s for POLL_S before waiting to be woken. */
-    int max_polls = s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0, polls = 0;
+    int polls = 0; /* after a batch, poll every coalesce_s for POLL_S before waiting */
     pthread_mutex_lock(&s->mu);
     s->gil_takes++;
     for (;;) {
@@ -858,7 +857,7 @@ static void *run(void *arg) {
         pthread_mutex_unlock(&s->mu);
         process(s, items, n, ts);
         pthread_mutex_lock(&s->mu);
-        polls = max_polls;
+        polls = s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0;
         if (s->done_len >= DONE_MAX) {
             size_t nd;
             PyObject **d = take_done(s, &nd);
@@ -1184,6 +1183,19 @@ static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(v >= 0 && v <= 60)) {
+        PyErr_SetString(PyExc_ValueError, "coalesce_s must be in [0, 60]");
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->coalesce_s = v;
+    pthread_mutex_unlock(&s->mu);
+    Py_RETURN_NONE;
+}
+
 /* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
  * first whose seq is >= start_seq. */
 static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -1319,6 +1331,7 @@ static PyMethodDef sender_methods[] = {
     {"join", (PyCFunction)sender_join, METH_NOARGS, "Wait for the thread to end (after close)."},
     {"stats", (PyCFunction)sender_stats, METH_NOARGS, "The counters by name."},
     {"set_max_queue", (PyCFunction)sender_set_max_queue, METH_O, "Change the queue's bound."},
+    {"set_coalesce", (PyCFunction)sender_set_coalesce, METH_O, "Change coalesce_s."},
     {"replay_range", (PyCFunction)(void (*)(void))sender_replay_range, METH_FASTCALL,
      "replay_range(start_seq, n) -> [(seq, payload)] from the replay ring."},
     {"take_feed", (PyCFunction)sender_take_feed, METH_NOARGS, "The mirror feed so far."},

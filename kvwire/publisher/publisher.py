@@ -205,8 +205,8 @@ class EventPublisher:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if dialect not in ("map", "array"):
             raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
-        if coalesce_s < 0:
-            raise ValueError(f"coalesce_s must be >= 0, got {coalesce_s}")
+        if not 0 <= coalesce_s <= 60:
+            raise ValueError(f"coalesce_s must be in [0, 60], got {coalesce_s}")
         if heartbeat is not None and not 0.001 <= heartbeat <= 3600:
             raise ValueError(f"heartbeat must be None or 0.001..3600 s, got {heartbeat}")
         if not replay_stall_s > 0:
@@ -220,7 +220,6 @@ class EventPublisher:
         self.topic = topic
         self.max_replay_batches = max_replay_batches
         self.dialect: Dialect = dialect
-        self.coalesce_s = coalesce_s
         self.heartbeat = heartbeat
         self.snapshot = snapshot and replay_endpoint is not None
         self.server_keys = server_keys
@@ -235,6 +234,7 @@ class EventPublisher:
         """This instance's epoch (``None`` without one): a new value means a restart."""
         self._topic = epoch_topic(topic.encode(), self.epoch)
         self._max_queue = max_queue_size
+        self._coalesce_s = coalesce_s
         self._own_context = context is None
         self._ctx = context
         self._pub: zmq.Socket[bytes] | None = None
@@ -290,6 +290,18 @@ class EventPublisher:
         documents it.)
         """
         return bool(self._sender.publish(batch))
+
+    @property
+    def coalesce_s(self) -> float:
+        """How long the sender waits after a wake-up before sending (see the class docstring)."""
+        return self._coalesce_s
+
+    @coalesce_s.setter
+    def coalesce_s(self, value: float) -> None:
+        if not 0 <= value <= 60:
+            raise ValueError(f"coalesce_s must be in [0, 60], got {value}")
+        self._sender.set_coalesce(value)
+        self._coalesce_s = value
 
     @property
     def max_queue_size(self) -> int:

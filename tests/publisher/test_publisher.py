@@ -333,6 +333,31 @@ def test_queue_full_drops_are_counted_leave_gaps_and_never_block(
     assert len(full_logs) == 1 and "6 batches dropped" in full_logs[0].message
 
 
+def test_queue_bound_and_coalescing_changed_on_a_running_publisher(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    """An operator's change reaches the sender thread: a bound of one and a 0.3 s wait
+    after each wake-up make the second of two batches in a row find the first queued."""
+    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, coalesce_s=0) as pub:
+        sub, first = connect_sub(zctx, pub)
+        pub.max_queue_size = 1
+        pub.coalesce_s = 0.3
+        assert (pub.max_queue_size, pub.coalesce_s) == (1, 0.3)
+        wait_for(lambda: pub.queue_depth == 0, what="an idle sender")
+        t0 = time.monotonic()
+        assert pub.publish(batch(1))
+        assert not pub.publish(batch(2))  # the first still waits out the 0.3 s
+        assert pub.stats().dropped_queue_full == 1
+        assert recv_live(sub).seq == first
+        assert time.monotonic() - t0 >= 0.25  # sent after the new wait, not at once
+        pub.coalesce_s = 0
+        pub.max_queue_size = 100
+        assert pub.publish(batch(3))
+        assert recv_live(sub).seq == first + 2  # seq first + 1 is the visible gap
+        with pytest.raises(ValueError, match="coalesce_s"):
+            pub.coalesce_s = -1
+
+
 def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
