@@ -25,6 +25,11 @@ Publishers, each a case:
 - ``kvwire-nosub``: ``kvwire-wire`` with no SUB connected (libzmq drops each
   message at once): what is left of ``kvwire-wire`` without the consumer and
   the transport running on the other core (engine-thread table only).
+- ``call-only`` and ``alloc-only`` (engine table only, on request with
+  ``--cases``): no publisher at all; the harness's own publishing step, and
+  that step plus allocating and dropping what the collector's hooks allocate
+  per iteration (a records list and two record tuples). They separate what
+  the harness and Python allocation cost the CPU-bound loop from publishing.
 Every publisher has a replay endpoint.
 
 This 2-core VM gives a process a full or a half core at random, so a baseline
@@ -76,6 +81,9 @@ import zmq
 
 BLOCK_TOKENS = 16
 CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
+# Floors of the engine table only (no publisher at all): the harness's own step, and that
+# step plus allocating and dropping what the collector's hooks allocate per iteration.
+FLOORS = ("call-only", "alloc-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
 CPU_RATIO_TARGET = 0.5
@@ -190,6 +198,19 @@ class Case:
 
             self.publish = publish
             self._close = self.pub.shutdown
+        elif name in FLOORS:
+            alloc = name == "alloc-only"
+
+            def publish(i: int) -> None:
+                h, p, t = stores[i % nvar]
+                if alloc:  # the records list and the two record tuples of one iteration
+                    records = [(0, h, p, t, None, "GPU", None, None)]
+                    records.append((1, removes[i % nvar], "GPU", None))
+
+            self.publish = publish
+            self.pub = _Discard()
+            self._depth = lambda: 0
+            self._close = self.pub.close
         else:
             from kvwire.publisher import EventCollector, EventPublisher
 
@@ -407,7 +428,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 runs, fewer iterations")
     parser.add_argument("--runs", type=int, default=None)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + FLOORS)
     parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
     parser.add_argument(
@@ -474,7 +495,8 @@ def main() -> None:
             f"\nWhole-process CPU us per stored block, as fast as possible, median of {runs} "
             f"alternated runs; target kvwire <= {CPU_RATIO_TARGET}x vLLM"
         )
-        cases = [c for c in args.cases if c != "kvwire-nosub"]  # nothing received: no figure
+        # Nothing received, or nothing published: no figure.
+        cases = [c for c in args.cases if c != "kvwire-nosub" and c not in FLOORS]
         for blocks in args.sizes:
             n = (4000 if args.quick else 10_000) if blocks <= 16 else (600 if args.quick else 1500)
             per = {c: [] for c in cases}

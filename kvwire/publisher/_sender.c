@@ -19,9 +19,12 @@
  * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
  * dialects). Anything else is encoded by the Python callable `encode` with the
  * GIL taken; `stats()` counts both, and every time the thread took the GIL.
- * While batches keep coming, the thread looks at the queue every `coalesce_s`
- * instead of waiting on the condition variable, so publish() makes no wake-up
- * syscall; POLL_S after the last batch it goes back to waiting.
+ * While batches keep coming (two within POLL_S of each other), the thread looks
+ * at the queue every `coalesce_s` instead of waiting on the condition variable,
+ * so publish() makes no wake-up syscall; POLL_S after the last batch it goes
+ * back to waiting. A heartbeat, or a batch a while after the previous one (an
+ * engine publishing now and then), starts no polling: a host of many such
+ * ranks would otherwise wake POLL_S / coalesce_s times per batch for nothing.
  *
  * References the thread is done with cannot be released without the GIL: they
  * go on a "done" list that the next GIL holder releases (publish() on the
@@ -818,7 +821,8 @@ static void *run(void *arg) {
     PyGILState_STATE g = PyGILState_Ensure(); /* this thread's state, kept until the end */
     PyThreadState *ts = PyEval_SaveThread();
     Item items[CHUNK];
-    int polls = 0; /* after a batch, poll every coalesce_s for POLL_S before waiting */
+    int polls = 0; /* while batches keep coming, poll every coalesce_s before waiting */
+    double last_batch = -INFINITY; /* CLOCK_MONOTONIC time the last batch was taken */
     pthread_mutex_lock(&s->mu);
     s->gil_takes++;
     for (;;) {
@@ -853,11 +857,20 @@ static void *run(void *arg) {
             continue;
         }
         int n = 0;
-        while (n < CHUNK && s->qlen) items[n++] = queue_pop(s);
+        int batches = 0;
+        while (n < CHUNK && s->qlen) {
+            items[n] = queue_pop(s);
+            batches += items[n++].kind != K_HEARTBEAT;
+        }
         pthread_mutex_unlock(&s->mu);
         process(s, items, n, ts);
         pthread_mutex_lock(&s->mu);
-        polls = s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0;
+        if (batches) {
+            double now = mono_now();
+            int steady = now - last_batch < POLL_S;
+            polls = steady && s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0;
+            last_batch = now;
+        }
         if (s->done_len >= DONE_MAX) {
             size_t nd;
             PyObject **d = take_done(s, &nd);

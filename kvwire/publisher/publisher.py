@@ -147,9 +147,11 @@ class EventPublisher:
 
     ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
     this long before encoding and sending, so that batches arriving meanwhile
-    share one wake-up; while batches keep coming (for 50 ms after the last
-    one) it looks at the queue every ``coalesce_s`` instead of being woken, so
-    that ``publish()`` makes no system call. It delays each batch by at most
+    share one wake-up; while batches keep coming (each within 50 ms of the
+    previous one, until 50 ms after the last) it looks at the queue every
+    ``coalesce_s`` instead of being woken, so that ``publish()`` makes no
+    system call; a rank publishing now and then, or only heartbeats, is woken
+    instead of polling for nothing. It delays each batch by at most
     that much; 0 sends at once (every batch then wakes the sender). Under a
     backlog there is no waiting.
 
