@@ -19,6 +19,8 @@
  * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
  * dialects). Anything else is encoded by the Python callable `encode` with the
  * GIL taken; `stats()` counts both, and every time the thread took the GIL.
+ * The oldest queued batch is sent coalesce_s after its publish(), with whatever
+ * was published meanwhile (a backlog is sent at once).
  * While batches keep coming (two within POLL_S of each other), the thread looks
  * at the queue every `coalesce_s` instead of waiting on the condition variable,
  * so publish() makes no wake-up syscall; POLL_S after the last batch it goes
@@ -140,6 +142,7 @@ typedef struct Item {
     PyObject *obj;     /* the batch (strong), NULL for a heartbeat */
     PyObject *records; /* a collector batch's record list (strong), else NULL */
     double ts;
+    double enq; /* CLOCK_MONOTONIC time publish() queued it (0 for a heartbeat) */
     i64 rank;
     long block_size;
     int hash_signed;
@@ -161,6 +164,7 @@ typedef struct {
     int dialect; /* 0 map, 1 array */
     i64 rank;
     double coalesce_s;
+    double poll_until; /* CLOCK_MONOTONIC: the sender polls the queue until then (under mu) */
     double heartbeat_s; /* <= 0: none */
     int mirror;
     size_t mirror_backlog;
@@ -821,7 +825,6 @@ static void *run(void *arg) {
     PyGILState_STATE g = PyGILState_Ensure(); /* this thread's state, kept until the end */
     PyThreadState *ts = PyEval_SaveThread();
     Item items[CHUNK];
-    int polls = 0; /* while batches keep coming, poll every coalesce_s before waiting */
     double last_batch = -INFINITY; /* CLOCK_MONOTONIC time the last batch was taken */
     pthread_mutex_lock(&s->mu);
     s->gil_takes++;
@@ -837,23 +840,28 @@ static void *run(void *arg) {
                 if (s->q_send < s->max_queue && queue_push(s, &hb) == 0) s->next_seq++;
                 continue;
             }
-            if (polls > 0 && !s->closed) {
+            if (now < s->poll_until && s->coalesce_s > 0 && !s->closed) {
                 /* Recently busy: look again in coalesce_s rather than be woken, so that a
                  * steadily publishing engine thread never makes a wake-up syscall. */
-                polls--;
+                double nap = s->coalesce_s;
                 pthread_mutex_unlock(&s->mu);
-                sleep_s(s->coalesce_s);
+                sleep_s(nap);
                 pthread_mutex_lock(&s->mu);
                 continue;
             }
             s->waiting = 1;
             timed_wait(s, due);
             s->waiting = 0;
-            if (s->qlen && s->coalesce_s > 0 && !s->stopping) {
-                pthread_mutex_unlock(&s->mu);
-                sleep_s(s->coalesce_s);
-                pthread_mutex_lock(&s->mu);
-            }
+            continue;
+        }
+        /* Coalescing: the oldest queued batch waits coalesce_s from its publish(), so that
+         * batches published meanwhile share its wake-up (none waits longer; a backlog
+         * does not wait at all). */
+        double nap = s->stopping ? 0 : s->q[s->qhead].enq + s->coalesce_s - mono_now();
+        if (nap > 0 && s->q[s->qhead].kind != K_HEARTBEAT) {
+            pthread_mutex_unlock(&s->mu);
+            sleep_s(nap);
+            pthread_mutex_lock(&s->mu);
             continue;
         }
         int n = 0;
@@ -867,8 +875,7 @@ static void *run(void *arg) {
         pthread_mutex_lock(&s->mu);
         if (batches) {
             double now = mono_now();
-            int steady = now - last_batch < POLL_S;
-            polls = steady && s->coalesce_s > 0 ? (int)ceil(POLL_S / s->coalesce_s) : 0;
+            if (now - last_batch < POLL_S) s->poll_until = now + POLL_S;
             last_batch = now;
         }
         if (s->done_len >= DONE_MAX) {
@@ -1042,6 +1049,7 @@ static PyObject *sender_publish(Sender *s, PyObject *batch) {
     Py_INCREF(batch);
     size_t nd;
     int queued = 0;
+    it.enq = mono_now();
     pthread_mutex_lock(&s->mu);
     PyObject **done = take_done(s, &nd);
     it.seq = s->next_seq++;
@@ -1205,6 +1213,7 @@ static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
     }
     pthread_mutex_lock(&s->mu);
     s->coalesce_s = v;
+    s->poll_until = -INFINITY; /* the new setting starts from an idle sender's wait */
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
 }

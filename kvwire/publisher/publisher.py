@@ -145,15 +145,15 @@ class EventPublisher:
       the ZAP handler of a context it made; with a ``context`` passed in, that
       is the caller's (``kvwire.security.release_context``).
 
-    ``coalesce_s``: when a batch arrives at an idle sender, the sender waits
-    this long before encoding and sending, so that batches arriving meanwhile
-    share one wake-up; while batches keep coming (each within 50 ms of the
+    ``coalesce_s``: the sender sends the oldest queued batch this long after
+    its ``publish()`` (with every batch published meanwhile), so that batches
+    close together share one wake-up; none waits longer, and a backlog does not
+    wait at all. While batches keep coming (each within 50 ms of the
     previous one, until 50 ms after the last) it looks at the queue every
     ``coalesce_s`` instead of being woken, so that ``publish()`` makes no
     system call; a rank publishing now and then, or only heartbeats, is woken
-    instead of polling for nothing. It delays each batch by at most
-    that much; 0 sends at once (every batch then wakes the sender). Under a
-    backlog there is no waiting.
+    instead of polling for nothing. 0 sends at once (every batch then wakes
+    the sender).
 
     The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
     takes the GIL for a collector's batch of Python lists, tuples or arrays'
