@@ -79,7 +79,11 @@ class EngineEventPublisher:
         max_queue_size: int,
         topic: str,
         config: IntegrationConfig,
+        ignored: dict[str, Any] | None = None,
     ) -> None:
+        """``ignored``: the engine's settings newer than this publisher, logged and left out."""
+        if ignored:
+            log.info("kvwire publisher ignores %s settings %s", self.engine, sorted(ignored))
         self.rank = rank
         self.topic = topic
         self.buffer_steps = buffer_steps

@@ -13,7 +13,6 @@ byte for byte as SGLang's own publisher sends it::
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
 
 from kvwire.integrations.adapter import EngineEventPublisher, install
@@ -21,8 +20,6 @@ from kvwire.integrations.config import IntegrationConfig
 from kvwire.wire import local_endpoint
 
 __all__ = ["SglangEventPublisher", "register"]
-
-log = logging.getLogger(__name__)
 
 
 class SglangEventPublisher(EngineEventPublisher):
@@ -45,8 +42,6 @@ class SglangEventPublisher(EngineEventPublisher):
         config: IntegrationConfig | None = None,
         **later_fields: Any,
     ) -> None:
-        if later_fields:
-            log.info("kvwire publisher ignores SGLang settings %s", sorted(later_fields))
         super().__init__(
             attn_dp_rank,
             endpoint,
@@ -56,6 +51,7 @@ class SglangEventPublisher(EngineEventPublisher):
             max_queue_size,
             topic,
             config or IntegrationConfig.from_env(),
+            later_fields,
         )
 
     def describe_local_source(self, block_size: int) -> dict[str, Any] | None:

@@ -14,15 +14,12 @@ Without it the plugin does nothing. Then start vLLM as usual, e.g.::
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
 
 from kvwire.integrations.adapter import EngineEventPublisher, install
 from kvwire.integrations.config import IntegrationConfig
 
 __all__ = ["VllmEventPublisher", "register"]
-
-log = logging.getLogger(__name__)
 
 
 class VllmEventPublisher(EngineEventPublisher):
@@ -44,9 +41,6 @@ class VllmEventPublisher(EngineEventPublisher):
         config: IntegrationConfig | None = None,
         **later_fields: Any,
     ) -> None:
-        if later_fields:
-            log.info("kvwire publisher ignores vLLM settings %s", sorted(later_fields))
-        self._data_parallel_rank = data_parallel_rank
         super().__init__(
             data_parallel_rank,
             endpoint,
@@ -56,6 +50,7 @@ class VllmEventPublisher(EngineEventPublisher):
             max_queue_size,
             topic,
             config or IntegrationConfig.from_env(),
+            later_fields,
         )
 
     def get_publisher_config(self) -> Any:

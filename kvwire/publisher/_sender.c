@@ -858,7 +858,7 @@ static void *run(void *arg) {
          * batches published meanwhile share its wake-up (none waits longer; a backlog
          * does not wait at all). */
         double nap = s->stopping ? 0 : s->q[s->qhead].enq + s->coalesce_s - mono_now();
-        if (nap > 0 && s->q[s->qhead].kind != K_HEARTBEAT) {
+        if (nap > 0) { /* a heartbeat (enq 0) never waits */
             pthread_mutex_unlock(&s->mu);
             sleep_s(nap);
             pthread_mutex_lock(&s->mu);
@@ -1213,7 +1213,6 @@ static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
     }
     pthread_mutex_lock(&s->mu);
     s->coalesce_s = v;
-    s->poll_until = -INFINITY; /* the new setting starts from an idle sender's wait */
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
 }
