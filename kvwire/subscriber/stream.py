@@ -19,9 +19,19 @@ else SYNCING. A probe proves nothing until it ends: in PROBING the rank reads
 what it read when the probe began (SYNCED, STALE, or SYNCING when waiting for
 a live batch), until a live batch shows where the stream is.
 
-The table of moves is the text :data:`TRANSITIONS` is built from, below (one
-line per phase: the phases it may move to; every phase may also move to
-DISCONNECTED).
+============  ==============================================================
+phase         may move to (every phase may also move to DISCONNECTED)
+============  ==============================================================
+DISCONNECTED  STARTING AWAIT_LIVE
+AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
+STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
+REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
+PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+SNAPSHOTTING  FOLLOWING STARTING REPLAYING
+BACKOFF       FOLLOWING STARTING REPLAYING
+FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
+STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
+============  ==============================================================
 
 What each phase is, and why it moves:
 
