@@ -517,9 +517,16 @@ typedef struct {
  * TLB miss too. Small tables come from the Python allocator. */
 #define MAP_MIN ((size_t)1 << 16)
 #define HUGE_MIN ((size_t)1 << 21)
+/* Under AddressSanitizer every table comes from the (instrumented) allocator,
+ * so that a stray access past one is caught. */
+#if defined(__linux__) && !defined(__SANITIZE_ADDRESS__)
+#define TABLE_MMAP 1
+#else
+#define TABLE_MMAP 0
+#endif
 
 static void *table_alloc(size_t bytes) {
-#ifdef __linux__
+#if TABLE_MMAP
     if (bytes >= MAP_MIN) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
@@ -536,7 +543,7 @@ static void *table_alloc(size_t bytes) {
 }
 
 static void table_free(void *p, size_t bytes) {
-#ifdef __linux__
+#if TABLE_MMAP
     if (bytes >= MAP_MIN) {
         if (p) munmap(p, bytes);
         return;
@@ -1254,6 +1261,7 @@ typedef struct {
     Py_ssize_t at; /* keys walked so far */
     u64 *acc;      /* [3][W]: held anywhere, on GPU, on GPU or CPU */
     i32 *depth;    /* [3][64W] */
+    u64 one[3 + 3 * 64 / 2]; /* acc and depth for up to 64 ranks: no allocation */
 } Walk;
 
 static int walk_begin(Walk *wk, const Index *self, int tiers) {
@@ -1263,12 +1271,21 @@ static int walk_begin(Walk *wk, const Index *self, int tiers) {
     wk->dead = self->nodes.count == 0 || self->nranks == 0;
     wk->at = 0;
     size_t W = wk->W;
-    wk->acc = PyMem_Malloc(3 * W * sizeof(u64) + 3 * (W << 6) * sizeof(i32));
-    if (!wk->acc) { PyErr_NoMemory(); return -1; }
+    if (W == 1) wk->acc = wk->one;
+    else if (!(wk->acc = PyMem_Malloc(3 * W * sizeof(u64) + 3 * (W << 6) * sizeof(i32)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
     wk->depth = (i32 *)(wk->acc + 3 * W);
-    memset(wk->depth, 0, 3 * (W << 6) * sizeof(i32));
+    /* The per-tier depths are read only when split. */
+    memset(wk->depth, 0, (wk->split ? 3 : 1) * (W << 6) * sizeof(i32));
     for (size_t w = 0; w < 3 * W; w++) wk->acc[w] = ~0ULL;
     return 0;
+}
+
+static void walk_end(Walk *wk) {
+    if (wk->acc != wk->one) PyMem_Free(wk->acc);
+    wk->acc = NULL;
 }
 
 /* The home hash of a prompt's key i, keys[0] at a multiple of 8 positions. */
@@ -1444,10 +1461,10 @@ static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *t
             goto fail;
         }
     }
-    PyMem_Free(wk->acc);
+    walk_end(wk);
     return out;
 fail:
-    PyMem_Free(wk->acc);
+    walk_end(wk);
     return NULL;
 }
 
@@ -1558,7 +1575,7 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     u64 keys[2][MATCH_CHUNK];
     u64 *tok = NULL;
     if (seq && !(tok = scratch_get(&chain->tok, MATCH_CHUNK * bs))) {
-        PyMem_Free(wk.acc);
+        walk_end(&wk);
         goto done;
     }
     /* Chunk c + 1's keys are computed (its list items read) while chunk c's
@@ -1567,7 +1584,7 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     MatchChunks mc = {chain, seq, all, tok, extra, nb, state};
     Py_ssize_t b = 0, m = 0;
     if (nb > 0 && chunk_keys(&mc, self, 0, keys[0], &m) < 0) {
-        PyMem_Free(wk.acc);
+        walk_end(&wk);
         goto done;
     }
     for (int c = 0; b < nb && !wk.dead; c ^= 1) {
@@ -1578,7 +1595,7 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
         if (et) {
             if (!wk.dead) {
                 PyErr_Restore(et, ev2, etb);
-                PyMem_Free(wk.acc);
+                walk_end(&wk);
                 goto done;
             }
             Py_XDECREF(et);
