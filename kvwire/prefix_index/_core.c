@@ -508,43 +508,56 @@ typedef struct {
     int homed;    /* the record's second 8 bytes are its home hash (below) */
 } Table;
 
-/* Tables of MAP_MIN bytes and more get their own mapping, its pages faulted
- * in by one call (MADV_POPULATE_WRITE) rather than one page fault at a time
- * as the inserts first touch them: a growing index allocates a table twice
- * the size at every doubling, and faulting those pages one by one cost more
- * than the inserts themselves. From HUGE_MIN bytes they ask for transparent
- * huge pages: a lookup is a cache miss anyway, and with 4 KiB pages it is a
- * TLB miss too. Small tables come from the Python allocator. */
-#define MAP_MIN ((size_t)1 << 16)
+/* A growing index allocates a table twice the size at every doubling, and
+ * faulting its fresh pages in one at a time, as the inserts first touch
+ * them, cost more than the inserts. So the pages of a table of POPULATE_MIN
+ * bytes or more are faulted in by one call (MADV_POPULATE_WRITE; a no-op for
+ * memory the allocator reuses, already mapped). From HUGE_MIN bytes a table
+ * is a mapping of its own with transparent huge pages: a lookup is a cache
+ * miss anyway, and with 4 KiB pages it is a TLB miss too. Under
+ * AddressSanitizer every table comes from the (instrumented) allocator, so
+ * that a stray access past one is caught. */
+#define POPULATE_MIN ((size_t)1 << 16)
 #define HUGE_MIN ((size_t)1 << 21)
-/* Under AddressSanitizer every table comes from the (instrumented) allocator,
- * so that a stray access past one is caught. */
 #if defined(__linux__) && !defined(__SANITIZE_ADDRESS__)
 #define TABLE_MMAP 1
 #else
 #define TABLE_MMAP 0
 #endif
 
+#if TABLE_MMAP
+/* Best effort: where refused (an older kernel), pages fault in lazily. */
+static void populate(void *p, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+    const uintptr_t page = 4096, a = ((uintptr_t)p + page - 1) & ~(page - 1);
+    const uintptr_t b = ((uintptr_t)p + bytes) & ~(page - 1);
+    if (b > a) madvise((void *)a, b - a, MADV_POPULATE_WRITE);
+#endif
+}
+#endif
+
 static void *table_alloc(size_t bytes) {
 #if TABLE_MMAP
-    if (bytes >= MAP_MIN) {
+    if (bytes >= HUGE_MIN) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
-        if (bytes >= HUGE_MIN) madvise(p, bytes, MADV_HUGEPAGE);
+        madvise(p, bytes, MADV_HUGEPAGE);
 #endif
-#ifdef MADV_POPULATE_WRITE
-        madvise(p, bytes, MADV_POPULATE_WRITE); /* best effort: faults stay lazy where refused */
-#endif
+        populate(p, bytes);
         return p;
     }
-#endif
+    void *p = PyMem_Calloc(1, bytes);
+    if (p && bytes >= POPULATE_MIN) populate(p, bytes);
+    return p;
+#else
     return PyMem_Calloc(1, bytes);
+#endif
 }
 
 static void table_free(void *p, size_t bytes) {
 #if TABLE_MMAP
-    if (bytes >= MAP_MIN) {
+    if (bytes >= HUGE_MIN) {
         if (p) munmap(p, bytes);
         return;
     }

@@ -49,7 +49,7 @@ def test_tables_grow_shrink_and_free_in_any_removal_order() -> None:
               for h, k in zip(hs, block_keys(toks, BS).tolist(), strict=True)}  # fmt: skip
     full = idx.stats()
     assert full.holders == 6 * 60 * 33
-    # Big enough that the tables are mappings of their own (64 KiB and more), not the allocator's.
+    # Big enough that the tables' pages are populated in one call (64 KiB and more).
     assert full.memory_bytes > 1 << 18
     for name, cs in chains.items():
         assert idx.blocks(*name) == {h for hs, _ in cs for h in hs}
