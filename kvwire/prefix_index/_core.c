@@ -1310,6 +1310,13 @@ static inline u64 walk_hh(const u64 *keys, Py_ssize_t i) {
  * once nobody holds the prefix). */
 /* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
  * slot is empty exactly when that word is 0. */
+/* Every line of the 8 slots from group g's home and the line after them. */
+static inline void walk_prefetch_group(const char *a, size_t rs, size_t m, int shift, const u64 *keys,
+                                       Py_ssize_t g) {
+    const char *r = a + home_at(own_home(keys[g]), shift, m) * rs;
+    for (size_t off = 0; off < 8 * rs + 64; off += 64) __builtin_prefetch(r + off);
+}
+
 static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
     const Table *t = &self->nodes;
     if (wk->dead) return;
@@ -1321,11 +1328,9 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
-    for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++)
-        __builtin_prefetch(a + home_at(walk_hh(keys, k), shift, m) * rs);
+    for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + WALK_PREFETCH < n)
-            __builtin_prefetch(a + home_at(walk_hh(keys, i + WALK_PREFETCH), shift, m) * rs);
+        if ((i & 7) == 0 && i + WALK_PREFETCH < n) walk_prefetch_group(a, rs, m, shift, keys, i + WALK_PREFETCH);
         const u64 k = keys[i], hh = walk_hh(keys, i);
         size_t s = home_at(hh, shift, m);
         u64 mask;
