@@ -617,6 +617,15 @@ static inline void t_prefetch_h(const Table *t, u64 hh) {
 
 static inline void t_prefetch(const Table *t, u64 k) { t_prefetch_h(t, own_home(k)); }
 
+/* An insert's probe: the home record's line and the next (linear probing
+ * reads a few records past home when the key is new). */
+static inline void t_prefetch_probe(const Table *t, u64 k) {
+    if (!t->cap) return;
+    const char *r = t->a + home_at(own_home(k), t->shift, t->cap - 1) * t->rs;
+    __builtin_prefetch(r);
+    __builtin_prefetch(r + 64);
+}
+
 static int shift_for(size_t cap) {
     int bits = 0;
     while (((size_t)1 << bits) < cap) bits++;
@@ -1087,12 +1096,12 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
      * below stay in the tables the loop probes. */
     if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
     for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
-        t_prefetch(&rk->entries, hashes[k]);
+        t_prefetch_probe(&rk->entries, hashes[k]);
         t_prefetch_h(&self->nodes, hhs[k]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + STORE_PREFETCH < n) {
-            t_prefetch(&rk->entries, hashes[i + STORE_PREFETCH]);
+            t_prefetch_probe(&rk->entries, hashes[i + STORE_PREFETCH]);
             t_prefetch_h(&self->nodes, hhs[i + STORE_PREFETCH]);
         }
         int64_t pos = ok ? d0 + i : 0;
