@@ -53,7 +53,7 @@ Dynamo comes from ``ai-dynamo-runtime`` 1.6.1: importable here, or from the
 ``sys.path``; the wheel is abi3). Without it the kvwire figures still print.
 
     python benchmarks/index_bench.py [--workloads shared-roots independent re-store]
-        [--workers 16 64] [--repeats 5] [--memory-10m] [--hot-cores]
+        [--workers 16 64] [--repeats 5] [--lookups 2000] [--memory-10m] [--hot-cores]
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ TARGETS = {"apply": 2.0, "match_list": 0.25, "match_keys": 0.15}
 class Workload:
     """Token ids and engine hashes of every sequence, and the event order."""
 
-    def __init__(self, name: str, workers: int, seqs_per_worker: int, seed: int) -> None:
+    def __init__(
+        self, name: str, workers: int, seqs_per_worker: int, seed: int, lookups: int = LOOKUPS
+    ) -> None:
         from kvwire.prefix_index import block_keys
 
         self.name = name
@@ -110,7 +112,7 @@ class Workload:
         # Engine hashes: an unrelated content-chained hash (another seed), 63-bit.
         self.hashes = np.stack([block_keys(t, BLOCK, seed=engine_seed) >> np.uint64(1) for t in tokens])
         if name == "re-store":
-            self.prior = Workload("independent", workers, seqs_per_worker, seed)
+            self.prior = Workload("independent", workers, seqs_per_worker, seed, lookups)
         # (worker, sequence, first block, last block) in arrival order, workers interleaved.
         self.order: list[tuple[int, int, int, int]] = []
         have: list[set[int]] = [set() for _ in range(workers)]
@@ -127,7 +129,7 @@ class Workload:
                     self.order.append((w, i, 0, ROOT_BLOCKS))
                 self.order.append((w, i, ROOT_BLOCKS, SEQ_BLOCKS))
         self.blocks = sum(b - a for _, _, a, b in self.order)
-        picks = np.random.default_rng(seed + 1).integers(0, n, LOOKUPS)
+        picks = np.random.default_rng(seed + 1).integers(0, n, lookups)
         self.picks = picks
         self.prompts = [tokens[i].tolist() for i in picks]
         self.owner = [(f"worker-{i // seqs_per_worker}", 0) for i in picks]
@@ -490,6 +492,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 64],
                     help="worker counts of the shared-roots workload (the others use 64)")  # fmt: skip
     ap.add_argument("--seqs", type=int, default=SEQS_PER_WORKER)
+    ap.add_argument("--lookups", type=int, default=LOOKUPS,
+                    help="prompts matched per repeat (fewer: a shorter run)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--memory-10m", action="store_true", help="also fill an index to 10 M pairs")
@@ -523,7 +527,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"Dynamo: dynamo.llm.RadixTree from {Path(llm.__file__).parent}, in this process")
     for name in args.workloads:
         for w in args.workers if name == "shared-roots" else [64]:
-            wl = Workload(name, w, args.seqs, args.seed)
+            wl = Workload(name, w, args.seqs, args.seed, args.lookups)
             report(wl, run_workload(wl, llm, args.repeats))
     one, bulk = keys_throughput(args.seed)
     print(f"\nblock keys from numpy tokens: {one:.0f} M tokens/s for one 2,048-token prompt, "
