@@ -1315,17 +1315,17 @@ static inline u64 walk_hh(const u64 *keys, Py_ssize_t i) {
     return own_home(keys[i & ~(Py_ssize_t)7]) | (u64)(i & 7);
 }
 
-/* Walk n more keys, the first at a multiple of 8 positions (stops early
- * once nobody holds the prefix). */
-/* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
- * slot is empty exactly when that word is 0. */
-/* Every line of the 8 slots from group g's home and the line after them. */
+/* Every line of the 8 slots from group g's home, and the line after them. */
 static inline void walk_prefetch_group(const char *a, size_t rs, size_t m, int shift, const u64 *keys,
                                        Py_ssize_t g) {
     const char *r = a + home_at(own_home(keys[g]), shift, m) * rs;
     for (size_t off = 0; off < 8 * rs + 64; off += 64) __builtin_prefetch(r + off);
 }
 
+/* Walk n more keys, the first at a multiple of 8 positions (stops early
+ * once nobody holds the prefix). */
+/* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
+ * slot is empty exactly when that word is 0. */
 static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
     const Table *t = &self->nodes;
     if (wk->dead) return;

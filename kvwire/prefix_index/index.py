@@ -369,11 +369,6 @@ class PrefixIndex:
     def match_keys(self, keys: U64) -> dict[RankKey, int]:
         """:meth:`match` for keys computed already (with this index's seed), the
         prompt's from its first block (as :meth:`keys` and :func:`block_keys` give them)."""
-        with self._lock:
-            try:  # the common call, a contiguous uint64 array: straight to the native walk
-                return self._core.match(keys, self._names, None)
-            except (TypeError, ValueError, BufferError):
-                pass
         return self._match_keys(keys, None)
 
     def match_keys_tiers(self, keys: U64) -> dict[RankKey, TierDepths]:
