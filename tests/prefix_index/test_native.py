@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.prefix_index import PrefixIndex, block_keys
-from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch, TokenIds
+from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch, TokenIds, encode_batch
 
 BS = 4
 
@@ -81,6 +81,42 @@ def test_tables_grow_shrink_and_free_in_any_removal_order() -> None:
             assert idx.stats().memory_bytes < full.memory_bytes / 4
     s = idx.stats()
     assert (s.blocks, s.holders, s.memory_bytes) == (0, 0, 0)
+
+
+def test_tables_past_two_mib_grow_and_shrink_exact() -> None:
+    """One rank's table and the nodes' table pass 2 MiB (their own huge-page mappings),
+    through the native payload path; answers stay exact as they shrink and free."""
+    rnd = random.Random(9)
+    idx = PrefixIndex(BS)
+    n, per = 60_000, 2_000
+    tokens = [rnd.randrange(50_000) for _ in range(n * BS)]
+    hashes = rnd.sample(range(1, 1 << 62), n)
+    for a in range(0, n, per):
+        ev = BlockStored(hashes[a : a + per], hashes[a - 1] if a else None,
+                         tokens[a * BS : (a + per) * BS], BS)  # fmt: skip
+        idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
+    full = idx.stats()
+    assert (full.holders, full.blocks) == (n, n)
+    assert full.memory_bytes > 4 << 20  # 40 B a rank slot and 24 B a node slot, at load <= 0.7
+    assert idx.match(tokens) == {("w", 0): n}
+    # All but the first 16th in a random order, the tables shrinking back under 2 MiB
+    # as they go; then the rest: the prefix follows exactly.
+    keep = n // 16
+    tail = hashes[keep:]
+    rnd.shuffle(tail)
+    position = {h: i for i, h in enumerate(hashes)}
+    first_gone = n
+    for a in range(0, len(tail), 5_000):
+        gone = tail[a : a + 5_000]
+        idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved(gone)], 0)))
+        first_gone = min(first_gone, *(position[h] for h in gone))
+        assert idx.match(tokens) == {("w", 0): first_gone}
+    assert idx.match(tokens) == {("w", 0): keep}
+    assert idx.stats().memory_bytes < 1 << 21
+    idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved(hashes[:keep])], 0)))
+    s = idx.stats()
+    assert (s.blocks, s.holders, s.memory_bytes) == (0, 0, 0)
+    assert idx.match(tokens) == {}
 
 
 def test_tiers_show_up_after_many_ranks() -> None:
