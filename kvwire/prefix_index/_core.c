@@ -32,6 +32,7 @@ typedef int32_t i32;
 #define MIN_CAP 8
 #define PREFETCH 12
 #define STORE_PREFETCH 24
+#define NODE_AHEAD 8
 #define WALK_PREFETCH 64
 #define TOKEN_PREFETCH 64
 
@@ -1183,7 +1184,16 @@ done:
 static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssize_t n, int tier) {
     Rank *rk = &self->ranks[sid];
     Py_ssize_t unknown = 0;
+    /* Each hash is a random probe of the rank's table: keep them in flight
+     * (a shrink below can move the table; a stale prefetch costs nothing). */
+    for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) t_prefetch_probe(&rk->entries, hashes[k]);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + STORE_PREFETCH < n) t_prefetch_probe(&rk->entries, hashes[i + STORE_PREFETCH]);
+        if (i + NODE_AHEAD < n) {
+            /* Its entry, prefetched a while ago, names its node: on its way too. */
+            const Entry *f = (const Entry *)t_find(&rk->entries, hashes[i + NODE_AHEAD], entry_occ);
+            if (f) t_prefetch_h(&self->nodes, f->hh);
+        }
         Entry *e = (Entry *)t_find(&rk->entries, hashes[i], entry_occ);
         if (!e || e->c[tier] == 0) {
             unknown++;
