@@ -33,6 +33,7 @@ typedef int32_t i32;
 #define PREFETCH 12
 #define STORE_PREFETCH 24
 #define NODE_AHEAD 8
+#define CLEAR_AHEAD 16
 #define WALK_PREFETCH 64
 #define TOKEN_PREFETCH 64
 
@@ -1235,6 +1236,11 @@ static int clear_core(Index *self, size_t sid) {
     Rank *rk = &self->ranks[sid];
     Table *t = &rk->entries;
     for (size_t j = 0; j < t->cap; j++) {
+        if (j + CLEAR_AHEAD < t->cap) {
+            /* The entries are read in order; their nodes are random probes. */
+            const Entry *f = (const Entry *)(t->a + (j + CLEAR_AHEAD) * t->rs);
+            if (entry_occ((const char *)f, t->rs)) t_prefetch_h(&self->nodes, f->hh);
+        }
         const Entry *e = (const Entry *)(t->a + j * t->rs);
         if (!entry_occ((const char *)e, t->rs)) continue;
         char *r = t_find_h(&self->nodes, e->key, e->hh, node_occ);
