@@ -37,6 +37,8 @@ kvwire's median with Dynamo's best repeat.
 - match from precomputed keys: ``PrefixIndex.match_keys``; Dynamo: ``find_matches``
   on precomputed hashes, and (second line) reading its ``.scores``, which a router
   needs and kvwire's figure includes (its result is a dict already).
+- removals (kvwire only, reported): every stored block removed again, 96 hashes a
+  ``BlockRemoved`` batch, a worker's in random order, batches shuffled, by ``apply_payload``.
 - block keys from numpy tokens; memory per (block, holder) (tables, and RSS growth)
   at the workload scale and at 10 M pairs (--memory-10m).
 
@@ -245,6 +247,36 @@ class KvwireSide:
     def match_keys(self, keys: list[Any]) -> list[int]:
         return timed(self.index.match_keys, keys)
 
+    def removals(self) -> list[tuple[str, bytes]]:
+        """Every stored block removed, 96 hashes a batch, a worker's in random order."""
+        from kvwire.wire import BlockRemoved, KVEventBatch, encode_batch
+
+        rng = np.random.default_rng(7)
+        held: dict[int, dict[int, None]] = {}
+        for w, i, a, b in self.wl.order:
+            held.setdefault(w, {}).update(dict.fromkeys(self.wl.hashes[i, a:b].tolist()))
+        out = []
+        for w, hashes in held.items():
+            hs = list(hashes)
+            rng.shuffle(hs)  # type: ignore[arg-type]
+            for a in range(0, len(hs), 96):
+                out.append((f"worker-{w}", encode_batch(KVEventBatch(0.0, [BlockRemoved(hs[a : a + 96])], 0))))
+        rng.shuffle(out)  # type: ignore[arg-type]
+        return out
+
+    def remove_all(self, payloads: list[tuple[str, bytes]]) -> float:
+        """Blocks removed per second by ``payloads`` (all of them) from the built index."""
+        held = self.index.stats().holders
+        apply = self.index.apply_payload
+        t0 = time.perf_counter()
+        for wid, payload in payloads:
+            apply(wid, 0, payload)
+        wall = time.perf_counter() - t0
+        left = self.index.stats().holders
+        if left:
+            raise AssertionError(f"kvwire holds {left} blocks after removing them all")
+        return held / wall
+
 
 def import_dynamo() -> Any:
     """dynamo.llm from this interpreter, else from .venv-dynamo's site-packages."""
@@ -335,6 +367,8 @@ def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
         runs[side].setdefault(what, []).append(value)
 
     rss: dict[str, int] = {}
+    removals = sides[0].removals()
+    stats = None
     for rep in range(repeats):
         order = sides if rep % 2 == 0 else sides[::-1]
         for side in order:
@@ -355,9 +389,12 @@ def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
             add(side.name, "match_keys_p99", _p99_us(lat))
             if isinstance(side, DynamoSide):
                 add(side.name, "match_keys_scores", _median_us(side.match_keys_scores(keys)))
+            else:
+                stats = side.index.stats()
+                add(side.name, "remove", side.remove_all(removals))  # empties the index
     res: dict[str, Any] = {"runs": runs, "rss": rss}
-    k = sides[0]
-    st = k.index.stats()
+    assert stats is not None
+    st = stats
     res["holders"] = st.holders
     res["bytes_per_holder"] = st.memory_bytes / st.holders
     return res
@@ -477,6 +514,8 @@ def report(wl: Workload, res: dict[str, Any]) -> None:
     if d is not None:
         line("  vs Dynamo reading .scores", "match_keys", "us", 1, "(reported)", "match_keys_scores")
     line("  p99", "match_keys_p99", "us", 1, "(reported)")
+    mine = med(k["remove"]) / 1e6
+    print(f"  {'remove every block (96 a batch)':<36} kvwire {mine:>8.2f} M blk/s (reported; kvwire only)")
     runs_txt = ", ".join(f"{x / 1e6:.2f}" for x in k["apply_wall"])
     print(f"  kvwire apply runs (M blk/s): {runs_txt}"
           + ("" if d is None else "; Dynamo: " + ", ".join(f"{x / 1e6:.2f}" for x in d["apply_wall"])))
