@@ -20,8 +20,10 @@ Publishers, each a case:
 - ``kvwire-defaults``: ``EventCollector`` + ``EventPublisher`` with its
   defaults (epoch, 1 s heartbeat, replay with the snapshot mirror);
 - ``hooks-only``: the ``EventCollector`` hooks with a publisher that drops
-  every batch (no sender thread, no SUB): what the engine thread pays for its
-  own hook calls, the floor the issue aims at;
+  every batch (an ``EventPublisher`` closed before its first batch: the
+  collector's native path up to the queue, which drops and counts it; no sender
+  thread, no SUB): what the engine thread pays for its own hook calls, the
+  floor the issue aims at;
 - ``kvwire-nosub``: ``kvwire-wire`` with no SUB connected (libzmq drops each
   message at once): what is left of ``kvwire-wire`` without the consumer and
   the transport running on the other core (engine-thread table only).
@@ -215,15 +217,13 @@ class Case:
             from kvwire.publisher import EventCollector, EventPublisher
 
             options = dict(options or {})
-            if name in ("kvwire-wire", "kvwire-nosub"):
+            if name in ("kvwire-wire", "kvwire-nosub", "hooks-only"):
                 options.update(epoch=False, heartbeat=None, snapshot=False)
-            self.pub = (
-                _Discard()
-                if name == "hooks-only"
-                else EventPublisher(
-                    self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options
-                ).start()
-            )
+            self.pub = EventPublisher(self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options)
+            if name == "hooks-only":
+                self.pub.close()  # never bound: every batch is dropped (and counted) at once
+            else:
+                self.pub.start()
             col = EventCollector(self.pub, BLOCK_TOKENS)
             stored_hook, removed_hook, flush = col.stored, col.removed, col.flush
 
@@ -280,7 +280,7 @@ def _kvwire_backlog(pub: Any) -> int:
 
 def connect(case: Case, ctx: mp.context.SpawnContext) -> tuple[Any, Any]:
     """A SUB process that has received at least one batch (the slow joiner)."""
-    if type(case.pub) is _Discard or case.name == "kvwire-nosub":
+    if type(case.pub) is _Discard or case.name in ("kvwire-nosub", "hooks-only"):
         return None, None
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=subscriber, args=(case.endpoint, child), daemon=True)

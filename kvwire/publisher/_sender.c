@@ -11,14 +11,18 @@
  *
  * The sender thread (a pthread) encodes each batch into a reference-counted
  * buffer and sends [topic, seq, payload] on the PUB socket, the payload
- * zero-copy. A collector's batch (`batch_type`) whose records hold only what
- * the checks below accept (exact ints in lists or tuples, None, compact ASCII
- * strs) is read and encoded here without the GIL: the collector's contract is
- * that the lists it was handed are not changed after the call, the queued
- * batch holds a reference to every one of them, and ints, tuples and strs are
- * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
- * dialects). Anything else is encoded by the Python callable `encode` with the
- * GIL taken; `stats()` counts both, and every time the thread took the GIL.
+ * zero-copy. A collector's batch travels as C records (CBatch): the native
+ * Collector below (EventCollector's hooks) queues its records as they are,
+ * without a Python object, and publish() turns a CollectedBatch (`batch_type`)
+ * into one. A batch whose records hold only what the checks below accept
+ * (exact ints in lists or tuples, None, compact ASCII strs) is read and encoded
+ * here without the GIL: the collector's contract is that the lists it was
+ * handed are not changed after the call, the queued batch holds a reference to
+ * every one of them, and ints, tuples and strs are immutable. The coalescing
+ * and bytes are those of CollectedBatch.encode (both dialects). Anything else
+ * is encoded by the Python callable `encode` with the GIL taken (a CollectedBatch
+ * is made then for the Collector's batches); `stats()` counts both, and every
+ * time the thread took the GIL.
  * The oldest queued batch is sent coalesce_s after its publish(), with whatever
  * was published meanwhile (a backlog is sent at once).
  * While batches keep coming (two within POLL_S of each other), the thread looks
@@ -1754,46 +1758,41 @@ static PyObject *collector_flush(Collector *c, PyObject *unused) {
         PyObject *r = PyObject_CallOneArg(c->mark, c->device);
         if (!r) return NULL;
         Py_DECREF(r);
-        if (!c->n) Py_RETURN_FALSE;
+        if (!c->n) Py_RETURN_FALSE; /* (flushed meanwhile by another thread) */
     }
-    size_t n = c->n;
+    /* The records leave the collector first, as the Python collector's list did. */
+    CBatch *b = cbatch_alloc(c->n);
+    if (!b) return PyErr_NoMemory();
+    memcpy(b->recs, c->recs, c->n * sizeof(Rec));
+    b->n = c->n;
+    c->n = 0;
     c->stored_blocks = 0;
     c->batches++;
-    double ts = wall_now();
+    b->ts = wall_now();
+    b->block_size = c->block_size;
+    b->hash_signed = c->hash_signed;
     PyObject *rank = PyObject_GetAttr(c->publisher, S_rank);
     if (!rank) {
-        collector_drop_records(c);
+        cbatch_free(b);
         return NULL;
     }
-    long long r = -1;
     if (c->sender && PyLong_CheckExact(rank)) {
-        r = PyLong_AsLongLong(rank);
-        if (r == -1 && PyErr_Occurred()) PyErr_Clear(); /* Python's path says what is wrong */
-        else {
+        b->rank = PyLong_AsLongLong(rank);
+        if (b->rank == -1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* beyond 64 bits: Python's path says what is wrong */
+        } else {
             /* The publisher's native sender: the records go over as they are. */
-            CBatch *b = cbatch_alloc(n);
             Py_DECREF(rank);
-            if (!b) {
-                collector_drop_records(c);
-                return PyErr_NoMemory();
-            }
-            memcpy(b->recs, c->recs, n * sizeof(Rec));
-            b->n = n;
-            c->n = 0;
-            b->ts = ts;
-            b->rank = r;
-            b->block_size = c->block_size;
-            b->hash_signed = c->hash_signed;
             Item it = {.kind = K_COLLECTED, .batch = b};
             return PyBool_FromLong(sender_enqueue(c->sender, &it));
         }
     }
-    PyObject *records = records_list(c->recs, n);
-    collector_drop_records(c);
-    PyObject *batch = records ? PyObject_CallFunction(c->batch_type, "(dOOlO)", ts, records, rank,
-                                                      c->block_size,
-                                                      c->hash_signed ? Py_True : Py_False)
+    PyObject *records = records_list(b->recs, b->n);
+    PyObject *batch = records ? PyObject_CallFunction(c->batch_type, "(dOOlO)", b->ts, records,
+                                                      rank, b->block_size,
+                                                      b->hash_signed ? Py_True : Py_False)
                               : NULL;
+    cbatch_free(b);
     Py_XDECREF(records);
     Py_DECREF(rank);
     if (!batch) return NULL;

@@ -7,14 +7,21 @@ are copied (engines reuse buffers), CUDA tensors copied into pinned host memory
 without waiting (a CUDA event marks when the copy is done). Conversion,
 coalescing and msgpack encoding happen later, on the publisher's sender thread.
 
-That contract is what lets :class:`~kvwire.publisher.EventPublisher`'s native
-sender read a batch's lists without the GIL: when every list or tuple holds
-exact ints (within 64 bits), parents and group indices are ints or ``None``,
-``medium`` and ``lora_name`` are ``None`` or ASCII strs and no store has
-``extra_keys``, the sender thread encodes the batch itself, byte for byte as
-:meth:`CollectedBatch.encode` would, and the engine thread never waits for it.
-Anything else (array or tensor captures, int subclasses, ``extra_keys``) is
-encoded by :meth:`CollectedBatch.encode` with the GIL taken.
+The hooks themselves are C (``Collector`` in :mod:`kvwire.publisher._sender`):
+for lists and tuples a call creates no Python object, it appends a record
+holding references to what it was passed to C memory. With an
+:class:`~kvwire.publisher.EventPublisher`, ``flush()`` queues those records on
+its native sender as they are; with any other publisher it builds a
+:class:`CollectedBatch` and calls ``publish()``.
+
+The contract is what lets the native sender read a batch's lists without the
+GIL: when every list or tuple holds exact ints (within 64 bits), parents and
+group indices are ints or ``None``, ``medium`` and ``lora_name`` are ``None``
+or ASCII strs and no store has ``extra_keys``, the sender thread encodes the
+batch itself, byte for byte as :meth:`CollectedBatch.encode` would, and the
+engine thread never waits for it. Anything else (array or tensor captures, int
+subclasses, ``extra_keys``) is encoded by :meth:`CollectedBatch.encode` with
+the GIL taken.
 """
 
 from __future__ import annotations
@@ -312,8 +319,9 @@ class CollectedBatch(msgspec.Struct, gc=False):
     ``records`` is a list of tuples in the collector's layout: ``(0, hashes,
     parent, token_ids, lora_name, medium, extra_keys, group_idx)`` for a store,
     ``(1, hashes, medium, group_idx)`` for a removal, ``(2,)`` for a clear. The
-    native sender reads these fields directly (``kvwire/publisher/_sender.c``
-    mirrors :meth:`parts`' coalescing): change both together.
+    native collector keeps the same records in C and the native sender reads
+    them (``kvwire/publisher/_sender.c`` mirrors :meth:`parts`' coalescing):
+    change both together.
 
     Not tracked by the cyclic garbage collector: a backlog of these must not
     make every collection slower (it holds only tuples, arrays and ints).
