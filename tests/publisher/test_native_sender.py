@@ -347,13 +347,13 @@ def test_the_native_collectors_bytes_are_collected_batch_encode(
                 return
             sent += 1
             expected = ref.batches[0]
-            for sub, dialect in zip(subs, dialects):
+            for sub, dialect in zip(subs, dialects, strict=True):
                 got = recv_live(sub)
                 expected.ts = decode_batch(got.payload).ts
                 assert bytes(got.payload) == expected.encode(dialect)
 
         check()
-        for p, b in zip(pubs, before):
+        for p, b in zip(pubs, before, strict=True):
             wait_for(lambda p=p, b=b: p.stats().published - b.published == sent, what="all sent")
             s = p.stats()
             assert (s.native_encoded - b.native_encoded, s.gil_encoded) == (sent, b.gil_encoded)
