@@ -265,38 +265,24 @@ class Keep:
         return True
 
 
+DEFAULTS = {"lora_name": None, "medium": "GPU", "group_idx": None}
+
+
 @st.composite
 def hook_calls(draw: Any) -> list[tuple[Any, ...]]:
-    """One iteration's hook calls: chained and unchained stores, removals, clears."""
+    """One iteration's hook calls, made of ``records()``: keywords at their default given
+    or left out."""
     calls: list[tuple[Any, ...]] = []
-    last: int | None = None
-    for _ in range(draw(st.integers(1, 8))):
-        kind = draw(st.sampled_from(["store", "chain", "chain", "remove", "clear"]))
-        if kind == "clear":
-            calls.append(("cleared", (), {}))
-            continue
-        n = draw(st.integers(1, 5))
-        form = tuple if draw(st.booleans()) else list
-        hs = draw(st.lists(hash_values, min_size=n, max_size=n))
-        if kind == "remove":
-            kw = {"medium": draw(names), "group_idx": draw(groups)}
-            kw = {k: v for k, v in kw.items() if draw(st.booleans())}
-            calls.append(("removed", (form(hs),), kw))
-            continue
-        if kind == "chain" and last is not None:
-            other = last - (1 << 64) if last > (1 << 63) - 1 else last + (1 << 64) if last < 0 else last
-            parent: int | None = last if draw(st.booleans()) else other  # the other form
+    for rec in draw(records().filter(bool)):
+        if rec[0] == 0:
+            name, args = "stored", rec[1:4]
+            kw = {"lora_name": rec[4], "medium": rec[5], "group_idx": rec[7]}
+        elif rec[0] == 1:
+            name, args, kw = "removed", rec[1:2], {"medium": rec[2], "group_idx": rec[3]}
         else:
-            parent = draw(st.one_of(st.none(), hash_values))
-        toks = draw(st.lists(token_values, min_size=n * BS, max_size=n * BS))
-        kw = {
-            "lora_name": draw(st.sampled_from([None, "a"])),
-            "medium": draw(st.sampled_from(["GPU", None, "CPU"])),
-            "group_idx": draw(st.sampled_from([None, 1])),
-        }
-        kw = {k: v for k, v in kw.items() if draw(st.booleans())}  # defaults too
-        calls.append(("stored", (form(hs), parent, form(toks)), kw))
-        last = hs[-1]
+            name, args, kw = "cleared", (), {}
+        kw = {k: v for k, v in kw.items() if v != DEFAULTS[k] or draw(st.booleans())}
+        calls.append((name, args, kw))
     return calls
 
 
