@@ -29,9 +29,10 @@ Publishers, each a case:
   the transport running on the other core (engine-thread table only).
 - ``call-only`` and ``alloc-only`` (engine table only, on request with
   ``--cases``): no publisher at all; the harness's own publishing step, and
-  that step plus allocating and dropping what the collector's hooks allocate
-  per iteration (a records list and two record tuples). They separate what
-  the harness and Python allocation cost the CPU-bound loop from publishing.
+  that step plus allocating and dropping what the Python collector's hooks
+  allocated per iteration (a records list and two record tuples; the native
+  hooks allocate nothing). They separate what the harness and Python
+  allocation cost the CPU-bound loop from publishing.
 Every publisher has a replay endpoint.
 
 This 2-core VM gives a process a full or a half core at random, so a baseline
@@ -84,7 +85,7 @@ import zmq
 BLOCK_TOKENS = 16
 CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
 # Floors of the engine table only (no publisher at all): the harness's own step, and that
-# step plus allocating and dropping what the collector's hooks allocate per iteration.
+# step plus allocating and dropping what the Python collector's hooks allocated per iteration.
 FLOORS = ("call-only", "alloc-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
