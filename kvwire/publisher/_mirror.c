@@ -199,16 +199,13 @@ static PyTypeObject ChainType = {
 
 typedef struct {
     u64 key;
-    Chain *newest; /* NULL: empty; TOMB: deleted */
+    Chain *newest; /* NULL: empty */
 } Slot;
-
-static char tomb_marker;
-#define TOMB ((Chain *)&tomb_marker)
 
 typedef struct {
     PyObject *name; /* str or None */
     Slot *slots;
-    size_t cap, filled, live; /* filled: live slots and tombstones */
+    size_t cap, live; /* linear probing, deletion by backward shift: no tombstones */
     int shift;
     PyObject *dups; /* hash -> list of older holders (newest last); NULL until a copy */
 } Medium;
@@ -243,7 +240,7 @@ static Slot *find_slot(const Medium *m, u64 h) {
     for (;;) {
         Slot *s = &m->slots[at];
         if (s->newest == NULL) return NULL;
-        if (s->newest != TOMB && s->key == h) return s;
+        if (s->key == h) return s;
         at = (at + 1) & mask;
     }
 }
@@ -263,10 +260,8 @@ static int resize(Medium *m, size_t extra) {
     m->slots = fresh;
     m->cap = cap;
     m->shift = 64 - bits;
-    m->filled = m->live;
     for (size_t i = 0; i < old_cap; i++) {
-        Chain *c = old[i].newest;
-        if (c == NULL || c == TOMB) continue;
+        if (!old[i].newest) continue;
         size_t at = slot_of(m, old[i].key);
         while (fresh[at].newest) at = (at + 1) & (cap - 1);
         fresh[at] = old[i];
@@ -275,18 +270,35 @@ static int resize(Medium *m, size_t extra) {
     return 0;
 }
 
-/* Room for n more keys (load, tombstones included, at most 0.7). */
+/* Room for n more keys (load at most 0.7). */
 static int reserve(Medium *m, size_t n) {
-    if ((m->filled + n) * 10 > m->cap * 7) return resize(m, n);
+    if ((m->live + n) * 10 > m->cap * 7) return resize(m, n);
     return 0;
 }
 
 /* The slot to put a new key h in (h known absent; room reserved). */
 static Slot *free_slot(Medium *m, u64 h) {
     size_t mask = m->cap - 1, at = slot_of(m, h);
-    while (m->slots[at].newest != NULL && m->slots[at].newest != TOMB) at = (at + 1) & mask;
-    if (m->slots[at].newest == NULL) m->filled++;
+    while (m->slots[at].newest) at = (at + 1) & mask;
     return &m->slots[at];
+}
+
+/* Empty slot s, moving back the keys after it that probed past it. */
+static void delete_slot(Medium *m, Slot *s) {
+    size_t mask = m->cap - 1, i = (size_t)(s - m->slots), j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!m->slots[j].newest) break;
+        size_t home = slot_of(m, m->slots[j].key);
+        /* j's key may move to i unless its home lies cyclically in (i, j] */
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            m->slots[i] = m->slots[j];
+            i = j;
+        }
+    }
+    m->slots[i].newest = NULL;
+    m->live--;
 }
 
 static void media_free(Core *self) {
@@ -497,8 +509,7 @@ static int remove_hash(Core *self, Medium *m, u64 h) {
         }
         Py_DECREF(s->newest); /* still live: its own chain list holds it */
     } else {
-        s->newest = TOMB;
-        m->live--;
+        delete_slot(m, s);
     }
     Py_XDECREF(key);
     lost(self, gone);
@@ -736,16 +747,37 @@ static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return 0;
 }
 
-/* Skip a token array whose items are all ints; its bytes and count. */
+/* Bytes an int takes by its msgpack head byte (0: not an int). */
+static unsigned char INT_SIZE[256];
+
+static void int_sizes_init(void) {
+    for (int c = 0; c < 256; c++) {
+        unsigned char n = 0;
+        if (c <= 0x7f || c >= 0xe0) n = 1;
+        else if (c == 0xcc || c == 0xd0) n = 2;
+        else if (c == 0xcd || c == 0xd1) n = 3;
+        else if (c == 0xce || c == 0xd2) n = 5;
+        else if (c == 0xcf || c == 0xd3) n = 9;
+        INT_SIZE[c] = n;
+    }
+}
+
+/* Skip a token array whose items are all ints, keeping where its bytes are. */
 static int rd_tokens(Rd *r, PEv *ev) {
     Py_ssize_t start = r->i, n;
     if (RD_ARRAY(r, &n) || n > MAX_TOKENS) return FALL;
-    u64 v;
-    int neg;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (rd_int(r, &v, &neg)) return FALL;
+    const unsigned char *p = r->p;
+    Py_ssize_t i = r->i, end = r->n;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (i >= end) return FALL;
+        unsigned char w = INT_SIZE[p[i]];
+        if (!w) return FALL;
+        i += w;
+    }
+    if (i > end) return FALL;
+    r->i = i;
     ev->tok = r->p + start;
-    ev->tok_len = r->i - start;
+    ev->tok_len = i - start;
     return 0;
 }
 
@@ -1129,6 +1161,7 @@ static struct PyModuleDef mirror_module = {
 };
 
 PyMODINIT_FUNC PyInit__mirror(void) {
+    int_sizes_init();
     if (PyType_Ready(&ChainType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mirror_module);
     if (!m) return NULL;

@@ -94,6 +94,9 @@ class Mirror:
         except WireError as exc:  # encode and decode disagree: a bug, but never a wrong state
             self.distrust(f"batch {seq}: its payload did not decode: {exc}")
             return
+        except MemoryError:  # possibly applied in part
+            self.distrust(f"batch {seq}: out of memory while mirroring it")
+            return
         self._apply(events)
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
@@ -231,10 +234,11 @@ class SnapshotCursor:
                 while stack:
                     chain, start, end = stack[-1]
                     parent = chain.hash_at(start - 1) if start else chain.parent
-                    owner = None if parent is None else core.owner(chain.medium, parent, undo)
-                    waiting = (
-                        None if owner is None else self._run_holding(owner, parent, runs_of(owner))
-                    )  # type: ignore[arg-type]
+                    owner = waiting = None
+                    if parent is not None:
+                        owner = core.owner(chain.medium, parent, undo)
+                        if owner is not None:
+                            waiting = self._run_holding(owner, parent, runs_of(owner))
                     if owner is not None and waiting is not None:
                         key = (id(owner), waiting[0])
                         if key not in done and key not in pending:  # a cycle is cut, not followed

@@ -92,7 +92,9 @@ def test_the_reader_takes_both_dialects_and_hands_back_the_rest_unchanged() -> N
         core = Core()
         assert core.apply_payload(encode_batch(plain, dialect=dialect)) is True
         assert core.count() == 4
-        stored = [(c.hash_list(0, len(c)), c.parent, c.medium, c.lora, c.group) for c in core.chains()]
+        stored = [
+            (c.hash_list(0, len(c)), c.parent, c.medium, c.lora, c.group) for c in core.chains()
+        ]
         assert stored == [
             ([1, 2, (1 << 64) - 1], None, "GPU", "a", None),
             ([5], 1, None, None, 4),
