@@ -210,13 +210,13 @@ typedef struct {
     PyObject *dups; /* hash -> list of older holders (newest last); NULL until a copy */
 } Medium;
 
-/* One event read by apply_payload's first pass. */
+/* One event read by the first pass (pointers into the payload, which is held). */
 typedef struct {
-    int kind, medium, has_parent, has_group, group_neg;
+    int kind, has_parent, has_group, group_neg;
     u64 parent, group;
     Py_ssize_t hoff, n, block_size;
-    const unsigned char *tok, *lora;
-    Py_ssize_t tok_len, lora_len; /* lora_len -1: None */
+    const unsigned char *tok, *lora, *medium;
+    Py_ssize_t tok_len, lora_len, medium_len; /* lengths -1: None */
 } PEv;
 
 typedef struct {
@@ -230,6 +230,7 @@ typedef struct {
     Py_ssize_t ph_cap;
     PEv *pev;
     Py_ssize_t pev_cap;
+    int busy; /* a first pass runs without the GIL on the scratch above */
 } Core;
 
 static inline size_t slot_of(const Medium *m, u64 h) { return (size_t)((h * GOLDEN) >> m->shift); }
@@ -550,8 +551,8 @@ static void Core_dealloc(Core *self) {
     Core_clear(self);
     chains_free(self);
     media_free(self);
-    PyMem_Free(self->ph);
-    PyMem_Free(self->pev);
+    PyMem_RawFree(self->ph);
+    PyMem_RawFree(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -733,15 +734,14 @@ static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP};
 
 enum { EV_STORED, EV_REMOVED };
 
+/* Scratch for the first pass, which may run without the GIL: the raw
+ * allocator, and -1 without an exception (the caller raises MemoryError). */
 static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     if (need <= *cap) return 0;
     Py_ssize_t c = *cap ? *cap : 64;
     while (c < need) c *= 2;
-    void *p = PyMem_Realloc(*a, (size_t)c * item);
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    void *p = PyMem_RawRealloc(*a, (size_t)c * item);
+    if (!p) return -1;
     *a = p;
     *cap = c;
     return 0;
@@ -814,19 +814,9 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
             return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
         case F_KIND:
             return rd_nil(r) ? 0 : rd_str(r, &s, &n);
-        case F_MEDIUM: {
-            if (rd_nil(r)) {
-                Py_ssize_t mi = medium_index(self, Py_None, 1);
-                if (mi < 0) return -1;
-                ev->medium = (int)mi;
-                return 0;
-            }
-            if (rd_str(r, &s, &n)) return FALL;
-            Py_ssize_t mi = medium_by_bytes(self, s, n);
-            if (mi < 0) return -1;
-            ev->medium = (int)mi;
-            return 0;
-        }
+        case F_MEDIUM:
+            if (rd_nil(r)) { ev->medium_len = -1; return 0; }
+            return rd_str(r, &ev->medium, &ev->medium_len);
         case F_LORA_NAME:
             if (rd_nil(r)) { ev->lora_len = -1; return 0; }
             if (rd_str(r, &ev->lora, &ev->lora_len)) return FALL;
@@ -855,7 +845,7 @@ static int field_of(int kind, const unsigned char *s, Py_ssize_t n) {
 }
 
 /* One event, a map or a tagged array; an AllBlocksCleared is FALL (the caller resets). */
-static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len, Py_ssize_t gpu) {
+static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
     Py_ssize_t n, len;
     const unsigned char *s;
     if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : RD_ARRAY(r, &n)) return FALL;
@@ -868,7 +858,8 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len, Py_
     else return FALL;
     memset(ev, 0, sizeof *ev);
     ev->kind = kind;
-    ev->medium = (int)gpu; /* medium "GPU" unless given */
+    ev->medium = (const unsigned char *)"GPU"; /* unless given */
+    ev->medium_len = 3;
     ev->lora_len = -1;
     unsigned seen = 0;
     for (Py_ssize_t k = 1; k < n; k++) {
@@ -893,9 +884,10 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len, Py_
     return 0;
 }
 
-/* The first pass: the whole payload read and checked; *count events. */
-static int rd_batch(Core *self, Rd *r, Py_ssize_t *count) {
-    Py_ssize_t n, m, ph_len = 0;
+/* The first pass, no Python API (it may run without the GIL): the whole
+ * payload read and checked, its events appended to the scratch at *nev. */
+static int rd_batch(Core *self, Rd *r, Py_ssize_t *nev, Py_ssize_t *ph_len) {
+    Py_ssize_t n, m;
     if (RD_ARRAY(r, &n) || n < 2 || n > 3) return FALL;
     if (r->i >= r->n) return FALL;
     unsigned char c = r->p[r->i];
@@ -903,17 +895,11 @@ static int rd_batch(Core *self, Rd *r, Py_ssize_t *count) {
     else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
     else return FALL;
     if (RD_ARRAY(r, &m) || m > MAX_EVENTS) return FALL;
-    if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
+    if (grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
     int map = m > 0 && r->i < r->n && ((r->p[r->i] >= 0x80 && r->p[r->i] <= 0x8f) ||
                                        r->p[r->i] == 0xde || r->p[r->i] == 0xdf);
-    Py_ssize_t gpu = -1;
-    if (m > 0) {
-        static const unsigned char GPU[] = "GPU";
-        gpu = medium_by_bytes(self, GPU, 3);
-        if (gpu < 0) return -1;
-    }
     for (Py_ssize_t k = 0; k < m; k++) {
-        int rc = rd_event(self, r, map, &self->pev[k], &ph_len, gpu);
+        int rc = rd_event(self, r, map, &self->pev[*nev + k], ph_len);
         if (rc) return rc;
     }
     if (n == 3 && !rd_nil(r)) {
@@ -922,17 +908,20 @@ static int rd_batch(Core *self, Rd *r, Py_ssize_t *count) {
         if (rd_int(r, &v, &neg)) return FALL;
     }
     if (r->i != r->n) return FALL; /* trailing bytes */
-    *count = m;
+    *nev += m;
     return 0;
 }
 
-/* The second pass: one event applied. */
+/* The second pass (with the GIL): one event applied. */
 static int apply_event(Core *self, const PEv *ev) {
-    Medium *m = &self->media[ev->medium];
+    Py_ssize_t mi = ev->medium_len < 0 ? medium_index(self, Py_None, 1)
+                                       : medium_by_bytes(self, ev->medium, ev->medium_len);
+    if (mi < 0) return -1;
+    Medium *m = &self->media[mi];
     const u64 *hs = self->ph + ev->hoff;
     if (ev->kind == EV_REMOVED) {
         for (Py_ssize_t k = 0; k < ev->n; k++)
-            if (remove_hash(self, &self->media[ev->medium], hs[k]) < 0) return -1;
+            if (remove_hash(self, m, hs[k]) < 0) return -1;
         return 0;
     }
     PyObject *tokens = PyBytes_FromStringAndSize((const char *)ev->tok, ev->tok_len);
@@ -948,7 +937,7 @@ static int apply_event(Core *self, const PEv *ev) {
                       Py_None, group);
     if (c) {
         memcpy(c->hashes, hs, (size_t)ev->n * sizeof(u64));
-        rc = store_chain(self, ev->medium, c);
+        rc = store_chain(self, mi, c);
     }
     Py_XDECREF(c);
     Py_XDECREF(tokens);
@@ -957,29 +946,124 @@ static int apply_event(Core *self, const PEv *ev) {
     return rc;
 }
 
-/* Scratch that one large payload grew is given back afterwards. */
+/* Scratch that one large feed grew is given back afterwards. */
 #define SCRATCH_KEEP ((Py_ssize_t)1 << 16)
 
-static PyObject *Core_apply_payload(Core *self, PyObject *payload) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) return NULL;
-    Rd r = {(const unsigned char *)view.buf, view.len, 0};
-    Py_ssize_t count = 0;
-    int rc = rd_batch(self, &r, &count);
-    for (Py_ssize_t k = 0; rc == 0 && k < count; k++) rc = apply_event(self, &self->pev[k]);
-    PyBuffer_Release(&view);
+static void scratch_trim(Core *self) {
     if (self->ph_cap > SCRATCH_KEEP) {
-        PyMem_Free(self->ph);
+        PyMem_RawFree(self->ph);
         self->ph = NULL;
         self->ph_cap = 0;
     }
     if (self->pev_cap > SCRATCH_KEEP) {
-        PyMem_Free(self->pev);
+        PyMem_RawFree(self->pev);
         self->pev = NULL;
         self->pev_cap = 0;
     }
+}
+
+static int not_busy(Core *self) {
+    if (!self->busy) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the mirror is applying a feed in another thread");
+    return -1;
+}
+
+static PyObject *Core_apply_payload(Core *self, PyObject *payload) {
+    if (not_busy(self) < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Rd r = {(const unsigned char *)view.buf, view.len, 0};
+    Py_ssize_t count = 0, ph_len = 0;
+    int rc = rd_batch(self, &r, &count, &ph_len);
+    if (rc < 0) PyErr_NoMemory();
+    for (Py_ssize_t k = 0; rc == 0 && k < count; k++) rc = apply_event(self, &self->pev[k]);
+    PyBuffer_Release(&view);
+    scratch_trim(self);
     if (rc < 0) return NULL;
     return PyBool_FromLong(rc == 0);
+}
+
+/* Feeds this large (payload bytes) are read without the GIL. */
+#define NOGIL_BYTES ((Py_ssize_t)1 << 16)
+
+/* apply_feed(feed, start, next_seq) -> int
+ *
+ * feed: [(seq, payload | None)]. Applies entries start, start+1, ... while
+ * each has seq next_seq, next_seq + 1, ..., a payload, and is inside the
+ * subset read here; returns the index of the first entry it did not apply
+ * (len(feed): all). The first pass over all of them runs without the GIL
+ * when they are large. */
+static PyObject *Core_apply_feed(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "apply_feed(feed, start, next_seq) takes 3 arguments");
+        return NULL;
+    }
+    if (not_busy(self) < 0) return NULL;
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "feed must be a list");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    long long next_seq = PyLong_AsLongLong(args[2]);
+    if (next_seq == -1 && PyErr_Occurred()) return NULL;
+    PyObject *feed = Py_NewRef(args[0]);
+    Py_ssize_t n = PyList_GET_SIZE(feed);
+    if (start < 0 || start > n) start = n;
+    Py_buffer *views = PyMem_Calloc((size_t)(n - start) + 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    Py_ssize_t held = 0, total = 0;
+    if (!views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The entries to read: in seq order, each with a payload (the views hold them). */
+    for (Py_ssize_t i = start; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(feed, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) break;
+        PyObject *seq = PyTuple_GET_ITEM(item, 0), *payload = PyTuple_GET_ITEM(item, 1);
+        if (!PyLong_Check(seq) || payload == Py_None) break;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(seq, &overflow);
+        if (overflow || v != next_seq + (i - start)) {
+            PyErr_Clear();
+            break;
+        }
+        if (PyObject_GetBuffer(payload, &views[held], PyBUF_SIMPLE) < 0) goto done;
+        total += views[held].len;
+        held++;
+    }
+    /* First pass over all of them; it stops at the first outside the subset. */
+    Py_ssize_t nev = 0, ph_len = 0, read = 0;
+    int rc = 0;
+    PyThreadState *ts = NULL;
+    self->busy = 1;
+    if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
+    for (; read < held; read++) {
+        Rd r = {(const unsigned char *)views[read].buf, views[read].len, 0};
+        Py_ssize_t before = nev;
+        rc = rd_batch(self, &r, &nev, &ph_len);
+        if (rc) {
+            nev = before; /* this one is left to the caller */
+            break;
+        }
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    self->busy = 0;
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Second pass, in order. */
+    for (Py_ssize_t k = 0; k < nev; k++)
+        if (apply_event(self, &self->pev[k]) < 0) goto done;
+    result = PyLong_FromSsize_t(start + read);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    scratch_trim(self);
+    Py_DECREF(feed);
+    return result;
 }
 
 /* --- what snapshots read ------------------------------------------------------ */
@@ -1129,6 +1213,8 @@ static PyGetSetDef Core_getset[] = {
 static PyMethodDef Core_methods[] = {
     {"apply_payload", (PyCFunction)Core_apply_payload, METH_O,
      "apply_payload(payload) -> bool: applied, or False (outside the subset read here; nothing changed)"},
+    {"apply_feed", (PyCFunction)(void (*)(void))Core_apply_feed, METH_FASTCALL,
+     "apply_feed(feed, start, next_seq) -> int: the index of the first entry not applied"},
     {"store", (PyCFunction)(void (*)(void))Core_store, METH_FASTCALL,
      "store(hashes, parent, tokens, block_size, medium, lora, extra, group)"},
     {"remove", (PyCFunction)(void (*)(void))Core_remove, METH_FASTCALL, "remove(medium, hashes)"},

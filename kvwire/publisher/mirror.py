@@ -99,6 +99,32 @@ class Mirror:
             return
         self._apply(events)
 
+    def apply_feed(self, feed: list[tuple[int, Any]]) -> None:
+        """Mirror the sender's feed ``[(seq, payload or None)]`` in order, as one C call where it can.
+
+        Payloads are read in C (the first pass over them without the GIL when
+        they are large); an entry it does not take (a seq gap, a batch that
+        did not encode, a payload outside the reader's subset) is applied
+        here, and the rest resumes in C.
+        """
+        i, n = 0, len(feed)
+        while i < n:
+            try:
+                j = self._core.apply_feed(feed, i, self.next_seq)
+            except MemoryError:  # possibly applied in part
+                self.distrust("out of memory while mirroring the feed")
+                self.next_seq = feed[-1][0] + 1
+                return
+            if j > i:
+                self.next_seq = feed[j - 1][0] + 1
+            if j < n:
+                seq, payload = feed[j]
+                if payload is None:
+                    self.skip(seq, "it could not be encoded")
+                else:
+                    self.apply_payload(seq, payload)
+            i = j + 1
+
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         """Mirror batch ``seq``; a seq skipped since the last one makes the mirror untrusted."""
         self.apply_events(seq, batch.events)

@@ -568,11 +568,7 @@ class EventPublisher:
         self._mirror_in_hand = 1  # never 0 while taking: stats() may read in between
         feed = self._sender.take_feed()
         self._mirror_in_hand = len(feed)
-        for seq, payload in feed:
-            if payload is None:
-                mirror.skip(seq, "it could not be encoded")
-            else:
-                mirror.apply_payload(seq, payload)
+        mirror.apply_feed(feed)
         self._mirror_in_hand = 0
         return bool(feed)
 

@@ -54,22 +54,37 @@ def test_native_and_decoded_mirrors_agree_with_the_model(
     rng = random.Random(seed)
     batches = [_vary(rng, b) for b in random_batches(rng, n)]
     starts = sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="snapshots at"))
+    feeds = data.draw(st.booleans(), label="fed as feeds")
     native, decoded, model = Mirror(), Mirror(), Model()
     serving: list[tuple[Any, list[bytes], Any]] = []  # (cursor, chunks so far, expected state)
+    pending: list[tuple[int, Any]] = []  # a feed being gathered
     for seq, batch in enumerate(batches):
+        if starts and starts[0] == seq:
+            native.apply_feed(pending)  # a snapshot starts after what was encoded
+            pending = []
         while starts and starts[0] == seq:
             starts.pop(0)
             expected = model.state()
             for mirror in (native, decoded):
                 serving.append((mirror.snapshot(0, chunk_blocks=chunk), [], expected))
         payload = encode_batch(batch, dialect=dialect)
-        native.apply_payload(seq, payload)
+        if feeds:
+            pending.append((seq, payload))
+            if rng.random() < 0.2:
+                native.apply_feed(pending)
+                pending = []
+        else:
+            native.apply_payload(seq, payload)
         decoded.apply(seq, decode_batch(payload))
         model.apply(decode_batch(payload))
+        if pending:
+            continue
         for cursor, chunks, _ in serving:  # a chunk of each snapshot between live batches
             if (c := cursor.next_chunk()) is not None:
                 chunks.append(c)
         assert native.count_blocks() == decoded.count_blocks() == len(model.held)
+    native.apply_feed(pending)
+    assert native.count_blocks() == len(model.held)
     for cursor, chunks, expected in serving:
         chunks += drain(cursor)
         assert rebuild(chunks).state() == expected
@@ -126,3 +141,33 @@ def test_a_mirror_fed_a_payload_that_does_not_decode_distrusts_itself() -> None:
     mirror = Mirror()
     mirror.apply_payload(0, b"\x93\xcb")
     assert mirror.distrust_reason is not None and "did not decode" in mirror.distrust_reason
+
+
+def test_a_large_feed_is_read_as_its_payloads_one_by_one() -> None:
+    """Large enough for the first pass to run without the GIL; with entries C hands back."""
+    rng = random.Random(5)
+    batches = random_batches(rng, 1000) + random_batches(rng, 500, clears=False)
+    feed: list[tuple[int, Any]] = []
+    for seq, b in enumerate(batches):
+        feed.append((seq, encode_batch(_vary(rng, b), dialect="array" if seq % 3 else "map")))
+    last_clear = max(
+        i for i, b in enumerate(batches) if any(type(e) is AllBlocksCleared for e in b.events)
+    )
+    assert last_clear < 1400
+    feed[1420] = (1420, None)  # did not encode
+    del feed[1450]  # a seq the mirror never sees
+    assert sum(len(p) for _, p in feed if p is not None) > 1 << 16
+    by_feed, one_by_one, model = Mirror(), Mirror(), Model()
+    by_feed.apply_feed(feed)
+    for seq, payload in feed:
+        if payload is None:
+            one_by_one.skip(seq, "it could not be encoded")
+        else:
+            one_by_one.apply_payload(seq, payload)
+            model.apply(decode_batch(payload))
+    assert by_feed.next_seq == one_by_one.next_seq == 1500
+    assert by_feed.distrust_reason == one_by_one.distrust_reason
+    assert by_feed.distrust_reason is not None and "1420" in by_feed.distrust_reason
+    assert by_feed.count_blocks() == one_by_one.count_blocks() == len(model.held) > 0
+    state = rebuild(drain(one_by_one.snapshot(0))).state()
+    assert rebuild(drain(by_feed.snapshot(0))).state() == state
