@@ -727,6 +727,7 @@ static const char *const FIELD_NAMES[F_COUNT] = {
     "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
     "type",
 };
+static Py_ssize_t FIELD_LENS[F_COUNT];
 static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP};
 #define N_REMOVED 3
 #define N_STORED 11
@@ -833,10 +834,16 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
     }
 }
 
-static int field_of(int kind, const unsigned char *s, Py_ssize_t n) {
+static inline int is_field(const unsigned char *s, Py_ssize_t n, int f) {
+    return n == FIELD_LENS[f] && memcmp(s, FIELD_NAMES[f], (size_t)n) == 0;
+}
+
+/* A field id by name; `guess` (the field after the last one) is tried first. */
+static int field_of(int kind, const unsigned char *s, Py_ssize_t n, int guess) {
     if (kind == EV_STORED) {
+        if (guess >= 0 && guess < F_COUNT && is_field(s, n, guess)) return guess;
         for (int f = 0; f < F_COUNT; f++)
-            if (str_is(s, n, FIELD_NAMES[f])) return f;
+            if (is_field(s, n, f)) return f;
         return F_OTHER;
     }
     for (int k = 0; k < N_REMOVED; k++)
@@ -862,11 +869,12 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
     ev->medium_len = 3;
     ev->lora_len = -1;
     unsigned seen = 0;
+    int prev = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
         int f;
         if (map) {
             if (rd_str(r, &s, &len)) return FALL;
-            f = field_of(kind, s, len);
+            f = field_of(kind, s, len, prev + 1);
         } else {
             Py_ssize_t at = k - 1;
             if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_OTHER;
@@ -876,6 +884,7 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
             if (seen & (1u << f)) return FALL;
             seen |= 1u << f;
         }
+        prev = f;
         int rc = rd_field(self, r, f, ev, ph_len);
         if (rc) return rc;
     }
@@ -1248,6 +1257,7 @@ static struct PyModuleDef mirror_module = {
 
 PyMODINIT_FUNC PyInit__mirror(void) {
     int_sizes_init();
+    for (int f = 0; f < F_COUNT; f++) FIELD_LENS[f] = (Py_ssize_t)strlen(FIELD_NAMES[f]);
     if (PyType_Ready(&ChainType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mirror_module);
     if (!m) return NULL;
