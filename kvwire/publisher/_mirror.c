@@ -197,17 +197,29 @@ static PyTypeObject ChainType = {
 /* ------------------------------------------------------------------------ */
 /* Core: per medium, hash -> newest holder                                    */
 
+/* An open-addressing map u64 -> pointer: linear probing, deletion by
+ * backward shift (no tombstones), load at most 0.7. */
 typedef struct {
     u64 key;
-    Chain *newest; /* NULL: empty */
+    void *val; /* NULL: empty */
 } Slot;
 
 typedef struct {
-    PyObject *name; /* str or None */
     Slot *slots;
-    size_t cap, live; /* linear probing, deletion by backward shift: no tombstones */
+    size_t cap, live;
     int shift;
-    PyObject *dups; /* hash -> list of older holders (newest last); NULL until a copy */
+} Map;
+
+/* The older holders of a hash held more than once (newest last). */
+typedef struct {
+    Py_ssize_t n, cap;
+    Chain *items[];
+} Copies;
+
+typedef struct {
+    PyObject *name; /* str or None */
+    Map held;       /* hash -> its newest holder (Chain *) */
+    Map copies;     /* hash -> Copies *, for hashes held more than once */
 } Medium;
 
 /* One event read by the first pass (pointers into the payload, which is held). */
@@ -233,20 +245,20 @@ typedef struct {
     int busy; /* a first pass runs without the GIL on the scratch above */
 } Core;
 
-static inline size_t slot_of(const Medium *m, u64 h) { return (size_t)((h * GOLDEN) >> m->shift); }
+static inline size_t slot_of(const Map *m, u64 h) { return (size_t)((h * GOLDEN) >> m->shift); }
 
-static Slot *find_slot(const Medium *m, u64 h) {
-    if (!m->cap) return NULL;
+static Slot *map_find(const Map *m, u64 h) {
+    if (!m->live) return NULL;
     size_t mask = m->cap - 1, at = slot_of(m, h);
     for (;;) {
         Slot *s = &m->slots[at];
-        if (s->newest == NULL) return NULL;
+        if (s->val == NULL) return NULL;
         if (s->key == h) return s;
         at = (at + 1) & mask;
     }
 }
 
-static int resize(Medium *m, size_t extra) {
+static int map_resize(Map *m, size_t extra) {
     size_t cap = m->cap ? m->cap : 1024;
     while ((m->live + extra) * 2 > cap) cap *= 2;
     Slot *fresh = PyMem_Calloc(cap, sizeof(Slot));
@@ -262,34 +274,36 @@ static int resize(Medium *m, size_t extra) {
     m->cap = cap;
     m->shift = 64 - bits;
     for (size_t i = 0; i < old_cap; i++) {
-        if (!old[i].newest) continue;
+        if (!old[i].val) continue;
         size_t at = slot_of(m, old[i].key);
-        while (fresh[at].newest) at = (at + 1) & (cap - 1);
+        while (fresh[at].val) at = (at + 1) & (cap - 1);
         fresh[at] = old[i];
     }
     PyMem_Free(old);
     return 0;
 }
 
-/* Room for n more keys (load at most 0.7). */
-static int reserve(Medium *m, size_t n) {
-    if ((m->live + n) * 10 > m->cap * 7) return resize(m, n);
+/* Room for n more keys. */
+static int map_reserve(Map *m, size_t n) {
+    if ((m->live + n) * 10 > m->cap * 7) return map_resize(m, n);
     return 0;
 }
 
-/* The slot to put a new key h in (h known absent; room reserved). */
-static Slot *free_slot(Medium *m, u64 h) {
+/* Add h (known absent; room reserved) with value v. */
+static void map_put(Map *m, u64 h, void *v) {
     size_t mask = m->cap - 1, at = slot_of(m, h);
-    while (m->slots[at].newest) at = (at + 1) & mask;
-    return &m->slots[at];
+    while (m->slots[at].val) at = (at + 1) & mask;
+    m->slots[at].key = h;
+    m->slots[at].val = v;
+    m->live++;
 }
 
 /* Empty slot s, moving back the keys after it that probed past it. */
-static void delete_slot(Medium *m, Slot *s) {
+static void map_delete(Map *m, Slot *s) {
     size_t mask = m->cap - 1, i = (size_t)(s - m->slots), j = i;
     for (;;) {
         j = (j + 1) & mask;
-        if (!m->slots[j].newest) break;
+        if (!m->slots[j].val) break;
         size_t home = slot_of(m, m->slots[j].key);
         /* j's key may move to i unless its home lies cyclically in (i, j] */
         int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
@@ -298,15 +312,23 @@ static void delete_slot(Medium *m, Slot *s) {
             i = j;
         }
     }
-    m->slots[i].newest = NULL;
+    m->slots[i].val = NULL;
     m->live--;
+}
+
+/* The older holders of h in medium m, or NULL. */
+static inline Copies *copies_of(const Medium *m, u64 h) {
+    Slot *d = map_find(&m->copies, h);
+    return d ? (Copies *)d->val : NULL;
 }
 
 static void media_free(Core *self) {
     for (Py_ssize_t i = 0; i < self->nmedia; i++) {
-        Py_XDECREF(self->media[i].name);
-        Py_XDECREF(self->media[i].dups);
-        PyMem_Free(self->media[i].slots);
+        Medium *m = &self->media[i];
+        Py_XDECREF(m->name);
+        for (size_t k = 0; k < m->copies.cap; k++) PyMem_Free(m->copies.slots[k].val);
+        PyMem_Free(m->copies.slots);
+        PyMem_Free(m->held.slots);
     }
     PyMem_Free(self->media);
     self->media = NULL;
@@ -389,28 +411,15 @@ static Py_ssize_t medium_by_bytes(Core *self, const unsigned char *s, Py_ssize_t
 
 /* Every holder of h now, newest first, as a tuple. */
 static PyObject *holders_tuple(Medium *m, u64 h) {
-    Slot *s = find_slot(m, h);
+    Slot *s = map_find(&m->held, h);
     if (!s) return PyTuple_New(0);
-    PyObject *older = NULL;
-    Py_ssize_t n = 1;
-    if (m->dups) {
-        PyObject *key = PyLong_FromUnsignedLongLong(h);
-        if (!key) return NULL;
-        older = PyDict_GetItemWithError(m->dups, key);
-        Py_DECREF(key);
-        if (!older && PyErr_Occurred()) return NULL;
-        Py_XINCREF(older);
-        if (older) n += PyList_GET_SIZE(older);
-    }
+    Copies *older = copies_of(m, h);
+    Py_ssize_t n = 1 + (older ? older->n : 0);
     PyObject *out = PyTuple_New(n);
-    if (!out) {
-        Py_XDECREF(older);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, Py_NewRef((PyObject *)s->newest));
+    if (!out) return NULL;
+    PyTuple_SET_ITEM(out, 0, Py_NewRef((PyObject *)s->val));
     for (Py_ssize_t i = 1; i < n; i++)
-        PyTuple_SET_ITEM(out, i, Py_NewRef(PyList_GET_ITEM(older, n - 1 - i)));
-    Py_XDECREF(older);
+        PyTuple_SET_ITEM(out, i, Py_NewRef((PyObject *)older->items[n - 1 - i]));
     return out;
 }
 
@@ -443,76 +452,67 @@ done:
 
 #define LOGGING(self) ((self)->logs && PyList_GET_SIZE((self)->logs) > 0)
 
-/* Chain c (new, live 0) holds its blocks in medium mi. */
+/* `c` becomes h's newest holder; the one before it joins h's older copies. */
+static int push_copy(Medium *m, Slot *s, Chain *c) {
+    Slot *d = map_find(&m->copies, s->key);
+    Copies *older = d ? (Copies *)d->val : NULL;
+    if (!older || older->n == older->cap) {
+        Py_ssize_t cap = older ? older->cap * 2 : 2;
+        if (!d && map_reserve(&m->copies, 1) < 0) return -1;
+        Copies *grown = PyMem_Realloc(older, sizeof(Copies) + (size_t)cap * sizeof(Chain *));
+        if (!grown) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (!older) grown->n = 0;
+        grown->cap = cap;
+        if (d) d->val = grown;
+        else map_put(&m->copies, s->key, grown);
+        older = grown;
+    }
+    older->items[older->n++] = (Chain *)s->val;
+    s->val = c;
+    return 0;
+}
+
+/* Chain c (new, live 0) holds its blocks in medium mi. The chains a table
+ * points to are kept alive by the core's list (they are live). */
 static int store_chain(Core *self, Py_ssize_t mi, Chain *c) {
     Medium *m = &self->media[mi];
     Py_ssize_t n = Py_SIZE(c);
-    if (reserve(m, (size_t)n) < 0) return -1;
+    if (map_reserve(&m->held, (size_t)n) < 0) return -1;
     int logging = LOGGING(self);
     for (Py_ssize_t i = 0; i < n; i++) {
         u64 h = c->hashes[i];
         if (logging && log_change(self, m, h) < 0) return -1;
-        Slot *s = find_slot(m, h);
+        Slot *s = map_find(&m->held, h);
         if (s) { /* held already: another copy */
-            if (!m->dups && !(m->dups = PyDict_New())) return -1;
-            PyObject *key = PyLong_FromUnsignedLongLong(h);
-            if (!key) return -1;
-            PyObject *older = PyDict_GetItemWithError(m->dups, key);
-            if (!older) {
-                if (PyErr_Occurred() || !(older = PyList_New(0)) ||
-                    PyDict_SetItem(m->dups, key, older) < 0) {
-                    Py_XDECREF(older);
-                    Py_DECREF(key);
-                    return -1;
-                }
-                Py_DECREF(older); /* the dict holds it */
-            }
-            Py_DECREF(key);
-            if (PyList_Append(older, (PyObject *)s->newest) < 0) return -1;
-            s->newest = c;
+            if (push_copy(m, s, c) < 0) return -1;
         } else {
-            s = free_slot(m, h);
-            s->key = h;
-            s->newest = c;
-            m->live++;
+            map_put(&m->held, h, c);
         }
         if (c->live++ == 0) link_chain(self, c);
     }
     return 0;
 }
 
-/* One copy of h leaves medium mi (the newest); an absent h is ignored. */
+/* One copy of h leaves medium m (the newest); an absent h is ignored. */
 static int remove_hash(Core *self, Medium *m, u64 h) {
-    Slot *s = find_slot(m, h);
+    Slot *s = map_find(&m->held, h);
     if (!s) return 0;
     if (LOGGING(self) && log_change(self, m, h) < 0) return -1;
-    Chain *gone = s->newest;
-    PyObject *older = NULL, *key = NULL;
-    if (m->dups && PyDict_GET_SIZE(m->dups)) {
-        key = PyLong_FromUnsignedLongLong(h);
-        if (!key) return -1;
-        older = PyDict_GetItemWithError(m->dups, key);
-        if (!older && PyErr_Occurred()) {
-            Py_DECREF(key);
-            return -1;
+    Chain *gone = (Chain *)s->val;
+    Slot *d = map_find(&m->copies, h);
+    if (d) {
+        Copies *older = (Copies *)d->val;
+        s->val = older->items[--older->n];
+        if (!older->n) {
+            PyMem_Free(older);
+            map_delete(&m->copies, d);
         }
-    }
-    if (older) {
-        Py_ssize_t k = PyList_GET_SIZE(older);
-        /* the list's reference moves to the slot's (borrowed, kept by live) */
-        s->newest = (Chain *)PyList_GET_ITEM(older, k - 1);
-        Py_INCREF(s->newest);
-        if (PyList_SetSlice(older, k - 1, k, NULL) < 0 ||
-            (k == 1 && PyDict_DelItem(m->dups, key) < 0)) {
-            Py_DECREF(s->newest);
-            Py_DECREF(key);
-            return -1;
-        }
-        Py_DECREF(s->newest); /* still live: its own chain list holds it */
     } else {
-        delete_slot(m, s);
+        map_delete(&m->held, s);
     }
-    Py_XDECREF(key);
     lost(self, gone);
     return 0;
 }
@@ -1101,17 +1101,12 @@ static int held_at_start(Medium *m, Chain *c, u64 h, PyObject *undo) {
         if (PyErr_Occurred()) return -1;
     }
     if (!m) return 0;
-    Slot *s = find_slot(m, h);
+    Slot *s = map_find(&m->held, h);
     if (!s) return 0;
-    if (s->newest == c) return 1;
-    if (!m->dups || !PyDict_GET_SIZE(m->dups)) return 0;
-    PyObject *key = PyLong_FromUnsignedLongLong(h);
-    if (!key) return -1;
-    PyObject *older = PyDict_GetItemWithError(m->dups, key);
-    Py_DECREF(key);
-    if (!older) return PyErr_Occurred() ? -1 : 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(older); i++)
-        if (PyList_GET_ITEM(older, i) == (PyObject *)c) return 1;
+    if (s->val == c) return 1;
+    Copies *older = copies_of(m, h);
+    for (Py_ssize_t i = 0; older && i < older->n; i++)
+        if (older->items[i] == c) return 1;
     return 0;
 }
 
@@ -1180,8 +1175,8 @@ static PyObject *Core_owner(Core *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t mi = medium_index(self, args[0], 0);
     if (mi == -1) return NULL;
     if (mi == -2) Py_RETURN_NONE;
-    Slot *s = find_slot(&self->media[mi], h);
-    return Py_NewRef(s ? (PyObject *)s->newest : Py_None);
+    Slot *s = map_find(&self->media[mi].held, h);
+    return Py_NewRef(s ? (PyObject *)s->val : Py_None);
 }
 
 static PyObject *Core_chains(Core *self, PyObject *unused) {
@@ -1194,13 +1189,20 @@ static PyObject *Core_chains(Core *self, PyObject *unused) {
 
 static PyObject *Core_count(Core *self, PyObject *unused) {
     size_t n = 0;
-    for (Py_ssize_t i = 0; i < self->nmedia; i++) n += self->media[i].live;
+    for (Py_ssize_t i = 0; i < self->nmedia; i++) n += self->media[i].held.live;
     return PyLong_FromSize_t(n);
 }
 
 static PyObject *Core_nbytes(Core *self, PyObject *unused) {
     size_t n = 0;
-    for (Py_ssize_t i = 0; i < self->nmedia; i++) n += self->media[i].cap * sizeof(Slot);
+    for (Py_ssize_t i = 0; i < self->nmedia; i++) {
+        Medium *m = &self->media[i];
+        n += (m->held.cap + m->copies.cap) * sizeof(Slot);
+        for (size_t k = 0; k < m->copies.cap; k++) {
+            Copies *older = m->copies.slots[k].val;
+            if (older) n += sizeof(Copies) + (size_t)older->cap * sizeof(Chain *);
+        }
+    }
     for (Chain *c = self->first; c; c = c->next)
         n += (size_t)Py_SIZE(c) * sizeof(u64) + (size_t)PyBytes_GET_SIZE(c->tokens);
     return PyLong_FromSize_t(n);
