@@ -1,20 +1,26 @@
 /* The snapshot mirror's tables in C (see kvwire/publisher/mirror.py).
  *
- * A Core is one state of a rank's cache: per medium, an open-addressing table
- * from block hash to the newest chain holding it (16 bytes a slot), further
- * copies in a dict of lists, and the live chains on a list. A Chain is one
- * BlockStored event: its hashes inline (8 bytes each), its token ids as the
- * packed msgpack bytes they came in. Core.apply_payload reads a batch payload
- * straight into the tables (no Python object per block): a first pass reads
- * and checks the whole payload, a second applies it; a payload outside the
- * subset read here changes nothing and answers False, and the caller applies
- * the decoded events through store()/remove(), with the same result.
+ * A Core is one state of a rank's cache: per medium, an open-addressing map
+ * from block hash to the newest chain holding it (16 bytes a slot), and a
+ * second map, for hashes held more than once, to an array of the older
+ * holders; the live chains are on a list that holds a reference to each. A
+ * Chain is one BlockStored event: its hashes inline (8 bytes each), its token
+ * ids as the packed msgpack bytes they came in.
+ *
+ * apply_payload / apply_feed read batch payloads straight into the maps (no
+ * Python object per block): a first pass reads and checks a whole payload
+ * using no Python API (for a large feed it runs without the GIL), a second
+ * applies it. A payload outside the subset read here changes nothing and is
+ * handed back; the caller applies its decoded events through store() and
+ * remove(), with the same result.
  *
  * While snapshots are served, `logs` holds their undo dicts: before a block's
  * holders change, each dict gets (medium, hash) -> the holders before the
  * change, unless it has that key already.
  *
- * Errors: -1 with a Python exception set, everywhere.
+ * Errors: -1 (or NULL) with a Python exception set, everywhere; the first
+ * pass alone returns -1 without one (out of memory, raised by its caller once
+ * it holds the GIL).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

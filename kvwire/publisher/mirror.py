@@ -2,7 +2,7 @@
 
 Every batch the sender thread encodes reaches :class:`Mirror` in seq order:
 the sender pushes each payload onto a feed that the publisher's service thread
-decodes and applies in large batches (a few times a second, and always before
+reads and applies in large batches (a few times a second, and always before
 a snapshot starts), so the GIL changes hands rarely. The batches ``publish()``
 dropped on a full queue go the same way: those are never sent, but the
 publisher keeps them (at most ``mirror_backlog``) for the mirror alone, so a
@@ -20,11 +20,12 @@ Representation, compact because a rank holds millions of blocks, in C
   arrived in;
 - per medium, an open-addressing table from block hash to the newest chain
   holding it (16 bytes a slot); copies of a hash stored again while held
-  (engines count copies) in a side dict. A chain is dropped when it holds no
-  block any more.
+  (engines count copies) in a second table, hash to an array of the older
+  holders. A chain is dropped when it holds no block any more.
 
 The payloads the sender encoded are read straight into those tables
-(:meth:`Mirror.apply_payload`): a first pass checks the whole payload, a second
+(:meth:`Mirror.apply_feed`, :meth:`Mirror.apply_payload`): a first pass checks
+a whole payload (for a large feed, all of them, without the GIL), a second
 applies it. A payload outside what that reader takes (a clear, bytes hashes,
 extra keys, an unknown field) changes nothing there and is decoded and applied
 event by event instead, with the same result.
