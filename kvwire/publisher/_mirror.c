@@ -1199,21 +1199,6 @@ static PyObject *Core_count(Core *self, PyObject *unused) {
     return PyLong_FromSize_t(n);
 }
 
-static PyObject *Core_nbytes(Core *self, PyObject *unused) {
-    size_t n = 0;
-    for (Py_ssize_t i = 0; i < self->nmedia; i++) {
-        Medium *m = &self->media[i];
-        n += (m->held.cap + m->copies.cap) * sizeof(Slot);
-        for (size_t k = 0; k < m->copies.cap; k++) {
-            Copies *older = m->copies.slots[k].val;
-            if (older) n += sizeof(Copies) + (size_t)older->cap * sizeof(Chain *);
-        }
-    }
-    for (Chain *c = self->first; c; c = c->next)
-        n += (size_t)Py_SIZE(c) * sizeof(u64) + (size_t)PyBytes_GET_SIZE(c->tokens);
-    return PyLong_FromSize_t(n);
-}
-
 static PyObject *Core_get_logs(Core *self, void *unused) {
     if (!self->logs) {
         PyErr_SetString(PyExc_RuntimeError, "this Core was cleared");
@@ -1241,7 +1226,6 @@ static PyMethodDef Core_methods[] = {
      "owner(medium, h, undo): a chain holding h when the snapshot began, or None"},
     {"chains", (PyCFunction)Core_chains, METH_NOARGS, "the live chains, oldest first"},
     {"count", (PyCFunction)Core_count, METH_NOARGS, "distinct (medium, hash) blocks held"},
-    {"nbytes", (PyCFunction)Core_nbytes, METH_NOARGS, "bytes of the tables, hashes and tokens"},
     {NULL},
 };
 

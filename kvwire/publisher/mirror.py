@@ -174,10 +174,6 @@ class Mirror:
         """:meth:`count_blocks`, for any thread (one C call under the GIL)."""
         return self._core.count()
 
-    def memory(self) -> int:
-        """Bytes of the compact parts: tables, packed hashes and tokens."""
-        return self._core.nbytes()
-
     def _clear(self) -> None:
         """A new, empty state; snapshots being served keep serving the old one."""
         for cursor in list(self._cursors):
