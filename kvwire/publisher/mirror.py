@@ -127,13 +127,9 @@ class Mirror:
             i = j + 1
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        """Mirror batch ``seq``; a seq skipped since the last one makes the mirror untrusted."""
-        self.apply_events(seq, batch.events)
-
-    def apply_events(self, seq: int, events: Sequence[Any]) -> None:
-        """:meth:`apply` for a batch's decoded events."""
+        """Mirror decoded batch ``seq``; a seq skipped since the last one makes the mirror untrusted."""
         self._advance(seq)
-        self._apply(events)
+        self._apply(batch.events)
 
     def _advance(self, seq: int) -> None:
         if seq != self.next_seq:
