@@ -162,12 +162,7 @@ class Mirror:
             self.distrust_reason = reason
 
     def count_blocks(self) -> int:
-        """Distinct (medium, hash) blocks held."""
-        return self._core.count()
-
-    @property
-    def approx_blocks(self) -> int:
-        """:meth:`count_blocks`, for any thread (one C call under the GIL)."""
+        """Distinct (medium, hash) blocks held; any thread may ask (one C call under the GIL)."""
         return self._core.count()
 
     def _clear(self) -> None:

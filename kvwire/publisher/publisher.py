@@ -345,7 +345,7 @@ class EventPublisher:
             heartbeats=c["heartbeats"],
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
-            mirrored_blocks=mirror.approx_blocks if mirror else 0,
+            mirrored_blocks=mirror.count_blocks() if mirror else 0,
             native_encoded=c["native_encoded"],
             gil_encoded=c["gil_encoded"],
             sender_gil_takes=c["sender_gil_takes"],
