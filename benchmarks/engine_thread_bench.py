@@ -20,16 +20,19 @@ Publishers, each a case:
 - ``kvwire-defaults``: ``EventCollector`` + ``EventPublisher`` with its
   defaults (epoch, 1 s heartbeat, replay with the snapshot mirror);
 - ``hooks-only``: the ``EventCollector`` hooks with a publisher that drops
-  every batch (no sender thread, no SUB): what the engine thread pays for its
-  own hook calls, the floor the issue aims at;
+  every batch (an ``EventPublisher`` closed before its first batch: the
+  collector's native path up to the queue, which drops and counts it; no sender
+  thread, no SUB): what the engine thread pays for its own hook calls, the
+  floor the issue aims at;
 - ``kvwire-nosub``: ``kvwire-wire`` with no SUB connected (libzmq drops each
   message at once): what is left of ``kvwire-wire`` without the consumer and
   the transport running on the other core (engine-thread table only).
 - ``call-only`` and ``alloc-only`` (engine table only, on request with
   ``--cases``): no publisher at all; the harness's own publishing step, and
-  that step plus allocating and dropping what the collector's hooks allocate
-  per iteration (a records list and two record tuples). They separate what
-  the harness and Python allocation cost the CPU-bound loop from publishing.
+  that step plus allocating and dropping what the Python collector's hooks
+  allocated per iteration (a records list and two record tuples; the native
+  hooks allocate nothing). They separate what the harness and Python
+  allocation cost the CPU-bound loop from publishing.
 Every publisher has a replay endpoint.
 
 This 2-core VM gives a process a full or a half core at random, so a baseline
@@ -82,7 +85,7 @@ import zmq
 BLOCK_TOKENS = 16
 CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
 # Floors of the engine table only (no publisher at all): the harness's own step, and that
-# step plus allocating and dropping what the collector's hooks allocate per iteration.
+# step plus allocating and dropping what the Python collector's hooks allocated per iteration.
 FLOORS = ("call-only", "alloc-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
@@ -215,15 +218,13 @@ class Case:
             from kvwire.publisher import EventCollector, EventPublisher
 
             options = dict(options or {})
-            if name in ("kvwire-wire", "kvwire-nosub"):
+            if name in ("kvwire-wire", "kvwire-nosub", "hooks-only"):
                 options.update(epoch=False, heartbeat=None, snapshot=False)
-            self.pub = (
-                _Discard()
-                if name == "hooks-only"
-                else EventPublisher(
-                    self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options
-                ).start()
-            )
+            self.pub = EventPublisher(self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options)
+            if name == "hooks-only":
+                self.pub.close()  # never bound: every batch is dropped (and counted) at once
+            else:
+                self.pub.start()
             col = EventCollector(self.pub, BLOCK_TOKENS)
             stored_hook, removed_hook, flush = col.stored, col.removed, col.flush
 
@@ -280,7 +281,7 @@ def _kvwire_backlog(pub: Any, mirror: bool) -> int:
 
 def connect(case: Case, ctx: mp.context.SpawnContext) -> tuple[Any, Any]:
     """A SUB process that has received at least one batch (the slow joiner)."""
-    if type(case.pub) is _Discard or case.name == "kvwire-nosub":
+    if type(case.pub) is _Discard or case.name in ("kvwire-nosub", "hooks-only"):
         return None, None
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=subscriber, args=(case.endpoint, child), daemon=True)

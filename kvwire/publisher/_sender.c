@@ -11,14 +11,18 @@
  *
  * The sender thread (a pthread) encodes each batch into a reference-counted
  * buffer and sends [topic, seq, payload] on the PUB socket, the payload
- * zero-copy. A collector's batch (`batch_type`) whose records hold only what
- * the checks below accept (exact ints in lists or tuples, None, compact ASCII
- * strs) is read and encoded here without the GIL: the collector's contract is
- * that the lists it was handed are not changed after the call, the queued
- * batch holds a reference to every one of them, and ints, tuples and strs are
- * immutable. The coalescing and bytes are those of CollectedBatch.encode (both
- * dialects). Anything else is encoded by the Python callable `encode` with the
- * GIL taken; `stats()` counts both, and every time the thread took the GIL.
+ * zero-copy. A collector's batch travels as C records (CBatch): the native
+ * Collector below (EventCollector's hooks) queues its records as they are,
+ * without a Python object, and publish() turns a CollectedBatch (`batch_type`)
+ * into one. A batch whose records hold only what the checks below accept
+ * (exact ints in lists or tuples, None, compact ASCII strs) is read and encoded
+ * here without the GIL: the collector's contract is that the lists it was
+ * handed are not changed after the call, the queued batch holds a reference to
+ * every one of them, and ints, tuples and strs are immutable. The coalescing
+ * and bytes are those of CollectedBatch.encode (both dialects). Anything else
+ * is encoded by the Python callable `encode` with the GIL taken (a CollectedBatch
+ * is made then for the Collector's batches); `stats()` counts both, and every
+ * time the thread took the GIL.
  * The oldest queued batch is sent coalesce_s after its publish(), with whatever
  * was published meanwhile (a backlog is sent at once).
  * While batches keep coming (two within POLL_S of each other), the thread looks
@@ -135,17 +139,35 @@ static PyTypeObject PayloadType = {
 
 /* --- queue items ---------------------------------------------------------------------- */
 
+/* One record of a collector batch, in CollectedBatch.records' layout: a store (every
+ * field), a removal (hashes, medium, group) or a clear (none). Each field is a strong
+ * reference, or NULL where the tag has none. */
+typedef struct Rec {
+    long tag;
+    PyObject *hashes, *parent, *tokens, *lora, *medium, *extra, *group;
+} Rec;
+
+/* A collector batch the sender reads without the GIL: the native collector's flush()
+ * hands one over, publish() makes one from a CollectedBatch. Freed with the GIL held. */
+typedef struct CBatch {
+    struct CBatch *next; /* on the done list */
+    double ts;
+    i64 rank;
+    long block_size;
+    int hash_signed;
+    size_t n;
+    Rec recs[];
+} CBatch;
+
 typedef struct Item {
     i64 seq;
     int kind;
     int mirror_only;
-    PyObject *obj;     /* the batch (strong), NULL for a heartbeat */
-    PyObject *records; /* a collector batch's record list (strong), else NULL */
-    double ts;
+    PyObject *obj;  /* the batch (strong); NULL for a heartbeat or a native collector's batch */
+    CBatch *batch;  /* a collector batch's records, else NULL */
+    double ts;      /* a heartbeat's */
     double enq; /* CLOCK_MONOTONIC time publish() queued it (0 for a heartbeat) */
-    i64 rank;
-    long block_size;
-    int hash_signed;
+    i64 rank;       /* a heartbeat's */
     Buf *payload; /* set by the sender thread */
 } Item;
 
@@ -180,9 +202,10 @@ typedef struct {
     int closed, stopping, waiting, started, joined, flushed;
     double deadline;
     double last_sent;
-    /* done references (mu) */
+    /* done references and batches (mu) */
     PyObject **done;
-    size_t done_len, done_cap;
+    size_t done_len, done_cap, done_batches;
+    CBatch *done_batch;
     /* replay ring (mu) */
     FeedEntry *ring;
     size_t ring_head, ring_len;
@@ -330,38 +353,28 @@ static Py_ssize_t check_ints(PyObject *o) {
 /* Whether every record has the shape the native encoder takes (the ints in its
  * lists are checked while writing them); sets *size to an upper bound of the
  * payload's size. */
-static int check_records(PyObject *records, long bs, size_t *size) {
-    if (!PyList_CheckExact(records)) return -1;
-    Py_ssize_t n = PyList_GET_SIZE(records);
+static int check_recs(const Rec *recs, size_t n, long bs, size_t *size) {
     size_t total = 64;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(records, i);
-        if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) < 1) return -1;
-        IntV tag;
-        if (read_int(PyTuple_GET_ITEM(rec, 0), &tag) < 0 || tag.neg || tag.bits > 2) return -1;
-        Py_ssize_t len = PyTuple_GET_SIZE(rec);
+    for (size_t i = 0; i < n; i++) {
+        const Rec *r = &recs[i];
         const char *s;
         Py_ssize_t slen, slen2;
         IntV v;
         int present;
-        if (tag.bits == T_STORE) {
-            if (len != 8) return -1;
-            Py_ssize_t nh = check_ints(PyTuple_GET_ITEM(rec, 1));
-            Py_ssize_t nt = check_ints(PyTuple_GET_ITEM(rec, 3));
-            PyObject *parent = PyTuple_GET_ITEM(rec, 2);
+        if (r->tag == T_STORE) {
+            Py_ssize_t nh = check_ints(r->hashes), nt = check_ints(r->tokens);
             if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
-            if (parent != Py_None && read_int(parent, &v) < 0) return -1;
-            if (read_str(PyTuple_GET_ITEM(rec, 4), &s, &slen) < 0) return -1;
-            if (read_str(PyTuple_GET_ITEM(rec, 5), &s, &slen2) < 0) return -1;
-            if (PyTuple_GET_ITEM(rec, 6) != Py_None) return -1; /* extra_keys */
-            if (read_opt_int(PyTuple_GET_ITEM(rec, 7), &v, &present) < 0) return -1;
+            if (r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
+            if (read_str(r->lora, &s, &slen) < 0) return -1;
+            if (read_str(r->medium, &s, &slen2) < 0) return -1;
+            if (r->extra != Py_None) return -1; /* extra_keys */
+            if (read_opt_int(r->group, &v, &present) < 0) return -1;
             total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2) + 160;
-        } else if (tag.bits == T_REMOVE) {
-            if (len != 4) return -1;
-            Py_ssize_t nh = check_ints(PyTuple_GET_ITEM(rec, 1));
+        } else if (r->tag == T_REMOVE) {
+            Py_ssize_t nh = check_ints(r->hashes);
             if (nh <= 0) return -1;
-            if (read_str(PyTuple_GET_ITEM(rec, 2), &s, &slen) < 0) return -1;
-            if (read_opt_int(PyTuple_GET_ITEM(rec, 3), &v, &present) < 0) return -1;
+            if (read_str(r->medium, &s, &slen) < 0) return -1;
+            if (read_opt_int(r->group, &v, &present) < 0) return -1;
             total += 9 * (size_t)nh + (size_t)slen + 80;
         } else {
             total += 32;
@@ -414,60 +427,48 @@ static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
 #define LIT(p, s) (memcpy((p), (s), sizeof(s) - 1), (p) + sizeof(s) - 1)
 
 /* The last hash of a store record, in the wire's form. */
-static IntV last_hash(PyObject *rec, int hash_signed) {
-    PyObject *hs = PyTuple_GET_ITEM(rec, 1);
+static IntV last_hash(const Rec *r, int hash_signed) {
     IntV v;
-    read_int(seq_items(hs)[seq_len(hs) - 1], &v);
+    read_int(seq_items(r->hashes)[seq_len(r->hashes) - 1], &v);
     return hash_form(v, hash_signed);
 }
 
-/* How many records, from i, make one event (a store chain or a run of removes). */
-static Py_ssize_t run_end(PyObject *records, Py_ssize_t i, int hash_signed) {
-    Py_ssize_t n = PyList_GET_SIZE(records);
-    PyObject *rec = PyList_GET_ITEM(records, i);
-    IntV tag;
-    read_int(PyTuple_GET_ITEM(rec, 0), &tag);
-    Py_ssize_t j = i + 1;
-    if (tag.bits == T_STORE) {
+/* Where the event starting at record i ends (a store chain or a run of removes). */
+static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
+    const Rec *rec = &recs[i];
+    size_t j = i + 1;
+    if (rec->tag == T_STORE) {
         IntV last = last_hash(rec, hash_signed);
         for (; j < n; j++) {
-            PyObject *nxt = PyList_GET_ITEM(records, j);
-            IntV t, parent;
-            read_int(PyTuple_GET_ITEM(nxt, 0), &t);
-            if (t.bits != T_STORE) break;
-            PyObject *np = PyTuple_GET_ITEM(nxt, 2);
-            if (np == Py_None) break;
-            if (!same_str(PyTuple_GET_ITEM(nxt, 4), PyTuple_GET_ITEM(rec, 4)) ||
-                !same_str(PyTuple_GET_ITEM(nxt, 5), PyTuple_GET_ITEM(rec, 5)) ||
-                !same_opt_int(PyTuple_GET_ITEM(nxt, 7), PyTuple_GET_ITEM(rec, 7)))
+            const Rec *nxt = &recs[j];
+            IntV parent;
+            if (nxt->tag != T_STORE || nxt->parent == Py_None) break;
+            if (!same_str(nxt->lora, rec->lora) || !same_str(nxt->medium, rec->medium) ||
+                !same_opt_int(nxt->group, rec->group))
                 break;
-            read_int(np, &parent);
+            read_int(nxt->parent, &parent);
             if (parent.bits != last.bits) break; /* both in the same form: equal iff equal bits */
             last = last_hash(nxt, hash_signed);
         }
-    } else if (tag.bits == T_REMOVE) {
+    } else if (rec->tag == T_REMOVE) {
         for (; j < n; j++) {
-            PyObject *nxt = PyList_GET_ITEM(records, j);
-            IntV t;
-            read_int(PyTuple_GET_ITEM(nxt, 0), &t);
-            if (t.bits != T_REMOVE || !same_str(PyTuple_GET_ITEM(nxt, 2), PyTuple_GET_ITEM(rec, 2)) ||
-                !same_opt_int(PyTuple_GET_ITEM(nxt, 3), PyTuple_GET_ITEM(rec, 3)))
+            const Rec *nxt = &recs[j];
+            if (nxt->tag != T_REMOVE || !same_str(nxt->medium, rec->medium) ||
+                !same_opt_int(nxt->group, rec->group))
                 break;
         }
     }
     return j;
 }
 
-static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t i, Py_ssize_t end,
-                                long bs, int hash_signed, int dialect) {
-    PyObject *rec = PyList_GET_ITEM(records, i);
-    PyObject *parent = PyTuple_GET_ITEM(rec, 2), *lora = PyTuple_GET_ITEM(rec, 4);
-    PyObject *medium = PyTuple_GET_ITEM(rec, 5), *group = PyTuple_GET_ITEM(rec, 7);
+static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
+                                int hash_signed, int dialect) {
+    const Rec *rec = &recs[i];
+    PyObject *group = rec->group;
     size_t nh = 0, nt = 0;
-    for (Py_ssize_t k = i; k < end; k++) {
-        PyObject *r = PyList_GET_ITEM(records, k);
-        nh += (size_t)seq_len(PyTuple_GET_ITEM(r, 1));
-        nt += (size_t)seq_len(PyTuple_GET_ITEM(r, 3));
+    for (size_t k = i; k < end; k++) {
+        nh += (size_t)seq_len(recs[k].hashes);
+        nt += (size_t)seq_len(recs[k].tokens);
     }
     if (dialect == 0) {
         *p++ = 0xde;
@@ -478,29 +479,27 @@ static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t 
         p = LIT(p, "\x9c\xab" "BlockStored");
     }
     p = kvw_put_array_header(p, nh);
-    for (Py_ssize_t k = i; k < end && p; k++)
-        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
     if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
-    if (parent == Py_None) {
+    if (rec->parent == Py_None) {
         *p++ = 0xc0;
     } else {
         IntV v;
-        read_int(parent, &v);
+        read_int(rec->parent, &v);
         p = put_intv(p, hash_form(v, hash_signed));
     }
     if (dialect == 0) p = LIT(p, "\xa9token_ids");
     p = kvw_put_array_header(p, nt);
-    for (Py_ssize_t k = i; k < end && p; k++)
-        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 3), 0, 0);
+    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].tokens, 0, 0);
     if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xaa" "block_size");
     p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
     if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
     else *p++ = 0xc0;
-    p = put_opt_str(p, medium);
+    p = put_opt_str(p, rec->medium);
     if (dialect == 0) p = LIT(p, "\xa9lora_name");
-    p = put_opt_str(p, lora);
+    p = put_opt_str(p, rec->lora);
     if (dialect == 0) {
         if (group != Py_None) {
             p = LIT(p, "\xa9group_idx");
@@ -515,13 +514,11 @@ static unsigned char *put_store(unsigned char *p, PyObject *records, Py_ssize_t 
     return p;
 }
 
-static unsigned char *put_remove(unsigned char *p, PyObject *records, Py_ssize_t i, Py_ssize_t end,
+static unsigned char *put_remove(unsigned char *p, const Rec *recs, size_t i, size_t end,
                                  int hash_signed, int dialect) {
-    PyObject *rec = PyList_GET_ITEM(records, i);
-    PyObject *medium = PyTuple_GET_ITEM(rec, 2), *group = PyTuple_GET_ITEM(rec, 3);
+    PyObject *medium = recs[i].medium, *group = recs[i].group;
     size_t nh = 0;
-    for (Py_ssize_t k = i; k < end; k++)
-        nh += (size_t)seq_len(PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1));
+    for (size_t k = i; k < end; k++) nh += (size_t)seq_len(recs[k].hashes);
     if (dialect == 0) {
         *p++ = (unsigned char)(0x83 + (group != Py_None));
         p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
@@ -529,8 +526,7 @@ static unsigned char *put_remove(unsigned char *p, PyObject *records, Py_ssize_t
         p = LIT(p, "\x93\xac" "BlockRemoved");
     }
     p = kvw_put_array_header(p, nh);
-    for (Py_ssize_t k = i; k < end && p; k++)
-        p = put_ints(p, PyTuple_GET_ITEM(PyList_GET_ITEM(records, k), 1), 1, hash_signed);
+    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
     if (!p) return NULL;
     if (dialect == 0) p = LIT(p, "\xa6medium");
     p = put_opt_str(p, medium);
@@ -549,23 +545,21 @@ static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t even
 
 /* A collector batch's payload, or NULL when a record is one only Python encodes
  * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
-static Buf *encode_records(PyObject *records, double ts, i64 rank, long bs, int hash_signed,
-                           int dialect) {
-    size_t size;
-    if (bs < 1 || check_records(records, bs, &size) < 0) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(records);
+static Buf *encode_batch(const CBatch *batch, int dialect) {
+    const Rec *recs = batch->recs;
+    size_t n = batch->n, size;
+    long bs = batch->block_size;
+    int sg = batch->hash_signed;
+    if (bs < 1 || check_recs(recs, n, bs, &size) < 0) return NULL;
     size_t events = 0;
-    for (Py_ssize_t i = 0; i < n; i = run_end(records, i, hash_signed)) events++;
+    for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
     Buf *b = buf_new(size + 16);
     if (!b) return NULL;
-    unsigned char *p = put_envelope_head(b->data, ts, events);
-    for (Py_ssize_t i = 0; i < n;) {
-        Py_ssize_t end = run_end(records, i, hash_signed);
-        PyObject *rec = PyList_GET_ITEM(records, i);
-        IntV tag;
-        read_int(PyTuple_GET_ITEM(rec, 0), &tag);
-        if (tag.bits == T_STORE) p = put_store(p, records, i, end, bs, hash_signed, dialect);
-        else if (tag.bits == T_REMOVE) p = put_remove(p, records, i, end, hash_signed, dialect);
+    unsigned char *p = put_envelope_head(b->data, batch->ts, events);
+    for (size_t i = 0; i < n;) {
+        size_t end = run_end(recs, i, n, sg);
+        if (recs[i].tag == T_STORE) p = put_store(p, recs, i, end, bs, sg, dialect);
+        else if (recs[i].tag == T_REMOVE) p = put_remove(p, recs, i, end, sg, dialect);
         else if (dialect == 0) p = LIT(p, "\x81\xa4type\xb0" "AllBlocksCleared");
         else p = LIT(p, "\x91\xb0" "AllBlocksCleared");
         if (!p) { /* an int only Python encodes (or refuses) */
@@ -574,9 +568,102 @@ static Buf *encode_records(PyObject *records, double ts, i64 rank, long bs, int 
         }
         i = end;
     }
-    p = kvw_put_int(p, (u64)rank, rank < 0);
+    p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
     b->len = (size_t)(p - b->data);
     return b;
+}
+
+/* --- collector batches as C records and as Python objects (with the GIL) --------------- */
+
+static void rec_release(Rec *r) {
+    Py_XDECREF(r->hashes);
+    Py_XDECREF(r->parent);
+    Py_XDECREF(r->tokens);
+    Py_XDECREF(r->lora);
+    Py_XDECREF(r->medium);
+    Py_XDECREF(r->extra);
+    Py_XDECREF(r->group);
+}
+
+static void cbatch_free(CBatch *b) {
+    if (!b) return;
+    for (size_t i = 0; i < b->n; i++) rec_release(&b->recs[i]);
+    free(b);
+}
+
+static CBatch *cbatch_alloc(size_t n) {
+    CBatch *b = malloc(sizeof(CBatch) + (n ? n : 1) * sizeof(Rec));
+    if (b) {
+        b->next = NULL;
+        b->n = 0;
+    }
+    return b;
+}
+
+static PyObject *TAGS[3], *CLEAR_RECORD; /* 0, 1, 2 and (2,) */
+
+/* The records in CollectedBatch.records' layout (a new list of tuples), or NULL with an
+ * error set. */
+static PyObject *records_list(const Rec *recs, size_t n) {
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        const Rec *r = &recs[i];
+        PyObject *t = r->tag == T_STORE
+                          ? PyTuple_Pack(8, TAGS[0], r->hashes, r->parent, r->tokens, r->lora,
+                                         r->medium, r->extra, r->group)
+                      : r->tag == T_REMOVE ? PyTuple_Pack(4, TAGS[1], r->hashes, r->medium, r->group)
+                                           : Py_NewRef(CLEAR_RECORD);
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    return out;
+}
+
+/* A CollectedBatch's records as C records (new references), or NULL (no error set) when
+ * one is not in the collector's layout: Python then encodes the batch. */
+static CBatch *cbatch_from_list(PyObject *records) {
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    CBatch *b = cbatch_alloc((size_t)n);
+    if (!b) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        IntV tag;
+        if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) < 1 ||
+            read_int(PyTuple_GET_ITEM(rec, 0), &tag) < 0 || tag.neg || tag.bits > T_CLEAR)
+            goto fail;
+        Py_ssize_t len = PyTuple_GET_SIZE(rec);
+        PyObject **f = ((PyTupleObject *)rec)->ob_item;
+        Rec r = {.tag = (long)tag.bits};
+        if (tag.bits == T_STORE) {
+            if (len != 8) goto fail;
+            r = (Rec){T_STORE, f[1], f[2], f[3], f[4], f[5], f[6], f[7]};
+        } else if (tag.bits == T_REMOVE) {
+            if (len != 4) goto fail;
+            r.hashes = f[1], r.medium = f[2], r.group = f[3];
+        }
+        Py_XINCREF(r.hashes);
+        Py_XINCREF(r.parent);
+        Py_XINCREF(r.tokens);
+        Py_XINCREF(r.lora);
+        Py_XINCREF(r.medium);
+        Py_XINCREF(r.extra);
+        Py_XINCREF(r.group);
+        b->recs[b->n++] = r;
+    }
+    return b;
+fail:
+    cbatch_free(b);
+    return NULL;
+}
+
+/* The CollectedBatch for a C batch (for Python to encode), or NULL with an error set. */
+static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b) {
+    PyObject *records = records_list(b->recs, b->n);
+    if (!records) return NULL;
+    PyObject *out = PyObject_CallFunction(batch_type, "(dOLlO)", b->ts, records, (long long)b->rank,
+                                          b->block_size, b->hash_signed ? Py_True : Py_False);
+    Py_DECREF(records);
+    return out;
 }
 
 /* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
@@ -631,18 +718,37 @@ static int done_push(Sender *s, PyObject *o) {
     return 0;
 }
 
+static void done_push_batch(Sender *s, CBatch *b) {
+    if (!b) return;
+    b->next = s->done_batch;
+    s->done_batch = b;
+    s->done_batches++;
+}
+
+/* What the thread is done with, taken from the sender to be released holding the GIL. */
+typedef struct Done {
+    PyObject **objs;
+    size_t n;
+    CBatch *batches;
+} Done;
+
 /* Take the done list (under mu); release it with release_done() holding the GIL, not mu. */
-static PyObject **take_done(Sender *s, size_t *n) {
-    PyObject **d = s->done;
-    *n = s->done_len;
+static Done take_done(Sender *s) {
+    Done d = {s->done, s->done_len, s->done_batch};
     s->done = NULL;
-    s->done_len = s->done_cap = 0;
+    s->done_len = s->done_cap = s->done_batches = 0;
+    s->done_batch = NULL;
     return d;
 }
 
-static void release_done(PyObject **d, size_t n) {
-    for (size_t i = 0; i < n; i++) Py_DECREF(d[i]);
-    free(d);
+static void release_done(Done d) {
+    for (size_t i = 0; i < d.n; i++) Py_DECREF(d.objs[i]);
+    free(d.objs);
+    while (d.batches) {
+        CBatch *next = d.batches->next;
+        cbatch_free(d.batches);
+        d.batches = next;
+    }
 }
 
 static void ring_push(Sender *s, i64 seq, Buf *b) {
@@ -690,7 +796,7 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
 
 static void release_item(Item *it) {
     Py_XDECREF(it->obj);
-    Py_XDECREF(it->records);
+    cbatch_free(it->batch);
     buf_unref(it->payload);
 }
 
@@ -712,8 +818,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
         return;
     }
     if (it->kind == K_COLLECTED) {
-        it->payload = encode_records(it->records, it->ts, it->rank, it->block_size,
-                                     it->hash_signed, s->dialect);
+        it->payload = encode_batch(it->batch, s->dialect);
         if (it->payload) {
             (*native)++;
             return;
@@ -721,7 +826,12 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     }
     take_gil(s, ts, have_gil);
     (*gil)++;
-    PyObject *r = s->encode ? PyObject_CallOneArg(s->encode, it->obj) : Py_NewRef(Py_None);
+    /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch. */
+    PyObject *obj = it->obj ? Py_NewRef(it->obj)
+                    : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch)
+                                    : NULL;
+    PyObject *r = !obj ? NULL : s->encode ? PyObject_CallOneArg(s->encode, obj) : Py_NewRef(Py_None);
+    Py_XDECREF(obj);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
         it->payload = buf_new((size_t)n);
@@ -762,11 +872,10 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     for (int i = 0; i < n; i++) encode_item(s, &items[i], ts, &have_gil, &native, &gil);
     if (have_gil) {
         /* Release what is done while holding it anyway. */
-        size_t nd;
         pthread_mutex_lock(&s->mu);
-        PyObject **d = take_done(s, &nd);
+        Done d = take_done(s);
         pthread_mutex_unlock(&s->mu);
-        release_done(d, nd);
+        release_done(d);
         PyEval_SaveThread();
         have_gil = 0;
     }
@@ -790,7 +899,9 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         buf_unref(it->payload);
         it->payload = NULL;
         done_push(s, it->obj);
-        done_push(s, it->records);
+        done_push_batch(s, it->batch);
+        it->obj = NULL;
+        it->batch = NULL;
     }
     s->published += sent;
     s->dropped_send_error += failed;
@@ -878,13 +989,12 @@ static void *run(void *arg) {
             if (now - last_batch < POLL_S) s->poll_until = now + POLL_S;
             last_batch = now;
         }
-        if (s->done_len >= DONE_MAX) {
-            size_t nd;
-            PyObject **d = take_done(s, &nd);
+        if (s->done_len + s->done_batches >= DONE_MAX) {
+            Done d = take_done(s);
             s->gil_takes++;
             pthread_mutex_unlock(&s->mu);
             PyEval_RestoreThread(ts);
-            release_done(d, nd);
+            release_done(d);
             PyEval_SaveThread();
             pthread_mutex_lock(&s->mu);
         }
@@ -897,13 +1007,12 @@ static void *run(void *arg) {
     size_t qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
     s->q = NULL;
     s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
-    size_t nd;
-    PyObject **done = take_done(s, &nd);
+    Done done = take_done(s);
     pthread_mutex_unlock(&s->mu);
     PyEval_RestoreThread(ts);
     for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
     free(q);
-    release_done(done, nd);
+    release_done(done);
     PyGILState_Release(g);
     return NULL;
 }
@@ -996,7 +1105,7 @@ static void sender_dealloc(Sender *s) {
     PyObject_GC_UnTrack(s);
     for (size_t i = 0; i < s->qlen; i++) release_item(&s->q[(s->qhead + i) % s->qcap]);
     free(s->q);
-    release_done(s->done, s->done_len);
+    release_done(take_done(s));
     if (s->ring)
         for (size_t i = 0; i < s->ring_len; i++)
             buf_unref(s->ring[(s->ring_head + i) % s->buffer_steps].buf);
@@ -1012,56 +1121,53 @@ static void sender_dealloc(Sender *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-/* The fields of a collector batch, read on the engine thread; 0, or -1 (then encoded by Python). */
-static int read_collected(PyObject *batch, Item *it) {
+/* A CollectedBatch's fields and records as a C batch, read on the engine thread; NULL
+ * (no error set) when Python is to encode it. */
+static CBatch *read_collected(PyObject *batch) {
     PyObject *ts = PyObject_GetAttr(batch, S_ts);
     PyObject *records = PyObject_GetAttr(batch, S_records);
     PyObject *rank = PyObject_GetAttr(batch, S_rank);
     PyObject *bs = PyObject_GetAttr(batch, S_block_size);
     PyObject *sg = PyObject_GetAttr(batch, S_signed);
-    int ok = ts && records && rank && bs && sg && PyFloat_CheckExact(ts) &&
-             PyList_CheckExact(records) && PyLong_CheckExact(rank) && PyLong_CheckExact(bs) &&
-             PyBool_Check(sg);
-    if (ok) {
-        it->ts = PyFloat_AS_DOUBLE(ts);
-        it->rank = PyLong_AsLongLong(rank);
-        it->block_size = PyLong_AsLong(bs);
-        it->hash_signed = sg == Py_True;
-        ok = !PyErr_Occurred();
+    CBatch *b = NULL;
+    if (ts && records && rank && bs && sg && PyFloat_CheckExact(ts) && PyList_CheckExact(records) &&
+        PyLong_CheckExact(rank) && PyLong_CheckExact(bs) && PyBool_Check(sg)) {
+        long long r = PyLong_AsLongLong(rank);
+        long size = PyLong_AsLong(bs);
+        if (!PyErr_Occurred() && (b = cbatch_from_list(records))) {
+            b->ts = PyFloat_AS_DOUBLE(ts);
+            b->rank = r;
+            b->block_size = size;
+            b->hash_signed = sg == Py_True;
+        }
     }
     PyErr_Clear();
     Py_XDECREF(ts);
+    Py_XDECREF(records);
     Py_XDECREF(rank);
     Py_XDECREF(bs);
     Py_XDECREF(sg);
-    if (!ok) {
-        Py_XDECREF(records);
-        return -1;
-    }
-    it->records = records;
-    return 0;
+    return b;
 }
 
-static PyObject *sender_publish(Sender *s, PyObject *batch) {
-    Item it = {.kind = K_OTHER, .obj = batch};
-    if (s->batch_type && Py_TYPE(batch) == (PyTypeObject *)s->batch_type && read_collected(batch, &it) == 0)
-        it.kind = K_COLLECTED;
-    Py_INCREF(batch);
-    size_t nd;
+/* Reserve the next seq for *it and queue it; never blocks. 1: queued; 0: dropped (a
+ * gap; *it is released here), though with the mirror on it may be queued for the mirror
+ * only. Also releases what the thread is done with (the caller holds the GIL). */
+static int sender_enqueue(Sender *s, Item *it) {
     int queued = 0;
-    it.enq = mono_now();
+    it->enq = mono_now();
     pthread_mutex_lock(&s->mu);
-    PyObject **done = take_done(s, &nd);
-    it.seq = s->next_seq++;
+    Done done = take_done(s);
+    it->seq = s->next_seq++;
     if (s->closed) {
         s->dropped_closed++;
     } else if (s->q_send >= s->max_queue) {
         s->dropped_queue_full++;
         if (s->mirror && s->q_mirror_only < s->mirror_backlog) {
-            it.mirror_only = 1; /* never sent, but the mirror learns it */
-            queued = queue_push(s, &it) == 0 ? -1 : 0;
+            it->mirror_only = 1; /* never sent, but the mirror learns it */
+            queued = queue_push(s, it) == 0 ? -1 : 0;
         }
-    } else if (queue_push(s, &it) == 0) {
+    } else if (queue_push(s, it) == 0) {
         queued = 1;
         if (s->waiting) {
             s->waiting = 0;
@@ -1071,9 +1177,17 @@ static PyObject *sender_publish(Sender *s, PyObject *batch) {
         s->dropped_queue_full++; /* out of memory: a gap like any drop */
     }
     pthread_mutex_unlock(&s->mu);
-    if (!queued) release_item(&it);
-    release_done(done, nd);
-    return PyBool_FromLong(queued == 1);
+    if (!queued) release_item(it);
+    release_done(done);
+    return queued == 1;
+}
+
+static PyObject *sender_publish(Sender *s, PyObject *batch) {
+    Item it = {.kind = K_OTHER, .obj = Py_NewRef(batch)};
+    if (s->batch_type && Py_TYPE(batch) == (PyTypeObject *)s->batch_type &&
+        (it.batch = read_collected(batch)))
+        it.kind = K_COLLECTED;
+    return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
 static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -1163,10 +1277,9 @@ static PyObject *sender_close(Sender *s, PyObject *arg) {
     if (running) joined = join_thread(s, wall_now() + timeout + 1.0);
     pthread_mutex_lock(&s->mu);
     int flushed = s->flushed && joined;
-    size_t nd;
-    PyObject **done = take_done(s, &nd);
+    Done done = take_done(s);
     pthread_mutex_unlock(&s->mu);
-    release_done(done, nd);
+    release_done(done);
     return Py_BuildValue("(OO)", flushed ? Py_True : Py_False, joined ? Py_True : Py_False);
 }
 
@@ -1323,12 +1436,10 @@ static PyObject *sender_seqs(Sender *s, PyObject *which) {
 static PyObject *sender_encode(Sender *s, PyObject *batch) {
     /* encode_native(batch) -> bytes | None: what the thread would send for a collector
      * batch, or None when it leaves the batch to Python (for tests). */
-    Item it = {.kind = K_OTHER};
-    if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type ||
-        read_collected(batch, &it) < 0)
-        Py_RETURN_NONE;
-    Buf *b = encode_records(it.records, it.ts, it.rank, it.block_size, it.hash_signed, s->dialect);
-    Py_DECREF(it.records);
+    if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type) Py_RETURN_NONE;
+    CBatch *cb = read_collected(batch);
+    Buf *b = cb ? encode_batch(cb, s->dialect) : NULL;
+    cbatch_free(cb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
     buf_unref(b);
@@ -1379,6 +1490,347 @@ static PyTypeObject SenderType = {
     .tp_getset = sender_getset,
 };
 
+/* --- the collector's hooks -------------------------------------------------------------
+ *
+ * EventCollector's engine-thread hooks, creating no Python object per call for lists and
+ * tuples: stored()/removed()/cleared() append C records holding strong references to what
+ * the engine passed (the contract: lists not changed after the call), and flush() hands
+ * them to the publisher's Sender as a C batch, queued like publish() queues one. Other
+ * inputs go through the Python `capture` callable (arrays copied, CUDA copies queued);
+ * with any other publisher, flush() builds a CollectedBatch and calls its publish(). */
+
+static PyObject *S_publish, *S_GPU, *S_block_hashes, *S_token_ids;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *publisher;  /* anything with .rank and .publish(batch) */
+    Sender *sender;       /* the publisher's native sender, or NULL */
+    PyObject *batch_type; /* CollectedBatch */
+    PyObject *capture;    /* capture(values, what, device) -> a private snapshot */
+    PyObject *device;     /* a list: CUDA copies awaiting their event */
+    PyObject *mark;       /* mark(device): record the event that ends this iteration's copies */
+    long block_size;
+    int hash_signed;
+    Py_ssize_t cap;       /* stored blocks per iteration; -1: no cap */
+    Py_ssize_t stored_blocks;
+    i64 batches, dropped_blocks, dropped_calls;
+    Rec *recs;            /* this iteration's records */
+    size_t n, ncap;
+} Collector;
+
+static PyTypeObject CollectorType;
+
+static PyObject *collector_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"publisher", "block_size", "signed", "cap", "sender", "batch_type",
+                            "capture", "device", "mark", NULL};
+    PyObject *publisher, *sender, *batch_type, *capture, *device, *mark;
+    long block_size;
+    int sg;
+    Py_ssize_t cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Olpn$OOOOO", names, &publisher, &block_size, &sg,
+                                     &cap, &sender, &batch_type, &capture, &device, &mark))
+        return NULL;
+    const char *bad = block_size < 1 ? "block_size must be >= 1"
+                      : cap < -1     ? "cap must be >= 0, or -1 for none"
+                      : sender != Py_None && Py_TYPE(sender) != &SenderType
+                          ? "sender must be a Sender or None"
+                      : !PyType_Check(batch_type) ? "batch_type must be a type"
+                      : !PyCallable_Check(capture) || !PyCallable_Check(mark)
+                          ? "capture and mark must be callable"
+                      : !PyList_CheckExact(device) ? "device must be a list"
+                                                   : NULL;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, bad);
+        return NULL;
+    }
+    Collector *c = (Collector *)type->tp_alloc(type, 0);
+    if (!c) return NULL;
+    c->publisher = Py_NewRef(publisher);
+    c->sender = sender == Py_None ? NULL : (Sender *)Py_NewRef(sender);
+    c->batch_type = Py_NewRef(batch_type);
+    c->capture = Py_NewRef(capture);
+    c->device = Py_NewRef(device);
+    c->mark = Py_NewRef(mark);
+    c->block_size = block_size;
+    c->hash_signed = sg;
+    c->cap = cap;
+    return (PyObject *)c;
+}
+
+static void collector_drop_records(Collector *c) {
+    size_t n = c->n;
+    c->n = 0;
+    for (size_t i = 0; i < n; i++) rec_release(&c->recs[i]);
+}
+
+static int collector_traverse(Collector *c, visitproc visit, void *arg) {
+    Py_VISIT(c->publisher);
+    Py_VISIT((PyObject *)c->sender);
+    Py_VISIT(c->batch_type);
+    Py_VISIT(c->capture);
+    Py_VISIT(c->device);
+    Py_VISIT(c->mark);
+    for (size_t i = 0; i < c->n; i++) {
+        Rec *r = &c->recs[i];
+        Py_VISIT(r->hashes);
+        Py_VISIT(r->parent);
+        Py_VISIT(r->tokens);
+        Py_VISIT(r->lora);
+        Py_VISIT(r->medium);
+        Py_VISIT(r->extra);
+        Py_VISIT(r->group);
+    }
+    return 0;
+}
+
+static int collector_clear(Collector *c) {
+    collector_drop_records(c);
+    Py_CLEAR(c->publisher);
+    Py_CLEAR(c->sender);
+    Py_CLEAR(c->batch_type);
+    Py_CLEAR(c->capture);
+    Py_CLEAR(c->device);
+    Py_CLEAR(c->mark);
+    return 0;
+}
+
+static void collector_dealloc(Collector *c) {
+    PyObject_GC_UnTrack(c);
+    collector_clear(c);
+    free(c->recs);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* Append a record, taking over its references (released here on failure). */
+static int collector_append(Collector *c, Rec r) {
+    if (c->n == c->ncap) {
+        size_t cap = c->ncap ? c->ncap * 2 : 16;
+        Rec *recs = realloc(c->recs, cap * sizeof(Rec));
+        if (!recs) {
+            rec_release(&r);
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->recs = recs;
+        c->ncap = cap;
+    }
+    c->recs[c->n++] = r;
+    return 0;
+}
+
+/* The arguments by position (at most npos) or name into out[0..nparams); the first
+ * nrequired must be given. 0, or -1 with a TypeError. */
+static int parse_args(const char *fn, const char *const *names, int nparams, int npos,
+                      int nrequired, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      PyObject **out) {
+    for (int i = 0; i < nparams; i++) out[i] = NULL;
+    if (nargs > npos) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d positional arguments but %zd were given", fn,
+                     npos, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int j = 0;
+        while (j < nparams && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) j++;
+        if (j == nparams) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
+            return -1;
+        }
+        if (out[j]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn,
+                         names[j]);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+    }
+    for (int i = 0; i < nrequired; i++) {
+        if (!out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* *values as the record keeps it: lists and tuples by reference, anything else through
+ * capture(). Takes over *values' reference; 0, or -1 (with *values released). */
+static int collector_capture(Collector *c, PyObject **values, PyObject *what) {
+    if (PyList_CheckExact(*values) || PyTuple_CheckExact(*values)) return 0;
+    PyObject *args[3] = {*values, what, c->device};
+    PyObject *got = PyObject_Vectorcall(c->capture, args, 3, NULL);
+    Py_SETREF(*values, got);
+    return got ? 0 : -1;
+}
+
+static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    static const char *const names[] = {"block_hashes", "parent_hash", "token_ids", "lora_name",
+                                        "medium", "extra_keys", "group_idx"};
+    PyObject *a[7];
+    if (parse_args("stored", names, 7, 3, 3, args, nargs, kwnames, a) < 0) return NULL;
+    Py_ssize_t n = PyObject_Length(a[0]);
+    if (n < 0) return NULL;
+    Py_ssize_t nt = PyObject_Length(a[2]);
+    if (nt < 0) return NULL;
+    Py_ssize_t bs = c->block_size, want;
+    if (__builtin_mul_overflow(n, bs, &want) || nt != want) {
+        PyErr_Format(PyExc_ValueError,
+                     "stored() got %zd token ids for %zd blocks of %zd: only full blocks are "
+                     "published",
+                     nt, n, bs);
+        return NULL;
+    }
+    if (!n) Py_RETURN_NONE;
+    PyObject *keys = a[5] ? a[5] : Py_None;
+    if (keys != Py_None) {
+        Py_ssize_t ne = PyObject_Length(keys);
+        if (ne < 0) return NULL;
+        if (ne != n) {
+            PyErr_Format(PyExc_ValueError, "extra_keys has %zd entries for %zd blocks", ne, n);
+            return NULL;
+        }
+        if (!(keys = PySequence_List(keys))) return NULL;
+    } else {
+        Py_INCREF(keys);
+    }
+    PyObject *hs = Py_NewRef(a[0]), *toks = Py_NewRef(a[2]);
+    if (c->cap >= 0) {
+        if (c->stored_blocks + n > c->cap) {
+            Py_ssize_t keep = c->cap - c->stored_blocks;
+            if (keep < 0) keep = 0;
+            c->dropped_blocks += n - keep;
+            c->dropped_calls++;
+            if (keep == 0) {
+                Py_DECREF(hs);
+                Py_DECREF(toks);
+                Py_DECREF(keys);
+                Py_RETURN_NONE;
+            }
+            Py_SETREF(hs, PySequence_GetSlice(hs, 0, keep));
+            if (hs) Py_SETREF(toks, PySequence_GetSlice(toks, 0, keep * bs));
+            if (hs && toks && keys != Py_None) Py_SETREF(keys, PyList_GetSlice(keys, 0, keep));
+            if (!hs || !toks || !keys) goto fail;
+            n = keep;
+        }
+        c->stored_blocks += n;
+    }
+    if (collector_capture(c, &hs, S_block_hashes) < 0 ||
+        collector_capture(c, &toks, S_token_ids) < 0)
+        goto fail;
+    Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
+             Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
+    if (collector_append(c, r) < 0) return NULL;
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(hs);
+    Py_XDECREF(toks);
+    Py_XDECREF(keys);
+    return NULL;
+}
+
+static PyObject *collector_removed(Collector *c, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    static const char *const names[] = {"block_hashes", "medium", "group_idx"};
+    PyObject *a[3];
+    if (parse_args("removed", names, 3, 1, 1, args, nargs, kwnames, a) < 0) return NULL;
+    Py_ssize_t n = PyObject_Length(a[0]);
+    if (n < 0) return NULL;
+    if (!n) Py_RETURN_NONE;
+    PyObject *hs = Py_NewRef(a[0]);
+    if (collector_capture(c, &hs, S_block_hashes) < 0) return NULL;
+    Rec r = {.tag = T_REMOVE, .hashes = hs, .medium = Py_NewRef(a[1] ? a[1] : S_GPU),
+             .group = Py_NewRef(a[2] ? a[2] : Py_None)};
+    if (collector_append(c, r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *collector_cleared(Collector *c, PyObject *unused) {
+    if (collector_append(c, (Rec){.tag = T_CLEAR}) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *collector_flush(Collector *c, PyObject *unused) {
+    if (!c->n) Py_RETURN_FALSE;
+    if (PyList_GET_SIZE(c->device)) {
+        PyObject *r = PyObject_CallOneArg(c->mark, c->device);
+        if (!r) return NULL;
+        Py_DECREF(r);
+        if (!c->n) Py_RETURN_FALSE; /* (flushed meanwhile by another thread) */
+    }
+    /* The records leave the collector first, as the Python collector's list did. */
+    CBatch *b = cbatch_alloc(c->n);
+    if (!b) return PyErr_NoMemory();
+    memcpy(b->recs, c->recs, c->n * sizeof(Rec));
+    b->n = c->n;
+    c->n = 0;
+    c->stored_blocks = 0;
+    c->batches++;
+    b->ts = wall_now();
+    b->block_size = c->block_size;
+    b->hash_signed = c->hash_signed;
+    PyObject *rank = PyObject_GetAttr(c->publisher, S_rank);
+    if (!rank) {
+        cbatch_free(b);
+        return NULL;
+    }
+    if (c->sender && PyLong_CheckExact(rank)) {
+        b->rank = PyLong_AsLongLong(rank);
+        if (b->rank == -1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* beyond 64 bits: Python's path says what is wrong */
+        } else {
+            /* The publisher's native sender: the records go over as they are. */
+            Py_DECREF(rank);
+            Item it = {.kind = K_COLLECTED, .batch = b};
+            return PyBool_FromLong(sender_enqueue(c->sender, &it));
+        }
+    }
+    PyObject *records = records_list(b->recs, b->n);
+    PyObject *batch = records ? PyObject_CallFunction(c->batch_type, "(dOOlO)", b->ts, records,
+                                                      rank, b->block_size,
+                                                      b->hash_signed ? Py_True : Py_False)
+                              : NULL;
+    cbatch_free(b);
+    Py_XDECREF(records);
+    Py_DECREF(rank);
+    if (!batch) return NULL;
+    PyObject *out = PyObject_CallMethodOneArg(c->publisher, S_publish, batch);
+    Py_DECREF(batch);
+    return out;
+}
+
+static PyObject *collector_stats(Collector *c, PyObject *unused) {
+    return Py_BuildValue("(LLL)", (long long)c->batches, (long long)c->dropped_blocks,
+                         (long long)c->dropped_calls);
+}
+
+static PyMethodDef collector_methods[] = {
+    {"stored", (PyCFunction)(void (*)(void))collector_stored, METH_FASTCALL | METH_KEYWORDS,
+     "stored(block_hashes, parent_hash, token_ids, *, lora_name=None, medium='GPU', "
+     "extra_keys=None, group_idx=None)"},
+    {"removed", (PyCFunction)(void (*)(void))collector_removed, METH_FASTCALL | METH_KEYWORDS,
+     "removed(block_hashes, *, medium='GPU', group_idx=None)"},
+    {"cleared", (PyCFunction)collector_cleared, METH_NOARGS, "cleared()"},
+    {"flush", (PyCFunction)collector_flush, METH_NOARGS, "flush() -> whether a batch was queued"},
+    {"stats", (PyCFunction)collector_stats, METH_NOARGS,
+     "stats() -> (batches, dropped_stored_blocks, dropped_store_calls)"},
+    {NULL},
+};
+
+static PyTypeObject CollectorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Collector",
+    .tp_basicsize = sizeof(Collector),
+    .tp_dealloc = (destructor)collector_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "EventCollector's hooks: one iteration's records in C memory.",
+    .tp_traverse = (traverseproc)collector_traverse,
+    .tp_clear = (inquiry)collector_clear,
+    .tp_new = collector_new,
+    .tp_methods = collector_methods,
+};
+
 /* heartbeat_due(last_sent, interval, now, wall): the sender's rule, for tests to hold it
  * equal to kvwire.wire.heartbeat.heartbeat_at. */
 static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
@@ -1398,7 +1850,17 @@ static struct PyModuleDef sendermodule = {
 };
 
 PyMODINIT_FUNC PyInit__sender(void) {
-    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
+        PyType_Ready(&CollectorType) < 0)
+        return NULL;
+    for (int i = 0; i < 3; i++)
+        if (!(TAGS[i] = PyLong_FromLong(i))) return NULL;
+    if (!(CLEAR_RECORD = PyTuple_Pack(1, TAGS[T_CLEAR])) ||
+        !(S_publish = PyUnicode_InternFromString("publish")) ||
+        !(S_GPU = PyUnicode_InternFromString("GPU")) ||
+        !(S_block_hashes = PyUnicode_InternFromString("block_hashes")) ||
+        !(S_token_ids = PyUnicode_InternFromString("token_ids")))
+        return NULL;
     if (!(S_ts = PyUnicode_InternFromString("ts")) ||
         !(S_records = PyUnicode_InternFromString("records")) ||
         !(S_rank = PyUnicode_InternFromString("rank")) ||
@@ -1408,7 +1870,8 @@ PyMODINIT_FUNC PyInit__sender(void) {
     PyObject *m = PyModule_Create(&sendermodule);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
-        PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0) {
+        PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0 ||
+        PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -48,3 +48,43 @@ class Sender:
     def clear_wake(self) -> None: ...
     def seqs(self, ring: bool, /) -> list[int]: ...
     def encode_native(self, batch: object, /) -> bytes | None: ...
+
+@final
+class Collector:
+    """``EventCollector``'s hooks: one iteration's records in C memory.
+
+    With ``sender`` (the publisher's own), ``flush()`` queues the records on it
+    as they are; with ``None`` it builds a ``batch_type`` and calls
+    ``publisher.publish``. ``cap`` is the stored blocks per iteration (-1: none).
+    """
+
+    def __new__(
+        cls,
+        publisher: Any,
+        block_size: int,
+        signed: bool,
+        cap: int,
+        *,
+        sender: Sender | None,
+        batch_type: type,
+        capture: Callable[[Any, str, list[Any]], Any],
+        device: list[Any],
+        mark: Callable[[list[Any]], None],
+    ) -> Collector: ...
+    def stored(
+        self,
+        block_hashes: Any,
+        parent_hash: int | None,
+        token_ids: Any,
+        *,
+        lora_name: str | None = None,
+        medium: str | None = "GPU",
+        extra_keys: Any = None,
+        group_idx: int | None = None,
+    ) -> None: ...
+    def removed(
+        self, block_hashes: Any, *, medium: str | None = "GPU", group_idx: int | None = None
+    ) -> None: ...
+    def cleared(self) -> None: ...
+    def flush(self) -> bool: ...
+    def stats(self) -> tuple[int, int, int]: ...

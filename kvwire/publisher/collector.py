@@ -7,21 +7,27 @@ are copied (engines reuse buffers), CUDA tensors copied into pinned host memory
 without waiting (a CUDA event marks when the copy is done). Conversion,
 coalescing and msgpack encoding happen later, on the publisher's sender thread.
 
-That contract is what lets :class:`~kvwire.publisher.EventPublisher`'s native
-sender read a batch's lists without the GIL: when every list or tuple holds
-exact ints (within 64 bits), parents and group indices are ints or ``None``,
-``medium`` and ``lora_name`` are ``None`` or ASCII strs and no store has
-``extra_keys``, the sender thread encodes the batch itself, byte for byte as
-:meth:`CollectedBatch.encode` would, and the engine thread never waits for it.
-Anything else (array or tensor captures, int subclasses, ``extra_keys``) is
-encoded by :meth:`CollectedBatch.encode` with the GIL taken.
+The hooks themselves are C (``Collector`` in :mod:`kvwire.publisher._sender`):
+for lists and tuples a call creates no Python object, it appends a record
+holding references to what it was passed to C memory. With an
+:class:`~kvwire.publisher.EventPublisher`, ``flush()`` queues those records on
+its native sender as they are; with any other publisher it builds a
+:class:`CollectedBatch` and calls ``publish()``.
+
+The contract is what lets the native sender read a batch's lists without the
+GIL: when every list or tuple holds exact ints (within 64 bits), parents and
+group indices are ints or ``None``, ``medium`` and ``lora_name`` are ``None``
+or ASCII strs and no store has ``extra_keys``, the sender thread encodes the
+batch itself, byte for byte as :meth:`CollectedBatch.encode` would, and the
+engine thread never waits for it. Anything else (array or tensor captures, int
+subclasses, ``extra_keys``) is encoded by :meth:`CollectedBatch.encode` with
+the GIL taken.
 """
 
 from __future__ import annotations
 
 import operator
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, TypeAlias
@@ -42,7 +48,8 @@ from kvwire.wire.codec import (
     pack_int_array,
 )
 
-from .publisher import PendingBatch
+from ._sender import Collector
+from .publisher import EventPublisher, PendingBatch
 
 __all__ = [
     "BatchPublisher",
@@ -60,8 +67,6 @@ _I64_MAX = (1 << 63) - 1
 
 _STORE = 0
 _REMOVE = 1
-_CLEAR = 2
-_CLEAR_RECORD = (_CLEAR,)
 _CLEARED = AllBlocksCleared()
 _encoder = msgspec.msgpack.Encoder()
 _CHANGED = (
@@ -187,6 +192,13 @@ class EventCollector:
     Every int goes out in its smallest msgpack form, so the bytes are those of
     ``encode_batch`` (and vLLM's): lists through msgspec, arrays and tensors
     packed natively, without a Python int per element.
+
+    The hooks are native (:mod:`kvwire.publisher._sender`): a call with lists
+    or tuples creates no Python object, so that the engine thread's own cost is
+    its calls alone. The records are kept in C memory; with an
+    :class:`~kvwire.publisher.EventPublisher` as ``publisher``, :meth:`flush`
+    queues them on its native sender as they are, otherwise it builds a
+    :class:`CollectedBatch` and calls ``publisher.publish``.
     """
 
     def __init__(
@@ -205,17 +217,50 @@ class EventCollector:
             raise ValueError(
                 f"max_stored_blocks_per_iteration must be >= 0, got {max_stored_blocks_per_iteration}"
             )
-        self.publisher = publisher
-        self.block_size = block_size
-        self.hash_format: HashFormat = hash_format
-        self.max_stored_blocks_per_iteration = max_stored_blocks_per_iteration
-        self._signed = hash_format == "signed"
-        self._records: list[tuple[Any, ...]] = []
-        self._device: list[_DeviceInts] = []  # CUDA copies awaiting their event
-        self._stored_blocks = 0
-        self._batches = 0
-        self._dropped_blocks = 0
-        self._dropped_calls = 0
+        self._publisher = publisher
+        self._block_size = block_size
+        self._hash_format: HashFormat = hash_format
+        self._cap = max_stored_blocks_per_iteration
+        sender = None
+        if isinstance(publisher, EventPublisher) and publisher.publish == publisher._sender.publish:
+            sender = publisher._sender  # not when publish() was replaced (a wrapper sees all)
+        self._core = Collector(
+            publisher,
+            block_size,
+            hash_format == "signed",
+            -1 if max_stored_blocks_per_iteration is None else max_stored_blocks_per_iteration,
+            sender=sender,
+            batch_type=CollectedBatch,
+            capture=_capture,
+            device=[],  # CUDA copies awaiting their event
+            mark=_mark_copies_done,
+        )
+        # The hooks are the core's methods themselves: no Python frame per call.
+        core = self._core
+        self.stored = core.stored  # type: ignore[method-assign]
+        self.removed = core.removed  # type: ignore[method-assign]
+        self.cleared = core.cleared  # type: ignore[method-assign]
+        self.flush = core.flush  # type: ignore[method-assign]
+
+    @property
+    def publisher(self) -> BatchPublisher:
+        """Where :meth:`flush` publishes."""
+        return self._publisher
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def hash_format(self) -> HashFormat:
+        """The hashes' form on the wire."""
+        return self._hash_format
+
+    @property
+    def max_stored_blocks_per_iteration(self) -> int | None:
+        """The cap on stored blocks per batch (``None``: none)."""
+        return self._cap
 
     def stored(
         self,
@@ -235,54 +280,24 @@ class EventCollector:
         ``extra_keys``, when given, has one entry per block. A list or tuple
         argument is kept by reference until the batch is encoded: do not
         change it afterwards.
+
+        (Bound to the native core's ``stored`` on each instance; this body
+        documents it.)
         """
-        n = len(block_hashes)
-        bs = self.block_size
-        if len(token_ids) != n * bs:
-            raise ValueError(
-                f"stored() got {len(token_ids)} token ids for {n} blocks of {bs}: "
-                "only full blocks are published"
-            )
-        if not n:
-            return
-        if extra_keys is not None:
-            if len(extra_keys) != n:
-                raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n} blocks")
-            extra_keys = list(extra_keys)
-        cap = self.max_stored_blocks_per_iteration
-        if cap is not None:
-            if self._stored_blocks + n > cap:
-                keep = max(0, cap - self._stored_blocks)
-                self._dropped_blocks += n - keep
-                self._dropped_calls += 1
-                if keep == 0:
-                    return
-                block_hashes = block_hashes[:keep]
-                token_ids = token_ids[: keep * bs]
-                if extra_keys is not None:
-                    extra_keys = extra_keys[:keep]
-                n = keep
-            self._stored_blocks += n
-        if type(block_hashes) is not list:
-            block_hashes = _capture(block_hashes, "block_hashes", self._device)
-        if type(token_ids) is not list:
-            token_ids = _capture(token_ids, "token_ids", self._device)
-        self._records.append(
-            (_STORE, block_hashes, parent_hash, token_ids, lora_name, medium, extra_keys, group_idx)
-        )
+        self._core.stored(
+            block_hashes, parent_hash, token_ids, lora_name=lora_name, medium=medium,
+            extra_keys=extra_keys, group_idx=group_idx,
+        )  # fmt: skip
 
     def removed(
         self, block_hashes: Any, *, medium: str | None = "GPU", group_idx: int | None = None
     ) -> None:
         """Blocks left the cache (never dropped by the cap)."""
-        if len(block_hashes):
-            if type(block_hashes) is not list:
-                block_hashes = _capture(block_hashes, "block_hashes", self._device)
-            self._records.append((_REMOVE, block_hashes, medium, group_idx))
+        self._core.removed(block_hashes, medium=medium, group_idx=group_idx)
 
     def cleared(self) -> None:
         """The whole prefix cache was dropped (a reset)."""
-        self._records.append(_CLEAR_RECORD)
+        self._core.cleared()
 
     def flush(self) -> bool:
         """Publish what this iteration collected as one batch.
@@ -291,22 +306,11 @@ class EventCollector:
         nothing to send (an idle engine sends nothing) or the publisher
         dropped it (its counters say why).
         """
-        records = self._records
-        if not records:
-            return False
-        if self._device:
-            _mark_copies_done(self._device)
-        self._records = []
-        self._stored_blocks = 0
-        self._batches += 1
-        batch = CollectedBatch(
-            time.time(), records, self.publisher.rank, self.block_size, self._signed
-        )
-        return self.publisher.publish(batch)
+        return bool(self._core.flush())
 
     def stats(self) -> CollectorStats:
         """Batches flushed and stored blocks dropped by the per-iteration cap."""
-        return CollectorStats(self._batches, self._dropped_blocks, self._dropped_calls)
+        return CollectorStats(*self._core.stats())
 
 
 class CollectedBatch(msgspec.Struct, gc=False):
@@ -315,8 +319,9 @@ class CollectedBatch(msgspec.Struct, gc=False):
     ``records`` is a list of tuples in the collector's layout: ``(0, hashes,
     parent, token_ids, lora_name, medium, extra_keys, group_idx)`` for a store,
     ``(1, hashes, medium, group_idx)`` for a removal, ``(2,)`` for a clear. The
-    native sender reads these fields directly (``kvwire/publisher/_sender.c``
-    mirrors :meth:`parts`' coalescing): change both together.
+    native collector keeps the same records in C and the native sender reads
+    them (``kvwire/publisher/_sender.c`` mirrors :meth:`parts`' coalescing):
+    change both together.
 
     Not tracked by the cyclic garbage collector: a backlog of these must not
     make every collection slower (it holds only tuples, arrays and ints).

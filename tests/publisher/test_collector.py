@@ -453,3 +453,46 @@ def test_publisher_package_imports_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+# --- the native hooks' arguments ----------------------------------------------------------
+
+
+def test_hooks_take_keywords_and_refuse_bad_arguments_as_python_would() -> None:
+    cap = Capture()
+    col = EventCollector(cap, 1)
+    col.stored(token_ids=[5], parent_hash=None, block_hashes=[1], medium="CPU", group_idx=2)
+    col.removed(block_hashes=(2,), medium=None)
+    col.flush()
+    assert cap.only().to_batch().events == [
+        BlockStored([1], None, [5], 1, None, "CPU", None, group_idx=2),
+        BlockRemoved([2], None),
+    ]
+    with pytest.raises(TypeError, match="missing required argument 'token_ids'"):
+        col.stored([1], None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        col.removed([1], colour="red")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="multiple values for argument 'parent_hash'"):
+        col.stored([1], None, [1], parent_hash=3)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="takes 1 positional arguments but 2"):
+        col.removed([1], "GPU")  # type: ignore[misc]
+    with pytest.raises(TypeError, match="has no len"):
+        col.stored(5, None, [])
+    assert col.flush() is False  # nothing was recorded by the failed calls
+    with pytest.raises(AttributeError):
+        col.block_size = 2  # type: ignore[misc]
+    assert (col.block_size, col.hash_format, col.max_stored_blocks_per_iteration) == (
+        1, "unsigned", None,
+    )  # fmt: skip
+    assert col.publisher is cap
+
+
+def test_a_failed_capture_keeps_the_cap_count_as_python_did() -> None:
+    cap = Capture()
+    col = EventCollector(cap, 1, max_stored_blocks_per_iteration=2)
+    with pytest.raises(TypeError, match="list, tuple"):
+        col.stored({1}, None, [1])
+    col.stored([2, 3], None, [2, 3])  # the failed call counted its block: one of two fits
+    col.flush()
+    assert cap.only().to_batch().events == [BlockStored([2], None, [2], 1, None, "GPU", None)]
+    assert col.stats().dropped_stored_blocks == 1

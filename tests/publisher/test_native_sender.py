@@ -247,3 +247,204 @@ def test_the_senders_heartbeat_rule_is_the_shared_one(
     assert heartbeat_due(last_sent, interval, now, wall) == heartbeat_at(
         last_sent, interval, now, wall
     )
+
+
+# --- the native collector: hooks into C memory, batches straight onto the sender's queue ----
+
+
+class Keep:
+    """A publisher stand-in: the collector's Python path, building CollectedBatch."""
+
+    rank = 0
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> bool:
+        self.batches.append(batch)
+        return True
+
+
+DEFAULTS = {"lora_name": None, "medium": "GPU", "group_idx": None}
+
+
+@st.composite
+def hook_calls(draw: Any) -> list[tuple[Any, ...]]:
+    """One iteration's hook calls, made of ``records()``: keywords at their default given
+    or left out."""
+    calls: list[tuple[Any, ...]] = []
+    for rec in draw(records().filter(bool)):
+        if rec[0] == 0:
+            name, args = "stored", rec[1:4]
+            kw = {"lora_name": rec[4], "medium": rec[5], "group_idx": rec[7]}
+        elif rec[0] == 1:
+            name, args, kw = "removed", rec[1:2], {"medium": rec[2], "group_idx": rec[3]}
+        else:
+            name, args, kw = "cleared", (), {}
+        kw = {k: v for k, v in kw.items() if v != DEFAULTS[k] or draw(st.booleans())}
+        calls.append((name, args, kw))
+    return calls
+
+
+def play(col: EventCollector, calls: list[tuple[Any, ...]]) -> bool:
+    for name, args, kw in calls:
+        getattr(col, name)(*args, **kw)
+    return col.flush()
+
+
+def test_the_native_collectors_bytes_are_collected_batch_encode(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    """Records kept in C and queued on the sender as they are: the bytes of the Python
+    path's CollectedBatch.encode, both dialects and hash forms, caps and counters too."""
+    dialects = ("map", "array")
+    pubs = [
+        EventPublisher(
+            f"ipc://{ipc_dir}/{d}", heartbeat=None, snapshot=False, dialect=d  # type: ignore[arg-type]
+        ).start()
+        for d in dialects
+    ]
+    try:
+        subs = [connect_sub(zctx, p)[0] for p in pubs]
+        before = [p.stats() for p in pubs]
+        sent = 0
+
+        @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(
+            calls=hook_calls(),
+            signed=st.booleans(),
+            cap=st.one_of(st.none(), st.integers(0, 12)),
+        )
+        def check(calls: list[tuple[Any, ...]], signed: bool, cap: int | None) -> None:
+            nonlocal sent
+            form: Any = "signed" if signed else "unsigned"
+            ref = Keep()
+            expected_col = EventCollector(
+                ref, BS, hash_format=form, max_stored_blocks_per_iteration=cap
+            )
+            cols = [
+                EventCollector(p, BS, hash_format=form, max_stored_blocks_per_iteration=cap)
+                for p in pubs
+            ]
+            published = play(expected_col, calls)
+            assert [play(col, calls) for col in cols] == [published] * 2
+            assert [col.stats() for col in cols] == [expected_col.stats()] * 2
+            if not published:  # every store capped away and nothing else: no batch
+                return
+            sent += 1
+            expected = ref.batches[0]
+            for sub, dialect in zip(subs, dialects, strict=True):
+                got = recv_live(sub)
+                expected.ts = decode_batch(got.payload).ts
+                assert bytes(got.payload) == expected.encode(dialect)
+
+        check()
+        for p, b in zip(pubs, before, strict=True):
+            wait_for(lambda p=p, b=b: p.stats().published - b.published == sent, what="all sent")
+            s = p.stats()
+            assert (s.native_encoded - b.native_encoded, s.gil_encoded) == (sent, b.gil_encoded)
+            assert s.sender_gil_takes == b.sender_gil_takes
+    finally:
+        for p in pubs:
+            p.close()
+
+
+def test_what_the_native_collector_leaves_to_python_has_the_same_bytes(
+    ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    """Array captures, extra_keys and int subclasses travel as C records too; the sender
+    builds their CollectedBatch with the GIL. A value no 64-bit int is a counted gap."""
+    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+        sub, first = connect_sub(zctx, pub)
+        before = pub.stats()
+        ref = Keep()
+        for col in (EventCollector(pub, BS), EventCollector(ref, BS)):
+            col.stored(np.array([7, 8], dtype=np.uint64), None, np.arange(4))
+            col.stored([Index(9)], 8, [1, 2], extra_keys=[("k",)])
+            col.removed((Index(3), 4))
+            assert col.flush()
+            col.stored([1 << 64], None, [1, 2])  # not a 64-bit hash: Python refuses it
+            assert col.flush()
+            col.removed([5])
+            assert col.flush()
+        got = recv_live(sub)
+        assert got.seq == first
+        expected = ref.batches[0]
+        expected.ts = decode_batch(got.payload).ts
+        assert bytes(got.payload) == expected.encode("map")
+        last = recv_live(sub)
+        assert last.seq == first + 2  # the refused batch is a gap
+        assert decode_batch(last.payload).events[0].block_hashes == [5]  # type: ignore[union-attr]
+        wait_for(lambda: pub.stats().published - before.published == 2, what="all sent")
+        s = pub.stats()
+        assert s.dropped_encode_error - before.dropped_encode_error == 1
+        assert (s.gil_encoded - before.gil_encoded, s.native_encoded - before.native_encoded) == (2, 1)
+
+
+def test_the_native_collector_drops_on_a_full_queue_as_publish_does(ipc_dir: str) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, max_queue_size=2)
+    col = EventCollector(pub, BS)  # never started: batches stay queued
+    flushed = []
+    for i in range(3):
+        col.removed([i])
+        flushed.append(col.flush())
+    assert flushed == [True, True, False]
+    s = pub.stats()
+    assert (s.dropped_queue_full, s.last_seq, s.queue_depth) == (1, 2, 2)
+    assert col.stats().batches == 3
+    pub.close()
+    col.removed([9])
+    assert col.flush() is False and pub.stats().dropped_closed == 1
+
+
+def test_a_replaced_publish_sees_every_batch() -> None:
+    pub = EventPublisher("ipc:///tmp/kvwire-unused", heartbeat=None, snapshot=False)
+    seen: list[Any] = []
+    pub.publish = lambda b: seen.append(b) or True  # type: ignore[method-assign,assignment,func-returns-value]
+    col = EventCollector(pub, BS)
+    col.removed([1])
+    assert col.flush()
+    assert len(seen) == 1 and isinstance(seen[0], CollectedBatch)
+    assert seen[0].to_batch().events[0].block_hashes == [1]
+    pub.close()
+
+
+def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
+    """The hooks and flush() on lists keep no Python object per iteration: a backlog of
+    queued batches is C memory only (the Python path's would hold a CollectedBatch, a
+    records list and its tuples each)."""
+    import tracemalloc
+
+    hs, toks, parent, gone = [11, 12], [1, 2, 3, 4], 1 << 62, [5, 6]
+    n = 2000
+
+    def grown(col: EventCollector) -> int:
+        stored, removed, cleared, flush = col.stored, col.removed, col.cleared, col.flush
+        for _ in range(10):  # warm-up: the record array reaches its size
+            stored(hs, parent, toks)
+            removed(gone, medium="CPU")
+            cleared()
+            flush()
+        tracemalloc.start()
+        try:
+            start = tracemalloc.get_traced_memory()[0]
+            for _ in range(n):
+                stored(hs, parent, toks)
+                removed(gone, medium="CPU")
+                cleared()
+                flush()
+            return tracemalloc.get_traced_memory()[0] - start
+        finally:
+            tracemalloc.stop()
+
+    pub = EventPublisher(
+        f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, max_queue_size=2 * n
+    )  # never started: every batch stays queued
+    try:
+        native_growth = grown(EventCollector(pub, BS))
+        assert pub.stats().queue_depth == n + 10
+    finally:
+        pub.close()
+    python_growth = grown(EventCollector(Keep(), BS))  # the measure sees objects kept
+    assert python_growth > 100 * n
+    assert native_growth < 2000, f"{native_growth} bytes of Python objects for {n} iterations"
