@@ -53,7 +53,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
-from kvwire.subscriber.receive import drain
+from kvwire.subscriber.receive import drain, drain_beats
 from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -812,8 +812,6 @@ class Subscriber:
         if burst >= _BURST and not link.closed:
             # More may be queued, and the socket will not signal it again.
             self._continue[link] = False
-        elif burst and self._sink_flush is not None:
-            self._flush_links[link] = None
 
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
@@ -861,19 +859,33 @@ class Subscriber:
         sub.connect(link.endpoints.endpoint)
 
     def _drain_live(self, link: _Link, budget: int) -> int:
+        """Read up to ``budget`` live messages into the stream; how many were read.
+
+        With a sink, the heartbeats in sequence at the head of the socket are
+        counted by the native drain and taken by the stream in one call (they
+        change nothing a sink holds); everything else goes through ``live``.
+        """
         sub = link.sub
         assert sub is not None
-        live = link.stream.live
+        stream = link.stream
+        live = stream.live
         clock = self._clock
         sink = self._sink
         worker_id, rank = link.worker_id, link.rank
         n = 0
         while n < budget:
             chunk = min(_BURST, budget - n)
-            messages = drain(sub, chunk, _LIVE_FRAMES)
-            if not messages:
+            key = stream.beat_key() if sink is not None else None
+            if key is None:
+                beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
+            else:
+                beats, last, messages = drain_beats(sub, chunk, *key)
+            if not beats and not messages:
                 break
             now = clock()
+            if last is not None:
+                stream.beats(beats, last, now)
+                n += beats
             for frames in messages:
                 n += 1
                 actions = live(frames, now)
@@ -886,7 +898,9 @@ class Subscriber:
                     self._deliver(link, actions)
                 if link.sub is not sub:
                     return n  # the rank was removed by what it delivered
-            if len(messages) < chunk:
+            if messages and self._sink_flush is not None:
+                self._flush_links[link] = None
+            if beats + len(messages) < chunk:
                 break  # the socket is empty
         return n
 
