@@ -412,15 +412,26 @@ class RankStream:
             counters=msgspec.structs.replace(self.counters),
         )
 
+    def silence_deadline(self) -> float | None:
+        """:meth:`next_deadline` while that is only a heartbeating publisher's silence.
+
+        In sequence with nothing asked, the only deadlines are the silence ones,
+        which every live message moves: a transport following many ranks may
+        check them now and then (well before they fall due) rather than keep a
+        timer per rank. None in any other case.
+        """
+        hb = self._epoch_info.heartbeat_s
+        if not self._fast or self._active is not None or hb is None:
+            return None
+        if self._reconnected_after == self._last_live_at:
+            return self._last_live_at + _STALE_HEARTBEATS * hb
+        return self._last_live_at + _RECONNECT_HEARTBEATS * hb
+
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
-        hb = self._epoch_info.heartbeat_s
-        if self._fast and self._active is None and hb is not None:
-            # In sequence and nothing asked (FOLLOWING): only the silence deadlines,
-            # which every live message moves (the timers of a large fleet ask often).
-            if self._reconnected_after == self._last_live_at:
-                return self._last_live_at + _STALE_HEARTBEATS * hb
-            return self._last_live_at + _RECONNECT_HEARTBEATS * hb
+        due = self.silence_deadline()
+        if due is not None:
+            return due
         due = self._active.deadline if self._active is not None else None
         for t in (
             self._retry_at if self._phase is Phase.BACKOFF else None,
