@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,7 +32,15 @@ from kvwire.subscriber import (
     Subscriber,
     receive,
 )
-from kvwire.wire import KVEventBatch, encode_batch, epoch_topic, format_epoch, pack_seq
+from kvwire.wire import (
+    AllBlocksCleared,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    epoch_topic,
+    format_epoch,
+    pack_seq,
+)
 from tests.subscriber.helpers import EPHEMERAL, Engine, wait_until
 from tests.subscriber.sim import Harness, PublisherKind
 from tests.subscriber.test_stream_model import MODEL, PUBLISHERS, config, ops
@@ -381,3 +390,55 @@ def test_a_sink_gets_every_batch_and_no_heartbeat_while_the_rank_follows_them() 
             assert [(r, b.ts) for r, b in sink.applied[mark:]] == [(0, b.ts) for b in sent]
     finally:
         pub.close()
+
+
+def test_a_swept_rank_that_falls_silent_is_reconnected_and_stale_on_time_then_follows_again() -> (
+    None
+):
+    """Ranks in sequence have no timer (their silence is swept): silence must still count."""
+    hb = 0.1
+    topic = epoch_topic(b"", format_epoch(9, heartbeat_s=hb, snapshot=False))
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    seq = 0
+
+    def send(events: list[KVEvent] | None = None) -> float:
+        nonlocal seq
+        batch = KVEventBatch(1.0, events or [], 0)
+        pub.send_multipart([topic, pack_seq(seq), encode_batch(batch)])
+        seq += 1
+        return time.monotonic()
+
+    source = EngineSource.from_rank_endpoints("w", [(endpoint, None)])
+    try:
+        with Subscriber([source], RecordingSink()) as sub:
+
+            def beat_until(done: Callable[[], bool], what: str, clear: bool = False) -> None:
+                deadline = time.monotonic() + 10
+                while not done():
+                    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                    # (Batches sent before the subscription took are lost: a clear
+                    # makes the rank exact again.)
+                    send([AllBlocksCleared()] if clear else None)
+                    time.sleep(hb)  # the publisher's cadence, not a synchronisation
+
+            synced = lambda: sub.rank_state("w", 0) is RankState.SYNCED  # noqa: E731
+            beat_until(synced, "SYNCED", clear=True)
+            beat_until(lambda: sub.status()[0].expected_seq >= seq - 1 > 20, "a run of beats")
+            last = send()
+            wait_until(lambda: sub.status()[0].expected_seq == seq, 5, "the last heartbeat")
+            wait_until(lambda: sub.status()[0].counters.silent_reconnects == 1, 5, "a reconnect")
+            reconnected = time.monotonic() - last
+            wait_until(lambda: sub.rank_state("w", 0) is RankState.STALE, 5, "STALE")
+            stale = time.monotonic() - last
+            assert 2.5 * hb <= reconnected < 2.5 * hb + 1.0
+            assert 3.5 * hb <= stale < 4.5 * hb + 1.0  # counted from the reconnect at worst
+            lost = sub.status()[0].counters.seqs_lost
+            beat_until(synced, "SYNCED again")
+            assert sub.status()[0].counters.seqs_lost == lost
+    finally:
+        pub.close()
+        ctx.term()
