@@ -165,34 +165,6 @@ def test_the_pyzmq_fallback_counts_nothing(
     assert receive._drain_beats_py(rx, 10, TOPIC, 0, 3) == (0, None, [tuple(beat(0))])
 
 
-def test_many_sockets_in_one_call_each_as_its_own_and_a_closed_one_is_none() -> None:
-    with zmq.Context() as ctx:
-        pairs = []
-        for i in range(3):
-            tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-            tx.bind(f"inproc://many{i}")
-            rx.connect(f"inproc://many{i}")
-            pairs.append((tx, rx))
-        try:
-            for seq in range(3):
-                pairs[0][0].send_multipart(beat(seq))
-            pairs[1][0].send_multipart(beat(7))
-            pairs[1][0].send_multipart(beat(9))
-            closed = pairs[2][1]
-            closed.close(linger=0)
-            entries = [(rx, TOPIC, expected, 3) for (_, rx), expected in zip(pairs, [0, 7, 0], strict=True)]
-            got = receive.drain_beats_many(entries, 2)
-            assert got == [(2, beat(1)[2], []), (1, beat(7)[2], [tuple(beat(9))]), None]
-            assert receive.drain_beats_many([(pairs[0][1], TOPIC, 2, 3)], 2) == [(1, beat(2)[2], [])]
-            assert receive._drain_beats_many_py(entries, 2) == [(0, None, []), (0, None, []), None]
-            with pytest.raises(TypeError):
-                receive.drain_beats_many([(pairs[0][1], TOPIC, 0)], 2)  # type: ignore[list-item]
-        finally:
-            for tx, rx in pairs:
-                tx.close(linger=0)
-                rx.close(linger=0)
-
-
 def test_beat_key_only_while_in_sequence_and_beats_refuses_otherwise() -> None:
     stream = RankStream(rank=3, config=StreamConfig(replay=False))
     assert stream.beat_key() is None
