@@ -274,39 +274,6 @@ static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t n
                          (Py_ssize_t)beats.last_len, messages);
 }
 
-/* drain_beats() of many sockets in one call: entries are (socket, topic, expected, rank). */
-static PyObject *drain_beats_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "drain_beats_many(list of entries, cap)");
-        return NULL;
-    }
-    PyObject *entries = args[0];
-    Py_ssize_t n = PyList_GET_SIZE(entries);
-    PyObject *out = PyList_New(n);
-    if (out == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *entry = PyList_GET_ITEM(entries, i);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) {
-            PyErr_SetString(PyExc_TypeError, "an entry is (socket, topic, expected, rank)");
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_INCREF(entry); /* the list may change under a callback; the entry may not */
-        PyObject *call[5] = {PyTuple_GET_ITEM(entry, 0), args[1], PyTuple_GET_ITEM(entry, 1),
-                             PyTuple_GET_ITEM(entry, 2), PyTuple_GET_ITEM(entry, 3)};
-        PyObject *result = drain_beats(self, call, 5);
-        Py_DECREF(entry);
-        if (result == NULL) {
-            /* That socket's own call raises again for the caller to see; the others go on. */
-            PyErr_Clear();
-            result = Py_NewRef(Py_None);
-        }
-        PyList_SET_ITEM(out, i, result);
-    }
-    return out;
-}
-
 static PyMethodDef methods[] = {
     {"load", (PyCFunction)load, METH_O,
      "load(path): resolve libzmq's calls from the library at path (already loaded by pyzmq)."},
@@ -317,9 +284,6 @@ static PyMethodDef methods[] = {
      "drain_beats(socket, cap, topic, expected, rank) -> (count, last, messages): drain() of a\n"
      "live socket (3 frames at most) whose heartbeats at the head, on seqs expected,\n"
      "expected + 1, ..., are counted (count, the last one's payload) instead of returned."},
-    {"drain_beats_many", (PyCFunction)(void (*)(void))drain_beats_many, METH_FASTCALL,
-     "drain_beats_many(entries, cap) -> list: drain_beats(socket, cap, topic, expected, rank)\n"
-     "for each entry (socket, topic, expected, rank), in order; None where that call raised."},
     {NULL, NULL, 0, NULL},
 };
 

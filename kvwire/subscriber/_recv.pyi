@@ -7,6 +7,3 @@ def drain(socket: Any, cap: int, max_frames: int) -> list[tuple[bytes, ...]]: ..
 def drain_beats(
     socket: Any, cap: int, topic: bytes, expected: int, rank: int
 ) -> tuple[int, bytes | None, list[tuple[bytes, ...]]]: ...
-def drain_beats_many(
-    entries: list[tuple[Any, bytes, int, int]], cap: int
-) -> list[tuple[int, bytes | None, list[tuple[bytes, ...]]] | None]: ...

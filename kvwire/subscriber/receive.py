@@ -33,7 +33,7 @@ import zmq
 
 from kvwire._native import libzmq_path
 
-__all__ = ["NATIVE", "drain", "drain_beats", "drain_beats_many"]
+__all__ = ["NATIVE", "drain", "drain_beats"]
 
 log = logging.getLogger("kvwire.subscriber")
 
@@ -64,19 +64,6 @@ def _drain_beats_py(
     return 0, None, _drain_py(sock, cap, 3)
 
 
-def _drain_beats_many_py(
-    entries: list[tuple[zmq.Socket[Any], bytes, int, int]], cap: int
-) -> list[Beats | None]:
-    """:func:`drain_beats_many` through pyzmq: counts nothing."""
-    out: list[Beats | None] = []
-    for sock, topic, expected, rank in entries:
-        try:
-            out.append(_drain_beats_py(sock, cap, topic, expected, rank))
-        except zmq.ZMQError:
-            out.append(None)
-    return out
-
-
 def _native() -> ModuleType | None:
     try:
         from kvwire.subscriber import _recv
@@ -98,8 +85,3 @@ drain: Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] = (
 drain_beats: Callable[[zmq.Socket[Any], int, bytes, int, int], Beats] = (
     _NATIVE.drain_beats if _NATIVE is not None else _drain_beats_py
 )
-drain_beats_many: Callable[
-    [list[tuple[zmq.Socket[Any], bytes, int, int]], int], list[Beats | None]
-] = _NATIVE.drain_beats_many if _NATIVE is not None else _drain_beats_many_py
-""":func:`drain_beats` of each ``(socket, topic, expected, rank)`` in one call, with ``cap``
-each; None for a socket whose call raised (read it alone to see why)."""

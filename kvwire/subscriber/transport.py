@@ -58,7 +58,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
-from kvwire.subscriber.receive import drain, drain_beats, drain_beats_many
+from kvwire.subscriber.receive import drain, drain_beats
 from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -776,8 +776,6 @@ class Subscriber:
                     ready[link] = True
                 elif link not in ready:
                     ready[link] = False
-        if self._sink is not None and ready:
-            ready = self._read_beats(ready)
         for link, monitor in ready.items():
             self._service(link, monitor)
         if self._flush_links:
@@ -881,91 +879,41 @@ class Subscriber:
         sub = link.sub
         assert sub is not None
         stream = link.stream
-        beat_keys = self._sink is not None
+        live = stream.live
+        clock = self._clock
+        sink = self._sink
+        worker_id, rank = link.worker_id, link.rank
         n = 0
         while n < budget:
             chunk = min(_BURST, budget - n)
-            key = stream.beat_key() if beat_keys else None
+            key = stream.beat_key() if sink is not None else None
             if key is None:
                 beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
             else:
                 beats, last, messages = drain_beats(sub, chunk, *key)
             if not beats and not messages:
                 break
-            now = self._clock()
+            now = clock()
             if last is not None:
                 stream.beats(beats, last, now)
-            n += beats + len(messages)
-            if messages and not self._take_live(link, messages, now):
-                return n  # the rank was removed by what it delivered
+                n += beats
+            for frames in messages:
+                n += 1
+                actions = live(frames, now)
+                if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
+                    try:
+                        sink.apply(worker_id, rank, actions[0].batch)
+                    except Exception as exc:
+                        self._sink_failed(link, exc)
+                elif actions:
+                    self._deliver(link, actions)
+                if link.sub is not sub:
+                    return n  # the rank was removed by what it delivered
+            if messages and self._sink_flush is not None:
+                self._flush_links[link] = None
             if beats + len(messages) < chunk:
                 break  # the socket is empty
         return n
-
-    def _read_beats(self, ready: dict[_Link, bool]) -> dict[_Link, bool]:
-        """Read the ranks whose SUB alone signalled and whose stream is in sequence.
-
-        One native call reads all their sockets, counting their heartbeats
-        (``drain_beats_many``); what else they hold goes through ``live`` as in
-        :meth:`_drain_live`. Returns the ranks left to :meth:`_service`.
-        """
-        rest: dict[_Link, bool] = {}
-        links: list[_Link] = []
-        entries: list[tuple[zmq.Socket[bytes], bytes, int, int]] = []
-        for link, monitor in ready.items():
-            sub = link.sub
-            key = None
-            if not monitor and sub is not None and link.dealer is None and not link.closed:
-                key = link.stream.beat_key()
-            if key is None:
-                rest[link] = monitor
-            else:
-                assert sub is not None
-                links.append(link)
-                entries.append((sub, *key))
-        if not entries:
-            return rest
-        results = drain_beats_many(entries, _BURST)
-        now = self._clock()
-        for link, result in zip(links, results, strict=True):
-            if result is None:
-                rest[link] = False  # its socket raised: read it again where errors are logged
-                continue
-            beats, last, messages = result
-            if last is not None:
-                link.stream.beats(beats, last, now)
-            try:
-                if messages and not self._take_live(link, messages, now):
-                    continue  # the rank was removed by what it delivered
-            except Exception:
-                self._log_limited(link, "subscriber loop error", exc_info=True)
-            if beats + len(messages) >= _BURST and not link.closed:
-                self._continue[link] = False  # more may be queued
-        return rest
-
-    def _take_live(self, link: _Link, messages: list[tuple[bytes, ...]], now: float) -> bool:
-        """Live messages into the stream, and their batches to the sink.
-
-        False when what they delivered removed the rank.
-        """
-        sub = link.sub
-        live = link.stream.live
-        sink = self._sink
-        worker_id, rank = link.worker_id, link.rank
-        for frames in messages:
-            actions = live(frames, now)
-            if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
-                try:
-                    sink.apply(worker_id, rank, actions[0].batch)
-                except Exception as exc:
-                    self._sink_failed(link, exc)
-            elif actions:
-                self._deliver(link, actions)
-            if link.sub is not sub:
-                return False
-        if self._sink_flush is not None:
-            self._flush_links[link] = None
-        return True
 
     def _drain_replay(self, link: _Link) -> None:
         applied = False
