@@ -108,6 +108,7 @@ class _Link:
         "dealer_fd",
         "dealer_token",
         "endpoints",
+        "heard",
         "keys",
         "monitor",
         "monitor_fd",
@@ -140,6 +141,7 @@ class _Link:
         self.dealer_token = 0
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer_at: float | None = None
+        self.heard = False  # live messages read since the last sweep (or since it was swept)
         self.closed = False
         self.connecting_since: float | None = None  # holds a first-contact slot
         self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
@@ -894,6 +896,7 @@ class Subscriber:
             if not beats and not messages:
                 break
             now = clock()
+            link.heard = True
             if last is not None:
                 stream.beats(beats, last, now)
                 n += beats
@@ -985,6 +988,7 @@ class Subscriber:
         if deadline <= self._sweep_at:
             return False
         link.timer_at = None  # an entry on the heap is superseded
+        link.heard = False
         self._swept[link] = None
         return True
 
@@ -996,18 +1000,26 @@ class Subscriber:
         self._sweep_handle = self._loop.call_later(self._sweep_s, self._sweep)
 
     def _sweep(self) -> None:
-        """Every swept rank's silence deadline, read: those due before the next sweep get a timer."""
+        """The swept ranks not heard from since the last sweep: those due before the next get a timer.
+
+        A rank heard from since then is not due before the next sweep: it was
+        heard at most one period ago, and its silence deadline is at least 2.5
+        heartbeat intervals (each at least a period) after that. Only ranks in
+        sequence are swept, and every way out of sequence passes through
+        :meth:`_schedule`, which takes the rank off the sweep.
+        """
         self._sweep_handle = None
         if not self._swept or not self._running:
             return
         now = self._clock()
         self._arm_sweep(now)
         horizon = self._sweep_at
-        due = [
-            link
-            for link in self._swept
-            if (at := link.stream.silence_deadline()) is None or at <= horizon
-        ]
+        due: list[_Link] = []
+        for link in self._swept:
+            if link.heard:
+                link.heard = False
+            elif (at := link.stream.silence_deadline()) is None or at <= horizon:
+                due.append(link)
         for link in due:
             del self._swept[link]
             self._schedule(link, now)
