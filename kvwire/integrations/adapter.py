@@ -1,10 +1,13 @@
 """kvwire's publisher behind an engine's own publisher interface (vLLM, SGLang).
 
 The engine hands ``publish()`` its own batch struct. The adapter reserves the
-seq and queues the batch without blocking (kvwire's :class:`EventPublisher`);
-the sender thread encodes it with msgspec exactly as the engine's own
-``ZmqEventPublisher`` does, so the bytes on the wire, live and replayed, are
-the engine's. What kvwire adds: ``publish()`` never blocks the scheduler, a
+seq and queues the batch without blocking (kvwire's :class:`EventPublisher`).
+Its fields are read in C on the engine thread (:class:`EngineFormat`, made once
+from the engine's classes) and the native sender writes msgspec's bytes for
+them without the GIL; a batch it cannot write byte for byte (bytes hashes,
+extra keys, a class it does not know...) is encoded by the engine's msgspec
+encoder on the sender thread. Either way the bytes on the wire, live and
+replayed, are the engine's. What kvwire adds: ``publish()`` never blocks the scheduler, a
 bounded replay, loopback unless asked, and its counters.
 """
 
@@ -20,9 +23,12 @@ import msgspec
 
 from kvwire.integrations.config import IntegrationConfig, bind_address
 from kvwire.publisher import EventPublisher
+from kvwire.publisher._sender import EngineFormat
 from kvwire.wire import Dialect
 
-__all__ = ["EncodedBatch", "EngineEventPublisher", "binds", "factory_for", "install"]
+__all__ = [
+    "EncodedBatch", "EngineEventPublisher", "binds", "engine_format", "factory_for", "install",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,47 @@ class EncodedBatch:
     def encode(self, dialect: Dialect) -> bytes:
         """The engine's own msgpack (the dialect is the engine's, whatever is asked)."""
         return self.encoder.encode(self.batch)
+
+
+EVENT_CLASSES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _event_layout(cls: type) -> tuple[type, str, str, tuple[tuple[str, str, bool], ...]] | None:
+    """How msgspec writes one tagged event struct as a map: ``None`` when the native
+    encoder cannot write it (array-like, untagged, a default other than ``None``)."""
+    config = cls.__struct_config__  # type: ignore[attr-defined]
+    if config.array_like or not isinstance(config.tag, str) or config.tag_field is None:
+        return None
+    names: tuple[str, ...] = cls.__struct_fields__  # type: ignore[attr-defined]
+    keys: tuple[str, ...] = cls.__struct_encode_fields__  # type: ignore[attr-defined]
+    defaults: tuple[Any, ...] = cls.__struct_defaults__  # type: ignore[attr-defined]
+    first_default = len(names) - len(defaults)
+    if config.omit_defaults and any(d is not None for d in defaults):
+        return None
+    fields = tuple(
+        (name, key, bool(config.omit_defaults) and i >= first_default)
+        for i, (name, key) in enumerate(zip(names, keys, strict=True))
+    )
+    return (cls, config.tag_field, config.tag, fields)
+
+
+def engine_format(
+    kv_events: ModuleType, rank_field: str, encode: Callable[[Any], bytes]
+) -> EngineFormat | None:
+    """The native sender's view of an engine's ``KVEventBatch`` and event classes, or
+    ``None`` when the batch is not the positional ``[ts, events, rank]`` it writes
+    (every batch then goes to msgspec). ``encode``: the engine's msgspec encoding."""
+    batch = kv_events.KVEventBatch
+    config = batch.__struct_config__
+    if not config.array_like or batch.__struct_fields__ != ("ts", "events", rank_field):
+        return None
+    layouts = [_event_layout(getattr(kv_events, name)) for name in EVENT_CLASSES]
+    return EngineFormat(
+        batch,
+        ("ts", "events", rank_field),
+        tuple(layout for layout in layouts if layout is not None),
+        encode=encode,
+    )
 
 
 def binds(endpoint: str, bind: bool | None = None) -> bool:
@@ -108,6 +155,14 @@ class EngineEventPublisher:
             **config.publisher_options(buffer_steps),
         ).start()
         self._encoder = msgspec.msgpack.Encoder()
+        self._format = engine_format(self.kv_events, self.rank_field, self._encoder.encode)
+        inner = self.publisher
+        # kvwire's native sender, unless publish() was replaced (a wrapper sees every batch)
+        self._publish_native = (
+            inner._sender.publish_engine
+            if self._format is not None and inner.publish == inner._sender.publish
+            else None
+        )
         self._closed = False
         atexit.register(self.shutdown)
         log.info(
@@ -119,7 +174,9 @@ class EngineEventPublisher:
         """Queue the engine's batch; never blocks (a full queue drops it, a visible gap)."""
         if getattr(events, self.rank_field) is None:
             setattr(events, self.rank_field, self.rank)
-        self.publisher.publish(EncodedBatch(events, self._encoder))
+        native = self._publish_native
+        if native is None or native(events, self._format) is None:
+            self.publisher.publish(EncodedBatch(events, self._encoder))
 
     def shutdown(self) -> None:
         """Send what is queued (bounded wait), then close the sockets. Idempotent."""

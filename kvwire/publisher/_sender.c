@@ -47,6 +47,7 @@
 #define _GNU_SOURCE /* pthread_timedjoin_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -69,7 +70,7 @@ typedef int64_t i64;
 #define FEED_MAX (1 << 20) /* mirror feed entries waiting; beyond, a gap the mirror sees */
 #define POLL_S 0.05       /* how long the sender polls the queue after a batch (with coalesce_s) */
 
-enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2 };
+enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2, K_ENGINE = 3 };
 enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
 
 /* --- payload buffers ---------------------------------------------------------------- */
@@ -165,6 +166,7 @@ typedef struct Item {
     int mirror_only;
     PyObject *obj;  /* the batch (strong); NULL for a heartbeat or a native collector's batch */
     CBatch *batch;  /* a collector batch's records, else NULL */
+    struct EBatch *engine; /* an engine batch's fields (obj: the batch), else NULL */
     double ts;      /* a heartbeat's */
     double enq; /* CLOCK_MONOTONIC time publish() queued it (0 for a heartbeat) */
     i64 rank;       /* a heartbeat's */
@@ -206,6 +208,7 @@ typedef struct {
     PyObject **done;
     size_t done_len, done_cap, done_batches;
     CBatch *done_batch;
+    struct EBatch *done_engine;
     /* replay ring (mu) */
     FeedEntry *ring;
     size_t ring_head, ring_len;
@@ -676,6 +679,330 @@ static Buf *encode_heartbeat(double ts, i64 rank) {
     return b;
 }
 
+/* --- engine batches: an engine's own msgspec structs (vLLM's, SGLang's) ----------------
+ *
+ * The plugins' publish(batch) hands over the engine's KVEventBatch of tagged event structs
+ * (BlockStored, BlockRemoved, AllBlocksCleared). An EngineFormat, made once from the
+ * engine's classes, says where each field lies in a struct (its slot's offset) and how
+ * msgspec writes it (key, omitted when None). publish_engine() reads the slots on the
+ * engine thread (a new reference to each value: the structs themselves are mutable) and
+ * queues them; the sender thread writes the bytes msgspec writes for the structs, for
+ * values of the kinds read_value() takes (None, exact ints, compact ASCII strs, lists of
+ * exact ints). Anything else (another class, a subclass, bytes hashes, extra keys...) is
+ * left to msgspec under the GIL, giving the same bytes. */
+
+#define EV_MAX 64 /* fields of one event class */
+
+typedef struct EvLayout {
+    PyTypeObject *cls; /* strong */
+    PyObject *tag_field, *tag; /* compact ASCII strs (strong) */
+    int nfields;
+    int wide; /* msgspec sizes the map header for every field: map16 from 16 on */
+    Py_ssize_t off[EV_MAX];
+    PyObject *key[EV_MAX]; /* compact ASCII strs (strong) */
+    unsigned char omit_none[EV_MAX];
+} EvLayout;
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *batch_cls; /* strong; NULL only before tp_new completes */
+    PyObject *encode;        /* the engine's msgspec encode (strong) */
+    Py_ssize_t batch_off[3]; /* ts, events, rank */
+    int nev;
+    EvLayout ev[4];
+} EngineFormat;
+
+static PyTypeObject EngineFormatType;
+
+/* One queued engine batch: each event's layout and its field values (strong). */
+typedef struct EEvent {
+    const EvLayout *lay;
+    PyObject **vals;
+} EEvent;
+
+typedef struct EBatch {
+    struct EBatch *next; /* on the done list */
+    EngineFormat *fmt;   /* strong: the layouts the events point into */
+    double ts;
+    PyObject *rank;      /* strong */
+    size_t n, nvals;
+    EEvent *ev;
+    PyObject **vals;     /* every field value, in event order */
+} EBatch;
+
+static void ebatch_free(EBatch *b) {
+    if (!b) return;
+    for (size_t i = 0; i < b->nvals; i++) Py_XDECREF(b->vals[i]);
+    Py_XDECREF(b->rank);
+    Py_XDECREF((PyObject *)b->fmt);
+    free(b->ev);
+    free(b->vals);
+    free(b);
+}
+
+static inline PyObject *slot(PyObject *o, Py_ssize_t off) { return *(PyObject **)((char *)o + off); }
+
+/* The engine batch's fields as read on the engine thread (new references), or NULL (no
+ * error set) when msgspec is to encode it. */
+static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
+    if (Py_TYPE(batch) != f->batch_cls) return NULL;
+    PyObject *ts = slot(batch, f->batch_off[0]), *events = slot(batch, f->batch_off[1]),
+             *rank = slot(batch, f->batch_off[2]);
+    if (!ts || !events || !rank || !PyFloat_CheckExact(ts) || !PyList_CheckExact(events))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    size_t nvals = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTypeObject *t = Py_TYPE(PyList_GET_ITEM(events, i));
+        int k = 0;
+        while (k < f->nev && f->ev[k].cls != t) k++;
+        if (k == f->nev) return NULL; /* an unknown class or a subclass */
+        nvals += (size_t)f->ev[k].nfields;
+    }
+    EBatch *b = calloc(1, sizeof(EBatch));
+    if (!b) return NULL;
+    b->ev = malloc((n ? (size_t)n : 1) * sizeof(EEvent));
+    b->vals = malloc((nvals ? nvals : 1) * sizeof(PyObject *));
+    b->fmt = (EngineFormat *)Py_NewRef((PyObject *)f);
+    b->ts = PyFloat_AS_DOUBLE(ts);
+    b->rank = Py_NewRef(rank);
+    if (!b->ev || !b->vals) {
+        ebatch_free(b);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(events, i);
+        int k = 0;
+        while (f->ev[k].cls != Py_TYPE(e)) k++;
+        const EvLayout *lay = &f->ev[k];
+        b->ev[b->n++] = (EEvent){lay, b->vals + b->nvals};
+        for (int j = 0; j < lay->nfields; j++) {
+            PyObject *v = slot(e, lay->off[j]);
+            if (!v) { /* an unset field: msgspec says what is wrong */
+                ebatch_free(b);
+                return NULL;
+            }
+            b->vals[b->nvals++] = Py_NewRef(v);
+        }
+    }
+    return b;
+}
+
+/* A field value the native encoder writes as msgspec does: its size bound, or -1. */
+static Py_ssize_t value_size(PyObject *v) {
+    const char *s;
+    Py_ssize_t n;
+    IntV iv;
+    if (v == Py_None) return 1;
+    if (PyLong_CheckExact(v)) return read_int(v, &iv) < 0 ? -1 : 9;
+    if (PyUnicode_CheckExact(v)) return read_str(v, &s, &n) < 0 ? -1 : n + 5;
+    if (PyList_CheckExact(v)) return 5 + 9 * seq_len(v); /* its ints checked as written */
+    return -1;
+}
+
+static unsigned char *put_value(unsigned char *p, PyObject *v) {
+    if (v == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    if (PyUnicode_CheckExact(v)) return put_opt_str(p, v);
+    if (PyList_CheckExact(v)) {
+        p = kvw_put_array_header(p, (size_t)seq_len(v));
+        return put_ints(p, v, 0, 0);
+    }
+    IntV iv;
+    read_int(v, &iv);
+    return put_intv(p, iv);
+}
+
+static unsigned char *put_key(unsigned char *p, PyObject *s) {
+    return kvw_put_str(p, PyUnicode_DATA(s), (size_t)PyUnicode_GET_LENGTH(s));
+}
+
+/* The engine batch's payload, msgspec's bytes, or NULL when a value is one only msgspec
+ * encodes. Reads no reference counts. */
+static Buf *encode_engine(const EBatch *b) {
+    size_t size = 48;
+    for (size_t i = 0; i < b->n; i++) {
+        const EvLayout *lay = b->ev[i].lay;
+        size += 16 + (size_t)PyUnicode_GET_LENGTH(lay->tag_field) + (size_t)PyUnicode_GET_LENGTH(lay->tag);
+        for (int j = 0; j < lay->nfields; j++) {
+            Py_ssize_t vs = value_size(b->ev[i].vals[j]);
+            if (vs < 0) return NULL;
+            size += (size_t)vs + 5 + (size_t)PyUnicode_GET_LENGTH(lay->key[j]);
+        }
+    }
+    if (b->rank != Py_None && value_size(b->rank) != 9) return NULL;
+    Buf *buf = buf_new(size + 16);
+    if (!buf) return NULL;
+    unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
+    for (size_t i = 0; i < b->n && p; i++) {
+        const EvLayout *lay = b->ev[i].lay;
+        PyObject **vals = b->ev[i].vals;
+        size_t count = 1;
+        for (int j = 0; j < lay->nfields; j++) count += !(lay->omit_none[j] && vals[j] == Py_None);
+        if (lay->wide) {
+            *p++ = 0xde;
+            p = kvw_put_be(p, (u64)count, 2);
+        } else {
+            *p++ = (unsigned char)(0x80 | count);
+        }
+        p = put_key(p, lay->tag_field);
+        p = put_key(p, lay->tag);
+        for (int j = 0; j < lay->nfields && p; j++) {
+            if (lay->omit_none[j] && vals[j] == Py_None) continue;
+            p = put_key(p, lay->key[j]);
+            p = put_value(p, vals[j]);
+        }
+    }
+    if (!p) { /* an int only msgspec encodes (or refuses) */
+        buf_unref(buf);
+        return NULL;
+    }
+    p = put_value(p, b->rank);
+    buf->len = (size_t)(p - buf->data);
+    return buf;
+}
+
+/* The slot offset of `cls.name` (a struct field), or -1 with an error set. */
+static Py_ssize_t field_offset(PyTypeObject *cls, PyObject *name) {
+    PyObject *d = _PyType_Lookup(cls, name); /* borrowed, along the MRO */
+    if (!d) {
+        PyErr_Format(PyExc_ValueError, "%R has no field %R", cls, name);
+        return -1;
+    }
+    if (!Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_ValueError, "%R.%U is not a slot", cls, name);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX || m->offset < (Py_ssize_t)sizeof(PyObject) ||
+        m->offset + (Py_ssize_t)sizeof(PyObject *) > cls->tp_basicsize) {
+        PyErr_Format(PyExc_ValueError, "%R.%U is not an object slot", cls, name);
+        return -1;
+    }
+    return m->offset;
+}
+
+static int ascii_str(PyObject *o) { return PyUnicode_CheckExact(o) && PyUnicode_IS_COMPACT_ASCII(o); }
+
+static int engine_format_traverse(EngineFormat *f, visitproc visit, void *arg) {
+    Py_VISIT((PyObject *)f->batch_cls);
+    Py_VISIT(f->encode);
+    for (int k = 0; k < f->nev; k++) {
+        Py_VISIT((PyObject *)f->ev[k].cls);
+    }
+    return 0;
+}
+
+static void engine_format_dealloc(EngineFormat *f) {
+    PyObject_GC_UnTrack(f);
+    Py_XDECREF((PyObject *)f->batch_cls);
+    Py_XDECREF(f->encode);
+    for (int k = 0; k < f->nev; k++) {
+        EvLayout *lay = &f->ev[k];
+        Py_XDECREF((PyObject *)lay->cls);
+        Py_XDECREF(lay->tag_field);
+        Py_XDECREF(lay->tag);
+        for (int j = 0; j < lay->nfields; j++) Py_XDECREF(lay->key[j]);
+    }
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+/* EngineFormat(batch_type, (ts, events, rank), events, *, encode): events is a tuple of
+ * (cls, tag_field, tag, ((attr, key, omit_none), ...)), as msgspec encodes them; encode
+ * is the engine's msgspec encoder's encode, for what the thread leaves to it. */
+static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"batch_type", "batch_fields", "events", "encode", NULL};
+    PyObject *batch_type, *bfields, *events, *encode;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!$O", names, &PyType_Type, &batch_type,
+                                     &PyTuple_Type, &bfields, &PyTuple_Type, &events, &encode))
+        return NULL;
+    if (!PyCallable_Check(encode)) {
+        PyErr_SetString(PyExc_TypeError, "encode must be callable");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(bfields) != 3 || PyTuple_GET_SIZE(events) > 4) {
+        PyErr_SetString(PyExc_ValueError, "batch_fields: (ts, events, rank); at most 4 event classes");
+        return NULL;
+    }
+    EngineFormat *f = (EngineFormat *)type->tp_alloc(type, 0);
+    if (!f) return NULL;
+    f->batch_cls = (PyTypeObject *)Py_NewRef(batch_type);
+    f->encode = Py_NewRef(encode);
+    for (int i = 0; i < 3; i++) {
+        PyObject *name = PyTuple_GET_ITEM(bfields, i);
+        if (!PyUnicode_Check(name) || (f->batch_off[i] = field_offset(f->batch_cls, name)) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "field names are strs");
+            goto fail;
+        }
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(events); k++) {
+        PyObject *cls, *tag_field, *tag, *fields;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(events, k), "O!UUO!", &PyType_Type, &cls, &tag_field,
+                              &tag, &PyTuple_Type, &fields))
+            goto fail;
+        EvLayout *lay = &f->ev[f->nev++];
+        lay->cls = (PyTypeObject *)Py_NewRef(cls);
+        lay->tag_field = Py_NewRef(tag_field);
+        lay->tag = Py_NewRef(tag);
+        if (!ascii_str(tag_field) || !ascii_str(tag) || PyTuple_GET_SIZE(fields) > EV_MAX) {
+            PyErr_SetString(PyExc_ValueError, "tags are ASCII strs; at most 64 fields");
+            goto fail;
+        }
+        lay->wide = PyTuple_GET_SIZE(fields) + 1 >= 16;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(fields); j++) {
+            PyObject *attr, *key;
+            int omit;
+            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fields, j), "UUp", &attr, &key, &omit))
+                goto fail;
+            if (!ascii_str(key)) {
+                PyErr_SetString(PyExc_ValueError, "keys are ASCII strs");
+                goto fail;
+            }
+            Py_ssize_t off = field_offset(lay->cls, attr);
+            if (off < 0) goto fail;
+            lay->off[j] = off;
+            lay->key[j] = Py_NewRef(key);
+            lay->omit_none[j] = (unsigned char)omit;
+            lay->nfields++;
+        }
+    }
+    return (PyObject *)f;
+fail:
+    Py_DECREF(f);
+    return NULL;
+}
+
+/* encode(batch) -> bytes | None: what the sender writes for an engine batch, or None
+ * when msgspec encodes it (for tests). */
+static PyObject *engine_format_encode(EngineFormat *f, PyObject *batch) {
+    EBatch *eb = ebatch_read(f, batch);
+    Buf *b = eb ? encode_engine(eb) : NULL;
+    ebatch_free(eb);
+    if (!b) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
+    buf_unref(b);
+    return out;
+}
+
+static PyMethodDef engine_format_methods[] = {
+    {"encode", (PyCFunction)engine_format_encode, METH_O,
+     "The native encoding of an engine batch, or None when msgspec encodes it."},
+    {NULL},
+};
+
+static PyTypeObject EngineFormatType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.EngineFormat",
+    .tp_basicsize = sizeof(EngineFormat),
+    .tp_dealloc = (destructor)engine_format_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Where an engine's event structs keep their fields, and how msgspec writes them.",
+    .tp_traverse = (traverseproc)engine_format_traverse,
+    .tp_new = engine_format_new,
+    .tp_methods = engine_format_methods,
+};
+
 /* --- the queue, done list, ring and feed (all under mu) ------------------------------- */
 
 static int queue_push(Sender *s, const Item *it) {
@@ -725,19 +1052,28 @@ static void done_push_batch(Sender *s, CBatch *b) {
     s->done_batches++;
 }
 
+static void done_push_engine(Sender *s, EBatch *b) {
+    if (!b) return;
+    b->next = s->done_engine;
+    s->done_engine = b;
+    s->done_batches++;
+}
+
 /* What the thread is done with, taken from the sender to be released holding the GIL. */
 typedef struct Done {
     PyObject **objs;
     size_t n;
     CBatch *batches;
+    EBatch *engines;
 } Done;
 
 /* Take the done list (under mu); release it with release_done() holding the GIL, not mu. */
 static Done take_done(Sender *s) {
-    Done d = {s->done, s->done_len, s->done_batch};
+    Done d = {s->done, s->done_len, s->done_batch, s->done_engine};
     s->done = NULL;
     s->done_len = s->done_cap = s->done_batches = 0;
     s->done_batch = NULL;
+    s->done_engine = NULL;
     return d;
 }
 
@@ -748,6 +1084,11 @@ static void release_done(Done d) {
         CBatch *next = d.batches->next;
         cbatch_free(d.batches);
         d.batches = next;
+    }
+    while (d.engines) {
+        EBatch *next = d.engines->next;
+        ebatch_free(d.engines);
+        d.engines = next;
     }
 }
 
@@ -797,6 +1138,7 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
 static void release_item(Item *it) {
     Py_XDECREF(it->obj);
     cbatch_free(it->batch);
+    ebatch_free(it->engine);
     buf_unref(it->payload);
 }
 
@@ -817,8 +1159,8 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
         it->payload = encode_heartbeat(it->ts, it->rank);
         return;
     }
-    if (it->kind == K_COLLECTED) {
-        it->payload = encode_batch(it->batch, s->dialect);
+    if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
+        it->payload = it->engine ? encode_engine(it->engine) : encode_batch(it->batch, s->dialect);
         if (it->payload) {
             (*native)++;
             return;
@@ -826,11 +1168,13 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     }
     take_gil(s, ts, have_gil);
     (*gil)++;
+    /* An engine batch msgspec encodes: the engine's encoder, as the engine would. */
+    PyObject *encode = it->engine ? it->engine->fmt->encode : s->encode;
     /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch. */
     PyObject *obj = it->obj ? Py_NewRef(it->obj)
                     : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch)
                                     : NULL;
-    PyObject *r = !obj ? NULL : s->encode ? PyObject_CallOneArg(s->encode, obj) : Py_NewRef(Py_None);
+    PyObject *r = !obj ? NULL : encode ? PyObject_CallOneArg(encode, obj) : Py_NewRef(Py_None);
     Py_XDECREF(obj);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
@@ -840,7 +1184,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
             it->payload->len = (size_t)n;
         }
     } else if (!r) {
-        PyErr_WriteUnraisable(s->encode); /* the callable reports its own errors: a bug */
+        PyErr_WriteUnraisable(encode); /* the sender's callable reports its own errors */
     }
     Py_XDECREF(r);
 }
@@ -904,8 +1248,10 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         it->payload = NULL;
         done_push(s, it->obj);
         done_push_batch(s, it->batch);
+        done_push_engine(s, it->engine);
         it->obj = NULL;
         it->batch = NULL;
+        it->engine = NULL;
     }
     s->published += sent;
     s->dropped_send_error += failed;
@@ -1193,6 +1539,20 @@ static PyObject *sender_publish(Sender *s, PyObject *batch) {
     return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
+/* publish_engine(batch, format) -> bool | None: publish() for an engine's batch struct,
+ * its fields read here and encoded by the thread; None (nothing queued, no seq taken)
+ * when the batch is not one `format` describes, for the caller to publish otherwise. */
+static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !Py_IS_TYPE(args[1], &EngineFormatType)) {
+        PyErr_SetString(PyExc_TypeError, "publish_engine(batch, format: EngineFormat)");
+        return NULL;
+    }
+    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0]);
+    if (!eb) Py_RETURN_NONE;
+    Item it = {.kind = K_ENGINE, .obj = Py_NewRef(args[0]), .engine = eb};
+    return PyBool_FromLong(sender_enqueue(s, &it));
+}
+
 static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "start(socket_address, libzmq_path)");
@@ -1459,6 +1819,8 @@ static PyGetSetDef sender_getset[] = {
 
 static PyMethodDef sender_methods[] = {
     {"publish", (PyCFunction)sender_publish, METH_O, "Reserve a seq and queue a batch; never blocks."},
+    {"publish_engine", (PyCFunction)(void (*)(void))sender_publish_engine, METH_FASTCALL,
+     "publish_engine(batch, format) -> bool | None: queue an engine's batch struct."},
     {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
      "start(socket_address, libzmq_path): start the thread, sole user of the PUB socket."},
     {"close", (PyCFunction)sender_close, METH_O,
@@ -1854,7 +2216,7 @@ static struct PyModuleDef sendermodule = {
 
 PyMODINIT_FUNC PyInit__sender(void) {
     if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
-        PyType_Ready(&CollectorType) < 0)
+        PyType_Ready(&CollectorType) < 0 || PyType_Ready(&EngineFormatType) < 0)
         return NULL;
     for (int i = 0; i < 3; i++)
         if (!(TAGS[i] = PyLong_FromLong(i))) return NULL;
@@ -1874,7 +2236,8 @@ PyMODINIT_FUNC PyInit__sender(void) {
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0 ||
-        PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0) {
+        PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0 ||
+        PyModule_AddObjectRef(m, "EngineFormat", (PyObject *)&EngineFormatType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
