@@ -1,0 +1,199 @@
+"""The plugins' native path: the engines' own structs, read in C and written by kvwire's sender.
+
+Whatever the batch, the bytes are those of the engine's own msgspec encoder: the
+native encoder's where it takes the batch, msgspec's (under the GIL) where not.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvwire.integrations.adapter import EngineEventPublisher, engine_format, factory_for
+from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.sglang import SglangEventPublisher
+from kvwire.integrations.vllm import VllmEventPublisher
+
+from .streams import receive, subscribe
+
+Engine = types.SimpleNamespace
+ENCODER = msgspec.msgpack.Encoder()
+RANK_FIELD = {"vllm": "data_parallel_rank", "sglang": "attn_dp_rank"}
+
+U64 = st.integers(-(2**63), 2**64 - 1)
+ANY_INT = st.one_of(U64, st.integers(-(2**70), 2**70))  # beyond 64 bits msgspec refuses
+PLAIN_STR = st.one_of(st.none(), st.sampled_from(["GPU", "CPU", "CPU_PINNED"]), st.text("abcxyz_-", max_size=300))
+ANY_STR = st.one_of(PLAIN_STR, st.text(max_size=8))  # non-ASCII: msgspec's
+
+
+def _values(plain: bool) -> dict[str, st.SearchStrategy[Any]]:
+    """A strategy per field name of the engines' event structs; others get a str or None."""
+    ints = U64 if plain else ANY_INT
+    hash_ = ints if plain else st.one_of(ints, st.binary(max_size=8))
+    opt_int = st.one_of(st.none(), ints)
+    lists = {
+        "block_hashes": st.lists(hash_, max_size=20),
+        "token_ids": st.lists(ints, max_size=40),
+    }
+    scalars = {
+        "parent_block_hash": st.one_of(st.none(), hash_),
+        "block_size": ints if plain else st.one_of(ints, st.none()),
+        "lora_id": opt_int,
+        "group_idx": opt_int,
+        "kv_cache_spec_sliding_window": opt_int,
+    }
+    if plain:
+        extra: dict[str, st.SearchStrategy[Any]] = {"extra_keys": st.none(), "lookahead_token_ids": st.none()}
+    else:
+        extra = {
+            "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.tuples(st.text(max_size=3))))),
+            "lookahead_token_ids": st.one_of(st.none(), st.lists(st.lists(ints, max_size=3), max_size=3)),
+        }
+    return {**lists, **scalars, **extra}
+
+
+def _event(kv: Any, plain: bool) -> st.SearchStrategy[Any]:
+    values = _values(plain)
+    text = PLAIN_STR if plain else ANY_STR
+
+    def of(cls: type) -> st.SearchStrategy[Any]:
+        fields: tuple[str, ...] = cls.__struct_fields__  # type: ignore[attr-defined]
+        return st.builds(cls, **{f: values.get(f, text) for f in fields})
+
+    return st.one_of(of(kv.BlockStored), of(kv.BlockRemoved), st.just(kv.AllBlocksCleared()))
+
+
+def _batch(kv: Any, rank_field: str, plain: bool) -> st.SearchStrategy[Any]:
+    rank = st.one_of(st.none(), U64) if plain else st.one_of(st.none(), ANY_INT)
+    return st.builds(
+        lambda ts, events, r: kv.KVEventBatch(ts=ts, events=events, **{rank_field: r}),
+        st.floats(),
+        st.lists(_event(kv, plain), max_size=6),
+        rank,
+    )
+
+
+def _engine(request: pytest.FixtureRequest, name: str) -> Engine:
+    engine: Engine = request.getfixturevalue(f"{name}_session")
+    return engine
+
+
+def msgspec_bytes(batch: Any) -> bytes | None:
+    try:
+        return ENCODER.encode(batch)
+    except (OverflowError, TypeError):
+        return None
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang"])
+def test_native_bytes_are_msgspecs_for_any_batch(request: pytest.FixtureRequest, name: str) -> None:
+    """Any batch (bytes hashes, extra keys, non-ASCII strs, ints past 64 bits...): the native
+    encoder writes msgspec's bytes or leaves the batch to msgspec."""
+    kv = _engine(request, name).kv_events
+    fmt = engine_format(kv, RANK_FIELD[name], ENCODER.encode)
+    assert fmt is not None
+    native_taken = 0
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_batch(kv, RANK_FIELD[name], plain=False))
+    def check(batch: Any) -> None:
+        nonlocal native_taken
+        ours, theirs = fmt.encode(batch), msgspec_bytes(batch)
+        if ours is not None:
+            native_taken += 1
+            assert ours == theirs
+
+    check()
+    assert native_taken > 0
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang"])
+def test_native_encoder_takes_every_plain_batch(request: pytest.FixtureRequest, name: str) -> None:
+    """Int hashes, ASCII strs, no extra keys: always written natively, msgspec's bytes."""
+    kv = _engine(request, name).kv_events
+    fmt = engine_format(kv, RANK_FIELD[name], ENCODER.encode)
+    assert fmt is not None
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_batch(kv, RANK_FIELD[name], plain=True))
+    def check(batch: Any) -> None:
+        assert fmt.encode(batch) == ENCODER.encode(batch)
+
+    check()
+
+
+def test_subclasses_and_unknown_classes_go_to_msgspec(vllm_session: Engine) -> None:
+    kv = vllm_session.kv_events
+    fmt = engine_format(kv, "data_parallel_rank", ENCODER.encode)
+    assert fmt is not None
+
+    class Removed(kv.BlockRemoved):  # type: ignore[misc,name-defined]
+        pass
+
+    removed = kv.BlockRemoved(block_hashes=[1], medium="GPU")
+    assert fmt.encode(kv.KVEventBatch(ts=1.0, events=[removed], data_parallel_rank=0)) is not None
+    for events in ([Removed(block_hashes=[1], medium="GPU")], [removed, object()]):
+        assert fmt.encode(kv.KVEventBatch(ts=1.0, events=events, data_parallel_rank=0)) is None
+    assert fmt.encode((1.0, [removed], 0)) is None
+
+
+def _plain_batch(kv: Any, i: int) -> Any:
+    stored = kv.BlockStored(
+        block_hashes=[i * 4 + 1, -(i * 4 + 2)], parent_block_hash=None, token_ids=list(range(32)),
+        block_size=16, lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
+    return kv.KVEventBatch(ts=time.time(), events=[stored, kv.BlockRemoved(block_hashes=[i], medium="GPU")])
+
+
+def _publisher(kv: Any, cls: type[EngineEventPublisher], endpoint: str) -> Any:
+    return factory_for(kv, cls)(endpoint=endpoint, config=IntegrationConfig())
+
+
+@pytest.mark.parametrize(("name", "cls"), [("vllm", VllmEventPublisher), ("sglang", SglangEventPublisher)])
+def test_plain_batches_never_take_the_gil_on_the_sender(
+    request: pytest.FixtureRequest, name: str, cls: type[EngineEventPublisher], ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    """N plain batches through the plugin: sent natively, the sender thread never takes the
+    GIL; a batch with a bytes hash is msgspec's, under the GIL. The wire carries the engine's bytes."""
+    kv = _engine(request, name).kv_events
+    endpoint = f"ipc://{ipc_dir}/native"
+    pub = _publisher(kv, cls, endpoint)
+    sub = subscribe(zctx, endpoint)
+    try:
+        sender = pub.publisher._sender
+        deadline = time.monotonic() + 20
+        while not sub.poll(0):  # pings until the subscription is through
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            pub.publish(_plain_batch(kv, 0))
+            sub.poll(20)
+        while sub.poll(200):
+            sub.recv_multipart()
+        first = int(sender.stats()["last_seq"]) + 1
+        before = sender.stats()
+        n = 200
+        batches = [_plain_batch(kv, i) for i in range(n)]
+        for batch in batches:
+            pub.publish(batch)
+        got = receive(sub, n, first)
+        after = sender.stats()
+        assert after["native_encoded"] - before["native_encoded"] == n
+        assert after["gil_encoded"] == before["gil_encoded"]
+        assert after["sender_gil_takes"] == before["sender_gil_takes"]
+        assert [m[2] for m in got] == [ENCODER.encode(b) for b in batches]
+
+        odd = _plain_batch(kv, n)
+        odd.events[0].block_hashes = [b"\x01" * 8]
+        pub.publish(odd)
+        (msg,) = receive(sub, 1, first + n)
+        assert msg[2] == ENCODER.encode(odd)
+        assert sender.stats()["gil_encoded"] == before["gil_encoded"] + 1
+    finally:
+        sub.close()
+        pub.shutdown()
