@@ -14,6 +14,7 @@ bounded replay, loopback unless asked, and its counters.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -70,11 +71,12 @@ def _event_layout(cls: type) -> tuple[type, str, str, tuple[tuple[str, str, bool
 
 
 def engine_format(
-    kv_events: ModuleType, rank_field: str, encode: Callable[[Any], bytes]
+    kv_events: ModuleType, rank_field: str, encoder: msgspec.msgpack.Encoder
 ) -> EngineFormat | None:
     """The native sender's view of an engine's ``KVEventBatch`` and event classes, or
     ``None`` when the batch is not the positional ``[ts, events, rank]`` it writes
-    (every batch then goes to msgspec). ``encode``: the engine's msgspec encoding."""
+    (every batch then goes to msgspec). ``encoder``: the engine's msgspec encoder, for
+    the batches the sender leaves to Python (as :class:`EncodedBatch`)."""
     batch = kv_events.KVEventBatch
     config = batch.__struct_config__
     if not config.array_like or batch.__struct_fields__ != ("ts", "events", rank_field):
@@ -84,7 +86,7 @@ def engine_format(
         batch,
         ("ts", "events", rank_field),
         tuple(layout for layout in layouts if layout is not None),
-        encode=encode,
+        wrap=functools.partial(EncodedBatch, encoder=encoder),
     )
 
 
@@ -155,12 +157,12 @@ class EngineEventPublisher:
             **config.publisher_options(buffer_steps),
         ).start()
         self._encoder = msgspec.msgpack.Encoder()
-        self._format = engine_format(self.kv_events, self.rank_field, self._encoder.encode)
+        fmt = engine_format(self.kv_events, self.rank_field, self._encoder)
         inner = self.publisher
         # kvwire's native sender, unless publish() was replaced (a wrapper sees every batch)
-        self._publish_native = (
-            inner._sender.publish_engine
-            if self._format is not None and inner.publish == inner._sender.publish
+        self._native: tuple[Callable[[Any, EngineFormat], bool | None], EngineFormat] | None = (
+            (inner._sender.publish_engine, fmt)
+            if fmt is not None and inner.publish == inner._sender.publish
             else None
         )
         self._closed = False
@@ -174,8 +176,8 @@ class EngineEventPublisher:
         """Queue the engine's batch; never blocks (a full queue drops it, a visible gap)."""
         if getattr(events, self.rank_field) is None:
             setattr(events, self.rank_field, self.rank)
-        native = self._publish_native
-        if native is None or native(events, self._format) is None:
+        native = self._native
+        if native is None or native[0](events, native[1]) is None:
             self.publisher.publish(EncodedBatch(events, self._encoder))
 
     def shutdown(self) -> None:

@@ -689,7 +689,8 @@ static Buf *encode_heartbeat(double ts, i64 rank) {
  * queues them; the sender thread writes the bytes msgspec writes for the structs, for
  * values of the kinds read_value() takes (None, exact ints, compact ASCII strs, lists of
  * exact ints). Anything else (another class, a subclass, bytes hashes, extra keys...) is
- * left to msgspec under the GIL, giving the same bytes. */
+ * left to msgspec under the GIL (the format's `wrap`, then the sender's `encode`), giving
+ * the same bytes. */
 
 #define EV_MAX 64 /* fields of one event class */
 
@@ -706,7 +707,7 @@ typedef struct EvLayout {
 typedef struct {
     PyObject_HEAD
     PyTypeObject *batch_cls; /* strong; NULL only before tp_new completes */
-    PyObject *encode;        /* the engine's msgspec encode (strong) */
+    PyObject *wrap;          /* wrap(batch): what the publisher's encode takes (strong) */
     Py_ssize_t batch_off[3]; /* ts, events, rank */
     int nev;
     EvLayout ev[4];
@@ -888,7 +889,7 @@ static int ascii_str(PyObject *o) { return PyUnicode_CheckExact(o) && PyUnicode_
 
 static int engine_format_traverse(EngineFormat *f, visitproc visit, void *arg) {
     Py_VISIT((PyObject *)f->batch_cls);
-    Py_VISIT(f->encode);
+    Py_VISIT(f->wrap);
     for (int k = 0; k < f->nev; k++) {
         Py_VISIT((PyObject *)f->ev[k].cls);
     }
@@ -898,7 +899,7 @@ static int engine_format_traverse(EngineFormat *f, visitproc visit, void *arg) {
 static void engine_format_dealloc(EngineFormat *f) {
     PyObject_GC_UnTrack(f);
     Py_XDECREF((PyObject *)f->batch_cls);
-    Py_XDECREF(f->encode);
+    Py_XDECREF(f->wrap);
     for (int k = 0; k < f->nev; k++) {
         EvLayout *lay = &f->ev[k];
         Py_XDECREF((PyObject *)lay->cls);
@@ -909,17 +910,18 @@ static void engine_format_dealloc(EngineFormat *f) {
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
-/* EngineFormat(batch_type, (ts, events, rank), events, *, encode): events is a tuple of
- * (cls, tag_field, tag, ((attr, key, omit_none), ...)), as msgspec encodes them; encode
- * is the engine's msgspec encoder's encode, for what the thread leaves to it. */
+/* EngineFormat(batch_type, (ts, events, rank), events, *, wrap): events is a tuple of
+ * (cls, tag_field, tag, ((attr, key, omit_none), ...)), as msgspec encodes them; wrap(batch)
+ * makes what the sender's Python `encode` takes, for the batches the thread leaves to it
+ * (msgspec's encoding, errors reported as for any batch). */
 static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"batch_type", "batch_fields", "events", "encode", NULL};
-    PyObject *batch_type, *bfields, *events, *encode;
+    static char *names[] = {"batch_type", "batch_fields", "events", "wrap", NULL};
+    PyObject *batch_type, *bfields, *events, *wrap;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!$O", names, &PyType_Type, &batch_type,
-                                     &PyTuple_Type, &bfields, &PyTuple_Type, &events, &encode))
+                                     &PyTuple_Type, &bfields, &PyTuple_Type, &events, &wrap))
         return NULL;
-    if (!PyCallable_Check(encode)) {
-        PyErr_SetString(PyExc_TypeError, "encode must be callable");
+    if (!PyCallable_Check(wrap)) {
+        PyErr_SetString(PyExc_TypeError, "wrap must be callable");
         return NULL;
     }
     if (PyTuple_GET_SIZE(bfields) != 3 || PyTuple_GET_SIZE(events) > 4) {
@@ -929,7 +931,7 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
     EngineFormat *f = (EngineFormat *)type->tp_alloc(type, 0);
     if (!f) return NULL;
     f->batch_cls = (PyTypeObject *)Py_NewRef(batch_type);
-    f->encode = Py_NewRef(encode);
+    f->wrap = Py_NewRef(wrap);
     for (int i = 0; i < 3; i++) {
         PyObject *name = PyTuple_GET_ITEM(bfields, i);
         if (!PyUnicode_Check(name) || (f->batch_off[i] = field_offset(f->batch_cls, name)) < 0) {
@@ -1168,13 +1170,13 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     }
     take_gil(s, ts, have_gil);
     (*gil)++;
-    /* An engine batch msgspec encodes: the engine's encoder, as the engine would. */
-    PyObject *encode = it->engine ? it->engine->fmt->encode : s->encode;
-    /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch. */
-    PyObject *obj = it->obj ? Py_NewRef(it->obj)
+    /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch;
+     * an engine's batch goes to Python wrapped as its format says (msgspec's encoding). */
+    PyObject *obj = it->engine   ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
+                    : it->obj    ? Py_NewRef(it->obj)
                     : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch)
                                     : NULL;
-    PyObject *r = !obj ? NULL : encode ? PyObject_CallOneArg(encode, obj) : Py_NewRef(Py_None);
+    PyObject *r = !obj ? NULL : s->encode ? PyObject_CallOneArg(s->encode, obj) : Py_NewRef(Py_None);
     Py_XDECREF(obj);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
@@ -1184,7 +1186,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
             it->payload->len = (size_t)n;
         }
     } else if (!r) {
-        PyErr_WriteUnraisable(encode); /* the sender's callable reports its own errors */
+        PyErr_WriteUnraisable(s->encode); /* the callable reports its own errors: a bug */
     }
     Py_XDECREF(r);
 }

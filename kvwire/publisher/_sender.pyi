@@ -94,8 +94,8 @@ class Collector:
 class EngineFormat:
     """Where an engine's batch and tagged event structs keep their fields (slot offsets),
     and how msgspec writes them: ``events`` holds ``(cls, tag_field, tag, ((attr, key,
-    omit_none), ...))`` per class; ``encode`` is the engine's msgspec encoding, for the
-    batches the sender leaves to it."""
+    omit_none), ...))`` per class; ``wrap(batch)`` makes what the sender's ``encode``
+    takes (the engine's msgspec encoding), for the batches the thread leaves to Python."""
 
     def __new__(
         cls,
@@ -103,6 +103,6 @@ class EngineFormat:
         batch_fields: tuple[str, str, str],
         events: tuple[tuple[type, str, str, tuple[tuple[str, str, bool], ...]], ...],
         *,
-        encode: Callable[[Any], bytes],
+        wrap: Callable[[Any], Any],
     ) -> EngineFormat: ...
     def encode(self, batch: object, /) -> bytes | None: ...

@@ -20,6 +20,7 @@ from kvwire.integrations.adapter import EngineEventPublisher, engine_format, fac
 from kvwire.integrations.config import IntegrationConfig
 from kvwire.integrations.sglang import SglangEventPublisher
 from kvwire.integrations.vllm import VllmEventPublisher
+from kvwire.wire import unpack_seq
 
 from .streams import receive, subscribe
 
@@ -97,7 +98,7 @@ def test_native_bytes_are_msgspecs_for_any_batch(request: pytest.FixtureRequest,
     """Any batch (bytes hashes, extra keys, non-ASCII strs, ints past 64 bits...): the native
     encoder writes msgspec's bytes or leaves the batch to msgspec."""
     kv = _engine(request, name).kv_events
-    fmt = engine_format(kv, RANK_FIELD[name], ENCODER.encode)
+    fmt = engine_format(kv, RANK_FIELD[name], ENCODER)
     assert fmt is not None
     native_taken = 0
 
@@ -118,7 +119,7 @@ def test_native_bytes_are_msgspecs_for_any_batch(request: pytest.FixtureRequest,
 def test_native_encoder_takes_every_plain_batch(request: pytest.FixtureRequest, name: str) -> None:
     """Int hashes, ASCII strs, no extra keys: always written natively, msgspec's bytes."""
     kv = _engine(request, name).kv_events
-    fmt = engine_format(kv, RANK_FIELD[name], ENCODER.encode)
+    fmt = engine_format(kv, RANK_FIELD[name], ENCODER)
     assert fmt is not None
 
     @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -131,7 +132,7 @@ def test_native_encoder_takes_every_plain_batch(request: pytest.FixtureRequest, 
 
 def test_subclasses_and_unknown_classes_go_to_msgspec(vllm_session: Engine) -> None:
     kv = vllm_session.kv_events
-    fmt = engine_format(kv, "data_parallel_rank", ENCODER.encode)
+    fmt = engine_format(kv, "data_parallel_rank", ENCODER)
     assert fmt is not None
 
     class Removed(kv.BlockRemoved):  # type: ignore[misc,name-defined]
@@ -194,6 +195,14 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
         (msg,) = receive(sub, 1, first + n)
         assert msg[2] == ENCODER.encode(odd)
         assert sender.stats()["gil_encoded"] == before["gil_encoded"] + 1
+
+        bad = _plain_batch(kv, n + 1)
+        bad.events[1].block_hashes = [2**70]  # msgspec refuses it: a counted gap, noted
+        pub.publish(bad)
+        pub.publish(_plain_batch(kv, n + 2))
+        (msg,) = receive(sub, 1, first + n + 1)
+        assert unpack_seq(msg[1]) == first + n + 2
+        assert sender.stats()["dropped_encode_error"] == before["dropped_encode_error"] + 1
     finally:
         sub.close()
         pub.shutdown()
