@@ -833,8 +833,9 @@ static Buf *encode_engine(const EBatch *b) {
             size += (size_t)vs + 5 + (size_t)PyUnicode_GET_LENGTH(lay->key[j]);
         }
     }
-    if (b->rank != Py_None && value_size(b->rank) != 9) return NULL;
-    Buf *buf = buf_new(size + 16);
+    Py_ssize_t rank_size = value_size(b->rank);
+    if (rank_size < 0) return NULL;
+    Buf *buf = buf_new(size + (size_t)rank_size + 16);
     if (!buf) return NULL;
     unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
     for (size_t i = 0; i < b->n && p; i++) {
