@@ -727,8 +727,8 @@ typedef struct EBatch {
     double ts;
     PyObject *rank;      /* strong */
     size_t n, nvals;
-    EEvent *ev;
-    PyObject **vals;     /* every field value, in event order */
+    EEvent *ev;          /* n events, then */
+    PyObject **vals;     /* every field value, in event order (one allocation with the batch) */
 } EBatch;
 
 static void ebatch_free(EBatch *b) {
@@ -736,8 +736,6 @@ static void ebatch_free(EBatch *b) {
     for (size_t i = 0; i < b->nvals; i++) Py_XDECREF(b->vals[i]);
     Py_XDECREF(b->rank);
     Py_XDECREF((PyObject *)b->fmt);
-    free(b->ev);
-    free(b->vals);
     free(b);
 }
 
@@ -760,17 +758,12 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
         if (k == f->nev) return NULL; /* an unknown class or a subclass */
         nvals += (size_t)f->ev[k].nfields;
     }
-    EBatch *b = calloc(1, sizeof(EBatch));
+    EBatch *b = malloc(sizeof(EBatch) + (size_t)n * sizeof(EEvent) + nvals * sizeof(PyObject *));
     if (!b) return NULL;
-    b->ev = malloc((n ? (size_t)n : 1) * sizeof(EEvent));
-    b->vals = malloc((nvals ? nvals : 1) * sizeof(PyObject *));
-    b->fmt = (EngineFormat *)Py_NewRef((PyObject *)f);
-    b->ts = PyFloat_AS_DOUBLE(ts);
-    b->rank = Py_NewRef(rank);
-    if (!b->ev || !b->vals) {
-        ebatch_free(b);
-        return NULL;
-    }
+    *b = (EBatch){.fmt = (EngineFormat *)Py_NewRef((PyObject *)f), .ts = PyFloat_AS_DOUBLE(ts),
+                  .rank = Py_NewRef(rank)};
+    b->ev = (EEvent *)(b + 1);
+    b->vals = (PyObject **)(b->ev + n);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(events, i);
         int k = 0;
