@@ -30,7 +30,9 @@ RANK_FIELD = {"vllm": "data_parallel_rank", "sglang": "attn_dp_rank"}
 
 U64 = st.integers(-(2**63), 2**64 - 1)
 ANY_INT = st.one_of(U64, st.integers(-(2**70), 2**70))  # beyond 64 bits msgspec refuses
-PLAIN_STR = st.one_of(st.none(), st.sampled_from(["GPU", "CPU", "CPU_PINNED"]), st.text("abcxyz_-", max_size=300))
+PLAIN_STR = st.one_of(
+    st.none(), st.sampled_from(["GPU", "CPU", "CPU_PINNED"]), st.text("abcxyz_-", max_size=300)
+)
 ANY_STR = st.one_of(PLAIN_STR, st.text(max_size=8))  # non-ASCII: msgspec's
 
 
@@ -51,11 +53,18 @@ def _values(plain: bool) -> dict[str, st.SearchStrategy[Any]]:
         "kv_cache_spec_sliding_window": opt_int,
     }
     if plain:
-        extra: dict[str, st.SearchStrategy[Any]] = {"extra_keys": st.none(), "lookahead_token_ids": st.none()}
+        extra: dict[str, st.SearchStrategy[Any]] = {
+            "extra_keys": st.none(),
+            "lookahead_token_ids": st.none(),
+        }
     else:
         extra = {
-            "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.tuples(st.text(max_size=3))))),
-            "lookahead_token_ids": st.one_of(st.none(), st.lists(st.lists(ints, max_size=3), max_size=3)),
+            "extra_keys": st.one_of(
+                st.none(), st.lists(st.one_of(st.none(), st.tuples(st.text(max_size=3))))
+            ),
+            "lookahead_token_ids": st.one_of(
+                st.none(), st.lists(st.lists(ints, max_size=3), max_size=3)
+            ),
         }
     return {**lists, **scalars, **extra}
 
@@ -150,7 +159,9 @@ def _plain_batch(kv: Any, i: int) -> Any:
         block_hashes=[i * 4 + 1, -(i * 4 + 2)], parent_block_hash=None, token_ids=list(range(32)),
         block_size=16, lora_id=None, medium="GPU", lora_name=None,
     )  # fmt: skip
-    return kv.KVEventBatch(ts=time.time(), events=[stored, kv.BlockRemoved(block_hashes=[i], medium="GPU")])
+    return kv.KVEventBatch(
+        ts=time.time(), events=[stored, kv.BlockRemoved(block_hashes=[i], medium="GPU")]
+    )
 
 
 def stats_reach(sender: Any, key: str, value: int, timeout: float = 20.0) -> dict[str, int]:
@@ -167,9 +178,15 @@ def _publisher(kv: Any, cls: type[EngineEventPublisher], endpoint: str) -> Any:
     return factory_for(kv, cls)(endpoint=endpoint, config=IntegrationConfig())
 
 
-@pytest.mark.parametrize(("name", "cls"), [("vllm", VllmEventPublisher), ("sglang", SglangEventPublisher)])
+@pytest.mark.parametrize(
+    ("name", "cls"), [("vllm", VllmEventPublisher), ("sglang", SglangEventPublisher)]
+)
 def test_plain_batches_never_take_the_gil_on_the_sender(
-    request: pytest.FixtureRequest, name: str, cls: type[EngineEventPublisher], ipc_dir: str, zctx: zmq.Context[Any]
+    request: pytest.FixtureRequest,
+    name: str,
+    cls: type[EngineEventPublisher],
+    ipc_dir: str,
+    zctx: zmq.Context[Any],
 ) -> None:
     """N plain batches through the plugin: sent natively, the sender thread never takes the
     GIL; a batch with a bytes hash is msgspec's, under the GIL. The wire carries the engine's bytes."""
