@@ -508,6 +508,7 @@ typedef struct {
     size_t rs;    /* record size in bytes */
     int shift;
     int homed;    /* the record's second 8 bytes are its home hash (below) */
+    size_t floor; /* 0, or the capacity the table starts at and never shrinks under */
 } Table;
 
 /* A growing index allocates a table twice the size at every doubling, and
@@ -667,11 +668,12 @@ static size_t cap_for(size_t n) {
     return cap;
 }
 
-/* Room for `more` records without a rehash. */
+/* Room for `more` records without a rehash, and at least the floor. */
 static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
     size_t need = t->count + (size_t)more;
-    if (need * 10 <= t->cap * 7) return 0;
-    size_t cap = t->cap ? t->cap : MIN_CAP;
+    if (need * 10 <= t->cap * 7 && t->cap >= t->floor) return 0;
+    size_t cap = t->cap > t->floor ? t->cap : t->floor;
+    if (cap < MIN_CAP) cap = MIN_CAP;
     while (need * 10 > cap * 7) cap *= 2;
     return t_rehash(t, cap, occ);
 }
@@ -679,9 +681,7 @@ static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
 /* The record of (k, hh), inserted zeroed but for them (*added = 1) when
  * absent: one probe. */
 static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
-    if ((t->count + 1) * 10 > t->cap * 7) {
-        if (t_rehash(t, t->cap ? t->cap * 2 : MIN_CAP, occ) < 0) return NULL;
-    }
+    if ((t->count + 1) * 10 > t->cap * 7 && t_reserve(t, 1, occ) < 0) return NULL;
     size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
@@ -722,10 +722,12 @@ static int t_delete(Table *t, char *r, Occupied occ) {
     }
     memset(t->a + i * t->rs, 0, t->rs);
     t->count--;
+    if (t->cap <= t->floor) return 0; /* presized: kept at its size, even empty */
     if (t->count == 0) return t_rehash(t, 0, occ);
     if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
         /* Shrinking only saves memory; on failure keep the bigger table. */
-        if (t_rehash(t, cap_for(t->count * 2), occ) < 0) PyErr_Clear();
+        size_t cap = cap_for(t->count * 2);
+        if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
     }
     return 0;
 }
@@ -791,6 +793,7 @@ typedef struct {
     Rank *ranks;
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
+    size_t expected;    /* blocks a rank is expected to hold (tables presized); 0: none */
     Scratch tok, keys, hashes;
     /* apply_payload's first pass: hashes, block sums, events */
     Scratch ph, ps;
@@ -817,14 +820,19 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"max_entries", NULL};
-    Py_ssize_t max_entries = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n", kwlist, &max_entries)) return -1;
+    static char *kwlist[] = {"max_entries", "expected_blocks_per_rank", NULL};
+    Py_ssize_t max_entries = 0, expected = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n$n", kwlist, &max_entries, &expected)) return -1;
     if (max_entries < 0) {
         PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
         return -1;
     }
+    if (expected < 0 || expected > ((Py_ssize_t)1 << 32)) {
+        PyErr_SetString(PyExc_ValueError, "expected_blocks_per_rank must be in [0, 2**32] (0: no hint)");
+        return -1;
+    }
     self->max_entries = (size_t)max_entries;
+    self->expected = (size_t)expected;
     return 0;
 }
 
@@ -977,10 +985,14 @@ static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
         memset(r + self->nranks, 0, (need - self->nranks) * sizeof(Rank));
         for (size_t i = self->nranks; i < need; i++) {
             r[i].entries.rs = sizeof(Entry);
+            r[i].entries.floor = self->expected ? cap_for(self->expected) : 0;
             r[i].multi.rs = sizeof(Multi);
         }
         self->ranks = r;
         self->nranks = need;
+        /* A key is a node once however many ranks hold it: at most one per
+         * expected block of every rank. Allocated at the next store. */
+        if (self->expected) self->nodes.floor = cap_for(self->expected * need);
     }
     size_t words = (need + 63) >> 6;
     if (words > self->words && relayout(self, words, self->tiers) < 0) return NULL;
@@ -2116,6 +2128,10 @@ static PyObject *Index_get_max_entries(Index *self, void *c) {
     return PyLong_FromSize_t(self->max_entries);
 }
 
+static PyObject *Index_get_expected(Index *self, void *c) {
+    return PyLong_FromSize_t(self->expected);
+}
+
 static PyObject *Index_get_nodes(Index *self, void *c) {
     return PyLong_FromSize_t(self->nodes.count);
 }
@@ -2148,6 +2164,7 @@ static PyMethodDef Index_methods[] = {
 static PyGetSetDef Index_getset[] = {
     {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
     {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
+    {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
     {NULL},
 };
