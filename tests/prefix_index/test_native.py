@@ -188,6 +188,8 @@ def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
     assert idx2.stats().memory_bytes == 2 * 8192 * 40 + 16384 * 24
     with pytest.raises(ValueError, match="expected_blocks_per_rank"):
         PrefixIndex(BS, expected_blocks_per_rank=-1)
+    with pytest.raises(ValueError, match="expected_blocks_per_rank"):
+        PrefixIndex(BS, max_blocks_per_rank=None, expected_blocks_per_rank=(1 << 24) + 1)
     # Never above the per-rank bound.
     assert PrefixIndex(BS, max_blocks_per_rank=100, expected_blocks_per_rank=10**9)._core.expected_blocks_per_rank == 100
 
