@@ -862,7 +862,7 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
         return -1;
     }
-    /* Memory is taken for it up front (about 100 B a block a rank): a hint is
+    /* Memory is taken for it up front (100-140 B a block a rank): a hint is
      * an engine's cache size, not a bound to be generous with. */
     if (expected < 0 || expected > ((Py_ssize_t)1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "expected_blocks_per_rank must be in [0, 2**24] (0: no hint)");
