@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 INC="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 SAVE="$(mktemp -d)"
-trap 'for m in wire/_pack prefix_index/_core publisher/_sender subscriber/_recv; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
-for m in wire/_pack prefix_index/_core publisher/_sender subscriber/_recv; do
+trap 'for m in wire/_pack prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
+for m in wire/_pack prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do
     cp "kvwire/$m$SUFFIX" "$SAVE/"
     gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined \
         -fPIC -shared -I"$INC" "kvwire/$m.c" -o "kvwire/$m$SUFFIX"
@@ -22,5 +22,6 @@ ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYT
     "$PY" -m pytest -q -p no:cacheprovider tests/publisher/test_packed_ints.py \
     tests/publisher/test_collector.py tests/publisher/test_native_sender.py \
     tests/publisher/test_publisher.py tests/publisher/test_epoch_heartbeat.py \
-    tests/publisher/test_snapshot.py tests/wire tests/prefix_index tests/subscriber/test_receive.py \
+    tests/publisher/test_snapshot.py tests/publisher/test_native_mirror.py tests/wire tests/prefix_index \
+    tests/subscriber/test_receive.py tests/subscriber/test_transport_heartbeats.py \
     "tests/fuzz/test_fuzz_short.py::test_subscriber_and_replay_socket_survive_junk_and_legit_rank_ends_exact"

@@ -879,13 +879,17 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         PyEval_SaveThread();
         have_gil = 0;
     }
+    for (int i = 0; i < n; i++) bad += !items[i].mirror_only && !items[i].payload;
+    if (bad) {
+        /* Counted before anything after them is sent: whoever receives the next batch
+         * already sees the drop in stats(). */
+        pthread_mutex_lock(&s->mu);
+        s->dropped_encode_error += bad;
+        pthread_mutex_unlock(&s->mu);
+    }
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
-        if (it->mirror_only) continue;
-        if (!it->payload) {
-            bad++;
-            continue;
-        }
+        if (it->mirror_only || !it->payload) continue;
         if (send_item(s, it) < 0) failed++;
         else sent++;
         if (it->kind == K_HEARTBEAT) beats++;
@@ -905,7 +909,6 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     }
     s->published += sent;
     s->dropped_send_error += failed;
-    s->dropped_encode_error += bad;
     s->heartbeats += beats;
     s->native_encoded += native;
     s->gil_encoded += gil;

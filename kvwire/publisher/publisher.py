@@ -32,8 +32,6 @@ from kvwire.security import ServerKeys, release_context, secure_server, warn_if_
 from kvwire.wire import (
     Dialect,
     KVEventBatch,
-    WireError,
-    decode_batch,
     encode_batch,
     epoch_topic,
     format_epoch,
@@ -347,7 +345,7 @@ class EventPublisher:
             heartbeats=c["heartbeats"],
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
-            mirrored_blocks=mirror.approx_blocks if mirror else 0,
+            mirrored_blocks=mirror.count_blocks() if mirror else 0,
             native_encoded=c["native_encoded"],
             gil_encoded=c["gil_encoded"],
             sender_gil_takes=c["sender_gil_takes"],
@@ -570,16 +568,7 @@ class EventPublisher:
         self._mirror_in_hand = 1  # never 0 while taking: stats() may read in between
         feed = self._sender.take_feed()
         self._mirror_in_hand = len(feed)
-        for seq, payload in feed:
-            if payload is None:
-                mirror.skip(seq, "it could not be encoded")
-                continue
-            try:
-                events = decode_batch(memoryview(payload)).events
-            except WireError as exc:  # pragma: no cover - encode and decode disagree
-                mirror.skip(seq, f"its payload did not decode: {exc}")
-                continue
-            mirror.apply_events(seq, events)
+        mirror.apply_feed(feed)
         self._mirror_in_hand = 0
         return bool(feed)
 

@@ -13,12 +13,24 @@
  * `max_frames` frames is read to its end and returned as an empty tuple, so
  * that the caller counts it and nothing of it is kept.
  *
+ * drain_beats() is drain() for a live SUB socket whose stream is in sequence:
+ * the heartbeats at its head (kvwire.wire.heartbeat: [topic, next seq, an
+ * empty batch of this rank], exactly as encode_batch gives it) are counted
+ * and dropped instead of returned, so that an idle fleet costs no Python
+ * objects per heartbeat. It stops counting at the first other message; that
+ * one and all after it are returned as drain() would, for the stream to judge.
+ *
  * Called with the GIL held, from the one thread that uses the socket.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdint.h>
+#include <string.h>
+
 #include "../_native/libzmq.h"
+
+#define MAX_FRAMES 64
 
 static void *socket_handle(PyObject *sock) {
     PyObject *addr = PyObject_GetAttrString(sock, "underlying");
@@ -39,11 +51,6 @@ static void zmq_error(int err) {
     }
 }
 
-static void release(PyObject **frames, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_DECREF(frames[i]);
-}
-
 static PyObject *load(PyObject *self, PyObject *arg) {
     const char *path = PyUnicode_AsUTF8(arg);
     if (path == NULL)
@@ -56,91 +63,215 @@ static PyObject *load(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "drain(socket, cap, max_frames)");
-        return NULL;
+/* The heartbeats drain_beats() drops: what they must match, and what was dropped. */
+typedef struct {
+    int on;             /* still at the head of the socket (nothing returned yet) */
+    const char *topic;  /* the stream's topic frame */
+    size_t topic_len;
+    uint64_t expected;  /* the seq the next heartbeat must carry */
+    long long rank;     /* the envelope's rank must be nil or this; < 0: any */
+    Py_ssize_t count;
+    unsigned char last[32]; /* the last dropped payload (the stream's anchor) */
+    size_t last_len;
+} Beats;
+
+static uint64_t read_be(const unsigned char *p, size_t n) {
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* Whether [topic, seq, payload] is the next heartbeat: an envelope
+ * [float64 ts, [], rank] (0x93 0xcb <8> 0x90 <rank>), with rank nil or a
+ * non-negative int, and nothing after it. Anything else is the stream's to judge. */
+static int is_beat(kvw_zmq_msg *parts, Py_ssize_t n, const Beats *b) {
+    if (n != 3 || kvw_zmq.msg_size(&parts[0]) != b->topic_len ||
+        kvw_zmq.msg_size(&parts[1]) != 8)
+        return 0;
+    if (b->topic_len && memcmp(kvw_zmq.msg_data(&parts[0]), b->topic, b->topic_len) != 0)
+        return 0;
+    if (read_be((const unsigned char *)kvw_zmq.msg_data(&parts[1]), 8) != b->expected)
+        return 0;
+    const unsigned char *p = (const unsigned char *)kvw_zmq.msg_data(&parts[2]);
+    size_t len = kvw_zmq.msg_size(&parts[2]);
+    if (len < 12 || p[0] != 0x93 || p[1] != 0xcb || p[10] != 0x90)
+        return 0;
+    const unsigned char *r = p + 11;
+    size_t rest = len - 11;
+    uint64_t rank;
+    if (*r == 0xc0)
+        return rest == 1;
+    if (*r <= 0x7f) {
+        if (rest != 1)
+            return 0;
+        rank = *r;
+    } else {
+        size_t body = *r == 0xcc ? 1 : *r == 0xcd ? 2 : *r == 0xce ? 4 : *r == 0xcf ? 8 : 0;
+        if (body == 0 || rest != 1 + body)
+            return 0;
+        rank = read_be(r + 1, body);
     }
-    if (!kvw_zmq_loaded) {
-        PyErr_SetString(PyExc_RuntimeError, "libzmq not loaded: call load(path) first");
-        return NULL;
-    }
-    Py_ssize_t cap = PyLong_AsSsize_t(args[1]);
-    if (cap == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
-    if (max_frames == -1 && PyErr_Occurred())
-        return NULL;
-    if (cap < 0 || max_frames < 1 || max_frames > 64) {
-        PyErr_SetString(PyExc_ValueError, "cap must be >= 0, max_frames in 1..64");
-        return NULL;
-    }
-    void *handle = socket_handle(args[0]);
-    if (handle == NULL)
-        return NULL;
+    return b->rank < 0 || rank == (uint64_t)b->rank;
+}
+
+/* Up to `cap` messages; with `beats`, the heartbeats at the head are counted, not returned. */
+static PyObject *read_messages(void *handle, Py_ssize_t cap, Py_ssize_t max_frames, Beats *beats) {
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    PyObject *frames[64];
-    kvw_zmq_msg msg;
-    kvw_zmq.msg_init(&msg);
-    while (PyList_GET_SIZE(out) < cap) {
+    /* One part per frame kept, and one more that takes the rest of a message too long. */
+    kvw_zmq_msg parts[MAX_FRAMES + 1];
+    for (Py_ssize_t i = 0; i <= max_frames; i++)
+        kvw_zmq.msg_init(&parts[i]);
+    Py_ssize_t read = 0;
+    while (read < cap) {
         Py_ssize_t n = 0;
         int too_many = 0; /* more than max_frames: read to its end, keep nothing */
-        int first = 1;
         for (;;) {
-            if (kvw_zmq.msg_recv(&msg, handle, KVW_ZMQ_DONTWAIT) < 0) {
+            kvw_zmq_msg *part = &parts[too_many ? max_frames : n];
+            if (kvw_zmq.msg_recv(part, handle, KVW_ZMQ_DONTWAIT) < 0) {
                 int err = kvw_zmq.errno_();
                 if (err == KVW_EINTR)
                     continue;
-                if (first && err == KVW_EAGAIN)
+                if (n == 0 && !too_many && err == KVW_EAGAIN)
                     goto done; /* nothing more ready */
                 /* A message is delivered whole or not at all, so an error after its
                  * first part is the socket or the context going away. */
-                release(frames, n);
                 zmq_error(err);
                 goto fail;
             }
-            first = 0;
-            if (n < max_frames && !too_many) {
-                PyObject *frame = PyBytes_FromStringAndSize((const char *)kvw_zmq.msg_data(&msg),
-                                                            (Py_ssize_t)kvw_zmq.msg_size(&msg));
-                if (frame == NULL) {
-                    release(frames, n);
-                    /* Its other parts would read as the next message: drop them. */
-                    while (kvw_zmq.msg_more(&msg) &&
-                           kvw_zmq.msg_recv(&msg, handle, KVW_ZMQ_DONTWAIT) >= 0) {
-                    }
-                    goto fail;
-                }
-                frames[n++] = frame;
-            } else if (!too_many) {
-                release(frames, n);
-                n = 0;
+            int more = kvw_zmq.msg_more(part);
+            if (!too_many && ++n == max_frames && more)
                 too_many = 1;
-            }
-            if (!kvw_zmq.msg_more(&msg))
+            if (!more)
                 break;
         }
-        PyObject *message = PyTuple_New(n);
-        if (message == NULL) {
-            release(frames, n);
-            goto fail;
+        read++;
+        if (beats != NULL && beats->on) {
+            if (!too_many && is_beat(parts, n, beats)) {
+                size_t len = kvw_zmq.msg_size(&parts[2]);
+                if (len <= sizeof beats->last) { /* always: an envelope is at most 21 bytes */
+                    memcpy(beats->last, kvw_zmq.msg_data(&parts[2]), len);
+                    beats->last_len = len;
+                    beats->count++;
+                    beats->expected++;
+                    continue;
+                }
+            }
+            beats->on = 0; /* the stream judges this one and all after it */
         }
-        for (Py_ssize_t i = 0; i < n; i++)
-            PyTuple_SET_ITEM(message, i, frames[i]); /* steals the reference */
+        PyObject *message = PyTuple_New(too_many ? 0 : n);
+        if (message == NULL)
+            goto fail;
+        for (Py_ssize_t i = 0; !too_many && i < n; i++) {
+            PyObject *frame = PyBytes_FromStringAndSize((const char *)kvw_zmq.msg_data(&parts[i]),
+                                                        (Py_ssize_t)kvw_zmq.msg_size(&parts[i]));
+            if (frame == NULL) {
+                Py_DECREF(message);
+                goto fail;
+            }
+            PyTuple_SET_ITEM(message, i, frame); /* steals the reference */
+        }
         int rc = PyList_Append(out, message);
         Py_DECREF(message);
         if (rc < 0)
             goto fail;
     }
 done:
-    kvw_zmq.msg_close(&msg);
+    for (Py_ssize_t i = 0; i <= max_frames; i++)
+        kvw_zmq.msg_close(&parts[i]);
     return out;
 fail:
-    kvw_zmq.msg_close(&msg);
+    for (Py_ssize_t i = 0; i <= max_frames; i++)
+        kvw_zmq.msg_close(&parts[i]);
     Py_DECREF(out);
     return NULL;
+}
+
+static int check_loaded(void) {
+    if (!kvw_zmq_loaded) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq not loaded: call load(path) first");
+        return -1;
+    }
+    return 0;
+}
+
+static int read_cap(PyObject *arg, Py_ssize_t *cap) {
+    *cap = PyLong_AsSsize_t(arg);
+    if (*cap == -1 && PyErr_Occurred())
+        return -1;
+    if (*cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "cap must be >= 0");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "drain(socket, cap, max_frames)");
+        return NULL;
+    }
+    if (check_loaded() < 0)
+        return NULL;
+    Py_ssize_t cap;
+    if (read_cap(args[1], &cap) < 0)
+        return NULL;
+    Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
+    if (max_frames == -1 && PyErr_Occurred())
+        return NULL;
+    if (max_frames < 1 || max_frames > MAX_FRAMES) {
+        PyErr_SetString(PyExc_ValueError, "max_frames must be in 1..64");
+        return NULL;
+    }
+    void *handle = socket_handle(args[0]);
+    if (handle == NULL)
+        return NULL;
+    return read_messages(handle, cap, max_frames, NULL);
+}
+
+static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "drain_beats(socket, cap, topic, expected, rank)");
+        return NULL;
+    }
+    if (check_loaded() < 0)
+        return NULL;
+    Py_ssize_t cap;
+    if (read_cap(args[1], &cap) < 0)
+        return NULL;
+    if (!PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "topic must be bytes");
+        return NULL;
+    }
+    Beats beats = {.on = 1, .count = 0, .last_len = 0};
+    beats.topic = PyBytes_AS_STRING(args[2]);
+    beats.topic_len = (size_t)PyBytes_GET_SIZE(args[2]);
+    if (!PyLong_Check(args[3]) || !PyLong_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "expected and rank must be ints");
+        return NULL;
+    }
+    beats.expected = PyLong_AsUnsignedLongLong(args[3]);
+    if (beats.expected == (uint64_t)-1 && PyErr_Occurred()) {
+        /* Past any seq frame (or negative): no heartbeat can be next. */
+        PyErr_Clear();
+        beats.on = 0;
+    }
+    beats.rank = PyLong_AsLongLong(args[4]);
+    if (beats.rank == -1 && PyErr_Occurred())
+        return NULL;
+    void *handle = socket_handle(args[0]);
+    if (handle == NULL)
+        return NULL;
+    /* args[2] is borrowed from the caller's frame and outlives this call. */
+    PyObject *messages = read_messages(handle, cap, 3, &beats);
+    if (messages == NULL)
+        return NULL;
+    if (beats.count == 0)
+        return Py_BuildValue("(nON)", (Py_ssize_t)0, Py_None, messages);
+    return Py_BuildValue("(ny#N)", beats.count, (const char *)beats.last,
+                         (Py_ssize_t)beats.last_len, messages);
 }
 
 static PyMethodDef methods[] = {
@@ -149,6 +280,10 @@ static PyMethodDef methods[] = {
     {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
      "drain(socket, cap, max_frames) -> list of tuples of bytes: the messages ready on the\n"
      "socket, at most cap; one of more than max_frames frames is read and returned as ()."},
+    {"drain_beats", (PyCFunction)(void (*)(void))drain_beats, METH_FASTCALL,
+     "drain_beats(socket, cap, topic, expected, rank) -> (count, last, messages): drain() of a\n"
+     "live socket (3 frames at most) whose heartbeats at the head, on seqs expected,\n"
+     "expected + 1, ..., are counted (count, the last one's payload) instead of returned."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,19 +12,28 @@ The native drain (``_recv.c``) calls libzmq directly, one C call for all the
 messages instead of pyzmq's call per frame and an exception at the end; it
 needs the shared libzmq pyzmq loaded (:func:`kvwire._native.libzmq_path`).
 Where that cannot be found, the same contract is kept in Python.
+
+:func:`drain_beats` is :func:`drain` for a live SUB socket whose stream is in
+sequence (:meth:`RankStream.beat_key`): the heartbeats at the head of the
+socket (the next seqs, each an empty batch of the rank, exactly as kvwire's
+publishers send them) are counted rather than returned, and the stream takes
+them in one call (:meth:`RankStream.beats`). The first other message stops
+the counting; it and the rest are returned for the stream to judge. The
+pyzmq fallback counts none: every heartbeat then takes the general path.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeAlias
 
 import zmq
 
 from kvwire._native import libzmq_path
 
-__all__ = ["NATIVE", "drain"]
+__all__ = ["NATIVE", "drain", "drain_beats"]
 
 log = logging.getLogger("kvwire.subscriber")
 
@@ -44,7 +53,18 @@ def _drain_py(sock: zmq.Socket[Any], cap: int, max_frames: int) -> list[tuple[by
     return out
 
 
-def _native() -> Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] | None:
+Beats: TypeAlias = tuple[int, bytes | None, list[tuple[bytes, ...]]]
+"""What :func:`drain_beats` returns: (heartbeats counted, the last one's payload, the rest)."""
+
+
+def _drain_beats_py(
+    sock: zmq.Socket[Any], cap: int, topic: bytes, expected: int, rank: int
+) -> Beats:
+    """:func:`drain_beats` through pyzmq: counts nothing, returns every message."""
+    return 0, None, _drain_py(sock, cap, 3)
+
+
+def _native() -> ModuleType | None:
     try:
         from kvwire.subscriber import _recv
 
@@ -52,13 +72,16 @@ def _native() -> Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] 
     except (ImportError, RuntimeError) as exc:
         log.info("native receive drain unavailable (%s): reading through pyzmq", exc)
         return None
-    return _recv.drain
+    return _recv
 
 
 _NATIVE = _native()
 NATIVE = _NATIVE is not None
-"""Whether :func:`drain` is the native one."""
+"""Whether :func:`drain` and :func:`drain_beats` are the native ones."""
 
 drain: Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] = (
-    _NATIVE if _NATIVE is not None else _drain_py
+    _NATIVE.drain if _NATIVE is not None else _drain_py
+)
+drain_beats: Callable[[zmq.Socket[Any], int, bytes, int, int], Beats] = (
+    _NATIVE.drain_beats if _NATIVE is not None else _drain_beats_py
 )

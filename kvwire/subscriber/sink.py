@@ -15,7 +15,9 @@ class EventSink(Protocol):
 
     ``apply`` receives each rank's batches in publisher order, exactly once,
     and must honour an ``AllBlocksCleared`` at its place among the batch's
-    events. ``clear`` drops everything the sink holds for the rank (publisher
+    events (an empty batch, a heartbeat, changes nothing and may not be passed
+    on: a rank's heartbeats in sequence are taken without calling the sink).
+    ``clear`` drops everything the sink holds for the rank (publisher
     restart, unrecoverable loss, source removed). Both run on the subscriber's
     event-loop thread; an exception is counted and logged, and the rank is
     then cleared and marked PARTIAL since the sink's view of it is suspect.

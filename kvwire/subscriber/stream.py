@@ -412,15 +412,26 @@ class RankStream:
             counters=msgspec.structs.replace(self.counters),
         )
 
+    def silence_deadline(self) -> float | None:
+        """:meth:`next_deadline` while that is only a heartbeating publisher's silence.
+
+        In sequence with nothing asked, the only deadlines are the silence ones,
+        which every live message moves: a transport following many ranks may
+        check them now and then (well before they fall due) rather than keep a
+        timer per rank. None in any other case.
+        """
+        hb = self._epoch_info.heartbeat_s
+        if not self._fast or self._active is not None or hb is None:
+            return None
+        if self._reconnected_after == self._last_live_at:
+            return self._last_live_at + _STALE_HEARTBEATS * hb
+        return self._last_live_at + _RECONNECT_HEARTBEATS * hb
+
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
-        hb = self._epoch_info.heartbeat_s
-        if self._fast and self._active is None and hb is not None:
-            # In sequence and nothing asked (FOLLOWING): only the silence deadlines,
-            # which every live message moves (the timers of a large fleet ask often).
-            if self._reconnected_after == self._last_live_at:
-                return self._last_live_at + _STALE_HEARTBEATS * hb
-            return self._last_live_at + _RECONNECT_HEARTBEATS * hb
+        due = self.silence_deadline()
+        if due is not None:
+            return due
         due = self._active.deadline if self._active is not None else None
         for t in (
             self._retry_at if self._phase is Phase.BACKOFF else None,
@@ -470,6 +481,39 @@ class RankStream:
         except Exception as exc:
             self._internal_error(exc)
         return self._finish()
+
+    def beat_key(self) -> tuple[bytes, int, int] | None:
+        """What the next heartbeats must carry to be taken by :meth:`beats`, or None.
+
+        ``(topic, expected seq, rank or -1 for any)``: while the stream is in
+        sequence with nothing pending, a heartbeat (an empty batch of this rank
+        on the next seq and topic) changes nothing but the position, so a
+        reader may count a run of them instead of passing each to :meth:`live`
+        (:func:`kvwire.subscriber.receive.drain_beats`).
+        """
+        topic, rank = self._topic, self.rank
+        if not self._fast or topic is None or (rank is not None and rank < 0):
+            return None
+        return topic, self._expected, -1 if rank is None else rank
+
+    def beats(self, count: int, payload: bytes, now: float) -> None:
+        """``count`` heartbeats matching :meth:`beat_key` arrived, the last one ``payload``.
+
+        The same state as ``count`` :meth:`live` calls with them, whose only
+        actions would be Apply of empty batches: none are returned (a sink has
+        nothing to do with an empty batch).
+        """
+        if count < 1 or not self._fast:
+            raise ValueError("beats() takes the heartbeats beat_key() allowed, just read")
+        seq = self._expected + count - 1
+        self._last_live_at = now
+        self.counters.batches += count
+        if self._window:
+            self._window.clear()
+        self._clean = False
+        self._last_live = self._anchor_seq = seq
+        self._anchor_payload = payload
+        self._expected = self._horizon = seq + 1
 
     def replay_reply(self, frames: Sequence[Frame], token: int, now: float) -> list[Action]:
         """A message read from the replay socket, with the token of its request."""

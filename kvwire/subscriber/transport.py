@@ -8,8 +8,13 @@ socket's ZeroMQ file descriptor is registered with the asyncio loop's
 selector (epoll), so a wake-up costs in proportion to the ranks that have
 something to read, not to the ranks followed; a ready socket is read to the
 end in one native call (:mod:`kvwire.subscriber.receive`), and a monitor only
-when its descriptor signalled. One timer heap holds every rank's next deadline
-(replay timeouts, retries, idle probes) behind a single loop timer.
+when its descriptor signalled; the heartbeats at the head of a SUB in sequence
+are only counted there (:func:`~kvwire.subscriber.receive.drain_beats`). One
+timer heap holds every rank's next deadline (replay timeouts, retries, idle
+probes) behind a single loop timer, except the deadline of a rank in sequence
+that only waits for its publisher's next heartbeat: live messages keep moving
+it, so a sweep once a heartbeat interval reads those, and only a rank gone
+silent gets a timer.
 
 A rank is always serviced in the same order: connection events first
 (draining the SUB before a disconnect, so the old connection's batches come
@@ -53,7 +58,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
-from kvwire.subscriber.receive import drain
+from kvwire.subscriber.receive import drain, drain_beats
 from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -103,6 +108,7 @@ class _Link:
         "dealer_fd",
         "dealer_token",
         "endpoints",
+        "heard",
         "keys",
         "monitor",
         "monitor_fd",
@@ -135,6 +141,7 @@ class _Link:
         self.dealer_token = 0
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer_at: float | None = None
+        self.heard = False  # live messages read since the last sweep (or since it was swept)
         self.closed = False
         self.connecting_since: float | None = None  # holds a first-contact slot
         self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
@@ -241,6 +248,10 @@ class Subscriber:
         self._timer_seq = itertools.count()
         self._timer_handle: asyncio.TimerHandle | None = None
         self._timer_due: float | None = None
+        self._swept: dict[_Link, None] = {}  # ranks whose only deadline is a silence: swept
+        self._sweep_s = _MAX_TIMER_S
+        self._sweep_at = 0.0
+        self._sweep_handle: asyncio.TimerHandle | None = None
         self._replays_open = 0
         self._replay_cap = max_replays  # lowered while the process is out of files
         self._replay_waiting: deque[_Link] = deque()
@@ -425,9 +436,10 @@ class Subscriber:
                 workers = list(self._links)
             for worker_id in workers:
                 self._close_source(worker_id, False)
-            if self._timer_handle is not None:
-                self._timer_handle.cancel()
-                self._timer_handle = None
+            for handle in (self._timer_handle, self._sweep_handle):
+                if handle is not None:
+                    handle.cancel()
+            self._timer_handle = self._sweep_handle = None
             self._disarm()
             self._epoll.close()
             if self._given_ctx is None:
@@ -688,6 +700,7 @@ class Subscriber:
 
     def _close_sockets(self, link: _Link) -> None:
         link.closed = True
+        self._swept.pop(link, None)
         link.queued = None
         self._contacted(link)
         self._close_dealer(link)
@@ -812,8 +825,6 @@ class Subscriber:
         if burst >= _BURST and not link.closed:
             # More may be queued, and the socket will not signal it again.
             self._continue[link] = False
-        elif burst and self._sink_flush is not None:
-            self._flush_links[link] = None
 
     def _on_monitor(self, link: _Link) -> None:
         monitor = link.monitor
@@ -861,19 +872,34 @@ class Subscriber:
         sub.connect(link.endpoints.endpoint)
 
     def _drain_live(self, link: _Link, budget: int) -> int:
+        """Read up to ``budget`` live messages into the stream; how many were read.
+
+        With a sink, the heartbeats in sequence at the head of the socket are
+        counted by the native drain and taken by the stream in one call (they
+        change nothing a sink holds); everything else goes through ``live``.
+        """
         sub = link.sub
         assert sub is not None
-        live = link.stream.live
+        stream = link.stream
+        live = stream.live
         clock = self._clock
         sink = self._sink
         worker_id, rank = link.worker_id, link.rank
         n = 0
         while n < budget:
             chunk = min(_BURST, budget - n)
-            messages = drain(sub, chunk, _LIVE_FRAMES)
-            if not messages:
+            key = stream.beat_key() if sink is not None else None
+            if key is None:
+                beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
+            else:
+                beats, last, messages = drain_beats(sub, chunk, *key)
+            if not beats and not messages:
                 break
             now = clock()
+            link.heard = True
+            if last is not None:
+                stream.beats(beats, last, now)
+                n += beats
             for frames in messages:
                 n += 1
                 actions = live(frames, now)
@@ -886,7 +912,9 @@ class Subscriber:
                     self._deliver(link, actions)
                 if link.sub is not sub:
                     return n  # the rank was removed by what it delivered
-            if len(messages) < chunk:
+            if messages and self._sink_flush is not None:
+                self._flush_links[link] = None
+            if beats + len(messages) < chunk:
                 break  # the socket is empty
         return n
 
@@ -911,12 +939,23 @@ class Subscriber:
     # --- time ---------------------------------------------------------------------------
 
     def _schedule(self, link: _Link, now: float | None = None) -> None:
-        """Put the rank's next deadline on the heap (re-read at least every few seconds)."""
+        """Put the rank's next deadline on the heap (re-read at least every few seconds),
+        or leave it to the sweeps when it is only a silence that live messages keep moving."""
         if link.closed:
             return
         if now is None:
             now = self._clock()
-        deadline = link.stream.next_deadline()
+        stream = link.stream
+        quiet = stream.silence_deadline()
+        if (
+            quiet is not None
+            and link.reconnect_at is None
+            and link.connecting_since is None
+            and self._sweep_later(link, quiet, now)
+        ):
+            return
+        self._swept.pop(link, None)
+        deadline = stream.next_deadline()
         cap = now + _MAX_TIMER_S
         at = cap if deadline is None or deadline > cap else deadline
         if link.reconnect_at is not None and link.reconnect_at < at:
@@ -927,6 +966,63 @@ class Subscriber:
         heapq.heappush(self._timers, (at, next(self._timer_seq), link))
         if self._timer_due is None or at < self._timer_due:
             self._arm_timer(at, now)
+
+    def _sweep_later(self, link: _Link, deadline: float, now: float) -> bool:
+        """Leave the rank's silence deadline to the sweeps, unless it falls before the next one.
+
+        Sweeps run every heartbeat interval (the shortest among the swept ranks,
+        at most ``_MAX_TIMER_S``): a rank heard from meanwhile is checked there
+        and costs no timer; one whose silence falls due before the following
+        sweep is put back on the heap, at its exact deadline.
+        """
+        epoch = link.stream.epoch
+        assert epoch is not None and epoch.heartbeat_s is not None
+        period = min(epoch.heartbeat_s, _MAX_TIMER_S)
+        if self._sweep_handle is None:
+            self._sweep_s = period
+            self._arm_sweep(now)
+        elif period < self._sweep_s:
+            self._sweep_s = period
+            if self._sweep_at > now + period:
+                self._arm_sweep(now)
+        if deadline <= self._sweep_at:
+            return False
+        link.timer_at = None  # an entry on the heap is superseded
+        link.heard = False
+        self._swept[link] = None
+        return True
+
+    def _arm_sweep(self, now: float) -> None:
+        assert self._loop is not None
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+        self._sweep_at = now + self._sweep_s
+        self._sweep_handle = self._loop.call_later(self._sweep_s, self._sweep)
+
+    def _sweep(self) -> None:
+        """The swept ranks not heard from since the last sweep: those due before the next get a timer.
+
+        A rank heard from since then is not due before the next sweep: it was
+        heard at most one period ago, and its silence deadline is at least 2.5
+        heartbeat intervals (each at least a period) after that. Only ranks in
+        sequence are swept, and every way out of sequence passes through
+        :meth:`_schedule`, which takes the rank off the sweep.
+        """
+        self._sweep_handle = None
+        if not self._swept or not self._running:
+            return
+        now = self._clock()
+        self._arm_sweep(now)
+        horizon = self._sweep_at
+        due: list[_Link] = []
+        for link in self._swept:
+            if link.heard:
+                link.heard = False
+            elif (at := link.stream.silence_deadline()) is None or at <= horizon:
+                due.append(link)
+        for link in due:
+            del self._swept[link]
+            self._schedule(link, now)
 
     def _arm_timer(self, at: float, now: float) -> None:
         assert self._loop is not None

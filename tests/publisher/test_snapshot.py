@@ -11,7 +11,6 @@ import zmq
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventCollector, EventPublisher
-from kvwire.publisher import mirror as mirror_module
 from kvwire.publisher.mirror import Mirror
 from kvwire.wire import (
     AllBlocksCleared,
@@ -137,13 +136,6 @@ def drain(cursor: Any) -> list[bytes]:
     while (chunk := cursor.next_chunk()) is not None:
         out.append(chunk)
     return out
-
-
-@pytest.fixture(autouse=True, params=[1, 7, 4096], ids=lambda n: f"merge{n}")
-def merge_every(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Recent entries move into the compact table after this many changes."""
-    monkeypatch.setattr(mirror_module, "_MERGE_EVERY", request.param)
-    return int(request.param)
 
 
 @pytest.mark.parametrize("seed", range(6))
