@@ -21,6 +21,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "../_native/msgpack_read.h"
+
 typedef uint64_t u64;
 typedef uint32_t u32;
 typedef int32_t i32;
@@ -89,12 +91,6 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     return -1;
 }
 
-static inline u64 be(const unsigned char *p, int n) {
-    u64 v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
-
 /* A token id as u64 (two's complement); 0, or -1 with TypeError or
  * ValueError set. Runs no Python code (PyLong_Check'ed conversions only),
  * so a caller reading a list's items cannot see the list change. Small
@@ -131,39 +127,6 @@ static inline int token_of(PyObject *o, u64 *out) {
     return 0;
 }
 
-/* A msgpack integer of any form at p[0..len): the bytes it takes (0: not an
- * integer, -1: truncated); *v two's complement, *neg for a negative one. */
-static inline int mp_int(const unsigned char *p, Py_ssize_t len, u64 *v, int *neg) {
-    unsigned char c = p[0];
-    *neg = 0;
-    if (c <= 0x7f) { *v = c; return 1; }
-    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; return 1; }
-    int w;
-    switch (c) {
-        case 0xcc: w = 1; break;
-        case 0xcd: w = 2; break;
-        case 0xce: w = 4; break;
-        case 0xcf: w = 8; break;
-        case 0xd0: w = -1; break;
-        case 0xd1: w = -2; break;
-        case 0xd2: w = -4; break;
-        case 0xd3: w = -8; break;
-        default: return 0;
-    }
-    int bytes = w < 0 ? -w : w;
-    if (len - 1 < bytes) return -1;
-    u64 x = be(p + 1, bytes);
-    if (w < 0) {
-        if (bytes < 8) {
-            int shift = 64 - 8 * bytes;
-            x = (u64)(((int64_t)(x << shift)) >> shift);
-        }
-        *neg = (int64_t)x < 0;
-    }
-    *v = x;
-    return 1 + bytes;
-}
-
 /* A msgpack array of integers at the start of p[0..len) (what engines put
  * in token_ids); *used: the bytes it takes. */
 static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
@@ -173,8 +136,8 @@ static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, 
     Py_ssize_t n, i = 1;
     unsigned char h = p[0];
     if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
-    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 2); i = 3; }
-    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 4); i = 5; }
+    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
+    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
     else return refuse(VE, "token_ids is not an array");
     if (n > len - i) return refuse(VE, "array longer than its bytes");
     u64 *t = scratch_get(s, n);
@@ -190,7 +153,7 @@ static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, 
             i += 3;
             continue;
         }
-        int neg, used = mp_int(p + i, len - i, &t[k], &neg);
+        int neg, used = kvw_get_int(p + i, len - i, &t[k], &neg);
         if (used <= 0) return refuse(VE, used ? "truncated integer" : "a token id is not an integer");
         i += used;
     }
@@ -1718,96 +1681,8 @@ done:
  * Anything outside that subset, well formed or not, changes nothing and is
  * answered None: the caller decodes it the general way, which applies it or
  * raises WireError exactly as before. So the subset read here only has to be
- * a part of what decode_batch accepts, read the way it reads it. */
-
-typedef struct {
-    const unsigned char *p;
-    Py_ssize_t n, i;
-} Rd;
-
-#define FALL 1 /* outside the subset: decode the general way */
-
-/* An integer of any msgpack form; *neg: a negative signed one. */
-static int rd_int(Rd *r, u64 *v, int *neg) {
-    if (r->i >= r->n) return FALL;
-    int used = mp_int(r->p + r->i, r->n - r->i, v, neg);
-    if (used <= 0) return FALL;
-    r->i += used;
-    return 0;
-}
-
-static inline int rd_nil(Rd *r) {
-    if (r->i < r->n && r->p[r->i] == 0xc0) {
-        r->i++;
-        return 1;
-    }
-    return 0;
-}
-
-/* An array (fix 0x90) or map (fix 0x80) header; its length is checked
- * against the bytes left (every item takes at least one). */
-static int rd_head(Rd *r, Py_ssize_t *n, unsigned char fix, unsigned char b16, unsigned char b32,
-                   Py_ssize_t per_item) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1;
-    if (c >= fix && c <= fix + 15) { *n = c & 15; r->i += 1; }
-    else if (c == b16) { if (rem < 2) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; }
-    else if (c == b32) { if (rem < 4) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; }
-    else return FALL;
-    return *n > (r->n - r->i) / per_item ? FALL : 0;
-}
-
-static inline int is_array_head(unsigned char c) { return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd; }
-static inline int is_map_head(unsigned char c) { return (c >= 0x80 && c <= 0x8f) || c == 0xde || c == 0xdf; }
-
-/* An ASCII string (valid UTF-8 for every decoder). */
-static int rd_str(Rd *r, const char **s, Py_ssize_t *len) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1, n, h;
-    if (c >= 0xa0 && c <= 0xbf) { n = c & 31; h = 1; }
-    else if (c == 0xd9) { if (rem < 1) return FALL; n = r->p[r->i + 1]; h = 2; }
-    else if (c == 0xda) { if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); h = 3; }
-    else if (c == 0xdb) { if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); h = 5; }
-    else return FALL;
-    if (n > r->n - r->i - h) return FALL;
-    const unsigned char *b = r->p + r->i + h;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (b[k] & 0x80) return FALL;
-    *s = (const char *)b;
-    *len = n;
-    r->i += h + n;
-    return 0;
-}
-
-/* A value nobody reads: nil, a bool, a number, an ASCII string or bytes. */
-static int rd_skip(Rd *r) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1, n;
-    u64 v;
-    int neg;
-    const char *s;
-    switch (c) {
-        case 0xc0: case 0xc2: case 0xc3: r->i++; return 0;
-        case 0xca: if (rem < 4) return FALL; r->i += 5; return 0;
-        case 0xcb: if (rem < 8) return FALL; r->i += 9; return 0;
-        case 0xc4: if (rem < 1) return FALL; n = r->p[r->i + 1]; r->i += 2; break;
-        case 0xc5: if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; break;
-        case 0xc6: if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; break;
-        default:
-            if (rd_int(r, &v, &neg) == 0) return 0;
-            return rd_str(r, &s, &n);
-    }
-    if (n > r->n - r->i) return FALL;
-    r->i += n;
-    return 0;
-}
-
-static int str_is(const char *s, Py_ssize_t n, const char *lit) {
-    return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
-}
+ * a part of what decode_batch accepts, read the way it reads it (the reader
+ * and its FALL: kvwire/_native/msgpack_read.h). */
 
 /* The fields of BlockStored in declaration (positional) order, then the tag. */
 enum {
@@ -1885,27 +1760,23 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
                     Py_ssize_t *bs) {
     Index *self = cx->self;
     u64 v;
-    int neg, rc;
+    int neg, has, rc;
     const char *s;
     Py_ssize_t n;
     switch (f) {
         case F_HASHES: {
-            if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+            if (RD_ARRAY(r, &n)) return FALL;
             if (n > cx->max_blocks) return FALL;
             Py_ssize_t off = self->ph_len;
             if (!scratch_get(&self->ph, off + n)) return -1;
-            for (Py_ssize_t k = 0; k < n; k++)
-                if (rd_int(r, &self->ph.p[off + k], &neg)) return FALL;
+            if (rd_ints(r, self->ph.p + off, n)) return FALL;
             self->ph_len = off + n;
             ev->hoff = off;
             ev->n = n;
             return 0;
         }
         case F_PARENT:
-            if (rd_nil(r)) return 0;
-            if (rd_int(r, &ev->parent, &neg)) return FALL;
-            ev->has_parent = 1;
-            return 0;
+            return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
         case F_TOKENS: {
             if (r->i >= r->n || !is_array_head(r->p[r->i])) return FALL;
             u64 *t;
@@ -1923,9 +1794,9 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
             return 0;
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
+            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_nil(r) ? 0 : rd_str(r, &s, &n);
+            return rd_opt_str(r, &s, &n);
         case F_MEDIUM:
             if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
             if (rd_str(r, &s, &n)) return FALL;
@@ -1980,10 +1851,7 @@ static int kind_of(const char *s, Py_ssize_t n) {
 static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     Py_ssize_t n, len;
     const char *s;
-    if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
-    if (n < 1) return FALL;
-    if (map && (rd_str(r, &s, &len) || !str_is(s, len, "type"))) return FALL;
-    if (rd_str(r, &s, &len)) return FALL;
+    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
     int kind = kind_of(s, len);
     if (kind < 0) return FALL;
     memset(ev, 0, sizeof *ev);
@@ -2032,25 +1900,14 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
 static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
     Index *self = cx->self;
     Py_ssize_t n, m;
-    if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1) || n < 2 || n > 3) return FALL;
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
-    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
-    else return FALL;
-    if (rd_head(r, &m, 0x90, 0xdc, 0xdd, 1) || m > cx->max_events) return FALL;
+    if (rd_batch_open(r, &n, &m, cx->max_events)) return FALL;
     if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
-    int map = m > 0 && r->i < r->n && is_map_head(r->p[r->i]);
+    int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(cx, r, map, &self->pev[k]);
         if (rc) return rc;
     }
-    if (n == 3 && !rd_nil(r)) {
-        u64 v;
-        int neg;
-        if (rd_int(r, &v, &neg)) return FALL;
-    }
-    if (r->i != r->n) return FALL; /* trailing bytes */
+    if (rd_batch_close(r, n)) return FALL;
     *count = m;
     return 0;
 }
