@@ -31,9 +31,15 @@ kvwire's median with Dynamo's best repeat.
   outside the timing), timed until a ``find_matches`` queued behind them returns.
   Dynamo applies on a background thread, a second core here: the wall-clock
   figure lets it use two cores, the CPU figure (process CPU time, all threads)
-  counts what both cost.
+  counts what both cost. A third kvwire line builds the index told each rank's
+  capacity (``expected_blocks_per_rank``, the most blocks a worker stores here, as a
+  router knows an engine's ``num_gpu_blocks``): tables presized, no growth. Dynamo has
+  no such knob; it is compared with Dynamo's same figures.
 - match from a token list: ``PrefixIndex.match(list)``; Dynamo:
-  ``compute_block_hash_for_seq(list)`` + ``find_matches``.
+  ``compute_block_hash_for_seq(list)`` + ``find_matches``. Twice: on the lookups' lists
+  built once up front (cold in cache by the time each is matched: 2,000 lists of 2,048
+  ints), and on a list built just before each call (untimed) from the prompt's numpy
+  row, its int objects freshly allocated and warm, as a tokenizer hands them over.
 - match from precomputed keys: ``PrefixIndex.match_keys``; Dynamo: ``find_matches``
   on precomputed hashes, and (second line) reading its ``.scores``, which a router
   needs and kvwire's figure includes (its result is a dict already).
@@ -131,6 +137,11 @@ class Workload:
                     self.order.append((w, i, 0, ROOT_BLOCKS))
                 self.order.append((w, i, ROOT_BLOCKS, SEQ_BLOCKS))
         self.blocks = sum(b - a for _, _, a, b in self.order)
+        per_worker = np.zeros(workers, dtype=np.int64)
+        for w, _, a, b in self.order:
+            per_worker[w] += b - a
+        # What a router would know from each engine's cache size: the most blocks a rank holds.
+        self.expected_per_rank = int(per_worker.max())
         picks = np.random.default_rng(seed + 1).integers(0, n, lookups)
         self.picks = picks
         self.prompts = [tokens[i].tolist() for i in picks]
@@ -187,6 +198,18 @@ def timed(fn: Callable[[Any], object], args: list[Any]) -> list[int]:
     return out
 
 
+def timed_fresh(fn: Callable[[Any], object], wl: Workload) -> list[int]:
+    """``fn`` on each lookup's prompt as a list built just before the call (untimed), its int
+    objects just allocated and warm in cache, as a tokenizer hands them over."""
+    out = []
+    for i in wl.picks:
+        p = wl.tokens[i].tolist()
+        t0 = time.perf_counter_ns()
+        fn(p)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
 # --- the two sides ----------------------------------------------------------------
 
 
@@ -199,18 +222,19 @@ class KvwireSide:
         self.prior = wl.prior.payloads() if wl.name == "re-store" else None
         self.index: Any = None
 
-    def build(self, general: bool = False) -> tuple[float, float, int]:
+    def build(self, general: bool = False, hint: bool = False) -> tuple[float, float, int]:
         """(wall s, CPU s, RSS growth) of applying every payload to a fresh index.
 
         ``general``: by ``decode_batch`` + ``apply`` (what a ``Subscriber`` with the
-        index as its sink does), not ``apply_payload``.
+        index as its sink does), not ``apply_payload``. ``hint``: the index told each
+        rank's capacity up front (``expected_blocks_per_rank``; Dynamo has no such knob).
         """
         from kvwire.prefix_index import PrefixIndex
         from kvwire.wire import AllBlocksCleared, KVEventBatch, decode_batch, encode_batch
 
         self.index = None
         gc.collect()
-        index = PrefixIndex(BLOCK)
+        index = PrefixIndex(BLOCK, expected_blocks_per_rank=self.wl.expected_per_rank if hint else 0)
         apply = index.apply_payload
         if general:
 
@@ -240,6 +264,9 @@ class KvwireSide:
 
     def match_list(self) -> list[int]:
         return timed(self.index.match, self.wl.prompts)
+
+    def match_fresh(self) -> list[int]:
+        return timed_fresh(self.index.match, self.wl)
 
     def keys(self) -> list[Any]:
         return [self.index.keys(p) for p in self.wl.prompts]
@@ -343,6 +370,10 @@ class DynamoSide:
         h, find = self.llm.compute_block_hash_for_seq, self.tree.find_matches
         return timed(lambda p: find(h(p, BLOCK)), self.wl.prompts)
 
+    def match_fresh(self) -> list[int]:
+        h, find = self.llm.compute_block_hash_for_seq, self.tree.find_matches
+        return timed_fresh(lambda p: find(h(p, BLOCK)), self.wl)
+
     def keys(self) -> list[Any]:
         return [self.local[i] for i in self.wl.picks]
 
@@ -367,6 +398,7 @@ def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
         runs[side].setdefault(what, []).append(value)
 
     rss: dict[str, int] = {}
+    hinted_bytes = 0.0
     removals = sides[0].removals()
     stats = None
     for rep in range(repeats):
@@ -378,11 +410,18 @@ def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
             if isinstance(side, KvwireSide):
                 wall, _, _ = side.build(general=True)
                 add(side.name, "apply_general", wl.blocks / wall)
+                wall, cpu, _ = side.build(hint=True)
+                add(side.name, "apply_hint", wl.blocks / wall)
+                add(side.name, "apply_hint_cpu", wl.blocks / cpu)
+                st = side.index.stats()
+                hinted_bytes = st.memory_bytes / st.holders
+                side.build()  # the lookups and removals below run on an index built without the hint
             rss.setdefault(side.name, grown)  # later repeats reuse freed memory
         for side in order:
             if rep == 0:
                 side.check()
             add(side.name, "match_list", _median_us(side.match_list()))
+            add(side.name, "match_fresh", _median_us(side.match_fresh()))
             keys = side.keys()
             lat = side.match_keys(keys)
             add(side.name, "match_keys", _median_us(lat))
@@ -397,6 +436,7 @@ def run_workload(wl: Workload, llm: Any, repeats: int) -> dict[str, Any]:
     st = stats
     res["holders"] = st.holders
     res["bytes_per_holder"] = st.memory_bytes / st.holders
+    res["bytes_per_holder_hint"] = hinted_bytes
     return res
 
 
@@ -509,7 +549,11 @@ def report(wl: Workload, res: dict[str, Any]) -> None:
     line("apply, per CPU second (all threads)", "apply_cpu", "M blk/s", 1e-6, "(reported)")
     line("  kvwire by decode_batch + apply", "apply_general", "M blk/s", 1e-6, "(reported)",
          "apply_wall")  # fmt: skip
+    print(f"  with expected_blocks_per_rank={wl.expected_per_rank:,} (kvwire only; Dynamo has no capacity hint):")
+    line("  apply, wall clock, hinted", "apply_hint", "M blk/s", 1e-6, ">= 2x", "apply_wall")
+    line("  apply per CPU second, hinted", "apply_hint_cpu", "M blk/s", 1e-6, "(reported)", "apply_cpu")
     line("match 128 blocks from a token list", "match_list", "us", 1, "<= 0.25")
+    line("  from a fresh list (as tokenized)", "match_fresh", "us", 1, "<= 0.25")
     line("match from precomputed keys", "match_keys", "us", 1, "<= 0.15")
     if d is not None:
         line("  vs Dynamo reading .scores", "match_keys", "us", 1, "(reported)", "match_keys_scores")
@@ -519,7 +563,8 @@ def report(wl: Workload, res: dict[str, Any]) -> None:
     runs_txt = ", ".join(f"{x / 1e6:.2f}" for x in k["apply_wall"])
     print(f"  kvwire apply runs (M blk/s): {runs_txt}"
           + ("" if d is None else "; Dynamo: " + ", ".join(f"{x / 1e6:.2f}" for x in d["apply_wall"])))
-    print(f"  memory: tables {res['bytes_per_holder']:.1f} B/holder; RSS growth over the first "
+    print(f"  memory: tables {res['bytes_per_holder']:.1f} B/holder "
+          f"({res['bytes_per_holder_hint']:.1f} hinted); RSS growth over the first "
           f"build {res['rss']['kvwire'] / res['holders']:.1f} B/holder (kvwire)"
           + ("" if d is None else f", {res['rss']['Dynamo'] / res['holders']:.1f} B/holder (Dynamo)"))
 

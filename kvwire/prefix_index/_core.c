@@ -21,6 +21,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "../_native/msgpack_read.h"
+
 typedef uint64_t u64;
 typedef uint32_t u32;
 typedef int32_t i32;
@@ -34,6 +36,7 @@ typedef int32_t i32;
 #define STORE_PREFETCH 24
 #define NODE_AHEAD 8
 #define CLEAR_AHEAD 16
+#define REHASH_AHEAD 32
 #define WALK_PREFETCH 64
 #define TOKEN_PREFETCH 64
 
@@ -88,12 +91,6 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     return -1;
 }
 
-static inline u64 be(const unsigned char *p, int n) {
-    u64 v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
-
 /* A token id as u64 (two's complement); 0, or -1 with TypeError or
  * ValueError set. Runs no Python code (PyLong_Check'ed conversions only),
  * so a caller reading a list's items cannot see the list change. Small
@@ -130,39 +127,6 @@ static inline int token_of(PyObject *o, u64 *out) {
     return 0;
 }
 
-/* A msgpack integer of any form at p[0..len): the bytes it takes (0: not an
- * integer, -1: truncated); *v two's complement, *neg for a negative one. */
-static inline int mp_int(const unsigned char *p, Py_ssize_t len, u64 *v, int *neg) {
-    unsigned char c = p[0];
-    *neg = 0;
-    if (c <= 0x7f) { *v = c; return 1; }
-    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; return 1; }
-    int w;
-    switch (c) {
-        case 0xcc: w = 1; break;
-        case 0xcd: w = 2; break;
-        case 0xce: w = 4; break;
-        case 0xcf: w = 8; break;
-        case 0xd0: w = -1; break;
-        case 0xd1: w = -2; break;
-        case 0xd2: w = -4; break;
-        case 0xd3: w = -8; break;
-        default: return 0;
-    }
-    int bytes = w < 0 ? -w : w;
-    if (len - 1 < bytes) return -1;
-    u64 x = be(p + 1, bytes);
-    if (w < 0) {
-        if (bytes < 8) {
-            int shift = 64 - 8 * bytes;
-            x = (u64)(((int64_t)(x << shift)) >> shift);
-        }
-        *neg = (int64_t)x < 0;
-    }
-    *v = x;
-    return 1 + bytes;
-}
-
 /* A msgpack array of integers at the start of p[0..len) (what engines put
  * in token_ids); *used: the bytes it takes. */
 static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
@@ -172,8 +136,8 @@ static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, 
     Py_ssize_t n, i = 1;
     unsigned char h = p[0];
     if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
-    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 2); i = 3; }
-    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)be(p + 1, 4); i = 5; }
+    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
+    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
     else return refuse(VE, "token_ids is not an array");
     if (n > len - i) return refuse(VE, "array longer than its bytes");
     u64 *t = scratch_get(s, n);
@@ -189,7 +153,7 @@ static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, 
             i += 3;
             continue;
         }
-        int neg, used = mp_int(p + i, len - i, &t[k], &neg);
+        int neg, used = kvw_get_int(p + i, len - i, &t[k], &neg);
         if (used <= 0) return refuse(VE, used ? "truncated integer" : "a token id is not an integer");
         i += used;
     }
@@ -508,6 +472,8 @@ typedef struct {
     size_t rs;    /* record size in bytes */
     int shift;
     int homed;    /* the record's second 8 bytes are its home hash (below) */
+    size_t floor; /* 0, or the capacity the table starts at and never shrinks under */
+    size_t bytes; /* of memory behind a (at least cap * rs) */
 } Table;
 
 /* A growing index allocates a table twice the size at every doubling, and
@@ -538,8 +504,14 @@ static void populate(void *p, size_t bytes) {
 }
 #endif
 
-static void *table_alloc(size_t bytes) {
+/* *bytes zeroed bytes, rounded up to whole huge pages for a presized table
+ * of HUGE_MIN / 2 or more: a capacity hint asks for speed with memory up
+ * front, and a random probe into a rank's table then misses the cache but
+ * not the TLB (apply about 10% faster, at most 1.6x that table's memory). */
+static void *table_alloc(size_t *bytes_io, int presized) {
+    size_t bytes = *bytes_io;
 #if TABLE_MMAP
+    if (presized && bytes >= HUGE_MIN / 2) bytes = *bytes_io = (bytes + HUGE_MIN - 1) & ~(HUGE_MIN - 1);
     if (bytes >= HUGE_MIN) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
@@ -553,6 +525,7 @@ static void *table_alloc(size_t bytes) {
     if (p && bytes >= POPULATE_MIN) populate(p, bytes);
     return p;
 #else
+    (void)presized;
     return PyMem_Calloc(1, bytes);
 #endif
 }
@@ -634,31 +607,57 @@ static int shift_for(size_t cap) {
     return 64 - bits;
 }
 
-/* Rebuild with `cap` slots (0: free everything). */
-static int t_rehash(Table *t, size_t cap, Occupied occ) {
+/* Rebuild with `cap` slots (0: free everything). The homes are the hash's
+ * top bits and probing is linear, so the records of the old table come in
+ * (nearly) home order and land in the new one in the same order, near twice
+ * their old slot at a doubling: one sequential pass over both tables, no
+ * cache or TLB miss per record. */
+__attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap, Occupied occ) {
     if (cap == 0) {
-        table_free(t->a, t->cap * t->rs);
+        table_free(t->a, t->bytes);
         t->a = NULL;
         t->cap = 0;
         t->count = 0;
+        t->bytes = 0;
         return 0;
     }
-    char *a = table_alloc(cap * t->rs);
+    size_t bytes = cap * t->rs;
+    char *a = table_alloc(&bytes, cap <= t->floor);
     if (!a) { PyErr_NoMemory(); return -1; }
     int shift = shift_for(cap);
     size_t m = cap - 1;
+    /* Where old slot j's records land, about: j scaled by cap / t->cap. */
+    int up = cap >= t->cap;
+    size_t scale = up ? cap / (t->cap ? t->cap : 1) : t->cap / cap;
     for (size_t j = 0; j < t->cap; j++) {
+        if (j + REHASH_AHEAD < t->cap) {
+            /* The new table's lines are cold (fresh pages): fetch them ahead. */
+            size_t ahead = j + REHASH_AHEAD;
+            __builtin_prefetch(a + ((up ? ahead * scale : ahead / scale) & m) * t->rs, 1);
+        }
         const char *r = t->a + j * t->rs;
         if (!occ(r, t->rs)) continue;
         size_t i = home_at(rec_hh(t, r), shift, m);
         while (occ(a + i * t->rs, t->rs)) i = (i + 1) & m;
         memcpy(a + i * t->rs, r, t->rs);
     }
-    table_free(t->a, t->cap * t->rs);
+    table_free(t->a, t->bytes);
     t->a = a;
     t->cap = cap;
     t->shift = shift;
+    t->bytes = bytes;
     return 0;
+}
+
+static int entry_occ(const char *r, size_t rs);
+static int node_occ(const char *r, size_t rs);
+
+/* A copy of the pass per record kind, its occupancy tests inlined (two a
+ * record: an indirect call each cost a fifth of a growing index's time). */
+__attribute__((noinline)) static int t_rehash(Table *t, size_t cap, Occupied occ) {
+    if (occ == entry_occ) return rehash_as(t, cap, entry_occ);
+    if (occ == node_occ) return rehash_as(t, cap, node_occ);
+    return rehash_as(t, cap, occ);
 }
 
 static size_t cap_for(size_t n) {
@@ -667,11 +666,12 @@ static size_t cap_for(size_t n) {
     return cap;
 }
 
-/* Room for `more` records without a rehash. */
+/* Room for `more` records without a rehash, and at least the floor. */
 static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
     size_t need = t->count + (size_t)more;
-    if (need * 10 <= t->cap * 7) return 0;
-    size_t cap = t->cap ? t->cap : MIN_CAP;
+    if (need * 10 <= t->cap * 7 && t->cap >= t->floor) return 0;
+    size_t cap = t->cap > t->floor ? t->cap : t->floor;
+    if (cap < MIN_CAP) cap = MIN_CAP;
     while (need * 10 > cap * 7) cap *= 2;
     return t_rehash(t, cap, occ);
 }
@@ -679,9 +679,7 @@ static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
 /* The record of (k, hh), inserted zeroed but for them (*added = 1) when
  * absent: one probe. */
 static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
-    if ((t->count + 1) * 10 > t->cap * 7) {
-        if (t_rehash(t, t->cap ? t->cap * 2 : MIN_CAP, occ) < 0) return NULL;
-    }
+    if ((t->count + 1) * 10 > t->cap * 7 && t_reserve(t, 1, occ) < 0) return NULL;
     size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
         char *r = t->a + i * t->rs;
@@ -722,10 +720,12 @@ static int t_delete(Table *t, char *r, Occupied occ) {
     }
     memset(t->a + i * t->rs, 0, t->rs);
     t->count--;
+    if (t->cap <= t->floor) return 0; /* presized: kept at its size, even empty */
     if (t->count == 0) return t_rehash(t, 0, occ);
     if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
         /* Shrinking only saves memory; on failure keep the bigger table. */
-        if (t_rehash(t, cap_for(t->count * 2), occ) < 0) PyErr_Clear();
+        size_t cap = cap_for(t->count * 2);
+        if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
     }
     return 0;
 }
@@ -791,6 +791,7 @@ typedef struct {
     Rank *ranks;
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
+    size_t expected;    /* blocks a rank is expected to hold (tables presized); 0: none */
     Scratch tok, keys, hashes;
     /* apply_payload's first pass: hashes, block sums, events */
     Scratch ph, ps;
@@ -817,14 +818,21 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"max_entries", NULL};
-    Py_ssize_t max_entries = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n", kwlist, &max_entries)) return -1;
+    static char *kwlist[] = {"max_entries", "expected_blocks_per_rank", NULL};
+    Py_ssize_t max_entries = 0, expected = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n$n", kwlist, &max_entries, &expected)) return -1;
     if (max_entries < 0) {
         PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
         return -1;
     }
+    /* Memory is taken for it up front (100-140 B a block a rank): a hint is
+     * an engine's cache size, not a bound to be generous with. */
+    if (expected < 0 || expected > ((Py_ssize_t)1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "expected_blocks_per_rank must be in [0, 2**24] (0: no hint)");
+        return -1;
+    }
     self->max_entries = (size_t)max_entries;
+    self->expected = (size_t)expected;
     return 0;
 }
 
@@ -855,7 +863,8 @@ static int relayout(Index *self, size_t words, size_t tiers) {
     Table *t = &self->nodes;
     size_t rs = NODE_HEAD + 8 * words * tiers;
     if (t->cap) {
-        char *a = table_alloc(t->cap * rs);
+        size_t bytes = t->cap * rs;
+        char *a = table_alloc(&bytes, t->cap <= t->floor);
         if (!a) { PyErr_NoMemory(); return -1; }
         for (size_t j = 0; j < t->cap; j++) {
             char *r = t->a + j * t->rs;
@@ -868,8 +877,9 @@ static int relayout(Index *self, size_t words, size_t tiers) {
                 for (size_t k = 0; k < self->tiers; k++) nm[w * tiers + k] = om[w * self->tiers + k];
             }
         }
-        table_free(t->a, t->cap * t->rs);
+        table_free(t->a, t->bytes);
         t->a = a;
+        t->bytes = bytes;
     }
     t->rs = rs;
     self->words = words;
@@ -977,10 +987,14 @@ static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
         memset(r + self->nranks, 0, (need - self->nranks) * sizeof(Rank));
         for (size_t i = self->nranks; i < need; i++) {
             r[i].entries.rs = sizeof(Entry);
+            r[i].entries.floor = self->expected ? cap_for(self->expected) : 0;
             r[i].multi.rs = sizeof(Multi);
         }
         self->ranks = r;
         self->nranks = need;
+        /* A key is a node once however many ranks hold it: at most one per
+         * expected block of every rank. Allocated at the next store. */
+        if (self->expected) self->nodes.floor = cap_for(self->expected * need);
     }
     size_t words = (need + 63) >> 6;
     if (words > self->words && relayout(self, words, self->tiers) < 0) return NULL;
@@ -1667,96 +1681,8 @@ done:
  * Anything outside that subset, well formed or not, changes nothing and is
  * answered None: the caller decodes it the general way, which applies it or
  * raises WireError exactly as before. So the subset read here only has to be
- * a part of what decode_batch accepts, read the way it reads it. */
-
-typedef struct {
-    const unsigned char *p;
-    Py_ssize_t n, i;
-} Rd;
-
-#define FALL 1 /* outside the subset: decode the general way */
-
-/* An integer of any msgpack form; *neg: a negative signed one. */
-static int rd_int(Rd *r, u64 *v, int *neg) {
-    if (r->i >= r->n) return FALL;
-    int used = mp_int(r->p + r->i, r->n - r->i, v, neg);
-    if (used <= 0) return FALL;
-    r->i += used;
-    return 0;
-}
-
-static inline int rd_nil(Rd *r) {
-    if (r->i < r->n && r->p[r->i] == 0xc0) {
-        r->i++;
-        return 1;
-    }
-    return 0;
-}
-
-/* An array (fix 0x90) or map (fix 0x80) header; its length is checked
- * against the bytes left (every item takes at least one). */
-static int rd_head(Rd *r, Py_ssize_t *n, unsigned char fix, unsigned char b16, unsigned char b32,
-                   Py_ssize_t per_item) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1;
-    if (c >= fix && c <= fix + 15) { *n = c & 15; r->i += 1; }
-    else if (c == b16) { if (rem < 2) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; }
-    else if (c == b32) { if (rem < 4) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; }
-    else return FALL;
-    return *n > (r->n - r->i) / per_item ? FALL : 0;
-}
-
-static inline int is_array_head(unsigned char c) { return (c >= 0x90 && c <= 0x9f) || c == 0xdc || c == 0xdd; }
-static inline int is_map_head(unsigned char c) { return (c >= 0x80 && c <= 0x8f) || c == 0xde || c == 0xdf; }
-
-/* An ASCII string (valid UTF-8 for every decoder). */
-static int rd_str(Rd *r, const char **s, Py_ssize_t *len) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1, n, h;
-    if (c >= 0xa0 && c <= 0xbf) { n = c & 31; h = 1; }
-    else if (c == 0xd9) { if (rem < 1) return FALL; n = r->p[r->i + 1]; h = 2; }
-    else if (c == 0xda) { if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); h = 3; }
-    else if (c == 0xdb) { if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); h = 5; }
-    else return FALL;
-    if (n > r->n - r->i - h) return FALL;
-    const unsigned char *b = r->p + r->i + h;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (b[k] & 0x80) return FALL;
-    *s = (const char *)b;
-    *len = n;
-    r->i += h + n;
-    return 0;
-}
-
-/* A value nobody reads: nil, a bool, a number, an ASCII string or bytes. */
-static int rd_skip(Rd *r) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1, n;
-    u64 v;
-    int neg;
-    const char *s;
-    switch (c) {
-        case 0xc0: case 0xc2: case 0xc3: r->i++; return 0;
-        case 0xca: if (rem < 4) return FALL; r->i += 5; return 0;
-        case 0xcb: if (rem < 8) return FALL; r->i += 9; return 0;
-        case 0xc4: if (rem < 1) return FALL; n = r->p[r->i + 1]; r->i += 2; break;
-        case 0xc5: if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; break;
-        case 0xc6: if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; break;
-        default:
-            if (rd_int(r, &v, &neg) == 0) return 0;
-            return rd_str(r, &s, &n);
-    }
-    if (n > r->n - r->i) return FALL;
-    r->i += n;
-    return 0;
-}
-
-static int str_is(const char *s, Py_ssize_t n, const char *lit) {
-    return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
-}
+ * a part of what decode_batch accepts, read the way it reads it (the reader
+ * and its FALL: kvwire/_native/msgpack_read.h). */
 
 /* The fields of BlockStored in declaration (positional) order, then the tag. */
 enum {
@@ -1834,27 +1760,23 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
                     Py_ssize_t *bs) {
     Index *self = cx->self;
     u64 v;
-    int neg, rc;
+    int neg, has, rc;
     const char *s;
     Py_ssize_t n;
     switch (f) {
         case F_HASHES: {
-            if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
+            if (RD_ARRAY(r, &n)) return FALL;
             if (n > cx->max_blocks) return FALL;
             Py_ssize_t off = self->ph_len;
             if (!scratch_get(&self->ph, off + n)) return -1;
-            for (Py_ssize_t k = 0; k < n; k++)
-                if (rd_int(r, &self->ph.p[off + k], &neg)) return FALL;
+            if (rd_ints(r, self->ph.p + off, n)) return FALL;
             self->ph_len = off + n;
             ev->hoff = off;
             ev->n = n;
             return 0;
         }
         case F_PARENT:
-            if (rd_nil(r)) return 0;
-            if (rd_int(r, &ev->parent, &neg)) return FALL;
-            ev->has_parent = 1;
-            return 0;
+            return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
         case F_TOKENS: {
             if (r->i >= r->n || !is_array_head(r->p[r->i])) return FALL;
             u64 *t;
@@ -1872,9 +1794,9 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
             return 0;
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
+            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_nil(r) ? 0 : rd_str(r, &s, &n);
+            return rd_opt_str(r, &s, &n);
         case F_MEDIUM:
             if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
             if (rd_str(r, &s, &n)) return FALL;
@@ -1929,10 +1851,7 @@ static int kind_of(const char *s, Py_ssize_t n) {
 static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     Py_ssize_t n, len;
     const char *s;
-    if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : rd_head(r, &n, 0x90, 0xdc, 0xdd, 1)) return FALL;
-    if (n < 1) return FALL;
-    if (map && (rd_str(r, &s, &len) || !str_is(s, len, "type"))) return FALL;
-    if (rd_str(r, &s, &len)) return FALL;
+    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
     int kind = kind_of(s, len);
     if (kind < 0) return FALL;
     memset(ev, 0, sizeof *ev);
@@ -1981,25 +1900,14 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
 static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
     Index *self = cx->self;
     Py_ssize_t n, m;
-    if (rd_head(r, &n, 0x90, 0xdc, 0xdd, 1) || n < 2 || n > 3) return FALL;
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
-    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
-    else return FALL;
-    if (rd_head(r, &m, 0x90, 0xdc, 0xdd, 1) || m > cx->max_events) return FALL;
+    if (rd_batch_open(r, &n, &m, cx->max_events)) return FALL;
     if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
-    int map = m > 0 && r->i < r->n && is_map_head(r->p[r->i]);
+    int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(cx, r, map, &self->pev[k]);
         if (rc) return rc;
     }
-    if (n == 3 && !rd_nil(r)) {
-        u64 v;
-        int neg;
-        if (rd_int(r, &v, &neg)) return FALL;
-    }
-    if (r->i != r->n) return FALL; /* trailing bytes */
+    if (rd_batch_close(r, n)) return FALL;
     *count = m;
     return 0;
 }
@@ -2109,11 +2017,15 @@ done:
 }
 
 static size_t rank_bytes(const Rank *r) {
-    return r->entries.cap * r->entries.rs + r->multi.cap * r->multi.rs;
+    return r->entries.bytes + r->multi.bytes;
 }
 
 static PyObject *Index_get_max_entries(Index *self, void *c) {
     return PyLong_FromSize_t(self->max_entries);
+}
+
+static PyObject *Index_get_expected(Index *self, void *c) {
+    return PyLong_FromSize_t(self->expected);
 }
 
 static PyObject *Index_get_nodes(Index *self, void *c) {
@@ -2121,7 +2033,7 @@ static PyObject *Index_get_nodes(Index *self, void *c) {
 }
 
 static PyObject *Index_get_memory(Index *self, void *c) {
-    size_t total = self->nodes.cap * self->nodes.rs;
+    size_t total = self->nodes.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
     return PyLong_FromSize_t(total);
 }
@@ -2148,6 +2060,7 @@ static PyMethodDef Index_methods[] = {
 static PyGetSetDef Index_getset[] = {
     {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
     {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
+    {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
     {NULL},
 };

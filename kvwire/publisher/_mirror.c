@@ -28,10 +28,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_native/msgpack_read.h"
+
 typedef uint64_t u64;
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
-#define FALL 1 /* the payload is outside the subset read here */
 #define MAX_EVENTS 65536
 #define MAX_BLOCKS 65536
 #define MAX_BLOCK_SIZE 65536
@@ -233,7 +234,8 @@ typedef struct {
     int kind, has_parent, has_group, group_neg;
     u64 parent, group;
     Py_ssize_t hoff, n, block_size;
-    const unsigned char *tok, *lora, *medium;
+    const unsigned char *tok;
+    const char *lora, *medium;
     Py_ssize_t tok_len, lora_len, medium_len; /* lengths -1: None */
 } PEv;
 
@@ -399,7 +401,7 @@ static Py_ssize_t medium_index(Core *self, PyObject *name, int create) {
 }
 
 /* The medium named by UTF-8 bytes (ASCII, checked by the reader), created if new. */
-static Py_ssize_t medium_by_bytes(Core *self, const unsigned char *s, Py_ssize_t n) {
+static Py_ssize_t medium_by_bytes(Core *self, const char *s, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < self->nmedia; i++) {
         PyObject *have = self->media[i].name;
         if (have == Py_None) continue;
@@ -408,7 +410,7 @@ static Py_ssize_t medium_by_bytes(Core *self, const unsigned char *s, Py_ssize_t
         if (!b) return -1;
         if (len == n && memcmp(b, s, (size_t)n) == 0) return i;
     }
-    PyObject *name = PyUnicode_FromStringAndSize((const char *)s, n);
+    PyObject *name = PyUnicode_FromStringAndSize(s, n);
     if (!name) return -1;
     Py_ssize_t i = medium_index(self, name, 1);
     Py_DECREF(name);
@@ -638,92 +640,7 @@ static PyObject *Core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* --- the payload reader ------------------------------------------------------ */
-
-typedef struct {
-    const unsigned char *p;
-    Py_ssize_t n, i;
-} Rd;
-
-static inline u64 be(const unsigned char *p, int n) {
-    u64 v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
-
-/* An int of any msgpack form as its 64-bit pattern; *neg: a negative signed one. */
-static int rd_int(Rd *r, u64 *v, int *neg) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    *neg = 0;
-    if (c <= 0x7f) { *v = c; r->i++; return 0; }
-    if (c >= 0xe0) { *v = (u64)(int64_t)(int8_t)c; *neg = 1; r->i++; return 0; }
-    int w, sgn = 0;
-    switch (c) {
-        case 0xcc: w = 1; break;
-        case 0xcd: w = 2; break;
-        case 0xce: w = 4; break;
-        case 0xcf: w = 8; break;
-        case 0xd0: w = 1; sgn = 1; break;
-        case 0xd1: w = 2; sgn = 1; break;
-        case 0xd2: w = 4; sgn = 1; break;
-        case 0xd3: w = 8; sgn = 1; break;
-        default: return FALL;
-    }
-    if (r->n - r->i - 1 < w) return FALL;
-    u64 x = be(r->p + r->i + 1, w);
-    if (sgn && w < 8 && (x >> (8 * w - 1)) & 1) x |= ~(u64)0 << (8 * w);
-    *v = x;
-    *neg = sgn && (int64_t)x < 0;
-    r->i += 1 + w;
-    return 0;
-}
-
-static inline int rd_nil(Rd *r) {
-    if (r->i < r->n && r->p[r->i] == 0xc0) {
-        r->i++;
-        return 1;
-    }
-    return 0;
-}
-
-/* An array (fix 0x90) or map (fix 0x80) header, its length checked against the bytes left. */
-static int rd_head(Rd *r, Py_ssize_t *n, unsigned char fix, unsigned char b16, unsigned char b32,
-                   Py_ssize_t per_item) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1;
-    if (c >= fix && c <= fix + 15) { *n = c & 15; r->i += 1; }
-    else if (c == b16) { if (rem < 2) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 2); r->i += 3; }
-    else if (c == b32) { if (rem < 4) return FALL; *n = (Py_ssize_t)be(r->p + r->i + 1, 4); r->i += 5; }
-    else return FALL;
-    return *n > (r->n - r->i) / per_item ? FALL : 0;
-}
-
-#define RD_ARRAY(r, n) rd_head((r), (n), 0x90, 0xdc, 0xdd, 1)
-
-/* An ASCII string (the same str for every decoder). */
-static int rd_str(Rd *r, const unsigned char **s, Py_ssize_t *len) {
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    Py_ssize_t rem = r->n - r->i - 1, n, h;
-    if (c >= 0xa0 && c <= 0xbf) { n = c & 31; h = 1; }
-    else if (c == 0xd9) { if (rem < 1) return FALL; n = r->p[r->i + 1]; h = 2; }
-    else if (c == 0xda) { if (rem < 2) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 2); h = 3; }
-    else if (c == 0xdb) { if (rem < 4) return FALL; n = (Py_ssize_t)be(r->p + r->i + 1, 4); h = 5; }
-    else return FALL;
-    if (n > r->n - r->i - h) return FALL;
-    const unsigned char *b = r->p + r->i + h;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (b[k] & 0x80) return FALL;
-    *s = b;
-    *len = n;
-    r->i += h + n;
-    return 0;
-}
-
-static int str_is(const unsigned char *s, Py_ssize_t n, const char *lit) {
-    return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
-}
+/* (its msgpack reads and their FALL: kvwire/_native/msgpack_read.h) */
 
 /* BlockStored's fields in positional order, then the tag. */
 enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
@@ -790,26 +707,22 @@ static int rd_tokens(Rd *r, PEv *ev) {
 
 static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
     u64 v;
-    int neg;
-    const unsigned char *s;
+    int neg, has;
+    const char *s;
     Py_ssize_t n;
     switch (f) {
         case F_HASHES: {
             if (RD_ARRAY(r, &n) || n > MAX_BLOCKS) return FALL;
             Py_ssize_t off = *ph_len;
             if (grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
-            for (Py_ssize_t k = 0; k < n; k++)
-                if (rd_int(r, &self->ph[off + k], &neg)) return FALL;
+            if (rd_ints(r, self->ph + off, n)) return FALL;
             *ph_len = off + n;
             ev->hoff = off;
             ev->n = n;
             return 0;
         }
         case F_PARENT:
-            if (rd_nil(r)) return 0;
-            if (rd_int(r, &ev->parent, &neg)) return FALL;
-            ev->has_parent = 1;
-            return 0;
+            return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
         case F_TOKENS:
             return rd_tokens(r, ev);
         case F_BS:
@@ -818,34 +731,28 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
             return 0;
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_nil(r) ? 0 : rd_int(r, &v, &neg);
+            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_nil(r) ? 0 : rd_str(r, &s, &n);
+            return rd_opt_str(r, &s, &n);
         case F_MEDIUM:
-            if (rd_nil(r)) { ev->medium_len = -1; return 0; }
-            return rd_str(r, &ev->medium, &ev->medium_len);
+            return rd_opt_str(r, &ev->medium, &ev->medium_len);
         case F_LORA_NAME:
-            if (rd_nil(r)) { ev->lora_len = -1; return 0; }
-            if (rd_str(r, &ev->lora, &ev->lora_len)) return FALL;
-            return 0;
+            return rd_opt_str(r, &ev->lora, &ev->lora_len);
         case F_EXTRA:
             return rd_nil(r) ? 0 : FALL;
         case F_GROUP:
-            if (rd_nil(r)) { ev->has_group = 0; return 0; }
-            if (rd_int(r, &ev->group, &ev->group_neg)) return FALL;
-            ev->has_group = 1;
-            return 0;
+            return rd_opt_int(r, &ev->group, &ev->group_neg, &ev->has_group);
         default:
             return FALL; /* a field not read here, or a second tag */
     }
 }
 
-static inline int is_field(const unsigned char *s, Py_ssize_t n, int f) {
+static inline int is_field(const char *s, Py_ssize_t n, int f) {
     return n == FIELD_LENS[f] && memcmp(s, FIELD_NAMES[f], (size_t)n) == 0;
 }
 
 /* A field id by name; `guess` (the field after the last one) is tried first. */
-static int field_of(int kind, const unsigned char *s, Py_ssize_t n, int guess) {
+static int field_of(int kind, const char *s, Py_ssize_t n, int guess) {
     if (kind == EV_STORED) {
         if (guess >= 0 && guess < F_COUNT && is_field(s, n, guess)) return guess;
         for (int f = 0; f < F_COUNT; f++)
@@ -860,18 +767,15 @@ static int field_of(int kind, const unsigned char *s, Py_ssize_t n, int guess) {
 /* One event, a map or a tagged array; an AllBlocksCleared is FALL (the caller resets). */
 static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
     Py_ssize_t n, len;
-    const unsigned char *s;
-    if (map ? rd_head(r, &n, 0x80, 0xde, 0xdf, 2) : RD_ARRAY(r, &n)) return FALL;
-    if (n < 1) return FALL;
-    if (map && (rd_str(r, &s, &len) || !str_is(s, len, "type"))) return FALL;
-    if (rd_str(r, &s, &len)) return FALL;
+    const char *s;
+    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
     int kind;
     if (str_is(s, len, "BlockStored")) kind = EV_STORED;
     else if (str_is(s, len, "BlockRemoved")) kind = EV_REMOVED;
     else return FALL;
     memset(ev, 0, sizeof *ev);
     ev->kind = kind;
-    ev->medium = (const unsigned char *)"GPU"; /* unless given */
+    ev->medium = "GPU"; /* unless given */
     ev->medium_len = 3;
     ev->lora_len = -1;
     unsigned seen = 0;
@@ -903,26 +807,14 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
  * payload read and checked, its events appended to the scratch at *nev. */
 static int rd_batch(Core *self, Rd *r, Py_ssize_t *nev, Py_ssize_t *ph_len) {
     Py_ssize_t n, m;
-    if (RD_ARRAY(r, &n) || n < 2 || n > 3) return FALL;
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
-    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
-    else return FALL;
-    if (RD_ARRAY(r, &m) || m > MAX_EVENTS) return FALL;
+    if (rd_batch_open(r, &n, &m, MAX_EVENTS)) return FALL;
     if (grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
-    int map = m > 0 && r->i < r->n && ((r->p[r->i] >= 0x80 && r->p[r->i] <= 0x8f) ||
-                                       r->p[r->i] == 0xde || r->p[r->i] == 0xdf);
+    int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(self, r, map, &self->pev[*nev + k], ph_len);
         if (rc) return rc;
     }
-    if (n == 3 && !rd_nil(r)) {
-        u64 v;
-        int neg;
-        if (rd_int(r, &v, &neg)) return FALL;
-    }
-    if (r->i != r->n) return FALL; /* trailing bytes */
+    if (rd_batch_close(r, n)) return FALL;
     *nev += m;
     return 0;
 }
@@ -941,7 +833,7 @@ static int apply_event(Core *self, const PEv *ev) {
     }
     PyObject *tokens = PyBytes_FromStringAndSize((const char *)ev->tok, ev->tok_len);
     PyObject *lora = ev->lora_len < 0 ? Py_NewRef(Py_None)
-                                      : PyUnicode_FromStringAndSize((const char *)ev->lora, ev->lora_len);
+                                      : PyUnicode_FromStringAndSize(ev->lora, ev->lora_len);
     PyObject *group = !ev->has_group ? Py_NewRef(Py_None)
                       : ev->group_neg ? PyLong_FromLongLong((long long)ev->group)
                                       : PyLong_FromUnsignedLongLong(ev->group);

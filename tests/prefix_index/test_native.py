@@ -119,6 +119,87 @@ def test_tables_past_two_mib_grow_and_shrink_exact() -> None:
     assert idx.match(tokens) == {}
 
 
+def test_tables_double_many_times_with_removals_interleaved() -> None:
+    """Two ranks grow from empty through a dozen doublings of both tables while
+    part of what they hold is removed after every store; answers stay exact."""
+    rnd = random.Random(11)
+    idx = PrefixIndex(BS)
+    held: dict[tuple[str, int], dict[int, int]] = {("a", 0): {}, ("b", 1): {}}  # hash -> key
+    chains: dict[tuple[str, int], list[tuple[list[int], list[int]]]] = {n: [] for n in held}
+    for step in range(200):
+        for name in held:
+            tokens = [rnd.randrange(1 << 20) for _ in range(64 * BS)]
+            hashes = rnd.sample(range(1, 1 << 62), 64)
+            idx.apply(*name, KVEventBatch(0.0, [BlockStored(hashes, None, packed(tokens), BS)]))
+            held[name].update(zip(hashes, block_keys(tokens, BS).tolist(), strict=True))
+            chains[name].append((hashes, tokens))
+            gone = rnd.sample(sorted(held[name]), 16)
+            idx.apply(*name, KVEventBatch(0.0, [BlockRemoved(gone)]))
+            for h in gone:
+                del held[name][h]
+        if step % 25 == 24:
+            for name, hs in held.items():
+                assert idx.blocks(*name) == set(hs)
+                keys = set(hs.values())
+                for _, tokens in rnd.sample(chains[name], 8):
+                    ks = block_keys(tokens, BS).tolist()
+                    depth = next((d for d, k in enumerate(ks) if k not in keys), len(ks))
+                    assert idx.match(tokens).get(name, 0) == depth
+    assert idx.stats().holders == 2 * 200 * 48  # 9,600 a rank: 8 -> 16,384 slots, 11 doublings
+
+
+def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
+    """With ``expected_blocks_per_rank`` the tables take their size at the first
+    store and keep it while the rank holds up to that many blocks, removals
+    included; past it they grow as without. Answers match an index without it."""
+    rnd = random.Random(13)
+    hinted, plain = PrefixIndex(BS, expected_blocks_per_rank=5_000), PrefixIndex(BS)
+    assert hinted.stats().memory_bytes == 0  # nothing allocated before a store
+    tokens = [rnd.randrange(1 << 20) for _ in range(9_000 * BS)]
+    hashes = rnd.sample(range(1, 1 << 62), 9_000)
+
+    def store(a: int, b: int) -> None:
+        ev = BlockStored(hashes[a:b], hashes[a - 1] if a else None, tokens[a * BS : b * BS], BS)
+        for idx in (hinted, plain):
+            idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
+
+    store(0, 10)
+    first = hinted.stats().memory_bytes
+    # One rank: 8,192 slots (5,000 at load <= 0.7) of 40 B in its table and of 24 B of nodes.
+    assert first == 8192 * (40 + 24) > 50 * plain.stats().memory_bytes
+    for a in range(10, 5_000, 700):
+        store(a, min(a + 700, 5_000))
+        assert hinted.stats().memory_bytes == first
+    assert hinted.match(tokens) == plain.match(tokens) == {("w", 0): 5_000}
+    gone = BlockRemoved(hashes[1:4_999])
+    for idx in (hinted, plain):
+        idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [gone], 0)))
+    assert hinted.stats().memory_bytes == first > 20 * plain.stats().memory_bytes
+    assert hinted.match(tokens) == plain.match(tokens) == {("w", 0): 1}
+    store(1, 9_000)
+    assert hinted.stats().memory_bytes > first
+    assert hinted.match(tokens) == plain.match(tokens) == {("w", 0): 9_000}
+    assert hinted.blocks("w", 0) == plain.blocks("w", 0) == set(hashes)
+    # A second rank raises the nodes' table to room for both ranks' blocks.
+    idx2 = PrefixIndex(BS, expected_blocks_per_rank=5_000)
+    for w in ("w0", "w1"):
+        ev = BlockStored(hashes[:10], None, tokens[: 10 * BS], BS)
+        idx2.apply_payload(w, 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
+    assert idx2.stats().memory_bytes == 2 * 8192 * 40 + 16384 * 24
+    # A presized rank table of 1 MiB or more takes whole 2 MiB huge pages where tables are
+    # mapped (not under AddressSanitizer, whose build allocates them exactly); counted.
+    big = PrefixIndex(BS, expected_blocks_per_rank=20_000)
+    big.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockStored(hashes[:10], None, tokens[: 10 * BS], BS)], 0)))
+    assert big.stats().memory_bytes in (32768 * 40 + 32768 * 24, (2 << 20) + 32768 * 24)
+    assert big.match(tokens[: 10 * BS]) == {("w", 0): 10}
+    with pytest.raises(ValueError, match="expected_blocks_per_rank"):
+        PrefixIndex(BS, expected_blocks_per_rank=-1)
+    with pytest.raises(ValueError, match="expected_blocks_per_rank"):
+        PrefixIndex(BS, max_blocks_per_rank=None, expected_blocks_per_rank=(1 << 24) + 1)
+    # Never above the per-rank bound.
+    assert PrefixIndex(BS, max_blocks_per_rank=100, expected_blocks_per_rank=10**9)._core.expected_blocks_per_rank == 100
+
+
 def test_tiers_show_up_after_many_ranks() -> None:
     """Per-tier masks appear after masks already span several words."""
     idx = PrefixIndex(BS)
