@@ -22,7 +22,7 @@ from kvwire.integrations.sglang import SglangEventPublisher
 from kvwire.integrations.vllm import VllmEventPublisher
 from kvwire.wire import unpack_seq
 
-from .streams import receive, subscribe
+from .streams import receive, replay, subscribe
 
 Engine = types.SimpleNamespace
 ENCODER = msgspec.msgpack.Encoder()
@@ -175,7 +175,9 @@ def stats_reach(sender: Any, key: str, value: int, timeout: float = 20.0) -> dic
 
 
 def _publisher(kv: Any, cls: type[EngineEventPublisher], endpoint: str) -> Any:
-    return factory_for(kv, cls)(endpoint=endpoint, config=IntegrationConfig())
+    return factory_for(kv, cls)(
+        endpoint=endpoint, replay_endpoint=endpoint + "-r", config=IntegrationConfig()
+    )
 
 
 @pytest.mark.parametrize(
@@ -214,6 +216,8 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
         assert after["gil_encoded"] == before["gil_encoded"]
         assert after["sender_gil_takes"] == before["sender_gil_takes"]
         assert [m[2] for m in got] == [ENCODER.encode(b) for b in batches]
+        replayed = replay(zctx, endpoint + "-r", first)[:-1]  # the end marker left out
+        assert [m[1:] for m in replayed[:n]] == got
 
         odd = _plain_batch(kv, n)
         odd.events[0].block_hashes = [b"\x01" * 8]
