@@ -64,6 +64,7 @@ from kvwire.wire import (  # noqa: E402
     KVEvent,
     KVEventBatch,
 )
+from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S, TRAILING_GAP  # noqa: E402
 
 MASK = (1 << 64) - 1
 PROBE_RATE = 16.0  # the Subscriber's default probe_rate
@@ -425,12 +426,15 @@ def fleet(args: argparse.Namespace) -> None:
             f"({time.monotonic() - t_pause:.2f} s)",
         )
         # Idle ranks are probed once per interval, counted from their last batch:
-        # measure once the first round of probes is under way.
-        # (Publishers that heartbeat are never probed: nothing to wait for.)
+        # measure once the first round of probes is under way. Publishers that
+        # heartbeat are never probed; their first heartbeat after a batch comes sooner
+        # than the idle ones (within TRAILING_GAP intervals): measure once it has gone.
         interval = max(1.0, ranks / PROBE_RATE)
-        settle = min(interval, args.idle_settle) - (time.monotonic() - t_pause)
-        if settle > 0 and not args.heartbeat:
-            print(f"(waiting {settle:.0f} s for the idle probes to start)")
+        wait = TRAILING_GAP * args.heartbeat if args.heartbeat else min(interval, args.idle_settle)
+        settle = wait - (time.monotonic() - t_pause)
+        if settle > 0:
+            if not args.heartbeat:
+                print(f"(waiting {settle:.0f} s for the idle probes to start)")
             time.sleep(settle)
         reader = next((t for t in threading.enumerate() if t.name == "kvwire-subscriber"), None)
         splits = [measure_split(args.window, reader) for _ in range(args.repeats)]
@@ -607,7 +611,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=0)
     parser.add_argument(
-        "--heartbeat", type=float, default=1.0, help="publishers' heartbeat interval, s (0: none)"
+        "--heartbeat",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="publishers' heartbeat interval, s (0: none; default: the publishers' own)",
     )
     parser.add_argument(
         "--idle-settle", type=float, default=120.0, help="longest wait for idle probes to start"

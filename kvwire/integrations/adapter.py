@@ -158,12 +158,9 @@ class EngineEventPublisher:
         ).start()
         self._encoder = msgspec.msgpack.Encoder()
         fmt = engine_format(self.kv_events, self.rank_field, self._encoder)
-        inner = self.publisher
-        # kvwire's native sender, unless publish() was replaced (a wrapper sees every batch)
+        sender = self.publisher.direct_sender()
         self._native: tuple[Callable[[Any, EngineFormat], bool | None], EngineFormat] | None = (
-            (inner._sender.publish_engine, fmt)
-            if fmt is not None and inner.publish == inner._sender.publish
-            else None
+            (sender.publish_engine, fmt) if fmt is not None and sender is not None else None
         )
         self._closed = False
         atexit.register(self.shutdown)

@@ -204,6 +204,7 @@ typedef struct {
     int closed, stopping, waiting, started, joined, flushed;
     double deadline;
     double last_sent;
+    int last_was_batch; /* the last send was a batch, not a heartbeat */
     /* done references and batches (mu) */
     PyObject **done;
     size_t done_len, done_cap, done_batches;
@@ -239,21 +240,24 @@ static double wall_now(void) {
     return ns % 1000000000LL == 0 ? (double)(ns / 1000000000LL) : (double)ns / 1e9;
 }
 
-#define HEARTBEAT_QUIET 0.5 /* kvwire.wire.heartbeat.HEARTBEAT_QUIET */
+#define HEARTBEAT_QUIET 0.5  /* kvwire.wire.heartbeat.HEARTBEAT_QUIET */
+#define AFTER_BATCH_STEP 0.5 /* kvwire.wire.heartbeat.AFTER_BATCH_STEP */
 
 /* When the next heartbeat is due (CLOCK_MONOTONIC seconds; INFINITY without heartbeats):
  * kvwire.wire.heartbeat.heartbeat_at, the one rule publisher and subscriber share, ported
- * line for line (change both together). Heartbeats fall on the wall-clock grid of the
- * interval: the first grid instant at or after last_sent + interval / 2, where last_sent
- * is the monotonic time of the last batch sent (heartbeats included) and wall is
- * time.time() read at now. */
-static double heartbeat_due(double last_sent, double interval, double now, double wall) {
+ * line for line (change both together). Heartbeats fall on the wall-clock grid of a step,
+ * the interval (half of it when the last send was a batch): the first grid instant at or
+ * after last_sent + step / 2, where last_sent is the monotonic time of the last batch sent
+ * (heartbeats included) and wall is time.time() read at now. */
+static double heartbeat_due(double last_sent, double interval, double now, double wall,
+                            int after_batch) {
     if (!(interval > 0)) return INFINITY;
-    double earliest = last_sent + HEARTBEAT_QUIET * interval;
+    double step = after_batch ? interval * AFTER_BATCH_STEP : interval;
+    double earliest = last_sent + HEARTBEAT_QUIET * step;
     double earliest_wall = wall + (earliest - now);
-    double grid = ceil(earliest_wall / interval) * interval;
+    double grid = ceil(earliest_wall / step) * step;
     double wait = grid - earliest_wall;
-    return earliest + (wait < 0 ? 0 : wait > interval ? interval : wait);
+    return earliest + (wait < 0 ? 0 : wait > step ? step : wait);
 }
 
 /* --- reading Python objects without the GIL -------------------------------------------
@@ -1209,6 +1213,7 @@ static int send_item(Sender *s, const Item *it) {
 static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     int have_gil = 0;
     i64 native = 0, gil = 0, sent = 0, failed = 0, bad = 0, beats = 0;
+    int last_kind = -1; /* the kind of the last item put on the wire */
     for (int i = 0; i < n; i++) encode_item(s, &items[i], ts, &have_gil, &native, &gil);
     if (have_gil) {
         /* Release what is done while holding it anyway. */
@@ -1233,6 +1238,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         if (send_item(s, it) < 0) failed++;
         else sent++;
         if (it->kind == K_HEARTBEAT) beats++;
+        last_kind = it->kind;
     }
     double now = mono_now();
     pthread_mutex_lock(&s->mu);
@@ -1254,7 +1260,10 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     s->heartbeats += beats;
     s->native_encoded += native;
     s->gil_encoded += gil;
-    if (sent + failed) s->last_sent = now;
+    if (sent + failed) {
+        s->last_sent = now;
+        s->last_was_batch = last_kind != K_HEARTBEAT;
+    }
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -1289,10 +1298,12 @@ static void *run(void *arg) {
             if (s->stopping) break;
             double now = mono_now();
             double due =
-                s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s, now, wall_now());
+                s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s, now, wall_now(),
+                                                      s->last_was_batch);
             if (due <= now) {
                 Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
                 s->last_sent = now;
+                s->last_was_batch = 0;
                 if (s->q_send < s->max_queue && queue_push(s, &hb) == 0) s->next_seq++;
                 continue;
             }
@@ -2192,17 +2203,19 @@ static PyTypeObject CollectorType = {
     .tp_methods = collector_methods,
 };
 
-/* heartbeat_due(last_sent, interval, now, wall): the sender's rule, for tests to hold it
+/* heartbeat_due(last_sent, interval, now, wall, after_batch): the sender's rule, for tests to hold it
  * equal to kvwire.wire.heartbeat.heartbeat_at. */
 static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
     double last_sent, interval, now, wall;
-    if (!PyArg_ParseTuple(args, "dddd", &last_sent, &interval, &now, &wall)) return NULL;
-    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall));
+    int after_batch;
+    if (!PyArg_ParseTuple(args, "ddddp", &last_sent, &interval, &now, &wall, &after_batch))
+        return NULL;
+    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall, after_batch));
 }
 
 static PyMethodDef module_methods[] = {
     {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
-     "heartbeat_due(last_sent, interval, now, wall) -> when the next heartbeat is due"},
+     "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
     {NULL},
 };
 

@@ -3,7 +3,9 @@
 from collections.abc import Callable
 from typing import Any, final
 
-def heartbeat_due(last_sent: float, interval: float, now: float, wall: float, /) -> float:
+def heartbeat_due(
+    last_sent: float, interval: float, now: float, wall: float, after_batch: bool, /
+) -> float:
     """The sender's heartbeat rule (``kvwire.wire.heartbeat.heartbeat_at``, in C)."""
 
 @final

@@ -221,9 +221,7 @@ class EventCollector:
         self._block_size = block_size
         self._hash_format: HashFormat = hash_format
         self._cap = max_stored_blocks_per_iteration
-        sender = None
-        if isinstance(publisher, EventPublisher) and publisher.publish == publisher._sender.publish:
-            sender = publisher._sender  # not when publish() was replaced (a wrapper sees all)
+        sender = publisher.direct_sender() if isinstance(publisher, EventPublisher) else None
         self._core = Collector(
             publisher,
             block_size,

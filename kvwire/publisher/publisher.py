@@ -38,6 +38,7 @@ from kvwire.wire import (
     offset_endpoint,
     validate_endpoints,
 )
+from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S
 
 __all__ = ["DEFAULT_ENDPOINT", "EventPublisher", "PendingBatch", "PublisherStats"]
 
@@ -127,11 +128,13 @@ class EventPublisher:
 
     - ``epoch``: a random 64-bit id per instance, appended to every topic frame
       (live, replay, snapshot) as ``\\x00sgl-kv-epoch=kvw1.<hex>[.hb<ms>][.snap]``.
-    - ``heartbeat``: the interval (s) of the wall-clock grid on which the sender
-      thread publishes an empty batch on the next seq when nothing went out in
-      the last half interval (:mod:`kvwire.wire.heartbeat`), so a trailing drop
-      is a visible gap within 1.5 intervals and a fleet's heartbeats arrive
-      together (``None``: never).
+    - ``heartbeat``: the interval (s, default 2) of the wall-clock grid on which
+      the sender thread publishes an empty batch on the next seq when nothing
+      went out in the last half interval; after a batch, on the grid of half
+      the interval (:mod:`kvwire.wire.heartbeat`). So a trailing drop is a
+      visible gap within 0.75 intervals, an idle rank costs its subscribers
+      one heartbeat per interval, and a fleet's heartbeats arrive together
+      (``None``: never).
     - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
       and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
       chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a
@@ -181,7 +184,7 @@ class EventPublisher:
         ranks_per_host: int | None = None,
         coalesce_s: float = 0.002,
         epoch: bool = True,
-        heartbeat: float | None = 1.0,
+        heartbeat: float | None = DEFAULT_INTERVAL_S,
         snapshot: bool = True,
         server_keys: ServerKeys | None = None,
         max_replay_jobs: int = 64,
@@ -290,6 +293,12 @@ class EventPublisher:
         documents it.)
         """
         return bool(self._sender.publish(batch))
+
+    def direct_sender(self) -> Sender | None:
+        """The native sender, for producers that queue on it without ``publish()``
+        (the collector's hooks, the engine plugins); ``None`` when ``publish`` was
+        replaced on this instance, so that a wrapper still sees every batch."""
+        return self._sender if self.publish == self._sender.publish else None
 
     @property
     def coalesce_s(self) -> float:

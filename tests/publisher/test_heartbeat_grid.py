@@ -1,4 +1,5 @@
-"""A publisher's heartbeats fall on the wall-clock grid of its interval, and only when idle."""
+"""A publisher's heartbeats fall on the wall-clock grid of its interval (of half of it
+right after a batch), and only when idle."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ def test_idle_publishers_heartbeat_together_on_the_grid(
         subs = [connect_sub(zctx, pub)[0] for pub in (a, b)]
         phases = []
         for sub in subs:
-            for _ in range(4):
+            for i in range(4):
                 msg = recv_live(sub)
                 batch = decode_batch(msg.payload)
                 assert batch.events == []  # nothing but heartbeats is published
-                # The batch's timestamp is read as the sender decides to send.
-                phases.append(math.remainder(batch.ts, beat))
+                # The batch's timestamp is read as the sender decides to send. The first
+                # heartbeat follows connect_sub's pings, on the half-interval grid; the
+                # idle ones after it on the interval's.
+                phases.append(math.remainder(batch.ts, beat / 2 if i == 0 else beat))
         # Late by the poll's millisecond and the thread's wake-up; never early, never
         # half an interval off (a shared, loaded host: the median, with room).
         assert all(p > -0.005 for p in phases), phases

@@ -236,16 +236,17 @@ def test_heartbeats_are_pythons_empty_batch_byte_for_byte(
     interval=st.sampled_from([0.001, 0.05, 0.25, 1.0, 2.5, 3600.0]),
     since=st.floats(0, 10),
     wall=st.floats(1e9, 2e9),
+    after_batch=st.booleans(),
 )
 def test_the_senders_heartbeat_rule_is_the_shared_one(
-    last_sent: float, interval: float, since: float, wall: float
+    last_sent: float, interval: float, since: float, wall: float, after_batch: bool
 ) -> None:
     from kvwire.publisher._sender import heartbeat_due
     from kvwire.wire.heartbeat import heartbeat_at
 
     now = last_sent + since * interval
-    assert heartbeat_due(last_sent, interval, now, wall) == heartbeat_at(
-        last_sent, interval, now, wall
+    assert heartbeat_due(last_sent, interval, now, wall, after_batch) == heartbeat_at(
+        last_sent, interval, now, wall, after_batch
     )
 
 

@@ -105,6 +105,7 @@ class SimPublisher:
         self.lives = [(self.batches, self.truth_after)]
         self.dropped = False  # this life dropped a batch after reserving its seq
         self.last_sent = 0.0
+        self.last_was_batch = False
         self.topic = TOPIC
         self._new_epoch()
         self.wall_offset = self.rng.uniform(0.0, 1e6)  # the wall clock, against sim time
@@ -164,6 +165,7 @@ class SimPublisher:
         self.truth_after[seq] = frozenset(self.truth)
         self.seq += 1
         self.last_sent = now
+        self.last_was_batch = kind != "heartbeat"
         if buffered:
             self.buffer.append((seq, payload))
         else:
@@ -175,7 +177,9 @@ class SimPublisher:
         hb = self.kind.heartbeat
         if hb is None:
             return None
-        return heartbeat_at(self.last_sent, hb, now, now + self.wall_offset)
+        return heartbeat_at(
+            self.last_sent, hb, now, now + self.wall_offset, self.last_was_batch
+        )
 
     def restart(self, now: float) -> None:
         self.incarnation += 1
@@ -187,6 +191,7 @@ class SimPublisher:
         self.lives.append((self.batches, self.truth_after))
         self.dropped = False
         self.last_sent = now
+        self.last_was_batch = False
         self._new_epoch()
 
     def serve(self, start: int) -> list[list[bytes]]:

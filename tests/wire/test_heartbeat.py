@@ -1,4 +1,5 @@
-"""The heartbeat rule: aligned on the wall-clock grid, silence bounded by 1.5 intervals."""
+"""The heartbeat rule: aligned on the wall-clock grid, silence bounded by 1.5 intervals,
+a trailing drop shown within 0.75 of one."""
 
 from __future__ import annotations
 
@@ -8,32 +9,45 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.wire.heartbeat import HEARTBEAT_QUIET, MAX_SILENCE, heartbeat_at
+from kvwire.wire.heartbeat import (
+    AFTER_BATCH_STEP,
+    HEARTBEAT_QUIET,
+    MAX_SILENCE,
+    TRAILING_GAP,
+    heartbeat_at,
+)
 
 intervals = st.sampled_from([0.001, 0.05, 0.25, 1.0, 3.0, 60.0])
 times = st.floats(0.0, 1e6, allow_nan=False)
 
 
-@given(interval=intervals, last=times, since=st.floats(0.0, 100.0), offset=times)
+@given(
+    interval=intervals, last=times, since=st.floats(0.0, 100.0), offset=times,
+    after_batch=st.booleans(),
+)  # fmt: skip
 def test_due_on_the_grid_within_the_bounds(
-    interval: float, last: float, since: float, offset: float
+    interval: float, last: float, since: float, offset: float, after_batch: bool
 ) -> None:
     now = last + since
     wall = now + offset  # the wall clock runs offset ahead of the monotonic one
-    at = heartbeat_at(last, interval, now, wall)
+    at = heartbeat_at(last, interval, now, wall, after_batch)
+    step = interval * (AFTER_BATCH_STEP if after_batch else 1.0)
     slack = 1e-9 * max(1.0, abs(last), abs(wall))
-    assert last + HEARTBEAT_QUIET * interval - slack <= at <= last + MAX_SILENCE * interval + slack
-    phase = math.remainder(at + offset, interval)  # distance to the nearest grid instant
-    assert abs(phase) <= slack + 1e-6 * interval
+    assert last + HEARTBEAT_QUIET * step - slack <= at <= last + MAX_SILENCE * step + slack
+    phase = math.remainder(at + offset, step)  # distance to the nearest grid instant
+    assert abs(phase) <= slack + 1e-6 * step
 
 
-@given(interval=intervals, last=times, offset=times, a=st.floats(0, 10), b=st.floats(0, 10))
+@given(
+    interval=intervals, last=times, offset=times, a=st.floats(0, 10), b=st.floats(0, 10),
+    after_batch=st.booleans(),
+)  # fmt: skip
 def test_the_same_whenever_it_is_asked(
-    interval: float, last: float, offset: float, a: float, b: float
+    interval: float, last: float, offset: float, a: float, b: float, after_batch: bool
 ) -> None:
     """Only the wall clock's phase matters, not when the sender wakes to ask."""
-    first = heartbeat_at(last, interval, last + a, last + a + offset)
-    second = heartbeat_at(last, interval, last + b, last + b + offset)
+    first = heartbeat_at(last, interval, last + a, last + a + offset, after_batch)
+    second = heartbeat_at(last, interval, last + b, last + b + offset, after_batch)
     assert math.isclose(first, second, rel_tol=0, abs_tol=1e-6 * max(1.0, interval, last))
 
 
@@ -43,6 +57,11 @@ def test_ranks_idle_since_different_times_heartbeat_together() -> None:
     lasts = [10.0 + i / 100 for i in range(100)]
     dues = {round(heartbeat_at(last, interval, last, last + offset), 9) for last in lasts}
     assert dues == {10.75, 11.75}  # sent at or before 10.25: 10.75; after: 11.75
+    # After a batch, on the half-interval grid, which holds the idle one.
+    dues = {round(heartbeat_at(last, interval, last, last + offset, True), 9) for last in lasts}
+    # Half-interval grid at monotonic 10.25, 10.75, 11.25: sent at 10.0 -> 10.25, in
+    # (10.0, 10.5] -> 10.75, after -> 11.25.
+    assert dues == {10.25, 10.75, 11.25}
 
 
 @settings(max_examples=50)
@@ -51,18 +70,39 @@ def test_ranks_idle_since_different_times_heartbeat_together() -> None:
     offset=times,
     gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=40),
 )
-def test_a_sender_following_the_rule_is_never_silent_for_1_5_intervals(
+def test_a_sender_following_the_rule_bounds_silence_and_trailing_drops(
     interval: float, offset: float, gaps: list[float]
 ) -> None:
-    """Batches at arbitrary times, heartbeats by the rule in between: the longest silence."""
+    """Batches at arbitrary times, heartbeats by the rule in between: the longest silence
+    is under 1.5 intervals, and the first send after each batch comes within 0.75."""
     now = last = 0.0
+    after_batch = False
     sends = [0.0]
+    trailing = []  # from each batch to the next send
     for gap in gaps:
         batch = now + gap * interval
-        while (at := heartbeat_at(last, interval, now, now + offset)) < batch:
+        while (at := heartbeat_at(last, interval, now, now + offset, after_batch)) < batch:
+            if after_batch:
+                trailing.append(at - last)
             sends.append(at)
             now = last = at
+            after_batch = False
+        if after_batch:
+            trailing.append(batch - last)
         sends.append(batch)
         now = last = batch
+        after_batch = True
     longest = max(b - a for a, b in itertools.pairwise(sends))
     assert longest <= MAX_SILENCE * interval * (1 + 1e-9) + 1e-9
+    assert all(t <= TRAILING_GAP * interval * (1 + 1e-9) + 1e-9 for t in trailing)
+
+
+def test_idle_heartbeats_come_once_an_interval_after_the_first() -> None:
+    """After a batch: one heartbeat on the half grid, then one per interval."""
+    interval, offset = 2.0, 0.0
+    last, after_batch, sends = 0.1, True, []
+    for _ in range(4):
+        last = heartbeat_at(last, interval, last, last + offset, after_batch)
+        after_batch = False
+        sends.append(round(last, 9))
+    assert sends == [1.0, 2.0, 4.0, 6.0]
