@@ -18,7 +18,7 @@ Publishers, each a case:
 - ``kvwire-plugin``: the publisher ``kvwire.integrations`` puts into vLLM,
   fed vLLM's structs (the engines' wire, as the plugin's defaults have it);
 - ``kvwire-defaults``: ``EventCollector`` + ``EventPublisher`` with its
-  defaults (epoch, 1 s heartbeat, replay with the snapshot mirror);
+  defaults (epoch, heartbeat, replay with the snapshot mirror);
 - ``hooks-only``: the ``EventCollector`` hooks with a publisher that drops
   every batch (an ``EventPublisher`` closed before its first batch: the
   collector's native path up to the queue, which drops and counts it; no sender
@@ -27,11 +27,14 @@ Publishers, each a case:
 - ``kvwire-nosub``: ``kvwire-wire`` with no SUB connected (libzmq drops each
   message at once): what is left of ``kvwire-wire`` without the consumer and
   the transport running on the other core (engine-thread table only).
-- ``call-only`` and ``alloc-only`` (engine table only, on request with
-  ``--cases``): no publisher at all; the harness's own publishing step, and
-  that step plus allocating and dropping what the Python collector's hooks
-  allocated per iteration (a records list and two record tuples; the native
-  hooks allocate nothing). They separate what the harness and Python
+- ``call-only``, ``alloc-only`` and ``structs-only`` (engine table only, on
+  request with ``--cases``): no publisher at all; the harness's own publishing
+  step; that step plus allocating and dropping what the Python collector's
+  hooks allocated per iteration (a records list and two record tuples; the
+  native hooks allocate nothing); and that step plus building and dropping
+  vLLM's ``KVEventBatch`` / ``BlockStored`` / ``BlockRemoved``, which vLLM's
+  scheduler builds per iteration whatever publisher it has (the floor of
+  ``vllm`` and ``kvwire-plugin``). They separate what the harness and Python
   allocation cost the CPU-bound loop from publishing.
 Every publisher has a replay endpoint.
 
@@ -86,7 +89,7 @@ BLOCK_TOKENS = 16
 CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
 # Floors of the engine table only (no publisher at all): the harness's own step, and that
 # step plus allocating and dropping what the Python collector's hooks allocated per iteration.
-FLOORS = ("call-only", "alloc-only")
+FLOORS = ("call-only", "alloc-only", "structs-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
 CPU_RATIO_TARGET = 0.5
@@ -163,13 +166,17 @@ class Case:
         stores, removes = inputs.stores, inputs.removes
         nvar = len(stores)
         self.publish: Callable[[int], None]
+        self.pub: Any
         self._depth: Callable[[bool], int]
-        if name in ("vllm", "kvwire-plugin"):
+        if name in ("vllm", "kvwire-plugin", "structs-only"):
             from tests.integrations.engines import import_vllm
 
             kv = import_vllm().kv_events
-            if name == "vllm":
-                self.pub: Any = kv.ZmqEventPublisher(
+            if name == "structs-only":
+                self.pub = _Discard()
+                self._depth = lambda mirror: 0
+            elif name == "vllm":
+                self.pub = kv.ZmqEventPublisher(
                     0, f"tcp://*:{pub_port}", f"tcp://*:{replay_port}"
                 )
                 q = self.pub._event_queue
@@ -200,7 +207,7 @@ class Case:
                 publish_struct(batch_cls(ts=time.time(), events=[stored, removed]))
 
             self.publish = publish
-            self._close = self.pub.shutdown
+            self._close = self.pub.close if name == "structs-only" else self.pub.shutdown
         elif name in FLOORS:
             alloc = name == "alloc-only"
 
