@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import select
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,23 +38,6 @@ DRAINS: list[Any] = [
 def test_the_native_drain_is_in_use_here() -> None:
     """Linux with pyzmq's shared libzmq: the fallback must not hide a broken build."""
     assert receive.NATIVE
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
-    ctx = zmq.Context()
-    a: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-    b: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-    for s in (a, b):
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.setsockopt(zmq.LINGER, 0)
-    a.bind("inproc://drain")
-    b.connect("inproc://drain")
-    yield a, b
-    a.close()
-    b.close()
-    ctx.term()
 
 
 def _all(

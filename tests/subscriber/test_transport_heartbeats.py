@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,23 +48,6 @@ from tests.subscriber.test_stream_model import MODEL, PUBLISHERS, config, ops
 pytestmark = pytest.mark.skipif(not receive.NATIVE, reason="libzmq not reachable")
 
 TOPIC = epoch_topic(b"kv", format_epoch(7, heartbeat_s=1.0, snapshot=False))
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
-    ctx = zmq.Context()
-    a: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-    b: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
-    for s in (a, b):
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.setsockopt(zmq.LINGER, 0)
-    a.bind("inproc://beats")
-    b.connect("inproc://beats")
-    yield a, b
-    a.close()
-    b.close()
-    ctx.term()
 
 
 def beat(seq: int, rank: int | None = 3, ts: float = 1e9) -> list[bytes]:
