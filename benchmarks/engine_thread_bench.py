@@ -87,8 +87,8 @@ import zmq
 
 BLOCK_TOKENS = 16
 CASES = ("vllm", "kvwire-wire", "kvwire-plugin", "kvwire-defaults", "hooks-only", "kvwire-nosub")
-# Floors of the engine table only (no publisher at all): the harness's own step, and that
-# step plus allocating and dropping what the Python collector's hooks allocated per iteration.
+# Floors of the engine table only (no publisher at all): the harness's own step; that step
+# plus what the Python collector's hooks allocated per iteration; that step plus vLLM's structs.
 FLOORS = ("call-only", "alloc-only", "structs-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
@@ -262,7 +262,7 @@ class Case:
 
 
 class _Discard:
-    """A publisher that drops every batch: the engine thread pays for its hook calls alone."""
+    """A publisher that drops every batch: the floors' stand-in (no sender, no socket)."""
 
     rank = 0
     endpoint = None
