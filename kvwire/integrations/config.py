@@ -22,10 +22,11 @@ variable                       default    meaning
 ``KVWIRE_EPOCH``               unset      ``1``: an epoch id on every topic frame, so
                                           subscribers tell a restart from a gap (changes the
                                           topic frame).
-``KVWIRE_HEARTBEAT_S``         unset      heartbeat interval (s): an empty batch at each
-                                          multiple of it (wall clock) when nothing went out
-                                          for half of it, so a trailing loss shows (adds
-                                          messages).
+``KVWIRE_HEARTBEAT_S``         unset      heartbeat interval (s): an empty batch on the
+                                          wall-clock grid of it (of half of it right after
+                                          a batch) when nothing went out meanwhile, so a
+                                          trailing loss shows (adds messages;
+                                          ``kvwire.wire.heartbeat``).
 ``KVWIRE_SECRET_KEY``          unset      the publisher's CURVE ``.key_secret`` file
                                           (``kvwire keygen``); with ``KVWIRE_ALLOW_DIR``, only
                                           clients whose public key is in that directory read
