@@ -178,27 +178,28 @@ static PyObject *read_messages(void *handle, Py_ssize_t cap, Py_ssize_t max_fram
         if (rc < 0)
             goto fail;
     }
+    goto done;
+fail:
+    Py_CLEAR(out);
 done:
     for (Py_ssize_t i = 0; i <= max_frames; i++)
         kvw_zmq.msg_close(&parts[i]);
     return out;
-fail:
-    for (Py_ssize_t i = 0; i <= max_frames; i++)
-        kvw_zmq.msg_close(&parts[i]);
-    Py_DECREF(out);
-    return NULL;
 }
 
-static int check_loaded(void) {
+/* What drain() and drain_beats() check alike: the number of arguments, that
+ * libzmq is loaded, and cap (the second argument). */
+static int read_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                       const char *usage, Py_ssize_t *cap) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
     if (!kvw_zmq_loaded) {
         PyErr_SetString(PyExc_RuntimeError, "libzmq not loaded: call load(path) first");
         return -1;
     }
-    return 0;
-}
-
-static int read_cap(PyObject *arg, Py_ssize_t *cap) {
-    *cap = PyLong_AsSsize_t(arg);
+    *cap = PyLong_AsSsize_t(args[1]);
     if (*cap == -1 && PyErr_Occurred())
         return -1;
     if (*cap < 0) {
@@ -209,14 +210,8 @@ static int read_cap(PyObject *arg, Py_ssize_t *cap) {
 }
 
 static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "drain(socket, cap, max_frames)");
-        return NULL;
-    }
-    if (check_loaded() < 0)
-        return NULL;
     Py_ssize_t cap;
-    if (read_cap(args[1], &cap) < 0)
+    if (read_common(args, nargs, 3, "drain(socket, cap, max_frames)", &cap) < 0)
         return NULL;
     Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
     if (max_frames == -1 && PyErr_Occurred())
@@ -232,14 +227,8 @@ static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "drain_beats(socket, cap, topic, expected, rank)");
-        return NULL;
-    }
-    if (check_loaded() < 0)
-        return NULL;
     Py_ssize_t cap;
-    if (read_cap(args[1], &cap) < 0)
+    if (read_common(args, nargs, 5, "drain_beats(socket, cap, topic, expected, rank)", &cap) < 0)
         return NULL;
     if (!PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "topic must be bytes");
