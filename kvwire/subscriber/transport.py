@@ -1046,7 +1046,7 @@ class Subscriber:
                 actions = link.stream.tick(now)
                 if actions:
                     self._deliver(link, actions)
-                if link.dealer is not None and not link.closed:
+                if not link.closed:
                     self._release_dealer(link)
             except Exception:
                 self._log_limited(link, "subscriber timer error", exc_info=True)
