@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "../_native/libzmq.h"
+#include "../_native/msgpack_read.h"
 
 #define MAX_FRAMES 64
 
@@ -75,13 +76,6 @@ typedef struct {
     size_t last_len;
 } Beats;
 
-static uint64_t read_be(const unsigned char *p, size_t n) {
-    uint64_t v = 0;
-    for (size_t i = 0; i < n; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 /* Whether [topic, seq, payload] is the next heartbeat: an envelope
  * [float64 ts, [], rank] (0x93 0xcb <8> 0x90 <rank>), with rank nil or a
  * non-negative int, and nothing after it. Anything else is the stream's to judge. */
@@ -91,7 +85,7 @@ static int is_beat(kvw_zmq_msg *parts, Py_ssize_t n, const Beats *b) {
         return 0;
     if (b->topic_len && memcmp(kvw_zmq.msg_data(&parts[0]), b->topic, b->topic_len) != 0)
         return 0;
-    if (read_be((const unsigned char *)kvw_zmq.msg_data(&parts[1]), 8) != b->expected)
+    if (kvw_get_be((const unsigned char *)kvw_zmq.msg_data(&parts[1]), 8) != b->expected)
         return 0;
     const unsigned char *p = (const unsigned char *)kvw_zmq.msg_data(&parts[2]);
     size_t len = kvw_zmq.msg_size(&parts[2]);
@@ -99,19 +93,13 @@ static int is_beat(kvw_zmq_msg *parts, Py_ssize_t n, const Beats *b) {
         return 0;
     const unsigned char *r = p + 11;
     size_t rest = len - 11;
-    uint64_t rank;
     if (*r == 0xc0)
         return rest == 1;
-    if (*r <= 0x7f) {
-        if (rest != 1)
-            return 0;
-        rank = *r;
-    } else {
-        size_t body = *r == 0xcc ? 1 : *r == 0xcd ? 2 : *r == 0xce ? 4 : *r == 0xcf ? 8 : 0;
-        if (body == 0 || rest != 1 + body)
-            return 0;
-        rank = read_be(r + 1, body);
-    }
+    /* An unsigned form only (as msgspec writes a rank), taking all the rest. */
+    uint64_t rank;
+    int neg;
+    if (*r >= 0xd0 || kvw_get_int(r, (Py_ssize_t)rest, &rank, &neg) != (Py_ssize_t)rest)
+        return 0;
     return b->rank < 0 || rank == (uint64_t)b->rank;
 }
 
