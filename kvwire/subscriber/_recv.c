@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "../_native/libzmq.h"
+#include "../_native/msgpack_read.h"
 
 #define MAX_FRAMES 64
 
@@ -75,13 +76,6 @@ typedef struct {
     size_t last_len;
 } Beats;
 
-static uint64_t read_be(const unsigned char *p, size_t n) {
-    uint64_t v = 0;
-    for (size_t i = 0; i < n; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 /* Whether [topic, seq, payload] is the next heartbeat: an envelope
  * [float64 ts, [], rank] (0x93 0xcb <8> 0x90 <rank>), with rank nil or a
  * non-negative int, and nothing after it. Anything else is the stream's to judge. */
@@ -91,7 +85,7 @@ static int is_beat(kvw_zmq_msg *parts, Py_ssize_t n, const Beats *b) {
         return 0;
     if (b->topic_len && memcmp(kvw_zmq.msg_data(&parts[0]), b->topic, b->topic_len) != 0)
         return 0;
-    if (read_be((const unsigned char *)kvw_zmq.msg_data(&parts[1]), 8) != b->expected)
+    if (kvw_get_be((const unsigned char *)kvw_zmq.msg_data(&parts[1]), 8) != b->expected)
         return 0;
     const unsigned char *p = (const unsigned char *)kvw_zmq.msg_data(&parts[2]);
     size_t len = kvw_zmq.msg_size(&parts[2]);
@@ -99,19 +93,13 @@ static int is_beat(kvw_zmq_msg *parts, Py_ssize_t n, const Beats *b) {
         return 0;
     const unsigned char *r = p + 11;
     size_t rest = len - 11;
-    uint64_t rank;
     if (*r == 0xc0)
         return rest == 1;
-    if (*r <= 0x7f) {
-        if (rest != 1)
-            return 0;
-        rank = *r;
-    } else {
-        size_t body = *r == 0xcc ? 1 : *r == 0xcd ? 2 : *r == 0xce ? 4 : *r == 0xcf ? 8 : 0;
-        if (body == 0 || rest != 1 + body)
-            return 0;
-        rank = read_be(r + 1, body);
-    }
+    /* An unsigned form only (as msgspec writes a rank), taking all the rest. */
+    uint64_t rank;
+    int neg;
+    if (*r >= 0xd0 || kvw_get_int(r, (Py_ssize_t)rest, &rank, &neg) != (Py_ssize_t)rest)
+        return 0;
     return b->rank < 0 || rank == (uint64_t)b->rank;
 }
 
@@ -178,27 +166,28 @@ static PyObject *read_messages(void *handle, Py_ssize_t cap, Py_ssize_t max_fram
         if (rc < 0)
             goto fail;
     }
+    goto done;
+fail:
+    Py_CLEAR(out);
 done:
     for (Py_ssize_t i = 0; i <= max_frames; i++)
         kvw_zmq.msg_close(&parts[i]);
     return out;
-fail:
-    for (Py_ssize_t i = 0; i <= max_frames; i++)
-        kvw_zmq.msg_close(&parts[i]);
-    Py_DECREF(out);
-    return NULL;
 }
 
-static int check_loaded(void) {
+/* What drain() and drain_beats() check alike: the number of arguments, that
+ * libzmq is loaded, and cap (the second argument). */
+static int read_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                       const char *usage, Py_ssize_t *cap) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
     if (!kvw_zmq_loaded) {
         PyErr_SetString(PyExc_RuntimeError, "libzmq not loaded: call load(path) first");
         return -1;
     }
-    return 0;
-}
-
-static int read_cap(PyObject *arg, Py_ssize_t *cap) {
-    *cap = PyLong_AsSsize_t(arg);
+    *cap = PyLong_AsSsize_t(args[1]);
     if (*cap == -1 && PyErr_Occurred())
         return -1;
     if (*cap < 0) {
@@ -209,14 +198,8 @@ static int read_cap(PyObject *arg, Py_ssize_t *cap) {
 }
 
 static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "drain(socket, cap, max_frames)");
-        return NULL;
-    }
-    if (check_loaded() < 0)
-        return NULL;
     Py_ssize_t cap;
-    if (read_cap(args[1], &cap) < 0)
+    if (read_common(args, nargs, 3, "drain(socket, cap, max_frames)", &cap) < 0)
         return NULL;
     Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
     if (max_frames == -1 && PyErr_Occurred())
@@ -232,14 +215,8 @@ static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "drain_beats(socket, cap, topic, expected, rank)");
-        return NULL;
-    }
-    if (check_loaded() < 0)
-        return NULL;
     Py_ssize_t cap;
-    if (read_cap(args[1], &cap) < 0)
+    if (read_common(args, nargs, 5, "drain_beats(socket, cap, topic, expected, rank)", &cap) < 0)
         return NULL;
     if (!PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "topic must be bytes");

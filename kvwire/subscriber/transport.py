@@ -108,7 +108,6 @@ class _Link:
         "dealer_fd",
         "dealer_token",
         "endpoints",
-        "heard",
         "keys",
         "monitor",
         "monitor_fd",
@@ -141,7 +140,6 @@ class _Link:
         self.dealer_token = 0
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer_at: float | None = None
-        self.heard = False  # live messages read since the last sweep (or since it was swept)
         self.closed = False
         self.connecting_since: float | None = None  # holds a first-contact slot
         self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
@@ -896,7 +894,6 @@ class Subscriber:
             if not beats and not messages:
                 break
             now = clock()
-            link.heard = True
             if last is not None:
                 stream.beats(beats, last, now)
                 n += beats
@@ -971,9 +968,10 @@ class Subscriber:
         """Leave the rank's silence deadline to the sweeps, unless it falls before the next one.
 
         Sweeps run every heartbeat interval (the shortest among the swept ranks,
-        at most ``_MAX_TIMER_S``): a rank heard from meanwhile is checked there
-        and costs no timer; one whose silence falls due before the following
-        sweep is put back on the heap, at its exact deadline.
+        at most ``_MAX_TIMER_S``): a rank heard from meanwhile has had its
+        deadline moved past the following sweep and costs no timer; one whose
+        silence falls due before the following sweep is put back on the heap, at
+        its exact deadline.
         """
         epoch = link.stream.epoch
         assert epoch is not None and epoch.heartbeat_s is not None
@@ -988,7 +986,6 @@ class Subscriber:
         if deadline <= self._sweep_at:
             return False
         link.timer_at = None  # an entry on the heap is superseded
-        link.heard = False
         self._swept[link] = None
         return True
 
@@ -1000,13 +997,12 @@ class Subscriber:
         self._sweep_handle = self._loop.call_later(self._sweep_s, self._sweep)
 
     def _sweep(self) -> None:
-        """The swept ranks not heard from since the last sweep: those due before the next get a timer.
+        """The swept ranks whose silence falls due before the next sweep get a timer.
 
-        A rank heard from since then is not due before the next sweep: it was
-        heard at most one period ago, and its silence deadline is at least 2.5
-        heartbeat intervals (each at least a period) after that. Only ranks in
-        sequence are swept, and every way out of sequence passes through
-        :meth:`_schedule`, which takes the rank off the sweep.
+        The stream's own deadline is read, so live messages cost the sweep
+        nothing. Only ranks in sequence are swept, and every way out of sequence
+        passes through :meth:`_schedule`, which takes the rank off the sweep (one
+        found out of it anyway, with no silence deadline, is scheduled here).
         """
         self._sweep_handle = None
         if not self._swept or not self._running:
@@ -1016,9 +1012,8 @@ class Subscriber:
         horizon = self._sweep_at
         due: list[_Link] = []
         for link in self._swept:
-            if link.heard:
-                link.heard = False
-            elif (at := link.stream.silence_deadline()) is None or at <= horizon:
+            at = link.stream.silence_deadline()
+            if at is None or at <= horizon:
                 due.append(link)
         for link in due:
             del self._swept[link]
@@ -1051,7 +1046,7 @@ class Subscriber:
                 actions = link.stream.tick(now)
                 if actions:
                     self._deliver(link, actions)
-                if link.dealer is not None and not link.closed:
+                if not link.closed:
                     self._release_dealer(link)
             except Exception:
                 self._log_limited(link, "subscriber timer error", exc_info=True)

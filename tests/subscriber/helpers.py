@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import zmq
+
 from kvwire.publisher import EventPublisher
 from kvwire.subscriber import EngineSource, RankState, RankStatus, StreamConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
@@ -43,6 +45,26 @@ def ipc_endpoints() -> Iterator[tuple[str, str]]:
         yield f"ipc://{d}/ev", f"ipc://{d}/rp"
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def inproc_pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
+    """Two connected inproc PAIR sockets without limits: a sender and the socket under test."""
+    ctx = zmq.Context()
+    a: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+    b: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)
+    for s in (a, b):
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.LINGER, 0)
+    a.bind("inproc://pair")
+    b.connect("inproc://pair")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+        ctx.term()
 
 
 class Engine:

@@ -41,7 +41,7 @@ from kvwire.wire import (
     format_epoch,
     pack_seq,
 )
-from tests.subscriber.helpers import EPHEMERAL, Engine, wait_until
+from tests.subscriber.helpers import EPHEMERAL, Engine, inproc_pair, wait_until
 from tests.subscriber.sim import Harness, PublisherKind
 from tests.subscriber.test_stream_model import MODEL, PUBLISHERS, config, ops
 
@@ -282,51 +282,34 @@ def test_counted_heartbeats_leave_the_state_of_reading_each_one(
     seed: int,
     kind: PublisherKind,
 ) -> None:
-    with zmq.Context() as ctx:
-        tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        tx.bind("inproc://twin")
-        rx.connect("inproc://twin")
-        try:
-            h = TwinHarness(
-                config(replay, max_held),
-                (tx, rx),
-                buffer_steps=buffer_steps,
-                seed=seed,
-                kind=kind,
-            )
-            for op in schedule:
-                h.run(op)
-            h.settle()
-            h.check_settled()
-            assert _state(h.twin) == _state(h.twin.plain)
-        finally:
-            tx.close(linger=0)
-            rx.close(linger=0)
+    with inproc_pair() as sockets:
+        h = TwinHarness(
+            config(replay, max_held), sockets, buffer_steps=buffer_steps, seed=seed, kind=kind
+        )
+        for op in schedule:
+            h.run(op)
+        h.settle()
+        h.check_settled()
+        assert _state(h.twin) == _state(h.twin.plain)
 
 
-def test_an_idle_heartbeating_stream_is_counted_not_read() -> None:
+def test_an_idle_heartbeating_stream_is_counted_not_read(
+    pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
+) -> None:
     """The model above must exercise the count: a quiet stream is all heartbeats."""
-    with zmq.Context() as ctx:
-        tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        tx.bind("inproc://idle")
-        rx.connect("inproc://idle")
-        try:
-            kind = PublisherKind(epoch=True, heartbeat=0.5)
-            h = TwinHarness(config(True, 8), (tx, rx), seed=1, kind=kind)
-            h.connect()
-            h.settle()
-            for _ in range(3):
-                h.run(("publish", "store", "deliver"))
-            for _ in range(20):
-                h.tick(0.5)
-                h.deliver_live(len(h.pipe))
-            h.settle()
-            h.check_settled()
-            assert h.twin.state is RankState.SYNCED
-            assert h.counted >= 15
-        finally:
-            tx.close(linger=0)
-            rx.close(linger=0)
+    kind = PublisherKind(epoch=True, heartbeat=0.5)
+    h = TwinHarness(config(True, 8), pair, seed=1, kind=kind)
+    h.connect()
+    h.settle()
+    for _ in range(3):
+        h.run(("publish", "store", "deliver"))
+    for _ in range(20):
+        h.tick(0.5)
+        h.deliver_live(len(h.pipe))
+    h.settle()
+    h.check_settled()
+    assert h.twin.state is RankState.SYNCED
+    assert h.counted >= 15
 
 
 # --- through the Subscriber --------------------------------------------------------------
