@@ -1682,26 +1682,7 @@ done:
  * answered None: the caller decodes it the general way, which applies it or
  * raises WireError exactly as before. So the subset read here only has to be
  * a part of what decode_batch accepts, read the way it reads it (the reader
- * and its FALL: kvwire/_native/msgpack_read.h). */
-
-/* The fields of BlockStored in declaration (positional) order, then the tag. */
-enum {
-    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
-    F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_SALT, F_TYPE, F_COUNT,
-    F_UNKNOWN = -1
-};
-static const char *const FIELD_NAMES[F_COUNT] = {
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-    "locality", "ownership", "session_id", "lookahead_token_ids", "cache_salt", "type",
-};
-/* BlockRemoved's fields, positional order. */
-static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
-#define N_REMOVED 5
-#define N_STORED 16
-#define REQUIRED_STORED ((1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_BS))
-
-enum { EV_STORED, EV_REMOVED, EV_CLEARED };
+ * and its FALL, the event field table: kvwire/_native/msgpack_read.h). */
 
 /* One event read by the first pass. */
 struct PEv {
@@ -1760,7 +1741,7 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
                     Py_ssize_t *bs) {
     Index *self = cx->self;
     u64 v;
-    int neg, has, rc;
+    int neg, rc;
     const char *s;
     Py_ssize_t n;
     switch (f) {
@@ -1789,14 +1770,11 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
             return 0;
         }
         case F_BS:
-            if (rd_int(r, &v, &neg) || neg || v < 1 || v > (u64)cx->max_bs) return FALL;
-            *bs = (Py_ssize_t)v;
-            return 0;
+            return rd_block_size(r, (u64)cx->max_bs, bs);
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_opt_str(r, &s, &n);
+            return rd_dropped(r, f);
         case F_MEDIUM:
             if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
             if (rd_str(r, &s, &n)) return FALL;
@@ -1827,32 +1805,12 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
     }
 }
 
-/* A field id by name, for an event of this kind (F_UNKNOWN: not its field). */
-static int field_of(int kind, const char *s, Py_ssize_t n) {
-    if (kind == EV_CLEARED) return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
-    if (kind == EV_STORED) {
-        for (int f = 0; f < F_COUNT; f++)
-            if (str_is(s, n, FIELD_NAMES[f])) return f;
-        return F_UNKNOWN;
-    }
-    for (int k = 0; k < N_REMOVED; k++)
-        if (str_is(s, n, FIELD_NAMES[REMOVED_FIELDS[k]])) return REMOVED_FIELDS[k];
-    return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
-}
-
-static int kind_of(const char *s, Py_ssize_t n) {
-    if (str_is(s, n, "BlockStored")) return EV_STORED;
-    if (str_is(s, n, "BlockRemoved")) return EV_REMOVED;
-    if (str_is(s, n, "AllBlocksCleared")) return EV_CLEARED;
-    return -1;
-}
-
 /* One event, a map (`map` 1) or a tagged array, into ev. */
 static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     Py_ssize_t n, len;
     const char *s;
     if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind = kind_of(s, len);
+    int kind = event_kind(s, len);
     if (kind < 0) return FALL;
     memset(ev, 0, sizeof *ev);
     ev->kind = kind;
@@ -1861,21 +1819,11 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     const u64 *tok = NULL;
     Py_ssize_t ntok = 0, bs = 0;
     unsigned seen = 0;
+    int prev = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
         int f;
-        if (map) {
-            if (rd_str(r, &s, &len)) return FALL;
-            f = field_of(kind, s, len);
-        } else {
-            Py_ssize_t at = k - 1;
-            if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_UNKNOWN;
-            else if (kind == EV_REMOVED) f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_UNKNOWN;
-            else f = F_UNKNOWN;
-        }
-        if (f >= 0) {
-            if (seen & (1u << f)) return FALL;
-            seen |= 1u << f;
-        }
+        if (rd_field_id(r, map, kind, k, prev + 1, &f, &seen)) return FALL;
+        prev = f;
         int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
         if (rc) return rc;
     }
