@@ -266,15 +266,15 @@ static inline int field_of(int kind, const char *s, Py_ssize_t n, int guess) {
     return is_field(s, n, F_TYPE) ? F_TYPE : F_UNKNOWN;
 }
 
-/* An event's next field id (*f) after item k-1: its map key read, or its
- * place in a tagged array; FALL for a field seen before (*seen, a bit each). */
-static inline int rd_field_id(Rd *r, int map, int kind, Py_ssize_t k, int guess, int *f,
-                              unsigned *seen) {
+/* An event's field id at item k (*f: the previous one's, -1 at first): its
+ * map key read, or its place in a tagged array; FALL for a field seen before
+ * (*seen, a bit each). */
+static inline int rd_field_id(Rd *r, int map, int kind, Py_ssize_t k, int *f, unsigned *seen) {
     if (map) {
         const char *s;
         Py_ssize_t len;
         if (rd_str(r, &s, &len)) return FALL;
-        *f = field_of(kind, s, len, guess);
+        *f = field_of(kind, s, len, *f + 1);
     } else {
         Py_ssize_t at = k - 1;
         if (kind == EV_STORED) *f = at < N_STORED ? (int)at : F_UNKNOWN;
@@ -285,6 +285,13 @@ static inline int rd_field_id(Rd *r, int map, int kind, Py_ssize_t k, int guess,
     if (*seen & (1u << *f)) return FALL;
     *seen |= 1u << *f;
     return 0;
+}
+
+/* Whether an event has the fields its kind requires, by the ids it had. */
+static inline int event_complete(int kind, unsigned seen) {
+    if (kind == EV_CLEARED) return 1;
+    if (!(seen & (1u << F_HASHES))) return 0;
+    return kind != EV_STORED || (seen & REQUIRED_STORED) == REQUIRED_STORED;
 }
 
 /* block_size: an int in 1..max. */

@@ -1819,17 +1819,14 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     const u64 *tok = NULL;
     Py_ssize_t ntok = 0, bs = 0;
     unsigned seen = 0;
-    int prev = -1;
+    int f = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
-        int f;
-        if (rd_field_id(r, map, kind, k, prev + 1, &f, &seen)) return FALL;
-        prev = f;
+        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
         int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
         if (rc) return rc;
     }
-    if (kind == EV_REMOVED && !(seen & (1u << F_HASHES))) return FALL;
+    if (!event_complete(kind, seen)) return FALL;
     if (kind != EV_STORED) return 0;
-    if ((seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
     /* PrefixIndex._store: tokens count only at the index's block size. */
     int usable = bs == cx->chain->bs;
     ev->other_size = !usable && bs <= cx->index_max_bs;

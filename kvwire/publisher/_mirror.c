@@ -736,17 +736,13 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
     ev->medium_len = 3;
     ev->lora_len = -1;
     unsigned seen = 0;
-    int prev = -1;
+    int f = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
-        int f;
-        if (rd_field_id(r, map, kind, k, prev + 1, &f, &seen)) return FALL;
-        prev = f;
+        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
         int rc = rd_field(self, r, f, ev, ph_len);
         if (rc) return rc;
     }
-    if (!(seen & (1u << F_HASHES))) return FALL;
-    if (kind == EV_STORED && (seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
-    return 0;
+    return event_complete(kind, seen) ? 0 : FALL;
 }
 
 /* The first pass, no Python API (it may run without the GIL): the whole
