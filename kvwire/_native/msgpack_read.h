@@ -173,6 +173,21 @@ static inline int str_is(const char *s, Py_ssize_t n, const char *lit) {
     return (size_t)n == strlen(lit) && memcmp(s, lit, (size_t)n) == 0;
 }
 
+/* Room for `need` items of `item` bytes in *a (capacity *cap, doubled as
+ * needed): scratch a first pass fills, which may run without the GIL, so the
+ * raw allocator (free it with PyMem_RawFree) and -1 without an exception (the
+ * caller raises MemoryError). */
+static inline int kvw_grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = PyMem_RawRealloc(*a, (size_t)c * item);
+    if (!p) return -1;
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
 /* --- kvwire's batch payload: [ts, events, data_parallel_rank?] ------------- */
 
 /* A batch up to its events: the 2- or 3-item array (*n items), the float

@@ -854,7 +854,7 @@ static void Index_dealloc(Index *self) {
     scratch_free(&self->hashes);
     scratch_free(&self->ph);
     scratch_free(&self->ps);
-    PyMem_Free(self->pev);
+    PyMem_RawFree(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1703,17 +1703,6 @@ typedef struct {
     int med_tier;
 } PCtx;
 
-static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *p = PyMem_Realloc(*a, (size_t)c * item);
-    if (!p) { PyErr_NoMemory(); return -1; }
-    *a = p;
-    *cap = c;
-    return 0;
-}
-
 /* tier_of(medium) from PrefixIndex's cache of it; a name not cached yet: FALL. */
 static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
     if (cx->med && cx->med_len == n && memcmp(cx->med, s, (size_t)n) == 0) {
@@ -1846,7 +1835,10 @@ static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
     Index *self = cx->self;
     Py_ssize_t n, m;
     if (rd_batch_open(r, &n, &m, cx->max_events)) return FALL;
-    if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
+    if (kvw_grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
     int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(cx, r, map, &self->pev[k]);
@@ -1954,7 +1946,7 @@ done:
     scratch_trim(&self->ps);
     scratch_trim(&cx.chain->tok);
     if (self->pev_cap > SCRATCH_KEEP) {
-        PyMem_Free(self->pev);
+        PyMem_RawFree(self->pev);
         self->pev = NULL;
         self->pev_cap = 0;
     }

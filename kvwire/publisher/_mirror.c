@@ -640,19 +640,6 @@ static PyObject *Core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
 /* --- the payload reader ------------------------------------------------------ */
 /* (its msgpack reads, their FALL and the event field table: kvwire/_native/msgpack_read.h) */
 
-/* Scratch for the first pass, which may run without the GIL: the raw
- * allocator, and -1 without an exception (the caller raises MemoryError). */
-static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *p = PyMem_RawRealloc(*a, (size_t)c * item);
-    if (!p) return -1;
-    *a = p;
-    *cap = c;
-    return 0;
-}
-
 /* Bytes an int takes by its msgpack head byte (0: not an int), as the
  * shared reader reads it. */
 static unsigned char INT_SIZE[256];
@@ -693,7 +680,7 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
         case F_HASHES: {
             if (RD_ARRAY(r, &n) || n > MAX_BLOCKS) return FALL;
             Py_ssize_t off = *ph_len;
-            if (grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
+            if (kvw_grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
             if (rd_ints(r, self->ph + off, n)) return FALL;
             *ph_len = off + n;
             ev->hoff = off;
@@ -750,7 +737,7 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
 static int rd_batch(Core *self, Rd *r, Py_ssize_t *nev, Py_ssize_t *ph_len) {
     Py_ssize_t n, m;
     if (rd_batch_open(r, &n, &m, MAX_EVENTS)) return FALL;
-    if (grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
+    if (kvw_grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
     int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(self, r, map, &self->pev[*nev + k], ph_len);
