@@ -854,7 +854,7 @@ static void Index_dealloc(Index *self) {
     scratch_free(&self->hashes);
     scratch_free(&self->ph);
     scratch_free(&self->ps);
-    PyMem_Free(self->pev);
+    PyMem_RawFree(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1682,26 +1682,7 @@ done:
  * answered None: the caller decodes it the general way, which applies it or
  * raises WireError exactly as before. So the subset read here only has to be
  * a part of what decode_batch accepts, read the way it reads it (the reader
- * and its FALL: kvwire/_native/msgpack_read.h). */
-
-/* The fields of BlockStored in declaration (positional) order, then the tag. */
-enum {
-    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
-    F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_SALT, F_TYPE, F_COUNT,
-    F_UNKNOWN = -1
-};
-static const char *const FIELD_NAMES[F_COUNT] = {
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-    "locality", "ownership", "session_id", "lookahead_token_ids", "cache_salt", "type",
-};
-/* BlockRemoved's fields, positional order. */
-static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
-#define N_REMOVED 5
-#define N_STORED 16
-#define REQUIRED_STORED ((1 << F_HASHES) | (1 << F_PARENT) | (1 << F_TOKENS) | (1 << F_BS))
-
-enum { EV_STORED, EV_REMOVED, EV_CLEARED };
+ * and its FALL, the event field table: kvwire/_native/msgpack_read.h). */
 
 /* One event read by the first pass. */
 struct PEv {
@@ -1721,17 +1702,6 @@ typedef struct {
     Py_ssize_t med_len;
     int med_tier;
 } PCtx;
-
-static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *p = PyMem_Realloc(*a, (size_t)c * item);
-    if (!p) { PyErr_NoMemory(); return -1; }
-    *a = p;
-    *cap = c;
-    return 0;
-}
 
 /* tier_of(medium) from PrefixIndex's cache of it; a name not cached yet: FALL. */
 static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
@@ -1760,7 +1730,7 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
                     Py_ssize_t *bs) {
     Index *self = cx->self;
     u64 v;
-    int neg, has, rc;
+    int neg, rc;
     const char *s;
     Py_ssize_t n;
     switch (f) {
@@ -1789,14 +1759,11 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
             return 0;
         }
         case F_BS:
-            if (rd_int(r, &v, &neg) || neg || v < 1 || v > (u64)cx->max_bs) return FALL;
-            *bs = (Py_ssize_t)v;
-            return 0;
+            return rd_block_size(r, (u64)cx->max_bs, bs);
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_opt_str(r, &s, &n);
+            return rd_dropped(r, f);
         case F_MEDIUM:
             if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
             if (rd_str(r, &s, &n)) return FALL;
@@ -1827,32 +1794,12 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
     }
 }
 
-/* A field id by name, for an event of this kind (F_UNKNOWN: not its field). */
-static int field_of(int kind, const char *s, Py_ssize_t n) {
-    if (kind == EV_CLEARED) return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
-    if (kind == EV_STORED) {
-        for (int f = 0; f < F_COUNT; f++)
-            if (str_is(s, n, FIELD_NAMES[f])) return f;
-        return F_UNKNOWN;
-    }
-    for (int k = 0; k < N_REMOVED; k++)
-        if (str_is(s, n, FIELD_NAMES[REMOVED_FIELDS[k]])) return REMOVED_FIELDS[k];
-    return str_is(s, n, "type") ? F_TYPE : F_UNKNOWN;
-}
-
-static int kind_of(const char *s, Py_ssize_t n) {
-    if (str_is(s, n, "BlockStored")) return EV_STORED;
-    if (str_is(s, n, "BlockRemoved")) return EV_REMOVED;
-    if (str_is(s, n, "AllBlocksCleared")) return EV_CLEARED;
-    return -1;
-}
-
 /* One event, a map (`map` 1) or a tagged array, into ev. */
 static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     Py_ssize_t n, len;
     const char *s;
     if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind = kind_of(s, len);
+    int kind = event_kind(s, len);
     if (kind < 0) return FALL;
     memset(ev, 0, sizeof *ev);
     ev->kind = kind;
@@ -1861,27 +1808,14 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     const u64 *tok = NULL;
     Py_ssize_t ntok = 0, bs = 0;
     unsigned seen = 0;
+    int f = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
-        int f;
-        if (map) {
-            if (rd_str(r, &s, &len)) return FALL;
-            f = field_of(kind, s, len);
-        } else {
-            Py_ssize_t at = k - 1;
-            if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_UNKNOWN;
-            else if (kind == EV_REMOVED) f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_UNKNOWN;
-            else f = F_UNKNOWN;
-        }
-        if (f >= 0) {
-            if (seen & (1u << f)) return FALL;
-            seen |= 1u << f;
-        }
+        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
         int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
         if (rc) return rc;
     }
-    if (kind == EV_REMOVED && !(seen & (1u << F_HASHES))) return FALL;
+    if (!event_complete(kind, seen)) return FALL;
     if (kind != EV_STORED) return 0;
-    if ((seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
     /* PrefixIndex._store: tokens count only at the index's block size. */
     int usable = bs == cx->chain->bs;
     ev->other_size = !usable && bs <= cx->index_max_bs;
@@ -1901,7 +1835,10 @@ static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
     Index *self = cx->self;
     Py_ssize_t n, m;
     if (rd_batch_open(r, &n, &m, cx->max_events)) return FALL;
-    if (grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) return -1;
+    if (kvw_grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
     int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(cx, r, map, &self->pev[k]);
@@ -2009,7 +1946,7 @@ done:
     scratch_trim(&self->ps);
     scratch_trim(&cx.chain->tok);
     if (self->pev_cap > SCRATCH_KEEP) {
-        PyMem_Free(self->pev);
+        PyMem_RawFree(self->pev);
         self->pev = NULL;
         self->pev_cap = 0;
     }

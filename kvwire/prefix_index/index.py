@@ -202,7 +202,6 @@ class PrefixIndex:
         self._groups = frozenset(groups)
         # apply_payload's native path compares groups in C: ints and None only.
         self._native_groups = all(g is None or type(g) is int for g in self._groups)
-        self._limits: tuple[DecodeLimits, tuple[int, int, int, int]] | None = None
         self._lock = threading.Lock()
         self._core = Index(max_blocks_per_rank or 0, expected_blocks_per_rank=expected_blocks_per_rank)
         self._sids: dict[RankKey, int] = {}
@@ -256,32 +255,26 @@ class PrefixIndex:
         ``decode_batch`` refuses raises its :class:`WireError` with nothing
         applied.
         """
-        lim = self._limits
-        if lim is None or lim[0] is not limits:
-            lim = self._limits = (
-                limits,
-                (limits.max_events, limits.max_blocks, limits.max_block_size, limits.max_tokens),
-            )
         with self._lock:
             sid = self._sids.get((worker_id, rank))
-            done = None
             if sid is not None and self._native_groups:
                 done = self._core.apply_payload(
-                    sid, self._chain, payload, self._root, self.max_block_size,
-                    self._groups, _TIER_OF, *lim[1],
+                    sid, self._chain, payload, self._root, self.max_block_size, self._groups,
+                    _TIER_OF, limits.max_events, limits.max_blocks, limits.max_block_size,
+                    limits.max_tokens,
                 )  # fmt: skip
-            if done is not None and sid is not None:
-                orphans, unknown, ignored, malformed, refused, over = done
-                self._orphan_stores += orphans
-                self._unknown_removals += unknown
-                self._ignored += ignored
-                self._malformed += malformed
-                self._refused += refused
-                if over == 1:
-                    self._over_cap.add(sid)
-                elif over == 2:
-                    self._over_cap.discard(sid)
-                return
+                if done is not None:
+                    orphans, unknown, ignored, malformed, refused, over = done
+                    self._orphan_stores += orphans
+                    self._unknown_removals += unknown
+                    self._ignored += ignored
+                    self._malformed += malformed
+                    self._refused += refused
+                    if over == 1:
+                        self._over_cap.add(sid)
+                    elif over == 2:
+                        self._over_cap.discard(sid)
+                    return
         self.apply(worker_id, rank, decode_batch(payload, limits))
 
     def clear(self, worker_id: str, rank: int) -> None:

@@ -158,7 +158,6 @@ static PyObject *Chain_get_parent(Chain *c, void *unused) {
 }
 
 static PyObject *Chain_get_block_size(Chain *c, void *unused) { return PyLong_FromSsize_t(c->block_size); }
-static PyObject *Chain_get_live(Chain *c, void *unused) { return PyLong_FromSsize_t(c->live); }
 static PyObject *Chain_get_tokens(Chain *c, void *unused) { return Py_NewRef(c->tokens); }
 static PyObject *Chain_get_medium(Chain *c, void *unused) { return Py_NewRef(c->medium); }
 static PyObject *Chain_get_lora(Chain *c, void *unused) { return Py_NewRef(c->lora); }
@@ -168,7 +167,6 @@ static PyObject *Chain_get_group(Chain *c, void *unused) { return Py_NewRef(c->g
 static PyGetSetDef Chain_getset[] = {
     {"parent", (getter)Chain_get_parent, NULL, "block 0's parent hash, or None", NULL},
     {"block_size", (getter)Chain_get_block_size, NULL, "tokens per block", NULL},
-    {"live", (getter)Chain_get_live, NULL, "blocks this chain holds now", NULL},
     {"tokens", (getter)Chain_get_tokens, NULL, "token ids, a packed msgpack array", NULL},
     {"medium", (getter)Chain_get_medium, NULL, "the medium", NULL},
     {"lora", (getter)Chain_get_lora, NULL, "lora_name", NULL},
@@ -640,49 +638,19 @@ static PyObject *Core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* --- the payload reader ------------------------------------------------------ */
-/* (its msgpack reads and their FALL: kvwire/_native/msgpack_read.h) */
+/* (its msgpack reads, their FALL and the event field table: kvwire/_native/msgpack_read.h) */
 
-/* BlockStored's fields in positional order, then the tag. */
-enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
-       F_KIND, F_WINDOW, F_TYPE, F_COUNT, F_OTHER = -1 };
-static const char *const FIELD_NAMES[F_COUNT] = {
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-    "type",
-};
-static Py_ssize_t FIELD_LENS[F_COUNT];
-static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP};
-#define N_REMOVED 3
-#define N_STORED 11
-#define REQUIRED_STORED ((1u << F_HASHES) | (1u << F_PARENT) | (1u << F_TOKENS) | (1u << F_BS))
-
-enum { EV_STORED, EV_REMOVED };
-
-/* Scratch for the first pass, which may run without the GIL: the raw
- * allocator, and -1 without an exception (the caller raises MemoryError). */
-static int grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *p = PyMem_RawRealloc(*a, (size_t)c * item);
-    if (!p) return -1;
-    *a = p;
-    *cap = c;
-    return 0;
-}
-
-/* Bytes an int takes by its msgpack head byte (0: not an int). */
+/* Bytes an int takes by its msgpack head byte (0: not an int), as the
+ * shared reader reads it. */
 static unsigned char INT_SIZE[256];
 
 static void int_sizes_init(void) {
+    unsigned char b[9] = {0};
+    u64 v;
+    int neg;
     for (int c = 0; c < 256; c++) {
-        unsigned char n = 0;
-        if (c <= 0x7f || c >= 0xe0) n = 1;
-        else if (c == 0xcc || c == 0xd0) n = 2;
-        else if (c == 0xcd || c == 0xd1) n = 3;
-        else if (c == 0xce || c == 0xd2) n = 5;
-        else if (c == 0xcf || c == 0xd3) n = 9;
-        INT_SIZE[c] = n;
+        b[0] = (unsigned char)c;
+        INT_SIZE[c] = (unsigned char)kvw_get_int(b, sizeof b, &v, &neg);
     }
 }
 
@@ -706,15 +674,13 @@ static int rd_tokens(Rd *r, PEv *ev) {
 }
 
 static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
-    u64 v;
-    int neg, has;
-    const char *s;
+    int neg;
     Py_ssize_t n;
     switch (f) {
         case F_HASHES: {
             if (RD_ARRAY(r, &n) || n > MAX_BLOCKS) return FALL;
             Py_ssize_t off = *ph_len;
-            if (grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
+            if (kvw_grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
             if (rd_ints(r, self->ph + off, n)) return FALL;
             *ph_len = off + n;
             ev->hoff = off;
@@ -726,14 +692,11 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
         case F_TOKENS:
             return rd_tokens(r, ev);
         case F_BS:
-            if (rd_int(r, &v, &neg) || neg || v < 1 || v > MAX_BLOCK_SIZE) return FALL;
-            ev->block_size = (Py_ssize_t)v;
-            return 0;
+            return rd_block_size(r, MAX_BLOCK_SIZE, &ev->block_size);
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_opt_int(r, &v, &neg, &has);
         case F_KIND:
-            return rd_opt_str(r, &s, &n);
+            return rd_dropped(r, f);
         case F_MEDIUM:
             return rd_opt_str(r, &ev->medium, &ev->medium_len);
         case F_LORA_NAME:
@@ -747,60 +710,26 @@ static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
     }
 }
 
-static inline int is_field(const char *s, Py_ssize_t n, int f) {
-    return n == FIELD_LENS[f] && memcmp(s, FIELD_NAMES[f], (size_t)n) == 0;
-}
-
-/* A field id by name; `guess` (the field after the last one) is tried first. */
-static int field_of(int kind, const char *s, Py_ssize_t n, int guess) {
-    if (kind == EV_STORED) {
-        if (guess >= 0 && guess < F_COUNT && is_field(s, n, guess)) return guess;
-        for (int f = 0; f < F_COUNT; f++)
-            if (is_field(s, n, f)) return f;
-        return F_OTHER;
-    }
-    for (int k = 0; k < N_REMOVED; k++)
-        if (str_is(s, n, FIELD_NAMES[REMOVED_FIELDS[k]])) return REMOVED_FIELDS[k];
-    return str_is(s, n, "type") ? F_TYPE : F_OTHER;
-}
-
 /* One event, a map or a tagged array; an AllBlocksCleared is FALL (the caller resets). */
 static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
     Py_ssize_t n, len;
     const char *s;
     if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind;
-    if (str_is(s, len, "BlockStored")) kind = EV_STORED;
-    else if (str_is(s, len, "BlockRemoved")) kind = EV_REMOVED;
-    else return FALL;
+    int kind = event_kind(s, len);
+    if (kind != EV_STORED && kind != EV_REMOVED) return FALL;
     memset(ev, 0, sizeof *ev);
     ev->kind = kind;
     ev->medium = "GPU"; /* unless given */
     ev->medium_len = 3;
     ev->lora_len = -1;
     unsigned seen = 0;
-    int prev = -1;
+    int f = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
-        int f;
-        if (map) {
-            if (rd_str(r, &s, &len)) return FALL;
-            f = field_of(kind, s, len, prev + 1);
-        } else {
-            Py_ssize_t at = k - 1;
-            if (kind == EV_STORED) f = at < N_STORED ? (int)at : F_OTHER;
-            else f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_OTHER;
-        }
-        if (f >= 0) {
-            if (seen & (1u << f)) return FALL;
-            seen |= 1u << f;
-        }
-        prev = f;
+        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
         int rc = rd_field(self, r, f, ev, ph_len);
         if (rc) return rc;
     }
-    if (!(seen & (1u << F_HASHES))) return FALL;
-    if (kind == EV_STORED && (seen & REQUIRED_STORED) != REQUIRED_STORED) return FALL;
-    return 0;
+    return event_complete(kind, seen) ? 0 : FALL;
 }
 
 /* The first pass, no Python API (it may run without the GIL): the whole
@@ -808,7 +737,7 @@ static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
 static int rd_batch(Core *self, Rd *r, Py_ssize_t *nev, Py_ssize_t *ph_len) {
     Py_ssize_t n, m;
     if (rd_batch_open(r, &n, &m, MAX_EVENTS)) return FALL;
-    if (grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
+    if (kvw_grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
     int map = rd_events_are_maps(r, m);
     for (Py_ssize_t k = 0; k < m; k++) {
         int rc = rd_event(self, r, map, &self->pev[*nev + k], ph_len);
@@ -1141,7 +1070,6 @@ static struct PyModuleDef mirror_module = {
 
 PyMODINIT_FUNC PyInit__mirror(void) {
     int_sizes_init();
-    for (int f = 0; f < F_COUNT; f++) FIELD_LENS[f] = (Py_ssize_t)strlen(FIELD_NAMES[f]);
     if (PyType_Ready(&ChainType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mirror_module);
     if (!m) return NULL;
