@@ -663,13 +663,17 @@ fail:
     return NULL;
 }
 
-/* The CollectedBatch for a C batch (for Python to encode), or NULL with an error set. */
-static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b) {
+/* The CollectedBatch for a C batch (for Python to encode) with `rank` (NULL: b->rank), or
+ * NULL with an error set. */
+static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b, PyObject *rank) {
     PyObject *records = records_list(b->recs, b->n);
-    if (!records) return NULL;
-    PyObject *out = PyObject_CallFunction(batch_type, "(dOLlO)", b->ts, records, (long long)b->rank,
-                                          b->block_size, b->hash_signed ? Py_True : Py_False);
-    Py_DECREF(records);
+    PyObject *r = rank ? Py_NewRef(rank) : PyLong_FromLongLong(b->rank);
+    PyObject *out = records && r ? PyObject_CallFunction(batch_type, "(dOOlO)", b->ts, records, r,
+                                                         b->block_size,
+                                                         b->hash_signed ? Py_True : Py_False)
+                                 : NULL;
+    Py_XDECREF(records);
+    Py_XDECREF(r);
     return out;
 }
 
@@ -1172,7 +1176,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
      * an engine's batch goes to Python wrapped as its format says (msgspec's encoding). */
     PyObject *obj = it->engine   ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
                     : it->obj    ? Py_NewRef(it->obj)
-                    : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch)
+                    : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch, NULL)
                                     : NULL;
     PyObject *r = !obj ? NULL : s->encode ? PyObject_CallOneArg(s->encode, obj) : Py_NewRef(Py_None);
     Py_XDECREF(obj);
@@ -1875,7 +1879,7 @@ static PyObject *S_publish, *S_GPU, *S_block_hashes, *S_token_ids;
 
 typedef struct {
     PyObject_HEAD
-    PyObject *publisher;  /* anything with .rank and .publish(batch) */
+    PyObject *publisher;  /* anything with .rank and .publish(batch); unused with a sender */
     Sender *sender;       /* the publisher's native sender, or NULL */
     PyObject *batch_type; /* CollectedBatch */
     PyObject *capture;    /* capture(values, what, device) -> a private snapshot */
@@ -2143,30 +2147,16 @@ static PyObject *collector_flush(Collector *c, PyObject *unused) {
     b->ts = wall_now();
     b->block_size = c->block_size;
     b->hash_signed = c->hash_signed;
+    if (c->sender) {
+        /* The publisher's native sender: the records go over as they are, with its rank. */
+        b->rank = c->sender->rank;
+        Item it = {.kind = K_COLLECTED, .batch = b};
+        return PyBool_FromLong(sender_enqueue(c->sender, &it));
+    }
     PyObject *rank = PyObject_GetAttr(c->publisher, S_rank);
-    if (!rank) {
-        cbatch_free(b);
-        return NULL;
-    }
-    if (c->sender && PyLong_CheckExact(rank)) {
-        b->rank = PyLong_AsLongLong(rank);
-        if (b->rank == -1 && PyErr_Occurred()) {
-            PyErr_Clear(); /* beyond 64 bits: Python's path says what is wrong */
-        } else {
-            /* The publisher's native sender: the records go over as they are. */
-            Py_DECREF(rank);
-            Item it = {.kind = K_COLLECTED, .batch = b};
-            return PyBool_FromLong(sender_enqueue(c->sender, &it));
-        }
-    }
-    PyObject *records = records_list(b->recs, b->n);
-    PyObject *batch = records ? PyObject_CallFunction(c->batch_type, "(dOOlO)", b->ts, records,
-                                                      rank, b->block_size,
-                                                      b->hash_signed ? Py_True : Py_False)
-                              : NULL;
+    PyObject *batch = rank ? cbatch_to_collected(c->batch_type, b, rank) : NULL;
     cbatch_free(b);
-    Py_XDECREF(records);
-    Py_DECREF(rank);
+    Py_XDECREF(rank);
     if (!batch) return NULL;
     PyObject *out = PyObject_CallMethodOneArg(c->publisher, S_publish, batch);
     Py_DECREF(batch);
