@@ -2160,7 +2160,9 @@ static PyObject *collector_flush(Collector *c, PyObject *unused) {
     if (!batch) return NULL;
     PyObject *out = PyObject_CallMethodOneArg(c->publisher, S_publish, batch);
     Py_DECREF(batch);
-    return out;
+    int queued = out ? PyObject_IsTrue(out) : -1;
+    Py_XDECREF(out);
+    return queued < 0 ? NULL : PyBool_FromLong(queued);
 }
 
 static PyObject *collector_stats(Collector *c, PyObject *unused) {
@@ -2170,14 +2172,24 @@ static PyObject *collector_stats(Collector *c, PyObject *unused) {
 
 static PyMethodDef collector_methods[] = {
     {"stored", (PyCFunction)(void (*)(void))collector_stored, METH_FASTCALL | METH_KEYWORDS,
-     "stored(block_hashes, parent_hash, token_ids, *, lora_name=None, medium='GPU', "
-     "extra_keys=None, group_idx=None)"},
+     "stored($self, block_hashes, parent_hash, token_ids, *, lora_name=None, medium='GPU', "
+     "extra_keys=None, group_idx=None)\n--\n\n"
+     "Blocks block_hashes (a chain under parent_hash) entered the cache. token_ids holds "
+     "block_size tokens per block, in order; anything else raises ValueError (partial blocks "
+     "are never published). extra_keys, when given, has one entry per block. A list or tuple "
+     "argument is kept by reference until the batch is encoded: do not change it afterwards."},
     {"removed", (PyCFunction)(void (*)(void))collector_removed, METH_FASTCALL | METH_KEYWORDS,
-     "removed(block_hashes, *, medium='GPU', group_idx=None)"},
-    {"cleared", (PyCFunction)collector_cleared, METH_NOARGS, "cleared()"},
-    {"flush", (PyCFunction)collector_flush, METH_NOARGS, "flush() -> whether a batch was queued"},
-    {"stats", (PyCFunction)collector_stats, METH_NOARGS,
-     "stats() -> (batches, dropped_stored_blocks, dropped_store_calls)"},
+     "removed($self, block_hashes, *, medium='GPU', group_idx=None)\n--\n\n"
+     "Blocks left the cache (never dropped by the cap)."},
+    {"cleared", (PyCFunction)collector_cleared, METH_NOARGS,
+     "cleared($self, /)\n--\n\nThe whole prefix cache was dropped (a reset)."},
+    {"flush", (PyCFunction)collector_flush, METH_NOARGS,
+     "flush($self, /)\n--\n\n"
+     "Publish what this iteration collected as one batch. True when a batch was queued, False "
+     "when there was nothing to send (an idle engine sends nothing) or the publisher dropped it "
+     "(its counters say why)."},
+    {"_counters", (PyCFunction)collector_stats, METH_NOARGS,
+     "_counters() -> (batches, dropped_stored_blocks, dropped_store_calls)"},
     {NULL},
 };
 
@@ -2185,8 +2197,8 @@ static PyTypeObject CollectorType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Collector",
     .tp_basicsize = sizeof(Collector),
     .tp_dealloc = (destructor)collector_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "EventCollector's hooks: one iteration's records in C memory.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "EventCollector's base: its hooks, one iteration's records in C memory.",
     .tp_traverse = (traverseproc)collector_traverse,
     .tp_clear = (inquiry)collector_clear,
     .tp_new = collector_new,
