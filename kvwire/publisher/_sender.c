@@ -468,15 +468,22 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
     return j;
 }
 
+/* The hashes (or, with `tokens`, the token ids) of records i..end as one msgpack array. */
+static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_t end, int tokens,
+                              int hash_signed) {
+    size_t n = 0;
+    for (size_t k = i; k < end; k++)
+        n += (size_t)seq_len(tokens ? recs[k].tokens : recs[k].hashes);
+    p = kvw_put_array_header(p, n);
+    for (size_t k = i; k < end && p; k++)
+        p = tokens ? put_ints(p, recs[k].tokens, 0, 0) : put_ints(p, recs[k].hashes, 1, hash_signed);
+    return p;
+}
+
 static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
                                 int hash_signed, int dialect) {
     const Rec *rec = &recs[i];
     PyObject *group = rec->group;
-    size_t nh = 0, nt = 0;
-    for (size_t k = i; k < end; k++) {
-        nh += (size_t)seq_len(recs[k].hashes);
-        nt += (size_t)seq_len(recs[k].tokens);
-    }
     if (dialect == 0) {
         *p++ = 0xde;
         *p++ = 0;
@@ -485,9 +492,7 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
     } else {
         p = LIT(p, "\x9c\xab" "BlockStored");
     }
-    p = kvw_put_array_header(p, nh);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
     if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
     if (rec->parent == Py_None) {
         *p++ = 0xc0;
@@ -497,9 +502,7 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
         p = put_intv(p, hash_form(v, hash_signed));
     }
     if (dialect == 0) p = LIT(p, "\xa9token_ids");
-    p = kvw_put_array_header(p, nt);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].tokens, 0, 0);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 1, 0))) return NULL;
     if (dialect == 0) p = LIT(p, "\xaa" "block_size");
     p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
     if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
@@ -524,17 +527,13 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
 static unsigned char *put_remove(unsigned char *p, const Rec *recs, size_t i, size_t end,
                                  int hash_signed, int dialect) {
     PyObject *medium = recs[i].medium, *group = recs[i].group;
-    size_t nh = 0;
-    for (size_t k = i; k < end; k++) nh += (size_t)seq_len(recs[k].hashes);
     if (dialect == 0) {
         *p++ = (unsigned char)(0x83 + (group != Py_None));
         p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
     } else {
         p = LIT(p, "\x93\xac" "BlockRemoved");
     }
-    p = kvw_put_array_header(p, nh);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
     if (dialect == 0) p = LIT(p, "\xa6medium");
     p = put_opt_str(p, medium);
     if (dialect == 0 && group != Py_None) {
