@@ -219,7 +219,7 @@ typedef struct {
     int feed_armed;
     /* counters (mu) */
     i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
-    i64 heartbeats, native_encoded, gil_encoded, gil_takes, mirror_feed_dropped;
+    i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
     pthread_t thread;
@@ -1114,17 +1114,11 @@ static void wake_service(Sender *s) {
 }
 
 static void feed_push(Sender *s, i64 seq, Buf *b) {
-    if (s->feed_len >= FEED_MAX) {
-        s->mirror_feed_dropped++; /* the mirror sees the gap and stops vouching for itself */
-        return;
-    }
+    if (s->feed_len >= FEED_MAX) return; /* the mirror sees the gap and stops vouching for itself */
     if (s->feed_len == s->feed_cap) {
         size_t cap = s->feed_cap ? s->feed_cap * 2 : 256;
         FeedEntry *f = realloc(s->feed, cap * sizeof(FeedEntry));
-        if (!f) {
-            s->mirror_feed_dropped++;
-            return;
-        }
+        if (!f) return; /* a gap, as above */
         s->feed = f;
         s->feed_cap = cap;
     }
@@ -1664,17 +1658,16 @@ static PyObject *sender_join(Sender *s, PyObject *unused) {
 
 static PyObject *sender_stats(Sender *s, PyObject *unused) {
     pthread_mutex_lock(&s->mu);
-    long long v[14] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
+    long long v[12] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
                        s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
                        s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
-                       s->mirror_feed_dropped, (i64)s->ring_len, (i64)s->feed_len};
+                       (i64)s->feed_len};
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
+        "{sLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
         "dropped_queue_full", v[3], "dropped_closed", v[4], "dropped_send_error", v[5],
         "dropped_encode_error", v[6], "heartbeats", v[7], "native_encoded", v[8], "gil_encoded",
-        v[9], "sender_gil_takes", v[10], "mirror_feed_dropped", v[11], "buffered", v[12],
-        "mirror_feed", v[13]);
+        v[9], "sender_gil_takes", v[10], "mirror_feed", v[11]);
 }
 
 static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
