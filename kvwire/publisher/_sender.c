@@ -219,7 +219,7 @@ typedef struct {
     int feed_armed;
     /* counters (mu) */
     i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
-    i64 heartbeats, native_encoded, gil_encoded, gil_takes, mirror_feed_dropped;
+    i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
     pthread_t thread;
@@ -468,15 +468,22 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
     return j;
 }
 
+/* The hashes (or, with `tokens`, the token ids) of records i..end as one msgpack array. */
+static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_t end, int tokens,
+                              int hash_signed) {
+    size_t n = 0;
+    for (size_t k = i; k < end; k++)
+        n += (size_t)seq_len(tokens ? recs[k].tokens : recs[k].hashes);
+    p = kvw_put_array_header(p, n);
+    for (size_t k = i; k < end && p; k++)
+        p = tokens ? put_ints(p, recs[k].tokens, 0, 0) : put_ints(p, recs[k].hashes, 1, hash_signed);
+    return p;
+}
+
 static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
                                 int hash_signed, int dialect) {
     const Rec *rec = &recs[i];
     PyObject *group = rec->group;
-    size_t nh = 0, nt = 0;
-    for (size_t k = i; k < end; k++) {
-        nh += (size_t)seq_len(recs[k].hashes);
-        nt += (size_t)seq_len(recs[k].tokens);
-    }
     if (dialect == 0) {
         *p++ = 0xde;
         *p++ = 0;
@@ -485,9 +492,7 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
     } else {
         p = LIT(p, "\x9c\xab" "BlockStored");
     }
-    p = kvw_put_array_header(p, nh);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
     if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
     if (rec->parent == Py_None) {
         *p++ = 0xc0;
@@ -497,9 +502,7 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
         p = put_intv(p, hash_form(v, hash_signed));
     }
     if (dialect == 0) p = LIT(p, "\xa9token_ids");
-    p = kvw_put_array_header(p, nt);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].tokens, 0, 0);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 1, 0))) return NULL;
     if (dialect == 0) p = LIT(p, "\xaa" "block_size");
     p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
     if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
@@ -524,17 +527,13 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
 static unsigned char *put_remove(unsigned char *p, const Rec *recs, size_t i, size_t end,
                                  int hash_signed, int dialect) {
     PyObject *medium = recs[i].medium, *group = recs[i].group;
-    size_t nh = 0;
-    for (size_t k = i; k < end; k++) nh += (size_t)seq_len(recs[k].hashes);
     if (dialect == 0) {
         *p++ = (unsigned char)(0x83 + (group != Py_None));
         p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
     } else {
         p = LIT(p, "\x93\xac" "BlockRemoved");
     }
-    p = kvw_put_array_header(p, nh);
-    for (size_t k = i; k < end && p; k++) p = put_ints(p, recs[k].hashes, 1, hash_signed);
-    if (!p) return NULL;
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
     if (dialect == 0) p = LIT(p, "\xa6medium");
     p = put_opt_str(p, medium);
     if (dialect == 0 && group != Py_None) {
@@ -663,13 +662,17 @@ fail:
     return NULL;
 }
 
-/* The CollectedBatch for a C batch (for Python to encode), or NULL with an error set. */
-static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b) {
+/* The CollectedBatch for a C batch (for Python to encode) with `rank` (NULL: b->rank), or
+ * NULL with an error set. */
+static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b, PyObject *rank) {
     PyObject *records = records_list(b->recs, b->n);
-    if (!records) return NULL;
-    PyObject *out = PyObject_CallFunction(batch_type, "(dOLlO)", b->ts, records, (long long)b->rank,
-                                          b->block_size, b->hash_signed ? Py_True : Py_False);
-    Py_DECREF(records);
+    PyObject *r = rank ? Py_NewRef(rank) : PyLong_FromLongLong(b->rank);
+    PyObject *out = records && r ? PyObject_CallFunction(batch_type, "(dOOlO)", b->ts, records, r,
+                                                         b->block_size,
+                                                         b->hash_signed ? Py_True : Py_False)
+                                 : NULL;
+    Py_XDECREF(records);
+    Py_XDECREF(r);
     return out;
 }
 
@@ -1111,17 +1114,11 @@ static void wake_service(Sender *s) {
 }
 
 static void feed_push(Sender *s, i64 seq, Buf *b) {
-    if (s->feed_len >= FEED_MAX) {
-        s->mirror_feed_dropped++; /* the mirror sees the gap and stops vouching for itself */
-        return;
-    }
+    if (s->feed_len >= FEED_MAX) return; /* the mirror sees the gap and stops vouching for itself */
     if (s->feed_len == s->feed_cap) {
         size_t cap = s->feed_cap ? s->feed_cap * 2 : 256;
         FeedEntry *f = realloc(s->feed, cap * sizeof(FeedEntry));
-        if (!f) {
-            s->mirror_feed_dropped++;
-            return;
-        }
+        if (!f) return; /* a gap, as above */
         s->feed = f;
         s->feed_cap = cap;
     }
@@ -1172,7 +1169,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
      * an engine's batch goes to Python wrapped as its format says (msgspec's encoding). */
     PyObject *obj = it->engine   ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
                     : it->obj    ? Py_NewRef(it->obj)
-                    : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch)
+                    : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch, NULL)
                                     : NULL;
     PyObject *r = !obj ? NULL : s->encode ? PyObject_CallOneArg(s->encode, obj) : Py_NewRef(Py_None);
     Py_XDECREF(obj);
@@ -1661,17 +1658,16 @@ static PyObject *sender_join(Sender *s, PyObject *unused) {
 
 static PyObject *sender_stats(Sender *s, PyObject *unused) {
     pthread_mutex_lock(&s->mu);
-    long long v[14] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
+    long long v[12] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
                        s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
                        s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
-                       s->mirror_feed_dropped, (i64)s->ring_len, (i64)s->feed_len};
+                       (i64)s->feed_len};
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
+        "{sLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
         "dropped_queue_full", v[3], "dropped_closed", v[4], "dropped_send_error", v[5],
         "dropped_encode_error", v[6], "heartbeats", v[7], "native_encoded", v[8], "gil_encoded",
-        v[9], "sender_gil_takes", v[10], "mirror_feed_dropped", v[11], "buffered", v[12],
-        "mirror_feed", v[13]);
+        v[9], "sender_gil_takes", v[10], "mirror_feed", v[11]);
 }
 
 static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
@@ -1875,7 +1871,7 @@ static PyObject *S_publish, *S_GPU, *S_block_hashes, *S_token_ids;
 
 typedef struct {
     PyObject_HEAD
-    PyObject *publisher;  /* anything with .rank and .publish(batch) */
+    PyObject *publisher;  /* anything with .rank and .publish(batch); unused with a sender */
     Sender *sender;       /* the publisher's native sender, or NULL */
     PyObject *batch_type; /* CollectedBatch */
     PyObject *capture;    /* capture(values, what, device) -> a private snapshot */
@@ -2143,34 +2139,22 @@ static PyObject *collector_flush(Collector *c, PyObject *unused) {
     b->ts = wall_now();
     b->block_size = c->block_size;
     b->hash_signed = c->hash_signed;
+    if (c->sender) {
+        /* The publisher's native sender: the records go over as they are, with its rank. */
+        b->rank = c->sender->rank;
+        Item it = {.kind = K_COLLECTED, .batch = b};
+        return PyBool_FromLong(sender_enqueue(c->sender, &it));
+    }
     PyObject *rank = PyObject_GetAttr(c->publisher, S_rank);
-    if (!rank) {
-        cbatch_free(b);
-        return NULL;
-    }
-    if (c->sender && PyLong_CheckExact(rank)) {
-        b->rank = PyLong_AsLongLong(rank);
-        if (b->rank == -1 && PyErr_Occurred()) {
-            PyErr_Clear(); /* beyond 64 bits: Python's path says what is wrong */
-        } else {
-            /* The publisher's native sender: the records go over as they are. */
-            Py_DECREF(rank);
-            Item it = {.kind = K_COLLECTED, .batch = b};
-            return PyBool_FromLong(sender_enqueue(c->sender, &it));
-        }
-    }
-    PyObject *records = records_list(b->recs, b->n);
-    PyObject *batch = records ? PyObject_CallFunction(c->batch_type, "(dOOlO)", b->ts, records,
-                                                      rank, b->block_size,
-                                                      b->hash_signed ? Py_True : Py_False)
-                              : NULL;
+    PyObject *batch = rank ? cbatch_to_collected(c->batch_type, b, rank) : NULL;
     cbatch_free(b);
-    Py_XDECREF(records);
-    Py_DECREF(rank);
+    Py_XDECREF(rank);
     if (!batch) return NULL;
     PyObject *out = PyObject_CallMethodOneArg(c->publisher, S_publish, batch);
     Py_DECREF(batch);
-    return out;
+    int queued = out ? PyObject_IsTrue(out) : -1;
+    Py_XDECREF(out);
+    return queued < 0 ? NULL : PyBool_FromLong(queued);
 }
 
 static PyObject *collector_stats(Collector *c, PyObject *unused) {
@@ -2180,14 +2164,24 @@ static PyObject *collector_stats(Collector *c, PyObject *unused) {
 
 static PyMethodDef collector_methods[] = {
     {"stored", (PyCFunction)(void (*)(void))collector_stored, METH_FASTCALL | METH_KEYWORDS,
-     "stored(block_hashes, parent_hash, token_ids, *, lora_name=None, medium='GPU', "
-     "extra_keys=None, group_idx=None)"},
+     "stored($self, block_hashes, parent_hash, token_ids, *, lora_name=None, medium='GPU', "
+     "extra_keys=None, group_idx=None)\n--\n\n"
+     "Blocks block_hashes (a chain under parent_hash) entered the cache. token_ids holds "
+     "block_size tokens per block, in order; anything else raises ValueError (partial blocks "
+     "are never published). extra_keys, when given, has one entry per block. A list or tuple "
+     "argument is kept by reference until the batch is encoded: do not change it afterwards."},
     {"removed", (PyCFunction)(void (*)(void))collector_removed, METH_FASTCALL | METH_KEYWORDS,
-     "removed(block_hashes, *, medium='GPU', group_idx=None)"},
-    {"cleared", (PyCFunction)collector_cleared, METH_NOARGS, "cleared()"},
-    {"flush", (PyCFunction)collector_flush, METH_NOARGS, "flush() -> whether a batch was queued"},
-    {"stats", (PyCFunction)collector_stats, METH_NOARGS,
-     "stats() -> (batches, dropped_stored_blocks, dropped_store_calls)"},
+     "removed($self, block_hashes, *, medium='GPU', group_idx=None)\n--\n\n"
+     "Blocks left the cache (never dropped by the cap)."},
+    {"cleared", (PyCFunction)collector_cleared, METH_NOARGS,
+     "cleared($self, /)\n--\n\nThe whole prefix cache was dropped (a reset)."},
+    {"flush", (PyCFunction)collector_flush, METH_NOARGS,
+     "flush($self, /)\n--\n\n"
+     "Publish what this iteration collected as one batch. True when a batch was queued, False "
+     "when there was nothing to send (an idle engine sends nothing) or the publisher dropped it "
+     "(its counters say why)."},
+    {"_counters", (PyCFunction)collector_stats, METH_NOARGS,
+     "_counters() -> (batches, dropped_stored_blocks, dropped_store_calls)"},
     {NULL},
 };
 
@@ -2195,8 +2189,8 @@ static PyTypeObject CollectorType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwire.publisher._sender.Collector",
     .tp_basicsize = sizeof(Collector),
     .tp_dealloc = (destructor)collector_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "EventCollector's hooks: one iteration's records in C memory.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "EventCollector's base: its hooks, one iteration's records in C memory.",
     .tp_traverse = (traverseproc)collector_traverse,
     .tp_clear = (inquiry)collector_clear,
     .tp_new = collector_new,

@@ -1,7 +1,7 @@
 """The publisher's native sender thread (``_sender.c``)."""
 
-from collections.abc import Callable
-from typing import Any, final
+from collections.abc import Callable, Sequence
+from typing import Any, Self, final
 
 def heartbeat_due(
     last_sent: float, interval: float, now: float, wall: float, after_batch: bool, /
@@ -52,9 +52,8 @@ class Sender:
     def seqs(self, ring: bool, /) -> list[int]: ...
     def encode_native(self, batch: object, /) -> bytes | None: ...
 
-@final
 class Collector:
-    """``EventCollector``'s hooks: one iteration's records in C memory.
+    """``EventCollector``'s native base: its hooks, one iteration's records in C memory.
 
     With ``sender`` (the publisher's own), ``flush()`` queues the records on it
     as they are; with ``None`` it builds a ``batch_type`` and calls
@@ -73,7 +72,7 @@ class Collector:
         capture: Callable[[Any, str, list[Any]], Any],
         device: list[Any],
         mark: Callable[[list[Any]], None],
-    ) -> Collector: ...
+    ) -> Self: ...
     def stored(
         self,
         block_hashes: Any,
@@ -82,15 +81,32 @@ class Collector:
         *,
         lora_name: str | None = None,
         medium: str | None = "GPU",
-        extra_keys: Any = None,
+        extra_keys: Sequence[Any] | None = None,
         group_idx: int | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Blocks ``block_hashes`` (a chain under ``parent_hash``) entered the cache.
+
+        ``token_ids`` holds ``block_size`` tokens per block, in order; anything
+        else raises ``ValueError`` (partial blocks are never published).
+        ``extra_keys``, when given, has one entry per block. A list or tuple
+        argument is kept by reference until the batch is encoded: do not
+        change it afterwards.
+        """
     def removed(
         self, block_hashes: Any, *, medium: str | None = "GPU", group_idx: int | None = None
-    ) -> None: ...
-    def cleared(self) -> None: ...
-    def flush(self) -> bool: ...
-    def stats(self) -> tuple[int, int, int]: ...
+    ) -> None:
+        """Blocks left the cache (never dropped by the cap)."""
+    def cleared(self) -> None:
+        """The whole prefix cache was dropped (a reset)."""
+    def flush(self) -> bool:
+        """Publish what this iteration collected as one batch.
+
+        Returns ``True`` when a batch was queued, ``False`` when there was
+        nothing to send (an idle engine sends nothing) or the publisher
+        dropped it (its counters say why).
+        """
+    def _counters(self) -> tuple[int, int, int]:
+        """(batches, dropped_stored_blocks, dropped_store_calls)."""
 
 @final
 class EngineFormat:

@@ -174,7 +174,7 @@ class CollectorStats:
         return asdict(self)
 
 
-class EventCollector:
+class EventCollector(Collector):
     """Collects one scheduler iteration's cache changes and publishes them as one batch.
 
     Call :meth:`stored`, :meth:`removed` and :meth:`cleared` as the cache
@@ -193,22 +193,29 @@ class EventCollector:
     ``encode_batch`` (and vLLM's): lists through msgspec, arrays and tensors
     packed natively, without a Python int per element.
 
-    The hooks are native (:mod:`kvwire.publisher._sender`): a call with lists
-    or tuples creates no Python object, so that the engine thread's own cost is
-    its calls alone. The records are kept in C memory; with an
+    The hooks (:meth:`stored`, :meth:`removed`, :meth:`cleared`, :meth:`flush`)
+    are the native base class's methods (:mod:`kvwire.publisher._sender`): a
+    call runs no Python frame and, with lists or tuples, creates no Python
+    object, so that the engine thread's own cost is its calls alone. The
+    records are kept in C memory; with an
     :class:`~kvwire.publisher.EventPublisher` as ``publisher``, :meth:`flush`
     queues them on its native sender as they are, otherwise it builds a
     :class:`CollectedBatch` and calls ``publisher.publish``.
     """
 
-    def __init__(
-        self,
+    _block_size: int
+    _cap: int | None
+    _hash_format: HashFormat
+    _publisher: BatchPublisher
+
+    def __new__(
+        cls,
         publisher: BatchPublisher,
         block_size: int,
         *,
         hash_format: HashFormat = "unsigned",
         max_stored_blocks_per_iteration: int | None = None,
-    ) -> None:
+    ) -> EventCollector:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if hash_format not in ("unsigned", "signed"):
@@ -217,12 +224,9 @@ class EventCollector:
             raise ValueError(
                 f"max_stored_blocks_per_iteration must be >= 0, got {max_stored_blocks_per_iteration}"
             )
-        self._publisher = publisher
-        self._block_size = block_size
-        self._hash_format: HashFormat = hash_format
-        self._cap = max_stored_blocks_per_iteration
         sender = publisher.direct_sender() if isinstance(publisher, EventPublisher) else None
-        self._core = Collector(
+        self = super().__new__(
+            cls,
             publisher,
             block_size,
             hash_format == "signed",
@@ -233,12 +237,11 @@ class EventCollector:
             device=[],  # CUDA copies awaiting their event
             mark=_mark_copies_done,
         )
-        # The hooks are the core's methods themselves: no Python frame per call.
-        core = self._core
-        self.stored = core.stored  # type: ignore[method-assign]
-        self.removed = core.removed  # type: ignore[method-assign]
-        self.cleared = core.cleared  # type: ignore[method-assign]
-        self.flush = core.flush  # type: ignore[method-assign]
+        self._publisher = publisher
+        self._block_size = block_size
+        self._hash_format = hash_format
+        self._cap = max_stored_blocks_per_iteration
+        return self
 
     @property
     def publisher(self) -> BatchPublisher:
@@ -260,55 +263,9 @@ class EventCollector:
         """The cap on stored blocks per batch (``None``: none)."""
         return self._cap
 
-    def stored(
-        self,
-        block_hashes: Any,
-        parent_hash: int | None,
-        token_ids: Any,
-        *,
-        lora_name: str | None = None,
-        medium: str | None = "GPU",
-        extra_keys: Sequence[Any] | None = None,
-        group_idx: int | None = None,
-    ) -> None:
-        """Blocks ``block_hashes`` (a chain under ``parent_hash``) entered the cache.
-
-        ``token_ids`` holds ``block_size`` tokens per block, in order; anything
-        else raises ``ValueError`` (partial blocks are never published).
-        ``extra_keys``, when given, has one entry per block. A list or tuple
-        argument is kept by reference until the batch is encoded: do not
-        change it afterwards.
-
-        (Bound to the native core's ``stored`` on each instance; this body
-        documents it.)
-        """
-        self._core.stored(
-            block_hashes, parent_hash, token_ids, lora_name=lora_name, medium=medium,
-            extra_keys=extra_keys, group_idx=group_idx,
-        )  # fmt: skip
-
-    def removed(
-        self, block_hashes: Any, *, medium: str | None = "GPU", group_idx: int | None = None
-    ) -> None:
-        """Blocks left the cache (never dropped by the cap)."""
-        self._core.removed(block_hashes, medium=medium, group_idx=group_idx)
-
-    def cleared(self) -> None:
-        """The whole prefix cache was dropped (a reset)."""
-        self._core.cleared()
-
-    def flush(self) -> bool:
-        """Publish what this iteration collected as one batch.
-
-        Returns ``True`` when a batch was queued, ``False`` when there was
-        nothing to send (an idle engine sends nothing) or the publisher
-        dropped it (its counters say why).
-        """
-        return bool(self._core.flush())
-
     def stats(self) -> CollectorStats:
         """Batches flushed and stored blocks dropped by the per-iteration cap."""
-        return CollectorStats(*self._core.stats())
+        return CollectorStats(*self._counters())
 
 
 class CollectedBatch(msgspec.Struct, gc=False):

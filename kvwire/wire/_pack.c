@@ -21,8 +21,6 @@
 typedef uint64_t u64;
 typedef int64_t i64;
 
-#define put_int kvw_put_int
-
 /* The 64-bit pattern and sign of value (signed `s`, or unsigned `u` when
  * is_unsigned) in a mode. */
 static inline unsigned char *put_mode(unsigned char *p, u64 bits, int is_unsigned, int mode) {
@@ -32,10 +30,8 @@ static inline unsigned char *put_mode(unsigned char *p, u64 bits, int is_unsigne
         case 2: neg = (i64)bits < 0; break;            /* as signed 64 */
         default: neg = !is_unsigned && (i64)bits < 0;  /* as given */
     }
-    return put_int(p, bits, neg);
+    return kvw_put_int(p, bits, neg);
 }
-
-#define put_header(p, n) kvw_put_array_header((p), (size_t)(n))
 
 /* One Python int into (bits, is_unsigned); -1 with an exception set. */
 static int read_int(PyObject *o, u64 *bits, int *is_unsigned, const char *what) {
@@ -92,7 +88,7 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = out_for(n);
     if (!out) return NULL;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = kvw_put_array_header(start, (size_t)n);
     for (Py_ssize_t i = 0; i < n; i++) {
         u64 bits;
         int is_unsigned = 0, rc = 0;
@@ -165,7 +161,7 @@ static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
     Py_ssize_t stride = v->strides ? v->strides[0] : w;
     PyObject *out = out_for(n);
     if (!out) return NULL;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = put_header(start, n);
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = kvw_put_array_header(start, (size_t)n);
     const char *b = v->buf;
 #define LOOP(T, UNS)                                                  \
     for (Py_ssize_t i = 0; i < n; i++) {                              \
