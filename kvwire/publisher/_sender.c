@@ -1221,14 +1221,18 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         PyEval_SaveThread();
         have_gil = 0;
     }
-    for (int i = 0; i < n; i++) bad += !items[i].mirror_only && !items[i].payload;
-    if (bad) {
-        /* Counted before anything after them is sent: whoever receives the next batch
-         * already sees the drop in stats(). */
-        pthread_mutex_lock(&s->mu);
-        s->dropped_encode_error += bad;
-        pthread_mutex_unlock(&s->mu);
+    /* Into the replay ring and the mirror's feed, with the encode errors counted, before
+     * anything goes on the wire: whoever has received a batch can replay it, gets a
+     * snapshot as of it at least, and sees the drops before it in stats(). */
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < n; i++) {
+        Item *it = &items[i];
+        if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
+        if (s->mirror) feed_push(s, it->seq, it->payload);
+        bad += !it->mirror_only && !it->payload;
     }
+    s->dropped_encode_error += bad;
+    pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
         if (it->mirror_only || !it->payload) continue;
@@ -1241,8 +1245,6 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
-        if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
-        if (s->mirror) feed_push(s, it->seq, it->payload);
         buf_unref(it->payload);
         it->payload = NULL;
         done_push(s, it->obj);
