@@ -1725,8 +1725,83 @@ static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
     return 0;
 }
 
+/* n engine hashes into out, as rd_ints reads them; their usual form (uint64,
+ * 63-bit hashes) in one load. */
+static int rd_hashes(Rd *r, u64 *out, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (r->n - r->i >= 9 && r->p[r->i] == 0xcf) {
+            u64 v;
+            memcpy(&v, r->p + r->i + 1, 8);
+            out[k] = __builtin_bswap64(v);
+            r->i += 9;
+            continue;
+        }
+        int neg;
+        if (rd_int(r, &out[k], &neg)) return FALL;
+    }
+    return 0;
+}
+
+/* The token_ids array at r, read straight into the block sums of the
+ * chain's block size, appended to the index's sums scratch (at *off, one a
+ * whole block; *ntok the tokens): the fused apply needs the tokens only for
+ * those. Accepts and refuses (FALL) exactly the arrays tokens_packed_at
+ * does. A block of 16 uint16 ids, most of a 32k-65k vocabulary's, is read
+ * without a branch per id. */
+static int rd_token_sums(PCtx *cx, Rd *r, Py_ssize_t *off, Py_ssize_t *ntok) {
+    const unsigned char *p = r->p + r->i;
+    Py_ssize_t len = r->n - r->i, n, i;
+    if (len < 1) return FALL;
+    unsigned char h = p[0];
+    if (h >= 0x90 && h <= 0x9f) { n = h & 0x0f; i = 1; }
+    else if (h == 0xdc && len >= 3) { n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
+    else if (h == 0xdd && len >= 5) { n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
+    else return FALL;
+    if (n > len - i || n > cx->max_tokens) return FALL;
+    const KeyChain *c = cx->chain;
+    Py_ssize_t bs = c->bs, nb = n / bs;
+    Index *self = cx->self;
+    *off = self->ps_len;
+    if (!scratch_get(&self->ps, *off + nb)) return -1;
+    u64 *sums = self->ps.p + *off;
+    const u64 *w = c->w;
+    for (Py_ssize_t b = 0; b <= nb; b++) {
+        /* b == nb: the ids past the last whole block, read for their checks only */
+        Py_ssize_t m = b < nb ? bs : n - nb * bs;
+        if (bs == 16 && b < nb && len - i >= 48) {
+            const unsigned char *q = p + i;
+            unsigned all = 1;
+            for (int k = 0; k < 16; k++) all &= q[3 * k] == 0xcd;
+            if (all) {
+                u64 a0 = 0, a1 = 0;
+                for (int k = 0; k < 16; k += 2) {
+                    a0 += (((u64)q[3 * k + 1] << 8) | q[3 * k + 2]) * w[k];
+                    a1 += (((u64)q[3 * k + 4] << 8) | q[3 * k + 5]) * w[k + 1];
+                }
+                sums[b] = a0 + a1;
+                i += 48;
+                continue;
+            }
+        }
+        u64 a = 0;
+        for (Py_ssize_t k = 0; k < m; k++) {
+            if (i >= len) return FALL;
+            u64 t;
+            int neg, used = kvw_get_int(p + i, len - i, &t, &neg);
+            if (used <= 0) return FALL;
+            i += used;
+            a += t * w[k];
+        }
+        if (b < nb) sums[b] = a;
+    }
+    self->ps_len = *off + nb;
+    *ntok = n;
+    r->i += i;
+    return 0;
+}
+
 /* One field's value into ev (and the hashes/tokens into scratch). */
-static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t *ntok,
+static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, Py_ssize_t *soff, Py_ssize_t *ntok,
                     Py_ssize_t *bs) {
     Index *self = cx->self;
     u64 v;
@@ -1739,7 +1814,7 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
             if (n > cx->max_blocks) return FALL;
             Py_ssize_t off = self->ph_len;
             if (!scratch_get(&self->ph, off + n)) return -1;
-            if (rd_ints(r, self->ph.p + off, n)) return FALL;
+            if (rd_hashes(r, self->ph.p + off, n)) return FALL;
             self->ph_len = off + n;
             ev->hoff = off;
             ev->n = n;
@@ -1747,17 +1822,8 @@ static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, const u64 **tok, Py_ssize_t
         }
         case F_PARENT:
             return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
-        case F_TOKENS: {
-            if (r->i >= r->n || !is_array_head(r->p[r->i])) return FALL;
-            u64 *t;
-            Py_ssize_t used;
-            if (tokens_packed_at(r->p + r->i, r->n - r->i, &cx->chain->tok, &t, ntok, &used) < 0)
-                return clear_refusal() ? FALL : -1;
-            if (*ntok > cx->max_tokens) return FALL;
-            *tok = t;
-            r->i += used;
-            return 0;
-        }
+        case F_TOKENS:
+            return rd_token_sums(cx, r, soff, ntok);
         case F_BS:
             return rd_block_size(r, (u64)cx->max_bs, bs);
         case F_LORA_ID:
@@ -1805,13 +1871,12 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     ev->kind = kind;
     ev->group_ok = cx->none_ok; /* group_idx None unless given */
     ev->soff = -1;
-    const u64 *tok = NULL;
-    Py_ssize_t ntok = 0, bs = 0;
+    Py_ssize_t soff = -1, ntok = 0, bs = 0;
     unsigned seen = 0;
     int f = -1;
     for (Py_ssize_t k = 1; k < n; k++) {
         if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
-        int rc = rd_field(cx, r, f, ev, &tok, &ntok, &bs);
+        int rc = rd_field(cx, r, f, ev, &soff, &ntok, &bs);
         if (rc) return rc;
     }
     if (!event_complete(kind, seen)) return FALL;
@@ -1819,14 +1884,8 @@ static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
     /* PrefixIndex._store: tokens count only at the index's block size. */
     int usable = bs == cx->chain->bs;
     ev->other_size = !usable && bs <= cx->index_max_bs;
-    if (usable && ev->n && ntok == ev->n * bs) {
-        Index *self = cx->self;
-        Py_ssize_t off = self->ps_len;
-        if (!scratch_get(&self->ps, off + ev->n)) return -1;
-        for (Py_ssize_t b = 0; b < ev->n; b++) self->ps.p[off + b] = block_sum_of(cx->chain, tok, b);
-        self->ps_len = off + ev->n;
-        ev->soff = off;
-    }
+    if (usable && ev->n && ntok == ev->n * bs) ev->soff = soff;
+    else if (soff >= 0) cx->self->ps_len = soff; /* sums read for nothing */
     return 0;
 }
 
@@ -1944,7 +2003,6 @@ done:
     PyBuffer_Release(&pv);
     scratch_trim(&self->ph);
     scratch_trim(&self->ps);
-    scratch_trim(&cx.chain->tok);
     if (self->pev_cap > SCRATCH_KEEP) {
         PyMem_RawFree(self->pev);
         self->pev = NULL;
