@@ -279,3 +279,85 @@ def test_payload_forms_and_groups_outside_the_native_path() -> None:
     assert counting.native == 0 and odd.match(list(range(8))) == {("w", 0): 2}
     with pytest.raises(WireError):
         odd.apply_payload("w", 0, b"\x93")
+
+
+# Token ids of every msgpack width; 16-token blocks (what engines use) of uint16 ids
+# only are read without a branch per id, any other block id by id.
+token_id = st.one_of(
+    st.integers(128, 65_535), st.integers(128, 65_535), st.integers(0, 127), st.integers(128, 255),
+    st.integers(65_536, 2**32 - 1), st.integers(2**32, 2**64 - 1), st.integers(-(2**63), -1),
+)  # fmt: skip
+block_tokens = st.one_of(
+    st.lists(st.integers(256, 65_535), min_size=16, max_size=16),
+    st.lists(token_id, min_size=16, max_size=16),
+)
+
+
+@st.composite
+def chained_batches(draw: Any) -> list[list[Any]]:
+    """Batches of stores chained on earlier blocks (of this batch or before), removals, clears."""
+    stored: list[int] = []
+    batches = []
+    for _ in range(draw(st.integers(1, 5))):
+        events: list[Any] = []
+        for _ in range(draw(st.integers(1, 12))):
+            kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+            if kind == "clear":
+                events.append(AllBlocksCleared())
+            elif kind == "remove" and stored:
+                events.append(BlockRemoved(draw(st.lists(st.sampled_from(stored), max_size=3))))
+            else:
+                n = draw(st.integers(0, 3))
+                hashes = [draw(st.integers(1, 2**64 - 1)) for _ in range(n)]
+                parent = draw(st.one_of(st.none(), st.sampled_from(stored or [7]), st.just(3)))
+                tokens = [t for _ in range(n) for t in draw(block_tokens)]
+                if draw(st.integers(0, 9)) == 0:
+                    tokens = tokens[: draw(st.integers(0, len(tokens)))] + draw(
+                        st.lists(token_id, max_size=20)
+                    )
+                events.append(BlockStored(hashes, parent, tokens, 16))
+                stored += hashes
+        batches.append(events)
+    return batches
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chained_batches(), st.sampled_from(["map", "array"]))
+def test_fused_apply_of_16_token_blocks_of_every_id_width(
+    batches: list[list[Any]], dialect: Any
+) -> None:
+    """Block keys from ids of every width, chains within and across batches: as decode + apply."""
+    ref = PrefixIndex(16)
+    idx, counting = fused_index(16)
+    prompts = []
+    for events in [[], *batches]:
+        payload = encode_batch(KVEventBatch(0.0, events, 0), dialect=dialect)
+        ref.apply("w", 0, decode_batch(payload))
+        idx.apply_payload("w", 0, payload)
+        prompts += [list(e.token_ids) for e in events if type(e) is BlockStored]
+    assert counting.native == len(batches)
+    assert_same(ref, idx, prompts)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chained_batches(), st.sampled_from(["map", "array"]), st.integers(0, 2**32))
+def test_hostile_16_token_payloads(batches: list[list[Any]], dialect: Any, seed: int) -> None:
+    """Damaged payloads of 16-token blocks: refused or applied exactly as decode_batch does."""
+    rnd = random.Random(seed)
+    ref = PrefixIndex(16)
+    idx, _ = fused_index(16)
+    warm = encode_batch(KVEventBatch(0.0, [], 0))
+    ref.apply("w", 0, decode_batch(warm))
+    idx.apply_payload("w", 0, warm)
+    for events in batches:
+        payload = encode_batch(KVEventBatch(0.0, events, 0), dialect=dialect)
+        for p in (payload, mutate(payload, rnd), mutate(payload, rnd)):
+            try:
+                batch = decode_batch(p)
+            except WireError:
+                with pytest.raises(WireError):
+                    idx.apply_payload("w", 0, p)
+            else:
+                ref.apply("w", 0, batch)
+                idx.apply_payload("w", 0, p)
+            assert_same(ref, idx, [list(e.token_ids) for e in events if type(e) is BlockStored])
