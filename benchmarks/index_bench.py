@@ -35,6 +35,9 @@ kvwire's median with Dynamo's best repeat.
   capacity (``expected_blocks_per_rank``, the most blocks a worker stores here, as a
   router knows an engine's ``num_gpu_blocks``): tables presized, no growth. Dynamo has
   no such knob; it is compared with Dynamo's same figures.
+- apply as small events (``--small-events``, default ``independent``): the same stores as
+  one-block events, a batch holding one from each of up to 16 sequences of a worker in
+  flight, as engines send a block per request per step; Dynamo: an ``apply_event`` each.
 - match from a token list: ``PrefixIndex.match(list)``; Dynamo:
   ``compute_block_hash_for_seq(list)`` + ``find_matches``. Twice: on the lookups' lists
   built once up front (cold in cache by the time each is matched: 2,000 lists of 2,048
