@@ -13,6 +13,13 @@ sink; blocks/s from the first batch delivered to the last. Targets: >= 1.5 M
 blocks/s at B = 16 and >= 4 M at B = 256, against decode + sequencing alone
 printed just above it.
 
+The index figure runs the core one into a ``PrefixIndex`` instead of a no-op
+sink, both ways a router can: each batch decoded by the stream and given to
+``PrefixIndex.apply`` (a plain ``EventSink``), against the stream vouching for
+the payload natively and giving its bytes to ``PrefixIndex.apply_payload`` (a
+``PayloadSink``, as a ``Subscriber`` does for one); the two alternate, and
+both indexes must end holding every block.
+
 Run: ``.venv/bin/python benchmarks/subscriber_bench.py [--repeats N]``.
 Figures are medians over the repeats.
 """
@@ -31,7 +38,15 @@ import time
 
 import zmq
 
-from kvwire.subscriber import Apply, EngineSource, RankStream, StreamConfig, Subscriber
+from kvwire.prefix_index import PrefixIndex
+from kvwire.subscriber import (
+    Apply,
+    ApplyPayload,
+    EngineSource,
+    RankStream,
+    StreamConfig,
+    Subscriber,
+)
 from kvwire.wire import BlockStored, KVEventBatch, decode_batch, encode_batch, pack_seq
 
 TARGET_BLOCKS_PER_S = 3_000_000
@@ -88,6 +103,34 @@ def core_rate(frames: list[list[bytes]], blocks_per_batch: int) -> float:
                 apply("w", 0, action.batch)
     elapsed = time.perf_counter() - start
     assert stream.expected_seq == len(frames), "not every batch was delivered"
+    return len(frames) * blocks_per_batch / elapsed
+
+
+def index_rate(frames: list[list[bytes]], blocks_per_batch: int, payloads: bool) -> float:
+    """Blocks/s through sequencing into a fresh PrefixIndex: decoded batches to
+    ``apply``, or (``payloads``) vouched-for payload bytes to ``apply_payload``."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    stream = RankStream(0, StreamConfig(replay=False, idle_probe=None), payloads=payloads)
+    stream.connected(0.0)
+    limits = stream.config.decode_limits
+    live = stream.live
+    apply, apply_payload = index.apply, index.apply_payload
+    clock = time.monotonic
+    by_payload = 0
+    start = time.perf_counter()
+    for f in frames:
+        for action in live(f, clock()):
+            kind = type(action)
+            if kind is ApplyPayload:
+                apply_payload("w", 0, action.payload, limits)  # type: ignore[union-attr]
+                by_payload += 1
+            elif kind is Apply:
+                apply("w", 0, action.batch)  # type: ignore[union-attr]
+    elapsed = time.perf_counter() - start
+    assert stream.expected_seq == len(frames), "not every batch was delivered"
+    assert index.rank_blocks("w", 0) == len(frames) * blocks_per_batch, "blocks missing"
+    if payloads:  # a rank's first batch aside, every batch went as bytes
+        assert by_payload == len(frames), f"only {by_payload} of {len(frames)} batches as bytes"
     return len(frames) * blocks_per_batch / elapsed
 
 
@@ -247,6 +290,20 @@ def main() -> None:
             f"        of which decode_batch  {decode_per_batch:6.1f} us/batch"
             f" ({100 * decode_per_batch / per_batch:.0f}%), sequencing and delivery"
             f" {per_batch - decode_per_batch:4.1f} us/batch"
+        )
+        decoded, as_bytes = [], []
+        index_frames = frames[: max(1_000, 100_000 // blocks)]
+        index_rate(index_frames[:200], blocks, True)  # warm up
+        for _ in range(args.repeats):  # alternated
+            decoded.append(index_rate(index_frames, blocks, False))
+            as_bytes.append(index_rate(index_frames, blocks, True))
+        dmed, bmed = statistics.median(decoded), statistics.median(as_bytes)
+        print(
+            f"        into a PrefixIndex  decoded, to apply {dmed / 1e6:5.2f} M blocks/s"
+            f" [min {min(decoded) / 1e6:.2f}, max {max(decoded) / 1e6:.2f}];"
+            f" payload bytes, to apply_payload {bmed / 1e6:5.2f} M blocks/s"
+            f" [min {min(as_bytes) / 1e6:.2f}, max {max(as_bytes) / 1e6:.2f}]:"
+            f" {bmed / dmed:.2f}x"
         )
         if not args.skip_transport:
             per_rank = max(200, 2_000_000 // blocks // TRANSPORT_RANKS)
