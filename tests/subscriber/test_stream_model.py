@@ -124,11 +124,11 @@ _REPLAY_OPS = ["serve", "serve", "deliver_replies", "deliver_replies"]
 _REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply", "drop_chunk"]
 
 
-_FATES = ["deliver"] * 8 + ["lose", "lose", "corrupt", "truncate", "unbuffered", "broken"]
+LONG_FATES = ["deliver"] * 8 + ["lose", "lose", "corrupt", "truncate", "unbuffered", "broken"]
 
 
 def long_schedule(
-    rnd: random.Random, replay: bool, fates: list[str] = _FATES
+    rnd: random.Random, replay: bool, fates: list[str] = LONG_FATES
 ) -> list[tuple[Any, ...]]:
     """Long random schedules: deep fault sequences that short lists rarely reach."""
     names = _LONG_OPS + (_REPLAY_OPS if replay else [])
