@@ -47,7 +47,14 @@ from kvwire.subscriber import (
     StreamConfig,
     Subscriber,
 )
-from kvwire.wire import BlockStored, KVEventBatch, decode_batch, encode_batch, pack_seq
+from kvwire.wire import (
+    BlockStored,
+    DecodeLimits,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    pack_seq,
+)
 
 TARGET_BLOCKS_PER_S = 3_000_000
 TRANSPORT_RANKS = 64
@@ -171,13 +178,15 @@ def _cpu_s() -> float:
 
 
 def transport_rates(
-    blocks_per_batch: int, ranks: int, batches: int, repeats: int
+    blocks_per_batch: int, ranks: int, batches: int, repeats: int, sink_kind: str = "noop"
 ) -> tuple[list[float], list[float], list[float]]:
     """From ``ranks`` PUB sockets in another process into one Subscriber, over tcp.
 
     Returns blocks/s delivered (wall clock), blocks per second of the
     subscriber process's CPU (its reading thread and libzmq's I/O thread:
     what the transport costs, whatever the sender's speed), and blocks/s sent.
+    ``sink_kind``: a no-op sink (``noop``), or a PrefixIndex given decoded
+    batches (``decoded``, a plain EventSink) or payload bytes (``bytes``).
     """
     child = subprocess.Popen(
         [
@@ -197,21 +206,43 @@ def transport_rates(
     done = threading.Event()
     target = [0]
 
+    def count() -> None:
+        now = time.perf_counter()
+        with lock:
+            if state["count"] == 0:
+                state["first"] = now
+            state["count"] += 1
+            state["last"] = now
+            if state["count"] >= target[0]:
+                done.set()
+
     class Counting(NoOpSink):
         def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
-            now = time.perf_counter()
-            with lock:
-                if state["count"] == 0:
-                    state["first"] = now
-                state["count"] += 1
-                state["last"] = now
-                if state["count"] >= target[0]:
-                    done.set()
+            count()
 
+    class DecodedIndex:
+        def __init__(self) -> None:
+            self.index = PrefixIndex(BLOCK_TOKENS)
+
+        def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+            self.index.apply(worker_id, rank, batch)
+            count()
+
+        def clear(self, worker_id: str, rank: int) -> None:
+            self.index.clear(worker_id, rank)
+
+    class BytesIndex(DecodedIndex):
+        def apply_payload(
+            self, worker_id: str, rank: int, payload: bytes, limits: DecodeLimits
+        ) -> None:
+            self.index.apply_payload(worker_id, rank, payload, limits)
+            count()
+
+    sink = {"noop": Counting, "decoded": DecodedIndex, "bytes": BytesIndex}[sink_kind]()
     cfg = StreamConfig(replay=False, idle_probe=None)
     sources = [EngineSource(f"r{i}", ep) for i, ep in enumerate(endpoints)]
     rates, cpu_rates, sent_rates = [], [], []
-    sub = Subscriber(sources, Counting(), config=cfg).start()
+    sub = Subscriber(sources, sink, config=cfg).start()
     try:
         deadline = time.monotonic() + 10
         while not all(s.connected for s in sub.status()):
@@ -237,6 +268,9 @@ def transport_rates(
             rates.append(blocks / elapsed if elapsed > 0 else 0.0)
             cpu_rates.append(blocks / cpu if cpu > 0 else 0.0)
             sent_rates.append(ranks * batches * blocks_per_batch / sent)
+        for st in sub.status():
+            c = st.counters
+            assert c.decode_errors == c.sink_errors == 0, (st.worker_id, c)
     finally:
         sub.stop()
         child.stdin.close()
@@ -325,6 +359,25 @@ def main() -> None:
                 f"  {cmedian / 1e6:5.2f} M blocks/s ({1e6 * blocks / cmedian:5.1f} us/batch; "
                 f"{'meets' if cmedian >= goal else 'MISSES'} the target as a cost);"
                 f" sender {statistics.median(srates) / 1e6:.2f} M blocks/s"
+            )
+            # Into a PrefixIndex through ZeroMQ, both ways, alternated (a fresh
+            # Subscriber and sender per run; each rank re-stores the same 500
+            # batches' blocks, so the index stays small).
+            runs: dict[str, list[tuple[float, float]]] = {"decoded": [], "bytes": []}
+            for _ in range(args.repeats):
+                for kind, out in runs.items():
+                    w, c, _ = transport_rates(blocks, TRANSPORT_RANKS, per_rank // 2, 1, kind)
+                    out.append((w[0], c[0]))
+            med = {
+                k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+                for k, v in runs.items()
+            }
+            (dw, dc), (bw, bc) = med["decoded"], med["bytes"]
+            print(
+                f"        into a PrefixIndex through ZeroMQ  decoded, to apply"
+                f" {dw / 1e6:5.2f} M blocks/s ({1e6 * blocks / dc:5.1f} us CPU/batch);"
+                f" payload bytes, to apply_payload {bw / 1e6:5.2f} M blocks/s"
+                f" ({1e6 * blocks / bc:5.1f} us CPU/batch): {bw / dw:.2f}x wall, {bc / dc:.2f}x CPU"
             )
 
 

@@ -337,18 +337,12 @@ static int ck_field(const Limits *lim, Rd *r, int f) {
         case F_WINDOW:
         case F_KIND:
             return rd_dropped(r, f);
-        case F_LORA_NAME:
-        case F_EXTRA:
-        case F_LOOKAHEAD:
-        case F_SALT:
-            return rd_nil(r) ? 0 : FALL;
-        case F_LOCALITY:
-        case F_OWNERSHIP:
-        case F_SESSION:
-        case F_UNKNOWN:
-            return rd_skip(r);
-        default:
+        case F_TYPE:
             return FALL; /* a second tag */
+        case F_LORA_NAME: case F_EXTRA: case F_LOOKAHEAD: case F_SALT:
+            return rd_nil(r) ? 0 : FALL; /* what would key a block differently */
+        default:
+            return rd_skip(r); /* locality, ownership, session_id, a field not known */
     }
 }
 
