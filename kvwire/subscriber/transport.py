@@ -24,9 +24,10 @@ came before it, and a connection event comes before the live batches and
 replies that follow it.
 
 Batches go to a sink (:class:`EventSink`) or, without one, to an async
-iterator of :data:`SinkItem`. A sink that reads payload bytes itself
-(:class:`PayloadSink`) gets them for every batch the stream vouched for. ``Subscriber.start()`` runs the same loop on a
-background thread for callers that are not async.
+iterator of :data:`SinkItem`; a sink that reads payload bytes itself
+(:class:`PayloadSink`) gets them for every batch its stream vouched for.
+``Subscriber.start()`` runs the same loop on a background thread for callers
+that are not async.
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ class Subscriber:
 
     ``sink`` gets ``apply(worker_id, rank, batch)`` for each batch in
     publisher order and ``clear(worker_id, rank)`` when a rank's state must
-    go (publisher restart, unrecoverable loss, source removed). Without a
+    go (publisher restart, unrecoverable loss, source removed); a
+    :class:`PayloadSink` (such as ``PrefixIndex``) gets
+    ``apply_payload(worker_id, rank, payload, limits)`` instead for each batch
+    whose bytes its stream vouched ``decode_batch`` accepts. Without a
     sink, iterate the subscriber (``async for item in sub``) for the same
     items as :class:`Applied` / :class:`Cleared`.
 

@@ -161,7 +161,7 @@ LIMITS = st.one_of(
     ),
 )
 PROPERTY = settings(
-    max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
@@ -180,7 +180,7 @@ def test_what_the_check_accepts_decode_batch_accepts_and_reads_alike(
     assert got == facts(batch)
 
 
-@PROPERTY
+@settings(PROPERTY, max_examples=300)
 @given(batch=batches(), dialect=st.sampled_from(["map", "array"]))
 def test_the_batches_engines_send_are_read_natively(batch: KVEventBatch, dialect: str) -> None:
     payload = encode_batch(batch, dialect=dialect)  # type: ignore[arg-type]
