@@ -43,6 +43,7 @@ from kvwire.subscriber import (
     Apply,
     ApplyPayload,
     EngineSource,
+    EventSink,
     RankStream,
     StreamConfig,
     Subscriber,
@@ -238,7 +239,12 @@ def transport_rates(
             self.index.apply_payload(worker_id, rank, payload, limits)
             count()
 
-    sink = {"noop": Counting, "decoded": DecodedIndex, "bytes": BytesIndex}[sink_kind]()
+    sinks: dict[str, type[EventSink]] = {
+        "noop": Counting,
+        "decoded": DecodedIndex,
+        "bytes": BytesIndex,
+    }
+    sink = sinks[sink_kind]()
     cfg = StreamConfig(replay=False, idle_probe=None)
     sources = [EngineSource(f"r{i}", ep) for i, ep in enumerate(endpoints)]
     rates, cpu_rates, sent_rates = [], [], []
