@@ -1889,9 +1889,13 @@ static PyObject *engine_publish_call(EnginePublish *p, PyObject *const *args, si
         return NULL;
     }
     PyObject *batch = args[0];
-    PyObject *cur = PyObject_GetAttr(batch, p->rank_field);
-    if (!cur) return NULL;
-    Py_DECREF(cur); /* only compared with None */
+    /* getattr(batch, rank_field), read from its slot where the format knows the class;
+     * only compared with None */
+    PyObject *cur = Py_TYPE(batch) == p->fmt->batch_cls ? slot(batch, p->fmt->batch_off[2]) : NULL;
+    if (!cur) {
+        if (!(cur = PyObject_GetAttr(batch, p->rank_field))) return NULL;
+        Py_DECREF(cur);
+    }
     if (cur == Py_None && PyObject_SetAttr(batch, p->rank_field, p->rank) < 0) return NULL;
     EBatch *eb = ebatch_read(p->fmt, batch);
     if (eb) {
@@ -1913,6 +1917,13 @@ static PyObject *engine_publish_new(PyTypeObject *type, PyObject *args, PyObject
         return NULL;
     if (!PyCallable_Check(fallback)) {
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
+        return NULL;
+    }
+    EngineFormat *f = (EngineFormat *)fmt;
+    Py_ssize_t off = field_offset(f->batch_cls, field);
+    if (off < 0) return NULL;
+    if (off != f->batch_off[2]) {
+        PyErr_Format(PyExc_ValueError, "%R is not the format's rank field", field);
         return NULL;
     }
     EnginePublish *p = (EnginePublish *)type->tp_alloc(type, 0);

@@ -248,6 +248,10 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
         stats_reach(sender, "gil_encoded", before["gil_encoded"] + 3)
         with pytest.raises(TypeError):
             pub.publish(other, other)
+        fmt = engine_format(kv, RANK_FIELD[name], ENCODER)
+        assert fmt is not None
+        with pytest.raises(ValueError, match="rank field"):
+            EnginePublish(sender, fmt, "ts", 0, pub.publisher.publish)
     finally:
         sub.close()
         pub.shutdown()
