@@ -70,7 +70,8 @@ typedef int64_t i64;
 #define FEED_MAX (1 << 20) /* mirror feed entries waiting; beyond, a gap the mirror sees */
 #define POLL_S 0.05       /* how long the sender polls the queue after a batch (with coalesce_s) */
 
-enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2, K_ENGINE = 3 };
+/* K_SKIP: a seq left empty on purpose (skip()): nothing is sent under it. */
+enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2, K_ENGINE = 3, K_SKIP = 4 };
 enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
 
 /* --- payload buffers ---------------------------------------------------------------- */
@@ -219,6 +220,7 @@ typedef struct {
     int feed_armed;
     /* counters (mu) */
     i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
+    i64 skipped;
     i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
@@ -1156,6 +1158,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
         it->payload = encode_heartbeat(it->ts, it->rank);
         return;
     }
+    if (it->kind == K_SKIP) return;
     if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
         it->payload = it->engine ? encode_engine(it->engine) : encode_batch(it->batch, s->dialect);
         if (it->payload) {
@@ -1209,8 +1212,9 @@ static int send_item(Sender *s, const Item *it) {
 
 static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     int have_gil = 0;
-    i64 native = 0, gil = 0, sent = 0, failed = 0, bad = 0, beats = 0;
-    int last_kind = -1; /* the kind of the last item put on the wire */
+    i64 native = 0, gil = 0, sent = 0, failed = 0, bad = 0, skipped = 0, beats = 0;
+    int last_kind = -1; /* the kind of the last item put on the wire or left as a gap */
+    int bad_or_skip = 0;
     for (int i = 0; i < n; i++) encode_item(s, &items[i], ts, &have_gil, &native, &gil);
     if (have_gil) {
         /* Release what is done while holding it anyway. */
@@ -1229,17 +1233,25 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         Item *it = &items[i];
         if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
         if (s->mirror) feed_push(s, it->seq, it->payload);
-        bad += !it->mirror_only && !it->payload;
+        skipped += it->kind == K_SKIP;
+        bad += !it->mirror_only && !it->payload && it->kind != K_SKIP;
     }
     s->dropped_encode_error += bad;
+    s->skipped += skipped;
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
-        if (it->mirror_only || !it->payload) continue;
+        if (it->mirror_only) continue;
+        /* A gap counts as a batch for the heartbeat after it, which must come on the
+         * after-batch grid to reveal it (docs/wire.md section 5). */
+        last_kind = it->kind;
+        if (!it->payload) {
+            bad_or_skip = 1;
+            continue;
+        }
         if (send_item(s, it) < 0) failed++;
         else sent++;
         if (it->kind == K_HEARTBEAT) beats++;
-        last_kind = it->kind;
     }
     double now = mono_now();
     pthread_mutex_lock(&s->mu);
@@ -1259,7 +1271,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     s->heartbeats += beats;
     s->native_encoded += native;
     s->gil_encoded += gil;
-    if (sent + failed) {
+    if (sent + failed + bad_or_skip) {
         s->last_sent = now;
         s->last_was_batch = last_kind != K_HEARTBEAT;
     }
@@ -1545,6 +1557,12 @@ static PyObject *sender_publish(Sender *s, PyObject *batch) {
     return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
+/* skip() -> bool: reserve the next seq and send nothing under it (a visible gap). */
+static PyObject *sender_skip(Sender *s, PyObject *unused) {
+    Item it = {.kind = K_SKIP};
+    return PyBool_FromLong(sender_enqueue(s, &it));
+}
+
 /* publish_engine(batch, format) -> bool | None: publish() for an engine's batch struct,
  * its fields read here and encoded by the thread; None (nothing queued, no seq taken)
  * when the batch is not one `format` describes, for the caller to publish otherwise. */
@@ -1660,16 +1678,16 @@ static PyObject *sender_join(Sender *s, PyObject *unused) {
 
 static PyObject *sender_stats(Sender *s, PyObject *unused) {
     pthread_mutex_lock(&s->mu);
-    long long v[12] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
+    long long v[13] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
                        s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
                        s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
-                       (i64)s->feed_len};
+                       (i64)s->feed_len, s->skipped};
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
         "dropped_queue_full", v[3], "dropped_closed", v[4], "dropped_send_error", v[5],
         "dropped_encode_error", v[6], "heartbeats", v[7], "native_encoded", v[8], "gil_encoded",
-        v[9], "sender_gil_takes", v[10], "mirror_feed", v[11]);
+        v[9], "sender_gil_takes", v[10], "mirror_feed", v[11], "skipped", v[12]);
 }
 
 static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
@@ -1824,6 +1842,8 @@ static PyGetSetDef sender_getset[] = {
 
 static PyMethodDef sender_methods[] = {
     {"publish", (PyCFunction)sender_publish, METH_O, "Reserve a seq and queue a batch; never blocks."},
+    {"skip", (PyCFunction)sender_skip, METH_NOARGS,
+     "Reserve a seq and send nothing under it (a visible gap); never blocks."},
     {"publish_engine", (PyCFunction)(void (*)(void))sender_publish_engine, METH_FASTCALL,
      "publish_engine(batch, format) -> bool | None: queue an engine's batch struct."},
     {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
