@@ -32,7 +32,7 @@ from typing import Any
 
 from kvwire.integrations.config import IntegrationConfig
 from kvwire.publisher import EventCollector, EventPublisher
-from kvwire.wire import Dialect, WireError, normalise_hash
+from kvwire.wire import WireError, normalise_hash
 
 __all__ = [
     "Clear",
@@ -202,21 +202,6 @@ class RankConverter:
         return actions
 
 
-class _LostEvents:
-    """Takes a seq and never encodes: the publisher drops it, so subscribers see the gap."""
-
-    __slots__ = ("lost",)
-
-    def __init__(self, lost: Lost) -> None:
-        self.lost = lost
-
-    def encode(self, dialect: Dialect) -> bytes:
-        raise WireError(
-            f"TensorRT-LLM KV events {self.lost.first}..{self.lost.last} were lost; "
-            "left as a gap in the seqs"
-        )
-
-
 class TrtllmEventRelay:
     """Polls ``get_kv_cache_events`` on a thread and publishes each rank's events through kvwire.
 
@@ -301,7 +286,11 @@ class TrtllmEventRelay:
                     collector.cleared()
                 else:
                     collector.flush()
-                    self.publishers[rank].publish(_LostEvents(action))
+                    self.publishers[rank].skip()
+                    log.warning(
+                        "TensorRT-LLM KV events %d..%d of rank %d were lost: a gap in its seqs",
+                        action.first, action.last, rank,
+                    )  # fmt: skip
         for rank in touched:
             self._collectors[rank].flush()
 

@@ -63,6 +63,8 @@ _tokens = msgspec.msgpack.Decoder(list[int])
 _encoder = msgspec.msgpack.Encoder()
 
 _Undo = dict[tuple[str | None, int], tuple[Chain, ...]]
+NOT_SENT = "nothing was sent under it (skipped, or it did not encode)"
+"""Why the mirror distrusts itself after a seq the sender left empty."""
 
 
 def _packed(tokens: Any) -> bytes:
@@ -121,7 +123,7 @@ class Mirror:
             if j < n:
                 seq, payload = feed[j]
                 if payload is None:
-                    self.skip(seq, "it could not be encoded")
+                    self.skip(seq, NOT_SENT)
                 else:
                     self.apply_payload(seq, payload)
             i = j + 1

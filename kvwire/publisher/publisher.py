@@ -73,7 +73,8 @@ class PublisherStats:
     time the sender thread took the GIL (once at start, then only for
     ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
     ``mirror_pending``: batches encoded but not yet applied to the snapshot
-    mirror (it takes them in batches, a few times a second).
+    mirror (it takes them in batches, a few times a second). ``skipped``: seqs
+    left empty by :meth:`EventPublisher.skip`.
     """
 
     enqueued: int
@@ -95,6 +96,7 @@ class PublisherStats:
     gil_encoded: int = 0
     sender_gil_takes: int = 0
     mirror_pending: int = 0
+    skipped: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
@@ -294,6 +296,18 @@ class EventPublisher:
         """
         return bool(self._sender.publish(batch))
 
+    def skip(self) -> bool:
+        """Leave a gap: reserve the next seq and send nothing under it; never blocks.
+
+        For a producer that knows it lost events it cannot publish (a relay
+        whose source dropped some): subscribers see the missing seq as a loss
+        that replay cannot fill, and the snapshot mirror stops vouching for
+        itself until an ``AllBlocksCleared``. The heartbeat after it comes as
+        soon as after a batch, so a gap with nothing after it shows as quickly.
+        Returns whether the gap was queued (a drop leaves the same gap).
+        """
+        return bool(self._sender.skip())
+
     def direct_sender(self) -> Sender | None:
         """The native sender, for producers that queue on it without ``publish()``
         (the collector's hooks, the engine plugins); ``None`` when ``publish`` was
@@ -359,6 +373,7 @@ class EventPublisher:
             gil_encoded=c["gil_encoded"],
             sender_gil_takes=c["sender_gil_takes"],
             mirror_pending=c["mirror_feed"] + self._mirror_in_hand,
+            skipped=c["skipped"],
         )
 
     def replayable_seqs(self) -> list[int]:

@@ -391,6 +391,26 @@ def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Conte
         assert pub.stats().dropped_encode_error == 1
 
 
+def test_skip_leaves_a_gap_that_replay_cannot_fill(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=0.2) as pub:
+        sub, first = connect_sub(zctx, pub)
+        assert pub.publish(batch(1))
+        assert pub.skip()
+        assert recv_live(sub).seq == first
+        # Nothing is published after the gap: the next heartbeat shows it.
+        beat = recv_live(sub)
+        assert beat.seq == first + 2 and decode_batch(beat.payload).events == []
+        assert pub.publish(batch(2))
+        assert recv_live(sub).seq == first + 3
+        stats = pub.stats()
+        assert (stats.skipped, stats.dropped_encode_error) == (1, 0)
+        assert first + 1 not in pub.replayable_seqs()
+        assert {first, first + 2, first + 3} <= set(pub.replayable_seqs())
+        # The snapshot mirror cannot vouch for a state with a batch missing.
+        wait_for(lambda: pub.stats().mirror_pending == 0, what="mirror caught up")
+        assert pub._mirror is not None and pub._mirror.distrust_reason is not None
+
+
 def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5, heartbeat=None)
     pub.start()
