@@ -288,8 +288,18 @@ static inline int rd_field_id(Rd *r, int map, int kind, Py_ssize_t k, int *f, un
     if (map) {
         const char *s;
         Py_ssize_t len;
-        if (rd_str(r, &s, &len)) return FALL;
-        *f = field_of(kind, s, len, *f + 1);
+        int g = *f + 1;
+        /* The usual case first: a store's next field in declaration order,
+         * its name a fixstr (what field_of would find, read in one compare). */
+        if (kind == EV_STORED && g < F_COUNT && FIELD_NAMES[g].n < 32 && r->n - r->i > FIELD_NAMES[g].n &&
+            r->p[r->i] == (0xa0 | FIELD_NAMES[g].n) &&
+            memcmp(r->p + r->i + 1, FIELD_NAMES[g].s, (size_t)FIELD_NAMES[g].n) == 0) {
+            r->i += 1 + FIELD_NAMES[g].n;
+            *f = g;
+        } else {
+            if (rd_str(r, &s, &len)) return FALL;
+            *f = field_of(kind, s, len, g);
+        }
     } else {
         Py_ssize_t at = k - 1;
         if (kind == EV_STORED) *f = at < N_STORED ? (int)at : F_UNKNOWN;
