@@ -1474,7 +1474,273 @@ static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
 #endif
 }
 
-/* {names[sid]: depth} (or tiers_type(gpu, cpu, storage)); frees the walk. */
+/* Matches: a match's result, read-only, built as far as it is read.        */
+/*
+ * A router usually reads a few holders (its candidates, the deepest), so
+ * the walk's result keeps each holder's name (a reference), the name's hash
+ * and its depths, and makes a value object only when one is asked for. The
+ * dict of every holder is built on the first operation that needs it all
+ * (equality, keys/values/items views, many lookups) and then kept. Made only
+ * by a match: it cannot be created from Python. */
+
+typedef struct {
+    PyObject *name;
+    Py_hash_t hash;
+    i32 d, g, f; /* held anywhere; on GPU; on GPU or CPU (g, f: tiers only) */
+} Holder;
+
+typedef struct {
+    PyObject_VAR_HEAD
+    PyObject *tt;   /* tiers_type, or NULL: depths are ints */
+    PyObject *dict; /* every holder, once built */
+    Py_ssize_t lookups;
+    i32 max;
+    Holder h[1];
+} Matches;
+
+/* Key lookups by a scan of the hashes, up to this many; then the dict. */
+#define MATCHES_SCANS 8
+
+static PyTypeObject MatchesType;
+
+static PyObject *holder_value(const Matches *self, const Holder *h) {
+    if (!self->tt) return PyLong_FromLong(h->d);
+    return PyObject_CallFunction(self->tt, "iii", h->g, h->f - h->g, h->d - h->f);
+}
+
+/* The dict of every holder (borrowed), built on first use. */
+static PyObject *matches_dict(Matches *self) {
+    if (self->dict) return self->dict;
+    const Py_ssize_t n = Py_SIZE(self);
+#if PY_VERSION_HEX < 0x030D0000
+    PyObject *d = n > 5 ? _PyDict_NewPresized(n) : PyDict_New();
+#else
+    PyObject *d = PyDict_New();
+#endif
+    if (!d) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = holder_value(self, &self->h[i]);
+        int rc = v ? set_known(d, self->h[i].name, v, self->h[i].hash) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    /* holder_value may have run Python code that built it meanwhile. */
+    if (self->dict) Py_DECREF(d);
+    else self->dict = d;
+    return self->dict;
+}
+
+/* The holder of key: 1 (*out set), 0 when none, -1 on error. */
+static int matches_find(Matches *self, PyObject *key, const Holder **out) {
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) return -1;
+    const Py_ssize_t n = Py_SIZE(self);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Holder *h = &self->h[i];
+        if (h->hash != hash) continue;
+        int eq = h->name == key ? 1 : PyObject_RichCompareBool(h->name, key, Py_EQ);
+        if (eq < 0) return -1;
+        if (eq) {
+            *out = h;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The value of key (new reference), NULL with no error set when absent. */
+static PyObject *matches_lookup(Matches *self, PyObject *key) {
+    if (!self->dict && ++self->lookups > MATCHES_SCANS && !matches_dict(self)) return NULL;
+    if (self->dict) {
+        PyObject *v = PyDict_GetItemWithError(self->dict, key);
+        Py_XINCREF(v);
+        return v;
+    }
+    const Holder *h;
+    int found = matches_find(self, key, &h);
+    return found > 0 ? holder_value(self, h) : NULL;
+}
+
+static PyObject *Matches_subscript(Matches *self, PyObject *key) {
+    PyObject *v = matches_lookup(self, key);
+    if (!v && !PyErr_Occurred()) {
+        PyObject *args = PyTuple_Pack(1, key); /* a tuple key is one argument */
+        if (args) PyErr_SetObject(PyExc_KeyError, args);
+        Py_XDECREF(args);
+    }
+    return v;
+}
+
+static int Matches_contains(Matches *self, PyObject *key) {
+    if (self->dict) return PyDict_Contains(self->dict, key);
+    const Holder *h;
+    return matches_find(self, key, &h);
+}
+
+static Py_ssize_t Matches_length(Matches *self) { return Py_SIZE(self); }
+
+static PyObject *Matches_get(Matches *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *v = matches_lookup(self, args[0]);
+    if (v || PyErr_Occurred()) return v;
+    v = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+/* Iteration is over the names, without building a value. */
+static PyObject *Matches_iter(Matches *self) {
+    const Py_ssize_t n = Py_SIZE(self);
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(self->h[i].name);
+        PyTuple_SET_ITEM(t, i, self->h[i].name);
+    }
+    PyObject *it = PyObject_GetIter(t);
+    Py_DECREF(t);
+    return it;
+}
+
+static PyObject *matches_view(Matches *self, const char *which) {
+    PyObject *d = matches_dict(self);
+    return d ? PyObject_CallMethod(d, which, NULL) : NULL;
+}
+
+static PyObject *Matches_keys(Matches *self, PyObject *unused) { return matches_view(self, "keys"); }
+static PyObject *Matches_values(Matches *self, PyObject *unused) { return matches_view(self, "values"); }
+static PyObject *Matches_items(Matches *self, PyObject *unused) { return matches_view(self, "items"); }
+
+static int deeper(const Holder *a, const Holder *b) { return a->d > b->d; }
+
+/* best(n=1) -> the n deepest holders as (name, value), deepest first, ties in
+ * rank slot order. Picks by insertion into a sorted window of n: no value
+ * is built for the others. */
+static PyObject *Matches_best(Matches *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t want = 1;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "best(n=1)");
+        return NULL;
+    }
+    if (nargs == 1 && (want = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if (want < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    const Py_ssize_t n = Py_SIZE(self);
+    if (want > n) want = n;
+    const Holder *small[16], **top = small;
+    if (want > 16 && !(top = PyMem_Malloc((size_t)want * sizeof *top))) return PyErr_NoMemory();
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n && want > 0; i++) {
+        const Holder *h = &self->h[i];
+        if (k == want && !deeper(h, top[k - 1])) continue;
+        Py_ssize_t j = k < want ? k++ : k - 1;
+        for (; j > 0 && deeper(h, top[j - 1]); j--) top[j] = top[j - 1];
+        top[j] = h;
+    }
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t i = 0; out && i < k; i++) {
+        PyObject *v = holder_value(self, top[i]);
+        PyObject *pair = v ? PyTuple_Pack(2, top[i]->name, v) : NULL;
+        Py_XDECREF(v);
+        if (!pair) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, pair);
+    }
+    if (top != small) PyMem_Free(top);
+    return out;
+}
+
+static PyObject *Matches_get_max_depth(Matches *self, void *c) { return PyLong_FromLong(self->max); }
+
+static PyObject *Matches_richcompare(PyObject *a, PyObject *b, int op) {
+    const int other = PyObject_TypeCheck(b, &MatchesType);
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(a, &MatchesType) || !(other || PyDict_Check(b)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *da = matches_dict((Matches *)a);
+    PyObject *db = da && other ? matches_dict((Matches *)b) : b;
+    return da && db ? PyObject_RichCompare(da, db, op) : NULL;
+}
+
+/* Printed as the dict it equals (what a match printed before it was lazy). */
+static PyObject *Matches_repr(Matches *self) {
+    PyObject *d = matches_dict(self);
+    return d ? PyObject_Repr(d) : NULL;
+}
+
+static int Matches_traverse(Matches *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_VISIT(self->h[i].name);
+    Py_VISIT(self->tt);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int Matches_clear(Matches *self) {
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_CLEAR(self->h[i].name);
+    Py_SET_SIZE(self, 0);
+    Py_CLEAR(self->tt);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void Matches_dealloc(Matches *self) {
+    PyObject_GC_UnTrack(self);
+    Matches_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMappingMethods Matches_as_mapping = {
+    .mp_length = (lenfunc)Matches_length,
+    .mp_subscript = (binaryfunc)Matches_subscript,
+};
+
+static PySequenceMethods Matches_as_sequence = {
+    .sq_contains = (objobjproc)Matches_contains,
+};
+
+static PyMethodDef Matches_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Matches_get, METH_FASTCALL, "get(key, default=None)"},
+    {"keys", (PyCFunction)Matches_keys, METH_NOARGS, "the holders"},
+    {"values", (PyCFunction)Matches_values, METH_NOARGS, "their matched depths"},
+    {"items", (PyCFunction)Matches_items, METH_NOARGS, "(holder, depth) pairs"},
+    {"best", (PyCFunction)(void (*)(void))Matches_best, METH_FASTCALL,
+     "best(n=1) -> the n deepest (holder, depth) pairs, deepest first"},
+    {NULL},
+};
+
+static PyGetSetDef Matches_getset[] = {
+    {"max_depth", (getter)Matches_get_max_depth, NULL, "the deepest holder's matched blocks (0: none)", NULL},
+    {NULL},
+};
+
+static PyTypeObject MatchesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.Matches",
+    .tp_basicsize = sizeof(Matches) - sizeof(Holder), /* h[] from there */
+    .tp_itemsize = sizeof(Holder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_doc = "A match's holders and their matched blocks: a read-only mapping, built as read.",
+    .tp_dealloc = (destructor)Matches_dealloc,
+    .tp_traverse = (traverseproc)Matches_traverse,
+    .tp_clear = (inquiry)Matches_clear,
+    .tp_repr = (reprfunc)Matches_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_as_mapping = &Matches_as_mapping,
+    .tp_as_sequence = &Matches_as_sequence,
+    .tp_richcompare = Matches_richcompare,
+    .tp_iter = (getiterfunc)Matches_iter,
+    .tp_methods = Matches_methods,
+    .tp_getset = Matches_getset,
+};
+
+/* The walk's Matches: names[sid] and depths (or tiers_type(gpu, cpu,
+ * storage) when read) of every holder; frees the walk. */
 static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *tt) {
     const size_t W = wk->W, S = W << 6;
     u64 *acc = wk->acc;
@@ -1486,43 +1752,50 @@ static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *t
             record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, at);
         }
     }
+    const size_t ns = S < (size_t)PyList_GET_SIZE(names) ? S : (size_t)PyList_GET_SIZE(names);
     Py_ssize_t held = 0;
-    for (size_t sid = 0; sid < S; sid++) held += depth[sid] > 0;
-#if PY_VERSION_HEX < 0x030D0000
-    PyObject *out = held > 5 ? _PyDict_NewPresized(held) : PyDict_New();
-#else
-    PyObject *out = PyDict_New();
-#endif
-    if (!out) goto fail;
-    /* tiers_type and dict insertion may run Python code that changes
-     * `names`: re-read its size each time, and hold the name. */
-    for (size_t sid = 0; sid < S && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
-        i32 d = depth[sid];
+    for (size_t sid = 0; sid < ns; sid++) held += depth[sid] > 0;
+    Matches *out = PyObject_GC_NewVar(Matches, &MatchesType, held);
+    if (!out) goto done;
+    out->tt = NULL;
+    out->dict = NULL;
+    out->lookups = 0;
+    out->max = 0;
+    Py_SET_SIZE(out, 0);
+    if (tt != Py_None) {
+        Py_INCREF(tt);
+        out->tt = tt;
+    }
+    /* A hash may run Python code that changes `names` (a name of another
+     * type than (str, int)): re-read its size each time, and hold the name. */
+    for (size_t sid = 0; sid < ns && Py_SIZE(out) < held && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
+        const i32 d = depth[sid];
         if (d <= 0) continue;
         PyObject *name = PyList_GET_ITEM(names, (Py_ssize_t)sid);
         if (name == Py_None) continue;
         Py_INCREF(name);
-        PyObject *v;
-        if (tt == Py_None) v = PyLong_FromLong(d);
-        else if (!wk->split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
-        else {
-            i32 g = depth[S + sid], f = depth[2 * S + sid];
-            v = PyObject_CallFunction(tt, "iii", g, f - g, d - f);
+        Py_hash_t h = name_hash(self, sid, name);
+        if (h == -1) {
+            Py_DECREF(name);
+            Py_CLEAR(out);
+            goto done;
         }
-        Py_hash_t h = v ? name_hash(self, sid, name) : -1;
-        int rc = h != -1 ? set_known(out, name, v, h) : -1;
-        Py_XDECREF(v);
-        Py_DECREF(name);
-        if (rc < 0) {
-            Py_DECREF(out);
-            goto fail;
+        Holder *hd = &out->h[Py_SIZE(out)];
+        hd->name = name;
+        hd->hash = h;
+        hd->d = d;
+        hd->g = hd->f = d;
+        if (wk->split) {
+            hd->g = depth[S + sid];
+            hd->f = depth[2 * S + sid];
         }
+        if (d > out->max) out->max = d;
+        Py_SET_SIZE(out, Py_SIZE(out) + 1);
     }
+    PyObject_GC_Track(out);
+done:
     walk_end(wk);
-    return out;
-fail:
-    walk_end(wk);
-    return NULL;
+    return (PyObject *)out;
 }
 
 static int names_arg(PyObject *names) {
@@ -1531,7 +1804,7 @@ static int names_arg(PyObject *names) {
     return -1;
 }
 
-/* match(keys, names, tiers_type) -> {names[sid]: depth}
+/* match(keys, names, tiers_type) -> Matches {names[sid]: depth}
  *
  * The longest run of the prompt's keys from the first that each rank holds.
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
@@ -1988,9 +2261,9 @@ static PyMethodDef Index_methods[] = {
      "apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers, max_events, "
      "max_blocks, max_block_size, max_tokens) -> counter deltas, or None (decode it the general way)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
-     "match(keys, names, tiers_type) -> {name: depth}"},
+     "match(keys, names, tiers_type) -> Matches {name: depth}"},
     {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
-     "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> {name: depth}"},
+     "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> Matches {name: depth}"},
     {NULL},
 };
 
@@ -2021,12 +2294,14 @@ static struct PyModuleDef coremodule = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
+    if (PyType_Ready(&MatchesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
     Py_INCREF(&KeyChainType);
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
-        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
+        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0 ||
+        PyModule_AddObjectRef(m, "Matches", (PyObject *)&MatchesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

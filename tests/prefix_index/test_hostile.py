@@ -136,7 +136,11 @@ def test_match_survives_a_tiers_type_that_empties_the_names() -> None:
         return (g, c, s)
 
     got = idx._core.match(keys, names, evil)
-    assert len(got) == 1  # stopped where the names ran out
+    # The result holds the names it was built with; a value built later (here,
+    # running the evil type) cannot change which holders it has.
+    assert len(got) == 5 and names
+    assert got[("w0", 0)] == (2, 0, 0) and not names
+    assert dict(got) == {(f"w{w}", 0): (2, 0, 0) for w in range(5)}
 
 
 def test_index_max_entries_is_checked() -> None:
