@@ -797,12 +797,9 @@ typedef struct {
     Scratch ph, ps;
     Py_ssize_t ph_len, ps_len, pev_cap;
     PEv *pev;
-    /* Per rank slot, the name last reported and its hash: a match result
-     * is built without touching (or re-hashing) every name's objects. Only
-     * exact (str, int) tuples are kept: they cannot be part of a cycle. */
-    PyObject **names;
-    Py_hash_t *name_hash;
-    size_t name_cap;
+    /* The names (and their hashes) matches report by: Names, shared by
+     * every match until the names list changes. */
+    PyObject *snap;
 } Index;
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -843,9 +840,7 @@ static void rank_free(Rank *r) {
 }
 
 static void Index_dealloc(Index *self) {
-    for (size_t i = 0; i < self->name_cap; i++) Py_XDECREF(self->names[i]);
-    PyMem_Free(self->names);
-    PyMem_Free(self->name_hash);
+    Py_XDECREF(self->snap);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -1442,29 +1437,6 @@ static int plain_name(PyObject *o) {
            PyUnicode_CheckExact(PyTuple_GET_ITEM(o, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(o, 1));
 }
 
-/* The hash of names[sid], from the cache when it is the same object. */
-static Py_hash_t name_hash(Index *self, size_t sid, PyObject *name) {
-    if (sid < self->name_cap && self->names[sid] == name) return self->name_hash[sid];
-    Py_hash_t h = PyObject_Hash(name);
-    if (h == -1 || !plain_name(name)) return h;
-    if (sid >= self->name_cap) {
-        size_t cap = self->name_cap ? self->name_cap : 64;
-        while (cap <= sid) cap *= 2;
-        PyObject **n = PyMem_Realloc(self->names, cap * sizeof(PyObject *));
-        if (!n) return h; /* no cache, still a hash */
-        self->names = n;
-        Py_hash_t *hh = PyMem_Realloc(self->name_hash, cap * sizeof(Py_hash_t));
-        if (!hh) return h;
-        self->name_hash = hh;
-        memset(n + self->name_cap, 0, (cap - self->name_cap) * sizeof(PyObject *));
-        self->name_cap = cap;
-    }
-    Py_INCREF(name);
-    Py_XSETREF(self->names[sid], name);
-    self->name_hash[sid] = h;
-    return h;
-}
-
 static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
 #if PY_VERSION_HEX < 0x030D0000
     return _PyDict_SetItem_KnownHash(d, k, v, h);
@@ -1474,26 +1446,116 @@ static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
 #endif
 }
 
-/* Matches: a match's result, read-only, built as far as it is read.        */
-/*
- * A router usually reads a few holders (its candidates, the deepest), so
- * the walk's result keeps each holder's name (a reference), the name's hash
- * and its depths, and makes a value object only when one is asked for. The
- * dict of every holder is built on the first operation that needs it all
- * (equality, keys/values/items views, many lookups) and then kept. Made only
- * by a match: it cannot be created from Python. */
+/* ------------------------------------------------------------------------ */
+/* Names: the rank slots' names with their hashes, a snapshot of the names   */
+/* list that every match shares until the list changes.                      */
 
 typedef struct {
     PyObject *name;
-    Py_hash_t hash;
-    i32 d, g, f; /* held anywhere; on GPU; on GPU or CPU (g, f: tiers only) */
+    Py_hash_t hash; /* -1: unhashable (raised if a holder has that name) */
+} Name;
+
+typedef struct {
+    PyObject_VAR_HEAD
+    Name e[1];
+} Names;
+
+static int Names_traverse(Names *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_VISIT(self->e[i].name);
+    return 0;
+}
+
+static int Names_clear(Names *self) {
+    Py_ssize_t n = Py_SIZE(self);
+    Py_SET_SIZE(self, 0);
+    for (Py_ssize_t i = 0; i < n; i++) Py_CLEAR(self->e[i].name);
+    return 0;
+}
+
+static void Names_dealloc(Names *self) {
+    PyObject_GC_UnTrack(self);
+    Names_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyTypeObject NamesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.Names",
+    .tp_basicsize = sizeof(Names) - sizeof(Name), /* e[] from there */
+    .tp_itemsize = sizeof(Name),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_doc = "Rank names of a match (internal).",
+    .tp_dealloc = (destructor)Names_dealloc,
+    .tp_traverse = (traverseproc)Names_traverse,
+    .tp_clear = (inquiry)Names_clear,
+};
+
+/* The names list as Names (new reference): the index's cached one while the
+ * list holds the same objects. Cached only when every name is a (str, int)
+ * or None: the index then holds nothing that could reference it back. */
+static Names *names_snapshot(Index *self, PyObject *names) {
+    const Py_ssize_t n = PyList_GET_SIZE(names);
+    Names *s = (Names *)self->snap;
+    if (s && Py_SIZE(s) == n) {
+        Py_ssize_t i = 0;
+        while (i < n && s->e[i].name == PyList_GET_ITEM(names, i)) i++;
+        if (i == n) {
+            Py_INCREF(s);
+            return s;
+        }
+    }
+    if (!(s = PyObject_GC_NewVar(Names, &NamesType, n))) return NULL;
+    Py_SET_SIZE(s, 0);
+    int plain = 1;
+    /* A hash may run Python code that changes the list: re-read its size. */
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(names); i++) {
+        PyObject *o = PyList_GET_ITEM(names, i);
+        Py_INCREF(o);
+        Py_hash_t h = 0;
+        if (o != Py_None) {
+            plain &= plain_name(o);
+            if ((h = PyObject_Hash(o)) == -1) {
+                if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    Py_DECREF(o);
+                    Py_DECREF(s);
+                    return NULL;
+                }
+                PyErr_Clear();
+            }
+        }
+        s->e[i].name = o;
+        s->e[i].hash = h;
+        Py_SET_SIZE(s, i + 1);
+    }
+    PyObject_GC_Track(s);
+    if (plain && Py_SIZE(s) == n) {
+        Py_INCREF(s);
+        Py_XSETREF(self->snap, (PyObject *)s);
+    }
+    return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Matches: a match's result, read-only, built as far as it is read.        */
+/*
+ * A router usually reads a few holders (its candidates, the deepest), so
+ * the walk's result keeps each holder's rank slot and depths, and the names
+ * (with their hashes) it was made with, and makes a value object only when
+ * one is asked for. The dict of every holder is built on the first
+ * operation that needs it all (equality, keys/values/items views, many
+ * lookups) and then kept. Made only by a match: it cannot be created from
+ * Python. */
+
+typedef struct {
+    i32 a, b; /* (rank slot, depth held anywhere); with tiers, at cap + i: (on GPU, on GPU or CPU) */
 } Holder;
 
 typedef struct {
     PyObject_VAR_HEAD
+    Names *names;
     PyObject *tt;   /* tiers_type, or NULL: depths are ints */
     PyObject *dict; /* every holder, once built */
-    Py_ssize_t lookups;
+    Py_ssize_t lookups, cap;
     i32 max;
     Holder h[1];
 } Matches;
@@ -1503,9 +1565,15 @@ typedef struct {
 
 static PyTypeObject MatchesType;
 
-static PyObject *holder_value(const Matches *self, const Holder *h) {
-    if (!self->tt) return PyLong_FromLong(h->d);
-    return PyObject_CallFunction(self->tt, "iii", h->g, h->f - h->g, h->d - h->f);
+static inline const Name *holder_name(const Matches *self, Py_ssize_t i) {
+    return &self->names->e[self->h[i].a];
+}
+
+static PyObject *holder_value(const Matches *self, Py_ssize_t i) {
+    const i32 d = self->h[i].b;
+    if (!self->tt) return PyLong_FromLong(d);
+    const Holder *gf = &self->h[self->cap + i];
+    return PyObject_CallFunction(self->tt, "iii", gf->a, gf->b - gf->a, d - gf->b);
 }
 
 /* The dict of every holder (borrowed), built on first use. */
@@ -1519,8 +1587,9 @@ static PyObject *matches_dict(Matches *self) {
 #endif
     if (!d) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = holder_value(self, &self->h[i]);
-        int rc = v ? set_known(d, self->h[i].name, v, self->h[i].hash) : -1;
+        PyObject *v = holder_value(self, i);
+        const Name *nm = holder_name(self, i);
+        int rc = v ? set_known(d, nm->name, v, nm->hash) : -1;
         Py_XDECREF(v);
         if (rc < 0) {
             Py_DECREF(d);
@@ -1533,22 +1602,19 @@ static PyObject *matches_dict(Matches *self) {
     return self->dict;
 }
 
-/* The holder of key: 1 (*out set), 0 when none, -1 on error. */
-static int matches_find(Matches *self, PyObject *key, const Holder **out) {
+/* The holder of key: its position, -1 when none, -2 on error. */
+static Py_ssize_t matches_find(Matches *self, PyObject *key) {
     Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1) return -1;
+    if (hash == -1) return -2;
     const Py_ssize_t n = Py_SIZE(self);
     for (Py_ssize_t i = 0; i < n; i++) {
-        const Holder *h = &self->h[i];
-        if (h->hash != hash) continue;
-        int eq = h->name == key ? 1 : PyObject_RichCompareBool(h->name, key, Py_EQ);
-        if (eq < 0) return -1;
-        if (eq) {
-            *out = h;
-            return 1;
-        }
+        const Name *nm = holder_name(self, i);
+        if (nm->hash != hash) continue;
+        int eq = nm->name == key ? 1 : PyObject_RichCompareBool(nm->name, key, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) return i;
     }
-    return 0;
+    return -1;
 }
 
 /* The value of key (new reference), NULL with no error set when absent. */
@@ -1559,9 +1625,8 @@ static PyObject *matches_lookup(Matches *self, PyObject *key) {
         Py_XINCREF(v);
         return v;
     }
-    const Holder *h;
-    int found = matches_find(self, key, &h);
-    return found > 0 ? holder_value(self, h) : NULL;
+    Py_ssize_t i = matches_find(self, key);
+    return i >= 0 ? holder_value(self, i) : NULL;
 }
 
 static PyObject *Matches_subscript(Matches *self, PyObject *key) {
@@ -1576,8 +1641,8 @@ static PyObject *Matches_subscript(Matches *self, PyObject *key) {
 
 static int Matches_contains(Matches *self, PyObject *key) {
     if (self->dict) return PyDict_Contains(self->dict, key);
-    const Holder *h;
-    return matches_find(self, key, &h);
+    Py_ssize_t i = matches_find(self, key);
+    return i == -2 ? -1 : i >= 0;
 }
 
 static Py_ssize_t Matches_length(Matches *self) { return Py_SIZE(self); }
@@ -1594,14 +1659,15 @@ static PyObject *Matches_get(Matches *self, PyObject *const *args, Py_ssize_t na
     return v;
 }
 
-/* Iteration is over the names, without building a value. */
+/* Iteration is over the names, in rank slot order, without building a value. */
 static PyObject *Matches_iter(Matches *self) {
     const Py_ssize_t n = Py_SIZE(self);
     PyObject *t = PyTuple_New(n);
     if (!t) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_INCREF(self->h[i].name);
-        PyTuple_SET_ITEM(t, i, self->h[i].name);
+        PyObject *name = holder_name(self, i)->name;
+        Py_INCREF(name);
+        PyTuple_SET_ITEM(t, i, name);
     }
     PyObject *it = PyObject_GetIter(t);
     Py_DECREF(t);
@@ -1616,8 +1682,6 @@ static PyObject *matches_view(Matches *self, const char *which) {
 static PyObject *Matches_keys(Matches *self, PyObject *unused) { return matches_view(self, "keys"); }
 static PyObject *Matches_values(Matches *self, PyObject *unused) { return matches_view(self, "values"); }
 static PyObject *Matches_items(Matches *self, PyObject *unused) { return matches_view(self, "items"); }
-
-static int deeper(const Holder *a, const Holder *b) { return a->d > b->d; }
 
 /* best(n=1) -> the n deepest holders as (name, value), deepest first, ties in
  * rank slot order. Picks by insertion into a sorted window of n: no value
@@ -1635,20 +1699,19 @@ static PyObject *Matches_best(Matches *self, PyObject *const *args, Py_ssize_t n
     }
     const Py_ssize_t n = Py_SIZE(self);
     if (want > n) want = n;
-    const Holder *small[16], **top = small;
+    Py_ssize_t small[16], *top = small, k = 0;
     if (want > 16 && !(top = PyMem_Malloc((size_t)want * sizeof *top))) return PyErr_NoMemory();
-    Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n && want > 0; i++) {
-        const Holder *h = &self->h[i];
-        if (k == want && !deeper(h, top[k - 1])) continue;
+        const i32 d = self->h[i].b;
+        if (k == want && d <= self->h[top[k - 1]].b) continue;
         Py_ssize_t j = k < want ? k++ : k - 1;
-        for (; j > 0 && deeper(h, top[j - 1]); j--) top[j] = top[j - 1];
-        top[j] = h;
+        for (; j > 0 && d > self->h[top[j - 1]].b; j--) top[j] = top[j - 1];
+        top[j] = i;
     }
     PyObject *out = PyList_New(k);
     for (Py_ssize_t i = 0; out && i < k; i++) {
         PyObject *v = holder_value(self, top[i]);
-        PyObject *pair = v ? PyTuple_Pack(2, top[i]->name, v) : NULL;
+        PyObject *pair = v ? PyTuple_Pack(2, holder_name(self, top[i])->name, v) : NULL;
         Py_XDECREF(v);
         if (!pair) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, pair);
@@ -1675,15 +1738,16 @@ static PyObject *Matches_repr(Matches *self) {
 }
 
 static int Matches_traverse(Matches *self, visitproc visit, void *arg) {
-    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_VISIT(self->h[i].name);
+    Py_VISIT(self->names);
     Py_VISIT(self->tt);
     Py_VISIT(self->dict);
     return 0;
 }
 
+/* Holders read their names: once the names are gone, there are none. */
 static int Matches_clear(Matches *self) {
-    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_CLEAR(self->h[i].name);
     Py_SET_SIZE(self, 0);
+    Py_CLEAR(self->names);
     Py_CLEAR(self->tt);
     Py_CLEAR(self->dict);
     return 0;
@@ -1752,46 +1816,53 @@ static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *t
             record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, at);
         }
     }
-    const size_t ns = S < (size_t)PyList_GET_SIZE(names) ? S : (size_t)PyList_GET_SIZE(names);
+    Matches *out = NULL;
+    Names *nm = names_snapshot(self, names);
+    if (!nm) goto done;
+    const size_t ns = S < (size_t)Py_SIZE(nm) ? S : (size_t)Py_SIZE(nm);
     Py_ssize_t held = 0;
-    for (size_t sid = 0; sid < ns; sid++) held += depth[sid] > 0;
-    Matches *out = PyObject_GC_NewVar(Matches, &MatchesType, held);
-    if (!out) goto done;
+    for (size_t sid = 0; sid < ns; sid++) {
+        if (depth[sid] <= 0 || nm->e[sid].name == Py_None) continue;
+        if (nm->e[sid].hash == -1 && PyObject_Hash(nm->e[sid].name) == -1) { /* raises */
+            Py_DECREF(nm);
+            goto done;
+        }
+        held++;
+    }
+    out = PyObject_GC_NewVar(Matches, &MatchesType, tt == Py_None ? held : 2 * held);
+    if (!out) {
+        Py_DECREF(nm);
+        goto done;
+    }
+    out->names = nm;
     out->tt = NULL;
-    out->dict = NULL;
-    out->lookups = 0;
-    out->max = 0;
-    Py_SET_SIZE(out, 0);
     if (tt != Py_None) {
         Py_INCREF(tt);
         out->tt = tt;
     }
-    /* A hash may run Python code that changes `names` (a name of another
-     * type than (str, int)): re-read its size each time, and hold the name. */
-    for (size_t sid = 0; sid < ns && Py_SIZE(out) < held && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
+    out->dict = NULL;
+    out->lookups = 0;
+    out->cap = held;
+    i32 max = 0;
+    Py_ssize_t k = 0;
+    for (size_t sid = 0; sid < ns; sid++) {
         const i32 d = depth[sid];
-        if (d <= 0) continue;
-        PyObject *name = PyList_GET_ITEM(names, (Py_ssize_t)sid);
-        if (name == Py_None) continue;
-        Py_INCREF(name);
-        Py_hash_t h = name_hash(self, sid, name);
-        if (h == -1) {
-            Py_DECREF(name);
-            Py_CLEAR(out);
-            goto done;
+        if (d <= 0 || nm->e[sid].name == Py_None) continue;
+        out->h[k].a = (i32)sid;
+        out->h[k].b = d;
+        if (out->tt) {
+            Holder *gf = &out->h[held + k];
+            gf->a = gf->b = d;
+            if (wk->split) {
+                gf->a = depth[S + sid];
+                gf->b = depth[2 * S + sid];
+            }
         }
-        Holder *hd = &out->h[Py_SIZE(out)];
-        hd->name = name;
-        hd->hash = h;
-        hd->d = d;
-        hd->g = hd->f = d;
-        if (wk->split) {
-            hd->g = depth[S + sid];
-            hd->f = depth[2 * S + sid];
-        }
-        if (d > out->max) out->max = d;
-        Py_SET_SIZE(out, Py_SIZE(out) + 1);
+        if (d > max) max = d;
+        k++;
     }
+    out->max = max;
+    Py_SET_SIZE(out, k);
     PyObject_GC_Track(out);
 done:
     walk_end(wk);
@@ -2294,7 +2365,7 @@ static struct PyModuleDef coremodule = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
-    if (PyType_Ready(&MatchesType) < 0) return NULL;
+    if (PyType_Ready(&NamesType) < 0 || PyType_Ready(&MatchesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
     Py_INCREF(&KeyChainType);
