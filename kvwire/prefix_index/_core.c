@@ -37,7 +37,7 @@ typedef int32_t i32;
 #define NODE_AHEAD 8
 #define CLEAR_AHEAD 16
 #define REHASH_AHEAD 32
-#define WALK_PREFETCH 64
+#define WALK_PREFETCH 128
 #define TOKEN_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
