@@ -384,6 +384,11 @@ class PrefixIndex:
     def match_keys(self, keys: U64) -> Matches[RankKey, int]:
         """:meth:`match` for keys computed already (with this index's seed), the
         prompt's from its first block (as :meth:`keys` and :func:`block_keys` give them)."""
+        with self._lock:
+            try:  # a contiguous 64-bit array goes straight in (the common call: one frame)
+                return self._core.match(keys, self._names, None)
+            except (TypeError, ValueError, BufferError):
+                pass
         return self._match_keys(keys, None)
 
     def match_keys_tiers(self, keys: U64) -> Matches[RankKey, TierDepths]:
