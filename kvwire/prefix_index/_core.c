@@ -1775,6 +1775,7 @@ static PyMethodDef Matches_methods[] = {
     {"items", (PyCFunction)Matches_items, METH_NOARGS, "(holder, depth) pairs"},
     {"best", (PyCFunction)(void (*)(void))Matches_best, METH_FASTCALL,
      "best(n=1) -> the n deepest (holder, depth) pairs, deepest first"},
+    {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Matches[K, V] in annotations"},
     {NULL},
 };
 
