@@ -1683,6 +1683,12 @@ static PyObject *Matches_keys(Matches *self, PyObject *unused) { return matches_
 static PyObject *Matches_values(Matches *self, PyObject *unused) { return matches_view(self, "values"); }
 static PyObject *Matches_items(Matches *self, PyObject *unused) { return matches_view(self, "items"); }
 
+/* Pickled and copied as the dict it equals. */
+static PyObject *Matches_reduce(Matches *self, PyObject *unused) {
+    PyObject *d = matches_dict(self);
+    return d ? Py_BuildValue("(O(O))", (PyObject *)&PyDict_Type, d) : NULL;
+}
+
 /* best(n=1) -> the n deepest holders as (name, value), deepest first, ties in
  * rank slot order. Picks by insertion into a sorted window of n: no value
  * is built for the others. */
@@ -1776,6 +1782,7 @@ static PyMethodDef Matches_methods[] = {
     {"best", (PyCFunction)(void (*)(void))Matches_best, METH_FASTCALL,
      "best(n=1) -> the n deepest (holder, depth) pairs, deepest first"},
     {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Matches[K, V] in annotations"},
+    {"__reduce__", (PyCFunction)Matches_reduce, METH_NOARGS, "pickled as a dict"},
     {NULL},
 };
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -182,6 +184,8 @@ def test_a_match_result_cannot_be_made_from_python_and_outlives_its_index() -> N
     assert tiers[("w2", 0)] == (2, 0, 0) and tiers.best(1) == [(("w0", 0), (2, 0, 0))]
     with pytest.raises(TypeError):
         hash(got)
+    for copied in (copy.copy(got), pickle.loads(pickle.dumps(got))):
+        assert type(copied) is dict and copied == got
     with pytest.raises(TypeError):
         got[["unhashable"]]  # type: ignore[index]
 
