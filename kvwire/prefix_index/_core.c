@@ -1465,16 +1465,11 @@ static int Names_traverse(Names *self, visitproc visit, void *arg) {
     return 0;
 }
 
-static int Names_clear(Names *self) {
-    Py_ssize_t n = Py_SIZE(self);
-    Py_SET_SIZE(self, 0);
-    for (Py_ssize_t i = 0; i < n; i++) Py_CLEAR(self->e[i].name);
-    return 0;
-}
-
+/* No tp_clear: immutable like a tuple (a cycle through it is broken at the
+ * names), so a Matches never reads a cleared one. */
 static void Names_dealloc(Names *self) {
     PyObject_GC_UnTrack(self);
-    Names_clear(self);
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_XDECREF(self->e[i].name);
     PyObject_GC_Del(self);
 }
 
@@ -1487,7 +1482,6 @@ static PyTypeObject NamesType = {
     .tp_doc = "Rank names of a match (internal).",
     .tp_dealloc = (destructor)Names_dealloc,
     .tp_traverse = (traverseproc)Names_traverse,
-    .tp_clear = (inquiry)Names_clear,
 };
 
 /* The names list as Names (new reference): the index's cached one while the
