@@ -53,7 +53,15 @@ that the median does not see, so the mean is the time the engine loses
 (kvwire's native sender takes it only for batches Python must encode). A
 third line ("call") gives the median time of the publishing step itself
 (hooks, flush, ``publish()``) in the iterations that publish: what the engine
-thread pays in its own calls, apart from anything it waits for.
+thread pays in its own calls, apart from anything it waits for; "p99" its 99th
+percentile (kvwire: the first batch of a block, after the sender went idle in the
+block without publishing, wakes it with a syscall).
+
+``--sections calls``: the publishing step alone, every case in one process with
+no SUB, alternated iteration by iteration after the loop's work, each against
+its floor: ``kvwire-nosub`` (hooks and a live ``flush()``) against
+``hooks-only`` (the same into a closed publisher), ``kvwire-plugin`` and
+``vllm`` against ``structs-only``.
 
 Second table: whole-process CPU per stored block, publishing as fast as a loop
 can (no work between batches, paced so the queue stays below 512), kvwire
@@ -361,9 +369,10 @@ def cores() -> tuple[set[int], set[int]]:
 
 def engine_run(
     name: str, blocks: int, loop: str, block_iters: int, rounds: int, spins: dict[str, int]
-) -> tuple[float, float, float, int]:
+) -> tuple[float, float, float, float, int]:
     """One run: the engine thread's slowdown by median and by mean iteration, the median
-    time (µs) of the publishing step itself (hooks, flush, publish); the SUB's gaps."""
+    and 99th-percentile time (µs) of the publishing step itself (hooks, flush, publish);
+    the SUB's gaps."""
     engine_core, other = cores()
     me = threading.get_native_id()
     os.sched_setaffinity(me, other)  # threads and processes made now inherit "other"
@@ -399,7 +408,8 @@ def engine_run(
         gaps = finish(case, proc, conn)
     median = statistics.median(on) / statistics.median(off) - 1
     mean = statistics.fmean(on) / statistics.fmean(off) - 1
-    return median, mean, statistics.median(calls) * 1e6, gaps
+    p99 = statistics.quantiles(calls, n=100)[98]
+    return median, mean, statistics.median(calls) * 1e6, p99 * 1e6, gaps
 
 
 # --- whole-process CPU per block ---------------------------------------------------------------
@@ -431,6 +441,47 @@ def throughput_run(name: str, blocks: int, iterations: int) -> tuple[float, int]
     return (c1 - c0) * 1e6 / (iterations * blocks), gaps
 
 
+# --- the publishing call alone ---------------------------------------------------------------
+
+CALL_PAIRS = (
+    ("kvwire-nosub", "hooks-only"),
+    ("kvwire-plugin", "structs-only"),
+    ("vllm", "structs-only"),
+)
+
+
+def calls_run(blocks: int, loop: str, iters: int, spins: dict[str, int]) -> dict[str, float]:
+    """The publishing step's median time (µs) per case, every case in one process,
+    alternated iteration by iteration after the loop's work; no SUB (nothing sent
+    anywhere): what each publisher's own calls cost a cold engine thread."""
+    engine_core, other = cores()
+    me = threading.get_native_id()
+    names = sorted({n for pair in CALL_PAIRS for n in pair})
+    os.sched_setaffinity(me, other)
+    inputs = make_inputs(blocks)
+    cases = [Case(n, inputs, _OPTIONS) for n in names]
+    os.sched_setaffinity(me, engine_core)
+    work = spins[loop]
+    wait = 0.0 if loop == "cpu" else 0.0015
+    clock = time.perf_counter
+    times: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        for i in range(iters):
+            for case in cases if i % 2 == 0 else cases[::-1]:
+                spin(work)
+                if wait:
+                    time.sleep(wait)
+                t0 = clock()
+                case.publish(i)
+                times[case.name].append(clock() - t0)
+    finally:
+        os.sched_setaffinity(me, other)
+        for case in cases:
+            case.drain()
+            case.close()
+    return {n: statistics.median(v) * 1e6 for n, v in times.items()}
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -442,7 +493,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS)
     parser.add_argument(
-        "--sections", nargs="+", default=["engine", "cpu"], choices=["engine", "cpu"]
+        "--sections", nargs="+", default=["engine", "cpu"], choices=["engine", "cpu", "calls"]
     )
     parser.add_argument(
         "--coalesce-ms", type=float, default=None, help="kvwire's coalesce_s (default: its own)"
@@ -474,16 +525,18 @@ def main() -> None:
                 per: dict[str, list[float]] = {c: [] for c in args.cases}
                 means: dict[str, list[float]] = {c: [] for c in args.cases}
                 steps: dict[str, list[float]] = {c: [] for c in args.cases}
+                tails: dict[str, list[float]] = {c: [] for c in args.cases}
                 gaps = 0
                 for r in range(runs):
                     order = args.cases if r % 2 == 0 else list(reversed(args.cases))
                     for name in order:
-                        slow, mean, step, g = engine_run(
+                        slow, mean, step, tail, g = engine_run(
                             name, blocks, loop, block_iters, rounds, spins
                         )
                         per[name].append(slow)
                         means[name].append(mean)
                         steps[name].append(step)
+                        tails[name].append(tail)
                         gaps += g
                 for label, table in (("median", per), ("mean", means)):
                     cells = [
@@ -497,8 +550,26 @@ def main() -> None:
                         + " ".join(f"{c:>26}" for c in cells)
                         + (f"  {gaps}" if label == "median" else "")
                     )
-                cells = [f"{statistics.median(steps[name]):.2f} us" for name in args.cases]
-                print(f"{'':>4} {'':>4} {'call':>6} " + " ".join(f"{c:>26}" for c in cells))
+                for label, times in (("call", steps), ("p99", tails)):
+                    cells = [f"{statistics.median(times[name]):.2f} us" for name in args.cases]
+                    print(f"{'':>4} {'':>4} {label:>6} " + " ".join(f"{c:>26}" for c in cells))
+                sys.stdout.flush()
+    if "calls" in args.sections:
+        iters = 300 if args.quick else 800
+        print(
+            f"\nThe publishing call alone (µs, median of {runs} runs of {iters} iterations, every "
+            "case in one process, alternated; no SUB): case - its floor"
+        )
+        for loop in args.loops:
+            for blocks in args.sizes:
+                got = [calls_run(blocks, loop, iters, spins) for _ in range(runs)]
+                med = {n: statistics.median(g[n] for g in got) for n in got[0]}
+                cells = [
+                    f"{a} {med[a]:.2f} - {b} {med[b]:.2f} = "
+                    f"{statistics.median(g[a] - g[b] for g in got):+.2f}"
+                    for a, b in CALL_PAIRS
+                ]
+                print(f"{loop:>4} {blocks:>4}  " + "   ".join(cells))
                 sys.stdout.flush()
     if "cpu" in args.sections:
         print(

@@ -13,6 +13,13 @@ sink; blocks/s from the first batch delivered to the last. Targets: >= 1.5 M
 blocks/s at B = 16 and >= 4 M at B = 256, against decode + sequencing alone
 printed just above it.
 
+The index figure runs the core one into a ``PrefixIndex`` instead of a no-op
+sink, both ways a router can: each batch decoded by the stream and given to
+``PrefixIndex.apply`` (a plain ``EventSink``), against the stream vouching for
+the payload natively and giving its bytes to ``PrefixIndex.apply_payload`` (a
+``PayloadSink``, as a ``Subscriber`` does for one); the two alternate, and
+both indexes must end holding every block.
+
 Run: ``.venv/bin/python benchmarks/subscriber_bench.py [--repeats N]``.
 Figures are medians over the repeats.
 """
@@ -31,8 +38,24 @@ import time
 
 import zmq
 
-from kvwire.subscriber import Apply, EngineSource, RankStream, StreamConfig, Subscriber
-from kvwire.wire import BlockStored, KVEventBatch, decode_batch, encode_batch, pack_seq
+from kvwire.prefix_index import PrefixIndex
+from kvwire.subscriber import (
+    Apply,
+    ApplyPayload,
+    EngineSource,
+    EventSink,
+    RankStream,
+    StreamConfig,
+    Subscriber,
+)
+from kvwire.wire import (
+    BlockStored,
+    DecodeLimits,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    pack_seq,
+)
 
 TARGET_BLOCKS_PER_S = 3_000_000
 TRANSPORT_RANKS = 64
@@ -91,6 +114,34 @@ def core_rate(frames: list[list[bytes]], blocks_per_batch: int) -> float:
     return len(frames) * blocks_per_batch / elapsed
 
 
+def index_rate(frames: list[list[bytes]], blocks_per_batch: int, payloads: bool) -> float:
+    """Blocks/s through sequencing into a fresh PrefixIndex: decoded batches to
+    ``apply``, or (``payloads``) vouched-for payload bytes to ``apply_payload``."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    stream = RankStream(0, StreamConfig(replay=False, idle_probe=None), payloads=payloads)
+    stream.connected(0.0)
+    limits = stream.config.decode_limits
+    live = stream.live
+    apply, apply_payload = index.apply, index.apply_payload
+    clock = time.monotonic
+    by_payload = 0
+    start = time.perf_counter()
+    for f in frames:
+        for action in live(f, clock()):
+            kind = type(action)
+            if kind is ApplyPayload:
+                apply_payload("w", 0, action.payload, limits)  # type: ignore[union-attr]
+                by_payload += 1
+            elif kind is Apply:
+                apply("w", 0, action.batch)  # type: ignore[union-attr]
+    elapsed = time.perf_counter() - start
+    assert stream.expected_seq == len(frames), "not every batch was delivered"
+    assert index.rank_blocks("w", 0) == len(frames) * blocks_per_batch, "blocks missing"
+    if payloads:  # a rank's first batch aside, every batch went as bytes
+        assert by_payload == len(frames), f"only {by_payload} of {len(frames)} batches as bytes"
+    return len(frames) * blocks_per_batch / elapsed
+
+
 def publisher_child(blocks_per_batch: int, ranks: int, batches: int) -> None:
     """The sending side of the transport figure, in its own process: one PUB per rank.
 
@@ -128,13 +179,15 @@ def _cpu_s() -> float:
 
 
 def transport_rates(
-    blocks_per_batch: int, ranks: int, batches: int, repeats: int
+    blocks_per_batch: int, ranks: int, batches: int, repeats: int, sink_kind: str = "noop"
 ) -> tuple[list[float], list[float], list[float]]:
     """From ``ranks`` PUB sockets in another process into one Subscriber, over tcp.
 
     Returns blocks/s delivered (wall clock), blocks per second of the
     subscriber process's CPU (its reading thread and libzmq's I/O thread:
     what the transport costs, whatever the sender's speed), and blocks/s sent.
+    ``sink_kind``: a no-op sink (``noop``), or a PrefixIndex given decoded
+    batches (``decoded``, a plain EventSink) or payload bytes (``bytes``).
     """
     child = subprocess.Popen(
         [
@@ -154,21 +207,48 @@ def transport_rates(
     done = threading.Event()
     target = [0]
 
+    def count() -> None:
+        now = time.perf_counter()
+        with lock:
+            if state["count"] == 0:
+                state["first"] = now
+            state["count"] += 1
+            state["last"] = now
+            if state["count"] >= target[0]:
+                done.set()
+
     class Counting(NoOpSink):
         def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
-            now = time.perf_counter()
-            with lock:
-                if state["count"] == 0:
-                    state["first"] = now
-                state["count"] += 1
-                state["last"] = now
-                if state["count"] >= target[0]:
-                    done.set()
+            count()
 
+    class DecodedIndex:
+        def __init__(self) -> None:
+            self.index = PrefixIndex(BLOCK_TOKENS)
+
+        def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+            self.index.apply(worker_id, rank, batch)
+            count()
+
+        def clear(self, worker_id: str, rank: int) -> None:
+            self.index.clear(worker_id, rank)
+
+    class BytesIndex(DecodedIndex):
+        def apply_payload(
+            self, worker_id: str, rank: int, payload: bytes, limits: DecodeLimits
+        ) -> None:
+            self.index.apply_payload(worker_id, rank, payload, limits)
+            count()
+
+    sinks: dict[str, type[EventSink]] = {
+        "noop": Counting,
+        "decoded": DecodedIndex,
+        "bytes": BytesIndex,
+    }
+    sink = sinks[sink_kind]()
     cfg = StreamConfig(replay=False, idle_probe=None)
     sources = [EngineSource(f"r{i}", ep) for i, ep in enumerate(endpoints)]
     rates, cpu_rates, sent_rates = [], [], []
-    sub = Subscriber(sources, Counting(), config=cfg).start()
+    sub = Subscriber(sources, sink, config=cfg).start()
     try:
         deadline = time.monotonic() + 10
         while not all(s.connected for s in sub.status()):
@@ -194,6 +274,9 @@ def transport_rates(
             rates.append(blocks / elapsed if elapsed > 0 else 0.0)
             cpu_rates.append(blocks / cpu if cpu > 0 else 0.0)
             sent_rates.append(ranks * batches * blocks_per_batch / sent)
+        for st in sub.status():
+            c = st.counters
+            assert c.decode_errors == c.sink_errors == 0, (st.worker_id, c)
     finally:
         sub.stop()
         child.stdin.close()
@@ -248,6 +331,20 @@ def main() -> None:
             f" ({100 * decode_per_batch / per_batch:.0f}%), sequencing and delivery"
             f" {per_batch - decode_per_batch:4.1f} us/batch"
         )
+        decoded, as_bytes = [], []
+        index_frames = frames[: max(1_000, 100_000 // blocks)]
+        index_rate(index_frames[:200], blocks, True)  # warm up
+        for _ in range(args.repeats):  # alternated
+            decoded.append(index_rate(index_frames, blocks, False))
+            as_bytes.append(index_rate(index_frames, blocks, True))
+        dmed, bmed = statistics.median(decoded), statistics.median(as_bytes)
+        print(
+            f"        into a PrefixIndex  decoded, to apply {dmed / 1e6:5.2f} M blocks/s"
+            f" [min {min(decoded) / 1e6:.2f}, max {max(decoded) / 1e6:.2f}];"
+            f" payload bytes, to apply_payload {bmed / 1e6:5.2f} M blocks/s"
+            f" [min {min(as_bytes) / 1e6:.2f}, max {max(as_bytes) / 1e6:.2f}]:"
+            f" {bmed / dmed:.2f}x"
+        )
         if not args.skip_transport:
             per_rank = max(200, 2_000_000 // blocks // TRANSPORT_RANKS)
             trates, crates, srates = transport_rates(
@@ -268,6 +365,25 @@ def main() -> None:
                 f"  {cmedian / 1e6:5.2f} M blocks/s ({1e6 * blocks / cmedian:5.1f} us/batch; "
                 f"{'meets' if cmedian >= goal else 'MISSES'} the target as a cost);"
                 f" sender {statistics.median(srates) / 1e6:.2f} M blocks/s"
+            )
+            # Into a PrefixIndex through ZeroMQ, both ways, alternated (a fresh
+            # Subscriber and sender per run; each rank re-stores the same 500
+            # batches' blocks, so the index stays small).
+            runs: dict[str, list[tuple[float, float]]] = {"decoded": [], "bytes": []}
+            for _ in range(args.repeats):
+                for kind, out in runs.items():
+                    w, c, _ = transport_rates(blocks, TRANSPORT_RANKS, per_rank // 2, 1, kind)
+                    out.append((w[0], c[0]))
+            med = {
+                k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+                for k, v in runs.items()
+            }
+            (dw, dc), (bw, bc) = med["decoded"], med["bytes"]
+            print(
+                f"        into a PrefixIndex through ZeroMQ  decoded, to apply"
+                f" {dw / 1e6:5.2f} M blocks/s ({1e6 * blocks / dc:5.1f} us CPU/batch);"
+                f" payload bytes, to apply_payload {bw / 1e6:5.2f} M blocks/s"
+                f" ({1e6 * blocks / bc:5.1f} us CPU/batch): {bw / dw:.2f}x wall, {bc / dc:.2f}x CPU"
             )
 
 

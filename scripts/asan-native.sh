@@ -24,5 +24,6 @@ ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYT
     tests/publisher/test_publisher.py tests/publisher/test_epoch_heartbeat.py \
     tests/publisher/test_snapshot.py tests/publisher/test_native_mirror.py tests/wire tests/prefix_index \
     tests/subscriber/test_receive.py tests/subscriber/test_transport_heartbeats.py \
+    tests/subscriber/test_check_batch.py tests/subscriber/test_stream_payloads.py \
     tests/integrations/test_native_engine.py \
     "tests/fuzz/test_fuzz_short.py::test_subscriber_and_replay_socket_survive_junk_and_legit_rank_ends_exact"

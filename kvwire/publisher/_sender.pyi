@@ -124,3 +124,19 @@ class EngineFormat:
         wrap: Callable[[Any], Any],
     ) -> EngineFormat: ...
     def encode(self, batch: object, /) -> bytes | None: ...
+
+@final
+class EnginePublish:
+    """An engine plugin's ``publish(events)`` in C: stamp ``rank`` into ``rank_field``
+    where the batch leaves it ``None``, queue it on ``sender`` read as ``format``
+    describes, or hand it to ``fallback`` (a batch the native path leaves)."""
+
+    def __new__(
+        cls,
+        sender: Sender,
+        format: EngineFormat,
+        rank_field: str,
+        rank: object,
+        fallback: Callable[[Any], object],
+    ) -> EnginePublish: ...
+    def __call__(self, events: object, /) -> None: ...

@@ -8,13 +8,21 @@
 from kvwire.subscriber.actions import (
     Action,
     Apply,
+    ApplyPayload,
     ClearRank,
     Reconnect,
     RequestReplay,
     RequestSnapshot,
     StateChanged,
 )
-from kvwire.subscriber.sink import Applied, BlockSetSink, Cleared, EventSink, SinkItem
+from kvwire.subscriber.sink import (
+    Applied,
+    BlockSetSink,
+    Cleared,
+    EventSink,
+    PayloadSink,
+    SinkItem,
+)
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import (
     LossPolicy,
@@ -30,12 +38,14 @@ __all__ = [
     "Action",
     "Applied",
     "Apply",
+    "ApplyPayload",
     "BlockSetSink",
     "ClearRank",
     "Cleared",
     "EngineSource",
     "EventSink",
     "LossPolicy",
+    "PayloadSink",
     "RankCounters",
     "RankEndpoints",
     "RankState",

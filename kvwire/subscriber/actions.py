@@ -16,6 +16,7 @@ from kvwire.wire import KVEventBatch
 __all__ = [
     "Action",
     "Apply",
+    "ApplyPayload",
     "ClearRank",
     "Reconnect",
     "RequestReplay",
@@ -33,6 +34,19 @@ class Apply(msgspec.Struct, frozen=True, gc=False):
 
     seq: int
     batch: KVEventBatch
+
+
+class ApplyPayload(msgspec.Struct, frozen=True, gc=False):
+    """Apply the batch whose msgpack bytes are ``payload`` (the publisher's ``seq``).
+
+    What :class:`Apply` does, for a sink that reads payloads itself
+    (:class:`~kvwire.subscriber.PayloadSink`): the stream has checked that
+    ``decode_batch(payload, limits)`` accepts it, with its config's limits,
+    and read what sequencing needs of it, without decoding it.
+    """
+
+    seq: int
+    payload: bytes | bytearray | memoryview
 
 
 class ClearRank(msgspec.Struct, frozen=True, gc=False):
@@ -86,4 +100,6 @@ class StateChanged(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
-Action: TypeAlias = Apply | ClearRank | Reconnect | RequestReplay | RequestSnapshot | StateChanged
+Action: TypeAlias = (
+    Apply | ApplyPayload | ClearRank | Reconnect | RequestReplay | RequestSnapshot | StateChanged
+)

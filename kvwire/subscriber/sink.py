@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
 
-from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodeLimits, KVEventBatch
 
-__all__ = ["Applied", "BlockSetSink", "Cleared", "EventSink", "SinkItem"]
+__all__ = ["Applied", "BlockSetSink", "Cleared", "EventSink", "PayloadSink", "SinkItem"]
 
 
 @runtime_checkable
@@ -31,6 +31,29 @@ class EventSink(Protocol):
     def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None: ...
 
     def clear(self, worker_id: str, rank: int) -> None: ...
+
+
+@runtime_checkable
+class PayloadSink(EventSink, Protocol):
+    """An :class:`EventSink` that reads a batch's msgpack bytes itself.
+
+    The subscriber gives such a sink ``apply_payload`` rather than ``apply``
+    for every batch whose payload a native check vouches ``decode_batch``
+    accepts within ``limits`` (the stream's own, from its config), so no
+    Python object is made per event on the way; it must do exactly what
+    ``apply(worker_id, rank, decode_batch(payload, limits))`` does. Other
+    batches still come to ``apply``. Raising is a sink failure like any
+    other: the rank is cleared and marked PARTIAL.
+    :class:`~kvwire.prefix_index.PrefixIndex` is one.
+    """
+
+    def apply_payload(
+        self,
+        worker_id: str,
+        rank: int,
+        payload: bytes | bytearray | memoryview,
+        limits: DecodeLimits,
+    ) -> None: ...
 
 
 class Applied(NamedTuple):

@@ -95,6 +95,14 @@ Rules
   probe proves nothing past the last buffered batch: the rank is STALE until
   a live batch arrives. Without replay and heartbeats the same silence makes
   it STALE too.
+- Payloads. With ``payloads=True`` (a sink that reads payload bytes itself,
+  :class:`~kvwire.subscriber.PayloadSink`) a batch is judged by a native
+  check of just what the stream reads of it (its number of events, its rank,
+  whether it clears), which vouches that ``decode_batch`` accepts it; its
+  Apply is then :class:`~kvwire.subscriber.ApplyPayload`, with no Python
+  object per event. A payload the check does not read is decoded as before
+  and applied as a batch. Either way it is judged before the stream moves:
+  the same rules, counters and states as without.
 - Limits: a replay or snapshot has an overall deadline however its frames
   trickle; a seq jump past ``max_seq_jump`` is a broken stream, not a loss of
   that many seqs; every frame that cannot be parsed or decoded (any
@@ -115,7 +123,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 from sortedcontainers import SortedDict
@@ -123,6 +131,7 @@ from sortedcontainers import SortedDict
 from kvwire.subscriber.actions import (
     Action,
     Apply,
+    ApplyPayload,
     ClearRank,
     Reconnect,
     RequestReplay,
@@ -149,6 +158,21 @@ from kvwire.wire.heartbeat import MAX_SILENCE
 __all__ = ["TRANSITIONS", "Phase", "RankStream"]
 
 Frame = bytes | bytearray | memoryview
+Facts = tuple[int, int | None, bool]
+"""What the stream reads of a batch: its events, its data_parallel_rank, whether it clears."""
+Judged = KVEventBatch | Facts
+"""A payload judged well formed: decoded, or vouched for by the native check."""
+
+
+def _native_check() -> Callable[[Frame, int, int, int, int], Facts | None] | None:
+    try:
+        from kvwire.subscriber._recv import check_batch
+    except ImportError:  # not built: every payload is decoded
+        return None
+    return check_batch
+
+
+_CHECK = _native_check()
 
 _LOST_RANGES_KEPT = 64
 _KVWIRE_EPOCH = b"kvw1."
@@ -201,8 +225,18 @@ _SYNCED_PHASES = frozenset({Phase.FOLLOWING, Phase.PROBING})
 _IDLE_PHASES = frozenset({Phase.FOLLOWING, Phase.STALE, Phase.AWAIT_LIVE})  # probes are made
 
 
-def _has_clear(batch: KVEventBatch) -> bool:
-    return any(type(e) is AllBlocksCleared for e in batch.events)
+def _has_clear(judged: Judged) -> bool:
+    if type(judged) is tuple:
+        return judged[2]
+    return any(type(e) is AllBlocksCleared for e in judged.events)  # type: ignore[union-attr]
+
+
+def _events(judged: Judged) -> int:
+    return judged[0] if type(judged) is tuple else len(judged.events)  # type: ignore[union-attr]
+
+
+def _rank_of(judged: Judged) -> int | None:
+    return judged[1] if type(judged) is tuple else judged.data_parallel_rank  # type: ignore[union-attr]
 
 
 def _payload_hash(payload: Frame) -> int:
@@ -268,7 +302,7 @@ class _Snapshot:
         self.hard_deadline = now + config.snapshot_deadline
         self.deadline = min(now + config.replay_timeout, self.hard_deadline)
         self.next_seq = -1
-        self.chunks: list[KVEventBatch] = []
+        self.chunks: list[tuple[Judged, Frame]] = []
 
 
 class _Held(SortedDict):  # type: ignore[misc]
@@ -278,7 +312,7 @@ class _Held(SortedDict):  # type: ignore[misc]
         self.nbytes = 0
         super().__init__()
 
-    def __setitem__(self, seq: int, value: tuple[KVEventBatch, Frame]) -> None:
+    def __setitem__(self, seq: int, value: tuple[Judged, Frame]) -> None:
         old = self.get(seq)
         if old is not None:
             self.nbytes -= len(old[1])
@@ -289,8 +323,8 @@ class _Held(SortedDict):  # type: ignore[misc]
         self.nbytes -= len(self[seq][1])
         super().__delitem__(seq)
 
-    def popitem(self, index: int = -1) -> tuple[int, tuple[KVEventBatch, Frame]]:
-        item: tuple[int, tuple[KVEventBatch, Frame]] = super().popitem(index)
+    def popitem(self, index: int = -1) -> tuple[int, tuple[Judged, Frame]]:
+        item: tuple[int, tuple[Judged, Frame]] = super().popitem(index)
         self.nbytes -= len(item[1][1])
         return item
 
@@ -310,10 +344,14 @@ class RankStream:
     ``rank`` is the rank the endpoint belongs to; batches whose envelope names
     another are applied (the endpoint decides) and counted. Every method
     takes ``now`` (seconds, monotonic) and returns the actions to carry out,
-    in order; none raises on bad input.
+    in order; none raises on bad input. ``payloads=True``: a batch the native
+    check vouches for is applied as :class:`ApplyPayload` (its bytes, for a
+    :class:`~kvwire.subscriber.PayloadSink`), any other as :class:`Apply`.
     """
 
-    def __init__(self, rank: int | None = None, config: StreamConfig | None = None) -> None:
+    def __init__(
+        self, rank: int | None = None, config: StreamConfig | None = None, *, payloads: bool = False
+    ) -> None:
         self.rank = rank
         self.config = config if config is not None else StreamConfig()
         self.counters = RankCounters()
@@ -328,7 +366,9 @@ class RankStream:
         self._ever_connected = False
         self._expected = 0
         self._held = _Held()  # seq -> (batch, payload)
-        self._limits = self.config.decode_limits
+        self._limits = lim = self.config.decode_limits
+        self._check = _CHECK if payloads else None
+        self._check_limits = (lim.max_events, lim.max_blocks, lim.max_block_size, lim.max_tokens)
         self._horizon = 0  # one past the highest seq known to exist
         self._last_live = -1
         self._topic: bytes | None = None
@@ -455,16 +495,24 @@ class RankStream:
         topic, seq_frame, payload = frames
         seq = int.from_bytes(seq_frame, "big")
         if self._fast and seq == self._expected and topic == self._topic:
+            # The common case: the next batch, nothing pending, view exact.
+            action: Apply | ApplyPayload | None = None
             try:
-                batch = decode_batch(payload, self._limits)
+                check = self._check
+                facts = None if check is None else check(payload, *self._check_limits)
+                if facts is not None:
+                    n, r, _ = facts
+                    action = ApplyPayload(seq, payload)
+                else:
+                    batch = decode_batch(payload, self._limits)
+                    n, r = len(batch.events), batch.data_parallel_rank
+                    action = Apply(seq, batch)
             except Exception:  # counted on the slow path
                 pass
-            else:
-                # The common case: the next batch, nothing pending, view exact.
+            if action is not None:
                 c = self.counters
                 c.batches += 1
-                c.events += len(batch.events)
-                r = batch.data_parallel_rank
+                c.events += n
                 if r is not None and r != self.rank and self.rank is not None:
                     c.rank_mismatches += 1
                 if self._window:
@@ -474,7 +522,7 @@ class RankStream:
                 self._anchor_seq = seq
                 self._anchor_payload = payload
                 self._expected = self._horizon = seq + 1
-                return [Apply(seq, batch)]
+                return [action]
         self._begin(now)
         try:
             self._on_live(bytes(topic), seq, payload)
@@ -630,7 +678,7 @@ class RankStream:
             elif epoch is not None:
                 self._set_epoch(epoch)
             self._topic = topic
-        batch = self._decode(payload)
+        batch = self._judge(payload)
 
         if seq < self._expected:
             if batch is None:
@@ -840,7 +888,7 @@ class RankStream:
                     f"replayed batch {seq} differs from its live copy: publisher restarted", 0, None
                 )
                 return
-        batch = self._decode(payload)
+        batch = self._judge(payload)
         if batch is None:
             r.undecodable = seq  # seq == expected here
             return
@@ -961,11 +1009,11 @@ class RankStream:
             elif len(r.chunks) >= self.config.max_snapshot_chunks:
                 self._snapshot_failed(f"more than {self.config.max_snapshot_chunks} chunks")
             else:
-                batch = self._decode(msg.payload)
+                batch = self._judge(msg.payload)
                 if batch is None:
                     self._snapshot_failed(f"chunk {msg.number} does not decode")
                 else:
-                    r.chunks.append(batch)
+                    r.chunks.append((batch, msg.payload))
         elif isinstance(msg, SnapshotEnd):
             if r.next_seq >= 0 and msg.next_seq != r.next_seq:
                 self._snapshot_failed(f"end as of seq {msg.next_seq}, chunks as of {r.next_seq}")
@@ -987,9 +1035,9 @@ class RankStream:
         why = f"snapshot as of seq {next_seq}"
         self._out.append(ClearRank(why))
         self._clean = True
-        for batch in r.chunks:
-            self._out.append(Apply(next_seq - 1, batch))
-            c.events += len(batch.events)
+        for batch, payload in r.chunks:
+            self._out.append(self._apply_action(next_seq - 1, batch, payload))
+            c.events += _events(batch)
             self._clean = False
         held = self._held
         for seq in list(held.irange(None, next_seq - 1)):
@@ -1198,24 +1246,39 @@ class RankStream:
 
     # --- applying, losing, restarting --------------------------------------------------
 
-    def _decode(self, payload: Frame) -> KVEventBatch | None:
+    def _judge(self, payload: Frame) -> Judged | None:
+        """What the stream reads of a payload, or None (counted) if it does not decode."""
+        check = self._check
+        if check is not None:
+            try:
+                facts = check(payload, *self._check_limits)
+            except Exception:  # only out of memory: decode it
+                facts = None
+            if facts is not None:
+                return facts
         try:
             return decode_batch(payload, self._limits)
         except Exception:  # WireError, or anything a hostile payload provokes
             self.counters.decode_errors += 1
             return None
 
+    @staticmethod
+    def _apply_action(seq: int, judged: Judged, payload: Frame) -> Apply | ApplyPayload:
+        if type(judged) is tuple:
+            return ApplyPayload(seq, payload)
+        return Apply(seq, judged)  # type: ignore[arg-type]
+
     def _set_epoch(self, epoch: bytes) -> None:
         self._epoch = epoch
         self._epoch_info = parse_epoch(epoch)
 
-    def _apply(self, seq: int, batch: KVEventBatch, payload: Frame, replayed: bool) -> None:
-        self._out.append(Apply(seq, batch))
+    def _apply(self, seq: int, batch: Judged, payload: Frame, replayed: bool) -> None:
+        self._out.append(self._apply_action(seq, batch, payload))
         self._clean = False
         c = self.counters
         c.batches += 1
-        c.events += len(batch.events)
-        r = batch.data_parallel_rank
+        c.events += _events(batch)
+        r = _rank_of(batch)
         if r is not None and r != self.rank and self.rank is not None:
             c.rank_mismatches += 1
         if replayed:

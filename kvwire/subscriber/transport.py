@@ -24,8 +24,10 @@ came before it, and a connection event comes before the live batches and
 replies that follow it.
 
 Batches go to a sink (:class:`EventSink`) or, without one, to an async
-iterator of :data:`SinkItem`. ``Subscriber.start()`` runs the same loop on a
-background thread for callers that are not async.
+iterator of :data:`SinkItem`; a sink that reads payload bytes itself
+(:class:`PayloadSink`) gets them for every batch its stream vouched for.
+``Subscriber.start()`` runs the same loop on a background thread for callers
+that are not async.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kvwire.security import secure_client
 from kvwire.subscriber.actions import (
     Action,
     Apply,
+    ApplyPayload,
     ClearRank,
     Reconnect,
     RequestReplay,
@@ -59,7 +62,7 @@ from kvwire.subscriber.actions import (
     StateChanged,
 )
 from kvwire.subscriber.receive import drain, drain_beats
-from kvwire.subscriber.sink import Applied, Cleared, EventSink, SinkItem
+from kvwire.subscriber.sink import Applied, Cleared, EventSink, PayloadSink, SinkItem
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
 from kvwire.subscriber.stream import RankStream
@@ -152,7 +155,10 @@ class Subscriber:
 
     ``sink`` gets ``apply(worker_id, rank, batch)`` for each batch in
     publisher order and ``clear(worker_id, rank)`` when a rank's state must
-    go (publisher restart, unrecoverable loss, source removed). Without a
+    go (publisher restart, unrecoverable loss, source removed); a
+    :class:`PayloadSink` (such as ``PrefixIndex``) gets
+    ``apply_payload(worker_id, rank, payload, limits)`` instead for each batch
+    whose bytes its stream vouched ``decode_batch`` accepts. Without a
     sink, iterate the subscriber (``async for item in sub``) for the same
     items as :class:`Applied` / :class:`Cleared`.
 
@@ -216,6 +222,7 @@ class Subscriber:
             raise ValueError(f"coalesce_s must be in [0, 1], got {coalesce_s}")
         self._sink = sink
         self._sink_flush: Callable[[], Any] | None = getattr(sink, "flush", None)
+        self._sink_payload = sink if isinstance(sink, PayloadSink) else None
         self._config = config if config is not None else StreamConfig()
         self._rcvhwm = rcvhwm
         self._queue_size = queue_size
@@ -572,7 +579,11 @@ class Subscriber:
         self._check_sockets(self._ctx, self._total_ranks())
         config = self._rank_config(source)
         links = [
-            _Link(source, endpoints, RankStream(endpoints.rank, config))
+            _Link(
+                source,
+                endpoints,
+                RankStream(endpoints.rank, config, payloads=self._sink_payload is not None),
+            )
             for endpoints in source.rank_endpoints()
         ]
         with self._lock:
@@ -882,6 +893,8 @@ class Subscriber:
         live = stream.live
         clock = self._clock
         sink = self._sink
+        payload_sink = self._sink_payload
+        limits = stream.config.decode_limits
         worker_id, rank = link.worker_id, link.rank
         n = 0
         while n < budget:
@@ -900,9 +913,17 @@ class Subscriber:
             for frames in messages:
                 n += 1
                 actions = live(frames, now)
-                if len(actions) == 1 and sink is not None and type(actions[0]) is Apply:
+                kind = type(actions[0]) if len(actions) == 1 and sink is not None else None
+                if kind is ApplyPayload:
+                    assert payload_sink is not None  # only a PayloadSink's streams make them
                     try:
-                        sink.apply(worker_id, rank, actions[0].batch)
+                        payload_sink.apply_payload(worker_id, rank, actions[0].payload, limits)  # type: ignore[union-attr]
+                    except Exception as exc:
+                        self._sink_failed(link, exc)
+                elif kind is Apply:
+                    assert sink is not None
+                    try:
+                        sink.apply(worker_id, rank, actions[0].batch)  # type: ignore[union-attr]
                     except Exception as exc:
                         self._sink_failed(link, exc)
                 elif actions:
@@ -1069,6 +1090,9 @@ class Subscriber:
             if kind is Apply:
                 self._emit_apply(link, action)  # type: ignore[arg-type]
                 continue
+            if kind is ApplyPayload:
+                self._emit_apply_payload(link, action)  # type: ignore[arg-type]
+                continue
             timed = True
             if kind is ClearRank:
                 self._emit_clear(link, action.reason)  # type: ignore[union-attr]
@@ -1104,6 +1128,16 @@ class Subscriber:
             return
         try:
             sink.apply(link.worker_id, link.rank, action.batch)
+        except Exception as exc:
+            self._sink_failed(link, exc)
+
+    def _emit_apply_payload(self, link: _Link, action: ApplyPayload) -> None:
+        sink = self._sink_payload
+        assert sink is not None  # only a PayloadSink's streams make them
+        try:
+            sink.apply_payload(
+                link.worker_id, link.rank, action.payload, link.stream.config.decode_limits
+            )
         except Exception as exc:
             self._sink_failed(link, exc)
 

@@ -20,6 +20,7 @@ from kvwire.integrations.adapter import EngineEventPublisher, engine_format, fac
 from kvwire.integrations.config import IntegrationConfig
 from kvwire.integrations.sglang import SglangEventPublisher
 from kvwire.integrations.vllm import VllmEventPublisher
+from kvwire.publisher._sender import EnginePublish
 from kvwire.wire import unpack_seq
 
 from .streams import receive, replay, subscribe
@@ -212,6 +213,8 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
         for batch in batches:
             pub.publish(batch)
         got = receive(sub, n, first)
+        assert isinstance(pub.publish, EnginePublish)  # the scheduler's call runs no frame
+        assert {getattr(b, RANK_FIELD[name]) for b in batches} == {pub.rank}  # stamped
         after = stats_reach(sender, "native_encoded", before["native_encoded"] + n)
         assert after["gil_encoded"] == before["gil_encoded"]
         assert after["sender_gil_takes"] == before["sender_gil_takes"]
@@ -233,6 +236,22 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
         (msg,) = receive(sub, 1, first + n + 1)
         assert unpack_seq(msg[1]) == first + n + 2
         stats_reach(sender, "dropped_encode_error", before["dropped_encode_error"] + 1)
+
+        class Removed(kv.BlockRemoved):  # type: ignore[misc,name-defined]
+            pass  # a class the native reader does not know: the Python fallback's
+
+        other = kv.KVEventBatch(ts=1.0, events=[Removed(block_hashes=[7], medium="GPU")])
+        pub.publish(other)
+        assert getattr(other, RANK_FIELD[name]) == pub.rank
+        (msg,) = receive(sub, 1, first + n + 3)
+        assert msg[2] == ENCODER.encode(other)
+        stats_reach(sender, "gil_encoded", before["gil_encoded"] + 3)
+        with pytest.raises(TypeError):
+            pub.publish(other, other)
+        fmt = engine_format(kv, RANK_FIELD[name], ENCODER)
+        assert fmt is not None
+        with pytest.raises(ValueError, match="rank field"):
+            EnginePublish(sender, fmt, "ts", 0, pub.publisher.publish)
     finally:
         sub.close()
         pub.shutdown()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from kvwire.subscriber import (
     Action,
     Apply,
+    ApplyPayload,
     ClearRank,
     RankState,
     RankStream,
@@ -41,6 +42,7 @@ from kvwire.wire import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+    decode_batch,
     encode_batch,
     epoch_topic,
     format_epoch,
@@ -262,10 +264,11 @@ class Harness:
         contiguous: bool = True,
         # False for the KEEP policy: it may keep a view across an unconfirmed restart.
         kind: PublisherKind = ENGINE,
+        payloads: bool = False,
     ) -> None:
         self.config = config
         self.pub = SimPublisher(buffer_steps, max_replay, seed, kind)
-        self.stream = RankStream(rank=0, config=config)
+        self.stream = RankStream(rank=0, config=config, payloads=payloads)
         self.sink = RecordingSink()
         self.contiguous = contiguous
         self.now = 0.0
@@ -280,11 +283,10 @@ class Harness:
 
     def feed(self, actions: list[Action]) -> None:
         for a in actions:
-            if isinstance(a, Apply):
-                self._check_apply(a.seq, a.batch)
-                self.sink.apply(a.seq, a.batch)
+            if isinstance(a, Apply | ApplyPayload):
+                self.apply(a)
             elif isinstance(a, ClearRank):
-                self.sink.clear(a.reason)
+                self.clear(a.reason)
             elif isinstance(a, RequestReplay | RequestSnapshot):
                 assert self.config.replay, "replay requested without a replay endpoint"
                 if a.fresh:
@@ -295,6 +297,18 @@ class Harness:
             else:
                 self.states.append(a)
         assert self.stream.counters.internal_errors == 0, self.stream.reason
+
+    def apply(self, action: Apply | ApplyPayload) -> None:
+        """Carry out an Apply (a payload is one the stream vouched decodes)."""
+        if isinstance(action, Apply):
+            batch = action.batch
+        else:
+            batch = decode_batch(action.payload, self.config.decode_limits)
+        self._check_apply(action.seq, batch)
+        self.sink.apply(action.seq, batch)
+
+    def clear(self, reason: str) -> None:
+        self.sink.clear(reason)
 
     def _check_apply(self, seq: int, batch: KVEventBatch) -> None:
         log = self.sink.since_clear
@@ -321,10 +335,26 @@ class Harness:
             return
         if fate == "corrupt":
             payload = b"\xc1" + payload[1:]
+        elif fate == "mutate":
+            payload = self._mutate(payload)
         frames = [self.pub.topic, pack_seq(seq), payload]
         if fate == "truncate":
             frames = frames[:2]
         self.pipe.append(("live", frames))
+
+    def _mutate(self, payload: bytes) -> bytes:
+        """A byte changed, dropped or added: valid or not, whatever it reads as."""
+        rng = self.pub.rng
+        at = rng.randrange(len(payload))
+        how = rng.choice(["set", "set", "drop", "insert", "cut"])
+        byte = bytes([rng.choice([rng.randrange(256), 0xC0, 0xCD, 0xA1, 0x90, 0x80, 0x00])])
+        if how == "set":
+            return payload[:at] + byte + payload[at + 1 :]
+        if how == "drop":
+            return payload[:at] + payload[at + 1 :]
+        if how == "insert":
+            return payload[:at] + byte + payload[at:]
+        return payload[:at]
 
     def deliver_live(self, n: int) -> None:
         for _ in range(n):

@@ -124,11 +124,15 @@ _REPLAY_OPS = ["serve", "serve", "deliver_replies", "deliver_replies"]
 _REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply", "drop_chunk"]
 
 
-def long_schedule(rnd: random.Random, replay: bool) -> list[tuple[Any, ...]]:
+LONG_FATES = ["deliver"] * 8 + ["lose", "lose", "corrupt", "truncate", "unbuffered", "broken"]
+
+
+def long_schedule(
+    rnd: random.Random, replay: bool, fates: list[str] = LONG_FATES
+) -> list[tuple[Any, ...]]:
     """Long random schedules: deep fault sequences that short lists rarely reach."""
     names = _LONG_OPS + (_REPLAY_OPS if replay else [])
     kinds = ["store", "store", "store", "remove", "remove", "clear"]
-    fates = ["deliver"] * 8 + ["lose", "lose", "corrupt", "truncate", "unbuffered", "broken"]
     out: list[tuple[Any, ...]] = []
     for _ in range(rnd.randint(0, 150)):
         name = rnd.choice(names)

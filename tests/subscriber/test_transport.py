@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventPublisher
 from kvwire.subscriber import (
     Applied,
@@ -84,6 +85,49 @@ class GatedSink(BlockSetSink):
             self.blocked.set()
             self.open.wait(10.0)
         super().apply(worker_id, rank, batch)
+
+
+class CountingIndex(PrefixIndex):
+    """A prefix index that counts how each batch reached it."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.as_batch = self.as_bytes = 0
+        self._in_payload = False  # (apply_payload may decode and apply itself)
+
+    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+        self.as_batch += not self._in_payload
+        super().apply(worker_id, rank, batch)
+
+    def apply_payload(self, worker_id: str, rank: int, payload: Any, limits: Any = None) -> None:
+        assert limits is FAST.decode_limits, "the stream's own limits"
+        self.as_bytes += 1
+        self._in_payload = True
+        try:
+            super().apply_payload(worker_id, rank, payload, limits)
+        finally:
+            self._in_payload = False
+
+
+def test_a_prefix_index_sink_gets_payload_bytes_and_ends_exact() -> None:
+    with publishers(EPHEMERAL, EPHEMERAL, 2) as pubs:
+        engines = [Engine(seed=40 + r, rank=r) for r in range(2)]
+        for engine, pub in zip(engines, pubs, strict=True):
+            engine.publish(pub, 10)  # replayed on first contact
+        index = CountingIndex()
+        with Subscriber([bound_source("w", pubs)], index, config=FAST) as sub:
+            for engine, pub in zip(engines, pubs, strict=True):
+                engine.publish(pub, 30)
+            wait_until(
+                lambda: all(settled(sub.status(), "w", r, 40) for r in range(2)),
+                10,
+                "both ranks to apply 40 batches",
+            )
+            for r, engine in enumerate(engines):
+                assert rank_status(sub.status(), "w", r).state is RankState.SYNCED
+                assert index.blocks("w", r) == engine.truth
+        # Every batch as bytes: replayed and live, none decoded on the way.
+        assert (index.as_batch, index.as_bytes) == (0, 80)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
