@@ -1362,24 +1362,40 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
+    size_t next = 0; /* the slot after the previous block's */
     for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
         if ((i & 7) == 0 && i + WALK_PREFETCH < n) walk_prefetch_group(a, rs, m, shift, keys, i + WALK_PREFETCH);
         const u64 k = keys[i], hh = walk_hh(keys, i);
-        size_t s = home_at(hh, shift, m);
-        u64 mask;
-        for (;;) {
-            const char *r = a + s * rs;
-            u64 rk, rh;
+        u64 mask, rk, rh;
+        /* A group's blocks sit in consecutive slots, displaced alike when
+         * displaced: look right after the previous block's slot first, and
+         * probe from home only when it is not there (an occupied slot whose
+         * key and home are this block's is its record, wherever it is). */
+        const char *r = a + next * rs;
+        size_t s = next;
+        int there = 0;
+        if (i & 7) {
             memcpy(&rk, r, 8);
+            memcpy(&rh, r + 8, 8);
             memcpy(&mask, r + NODE_HEAD, 8);
-            if (rk == k) {
-                memcpy(&rh, r + 8, 8);
-                if (rh == hh) break;
-            }
-            if (!mask) break; /* an empty slot: not held by anyone */
-            s = (s + 1) & m;
+            there = rk == k && rh == hh && mask;
         }
+        if (!there) {
+            s = home_at(hh, shift, m);
+            for (;;) {
+                r = a + s * rs;
+                memcpy(&rk, r, 8);
+                memcpy(&mask, r + NODE_HEAD, 8);
+                if (rk == k) {
+                    memcpy(&rh, r + 8, 8);
+                    if (rh == hh) break;
+                }
+                if (!mask) break; /* an empty slot: not held by anyone */
+                s = (s + 1) & m;
+            }
+        }
+        next = (s + 1) & m;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
