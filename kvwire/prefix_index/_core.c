@@ -1419,10 +1419,16 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
     /* A prompt's probes are independent: have them all in flight at once
      * (a window of WALK_PREFETCH), not one cache miss after another. */
     for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch_h(&self->nodes, walk_hh(keys, k));
+    const Table *t = &self->nodes;
+    char *next = NULL; /* the slot after the previous block's (as walk_keys_one) */
     for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
-        if (i + WALK_PREFETCH < n) t_prefetch_h(&self->nodes, walk_hh(keys, i + WALK_PREFETCH));
-        char *r = t_find_h(&self->nodes, keys[i], walk_hh(keys, i), node_occ);
+        if (i + WALK_PREFETCH < n) t_prefetch_h(t, walk_hh(keys, i + WALK_PREFETCH));
+        const u64 k = keys[i], hh = walk_hh(keys, i);
+        char *r = (i & 7) ? next : NULL;
+        if (!r || rec_key(r) != k || rec_hh(t, r) != hh || !node_occ(r, t->rs))
+            r = t_find_h(t, k, hh, node_occ);
         if (!r) { wk->dead = 1; break; }
+        next = r + t->rs == t->a + t->cap * t->rs ? t->a : r + t->rs;
         i32 pos = (i32)wk->at;
         u64 alive = 0;
         const u64 *m = node_masks(r);

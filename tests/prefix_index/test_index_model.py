@@ -318,3 +318,32 @@ def test_masks_cover_many_ranks() -> None:
     assert d.index.match(tokens) == d.model.match(tokens)
     assert len(d.index.match(tokens)) == 75
     assert MASK == (1 << 64) - 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([40, 70, 140]))
+def test_long_prompts_over_many_ranks_match_the_model(seed: int, ranks: int) -> None:
+    """Prompts of many 8-block groups held to random depths by up to 140 ranks (one
+    mask word and several), some on CPU: every walk answers like the model."""
+    import random
+
+    rng = random.Random(seed)
+    d = Driver()
+    prompts = [[rng.randrange(50) for _ in range(40 * BS)] for _ in range(4)]
+    for i in range(ranks):
+        tokens = prompts[rng.randrange(len(prompts))]
+        n = rng.randint(1, 40)
+        ev = BlockStored(
+            block_hashes=[content_hash(tuple(tokens[: (j + 1) * BS])) for j in range(n)],
+            parent_block_hash=None,
+            token_ids=tokens[: n * BS],
+            block_size=BS,
+            medium=rng.choice([None, None, None, "CPU"]),
+        )
+        batch = KVEventBatch(0.0, [ev])
+        d.index.apply(f"w{i}", 0, batch)
+        d.model.apply(f"w{i}", 0, batch)
+    for tokens in prompts:
+        assert d.index.match(tokens) == d.model.match(tokens)
+        assert d.index.match_tiers(tokens) == d.model.match_tiers(tokens)
+        check_lazy(d.index.match(tokens), d.model.match(tokens))
