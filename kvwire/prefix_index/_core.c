@@ -37,7 +37,7 @@ typedef int32_t i32;
 #define NODE_AHEAD 8
 #define CLEAR_AHEAD 16
 #define REHASH_AHEAD 32
-#define WALK_PREFETCH 64
+#define WALK_PREFETCH 128
 #define TOKEN_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
@@ -797,12 +797,9 @@ typedef struct {
     Scratch ph, ps;
     Py_ssize_t ph_len, ps_len, pev_cap;
     PEv *pev;
-    /* Per rank slot, the name last reported and its hash: a match result
-     * is built without touching (or re-hashing) every name's objects. Only
-     * exact (str, int) tuples are kept: they cannot be part of a cycle. */
-    PyObject **names;
-    Py_hash_t *name_hash;
-    size_t name_cap;
+    /* The names (and their hashes) matches report by: Names, shared by
+     * every match until the names list changes. */
+    PyObject *snap;
 } Index;
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -843,9 +840,7 @@ static void rank_free(Rank *r) {
 }
 
 static void Index_dealloc(Index *self) {
-    for (size_t i = 0; i < self->name_cap; i++) Py_XDECREF(self->names[i]);
-    PyMem_Free(self->names);
-    PyMem_Free(self->name_hash);
+    Py_XDECREF(self->snap);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -1367,24 +1362,40 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
+    size_t next = 0; /* the slot after the previous block's */
     for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
         if ((i & 7) == 0 && i + WALK_PREFETCH < n) walk_prefetch_group(a, rs, m, shift, keys, i + WALK_PREFETCH);
         const u64 k = keys[i], hh = walk_hh(keys, i);
-        size_t s = home_at(hh, shift, m);
-        u64 mask;
-        for (;;) {
-            const char *r = a + s * rs;
-            u64 rk, rh;
+        u64 mask, rk, rh;
+        /* A group's blocks sit in consecutive slots, displaced alike when
+         * displaced: look right after the previous block's slot first, and
+         * probe from home only when it is not there (an occupied slot whose
+         * key and home are this block's is its record, wherever it is). */
+        const char *r = a + next * rs;
+        size_t s = next;
+        int there = 0;
+        if (i & 7) {
             memcpy(&rk, r, 8);
+            memcpy(&rh, r + 8, 8);
             memcpy(&mask, r + NODE_HEAD, 8);
-            if (rk == k) {
-                memcpy(&rh, r + 8, 8);
-                if (rh == hh) break;
-            }
-            if (!mask) break; /* an empty slot: not held by anyone */
-            s = (s + 1) & m;
+            there = rk == k && rh == hh && mask;
         }
+        if (!there) {
+            s = home_at(hh, shift, m);
+            for (;;) {
+                r = a + s * rs;
+                memcpy(&rk, r, 8);
+                memcpy(&mask, r + NODE_HEAD, 8);
+                if (rk == k) {
+                    memcpy(&rh, r + 8, 8);
+                    if (rh == hh) break;
+                }
+                if (!mask) break; /* an empty slot: not held by anyone */
+                s = (s + 1) & m;
+            }
+        }
+        next = (s + 1) & m;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
@@ -1408,10 +1419,16 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
     /* A prompt's probes are independent: have them all in flight at once
      * (a window of WALK_PREFETCH), not one cache miss after another. */
     for (Py_ssize_t k = 0; k < n && k < WALK_PREFETCH; k++) t_prefetch_h(&self->nodes, walk_hh(keys, k));
+    const Table *t = &self->nodes;
+    char *next = NULL; /* the slot after the previous block's (as walk_keys_one) */
     for (Py_ssize_t i = 0; i < n && !wk->dead; i++) {
-        if (i + WALK_PREFETCH < n) t_prefetch_h(&self->nodes, walk_hh(keys, i + WALK_PREFETCH));
-        char *r = t_find_h(&self->nodes, keys[i], walk_hh(keys, i), node_occ);
+        if (i + WALK_PREFETCH < n) t_prefetch_h(t, walk_hh(keys, i + WALK_PREFETCH));
+        const u64 k = keys[i], hh = walk_hh(keys, i);
+        char *r = (i & 7) ? next : NULL;
+        if (!r || rec_key(r) != k || rec_hh(t, r) != hh || !node_occ(r, t->rs))
+            r = t_find_h(t, k, hh, node_occ);
         if (!r) { wk->dead = 1; break; }
+        next = r + t->rs == t->a + t->cap * t->rs ? t->a : r + t->rs;
         i32 pos = (i32)wk->at;
         u64 alive = 0;
         const u64 *m = node_masks(r);
@@ -1442,29 +1459,6 @@ static int plain_name(PyObject *o) {
            PyUnicode_CheckExact(PyTuple_GET_ITEM(o, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(o, 1));
 }
 
-/* The hash of names[sid], from the cache when it is the same object. */
-static Py_hash_t name_hash(Index *self, size_t sid, PyObject *name) {
-    if (sid < self->name_cap && self->names[sid] == name) return self->name_hash[sid];
-    Py_hash_t h = PyObject_Hash(name);
-    if (h == -1 || !plain_name(name)) return h;
-    if (sid >= self->name_cap) {
-        size_t cap = self->name_cap ? self->name_cap : 64;
-        while (cap <= sid) cap *= 2;
-        PyObject **n = PyMem_Realloc(self->names, cap * sizeof(PyObject *));
-        if (!n) return h; /* no cache, still a hash */
-        self->names = n;
-        Py_hash_t *hh = PyMem_Realloc(self->name_hash, cap * sizeof(Py_hash_t));
-        if (!hh) return h;
-        self->name_hash = hh;
-        memset(n + self->name_cap, 0, (cap - self->name_cap) * sizeof(PyObject *));
-        self->name_cap = cap;
-    }
-    Py_INCREF(name);
-    Py_XSETREF(self->names[sid], name);
-    self->name_hash[sid] = h;
-    return h;
-}
-
 static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
 #if PY_VERSION_HEX < 0x030D0000
     return _PyDict_SetItem_KnownHash(d, k, v, h);
@@ -1474,7 +1468,367 @@ static int set_known(PyObject *d, PyObject *k, PyObject *v, Py_hash_t h) {
 #endif
 }
 
-/* {names[sid]: depth} (or tiers_type(gpu, cpu, storage)); frees the walk. */
+/* ------------------------------------------------------------------------ */
+/* Names: the rank slots' names with their hashes, a snapshot of the names   */
+/* list that every match shares until the list changes.                      */
+
+typedef struct {
+    PyObject *name;
+    Py_hash_t hash; /* -1: unhashable (raised if a holder has that name) */
+} Name;
+
+typedef struct {
+    PyObject_VAR_HEAD
+    Name e[1];
+} Names;
+
+static int Names_traverse(Names *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_VISIT(self->e[i].name);
+    return 0;
+}
+
+/* No tp_clear: immutable like a tuple (a cycle through it is broken at the
+ * names), so a Matches never reads a cleared one. */
+static void Names_dealloc(Names *self) {
+    PyObject_GC_UnTrack(self);
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) Py_XDECREF(self->e[i].name);
+    PyObject_GC_Del(self);
+}
+
+static PyTypeObject NamesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.Names",
+    .tp_basicsize = sizeof(Names) - sizeof(Name), /* e[] from there */
+    .tp_itemsize = sizeof(Name),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_doc = "Rank names of a match (internal).",
+    .tp_dealloc = (destructor)Names_dealloc,
+    .tp_traverse = (traverseproc)Names_traverse,
+};
+
+/* The names list as Names (new reference): the index's cached one while the
+ * list holds the same objects. Cached only when every name is a (str, int)
+ * or None: the index then holds nothing that could reference it back. */
+static Names *names_snapshot(Index *self, PyObject *names) {
+    const Py_ssize_t n = PyList_GET_SIZE(names);
+    Names *s = (Names *)self->snap;
+    if (s && Py_SIZE(s) == n) {
+        Py_ssize_t i = 0;
+        while (i < n && s->e[i].name == PyList_GET_ITEM(names, i)) i++;
+        if (i == n) {
+            Py_INCREF(s);
+            return s;
+        }
+    }
+    if (!(s = PyObject_GC_NewVar(Names, &NamesType, n))) return NULL;
+    Py_SET_SIZE(s, 0);
+    int plain = 1;
+    /* A hash may run Python code that changes the list: re-read its size. */
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(names); i++) {
+        PyObject *o = PyList_GET_ITEM(names, i);
+        Py_INCREF(o);
+        Py_hash_t h = 0;
+        if (o != Py_None) {
+            plain &= plain_name(o);
+            if ((h = PyObject_Hash(o)) == -1) {
+                if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    Py_DECREF(o);
+                    Py_DECREF(s);
+                    return NULL;
+                }
+                PyErr_Clear();
+            }
+        }
+        s->e[i].name = o;
+        s->e[i].hash = h;
+        Py_SET_SIZE(s, i + 1);
+    }
+    PyObject_GC_Track(s);
+    if (plain && Py_SIZE(s) == n) {
+        Py_INCREF(s);
+        Py_XSETREF(self->snap, (PyObject *)s);
+    }
+    return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Matches: a match's result, read-only, built as far as it is read.        */
+/*
+ * A router usually reads a few holders (its candidates, the deepest), so
+ * the walk's result keeps each holder's rank slot and depths, and the names
+ * (with their hashes) it was made with, and makes a value object only when
+ * one is asked for. The dict of every holder is built on the first
+ * operation that needs it all (equality, keys/values/items views, many
+ * lookups) and then kept. Made only by a match: it cannot be created from
+ * Python. */
+
+typedef struct {
+    i32 a, b; /* (rank slot, depth held anywhere); with tiers, at cap + i: (on GPU, on GPU or CPU) */
+} Holder;
+
+typedef struct {
+    PyObject_VAR_HEAD
+    Names *names;
+    PyObject *tt;   /* tiers_type, or NULL: depths are ints */
+    PyObject *dict; /* every holder, once built */
+    Py_ssize_t lookups, cap;
+    i32 max;
+    Holder h[1];
+} Matches;
+
+/* Key lookups by a scan of the hashes, up to this many; then the dict. */
+#define MATCHES_SCANS 8
+
+static PyTypeObject MatchesType;
+
+static inline const Name *holder_name(const Matches *self, Py_ssize_t i) {
+    return &self->names->e[self->h[i].a];
+}
+
+static PyObject *holder_value(const Matches *self, Py_ssize_t i) {
+    const i32 d = self->h[i].b;
+    if (!self->tt) return PyLong_FromLong(d);
+    const Holder *gf = &self->h[self->cap + i];
+    return PyObject_CallFunction(self->tt, "iii", gf->a, gf->b - gf->a, d - gf->b);
+}
+
+/* The dict of every holder (borrowed), built on first use. */
+static PyObject *matches_dict(Matches *self) {
+    if (self->dict) return self->dict;
+    const Py_ssize_t n = Py_SIZE(self);
+#if PY_VERSION_HEX < 0x030D0000
+    PyObject *d = n > 5 ? _PyDict_NewPresized(n) : PyDict_New();
+#else
+    PyObject *d = PyDict_New();
+#endif
+    if (!d) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = holder_value(self, i);
+        const Name *nm = holder_name(self, i);
+        int rc = v ? set_known(d, nm->name, v, nm->hash) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    /* holder_value may have run Python code that built it meanwhile. */
+    if (self->dict) Py_DECREF(d);
+    else self->dict = d;
+    return self->dict;
+}
+
+/* The holder of key: its position, -1 when none, -2 on error. */
+static Py_ssize_t matches_find(Matches *self, PyObject *key) {
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) return -2;
+    const Py_ssize_t n = Py_SIZE(self);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Name *nm = holder_name(self, i);
+        if (nm->hash != hash) continue;
+        int eq = nm->name == key ? 1 : PyObject_RichCompareBool(nm->name, key, Py_EQ);
+        if (eq < 0) return -2;
+        if (eq) return i;
+    }
+    return -1;
+}
+
+/* The value of key (new reference), NULL with no error set when absent. */
+static PyObject *matches_lookup(Matches *self, PyObject *key) {
+    if (!self->dict && ++self->lookups > MATCHES_SCANS && !matches_dict(self)) return NULL;
+    if (self->dict) {
+        PyObject *v = PyDict_GetItemWithError(self->dict, key);
+        Py_XINCREF(v);
+        return v;
+    }
+    Py_ssize_t i = matches_find(self, key);
+    return i >= 0 ? holder_value(self, i) : NULL;
+}
+
+static PyObject *Matches_subscript(Matches *self, PyObject *key) {
+    PyObject *v = matches_lookup(self, key);
+    if (!v && !PyErr_Occurred()) {
+        PyObject *args = PyTuple_Pack(1, key); /* a tuple key is one argument */
+        if (args) PyErr_SetObject(PyExc_KeyError, args);
+        Py_XDECREF(args);
+    }
+    return v;
+}
+
+static int Matches_contains(Matches *self, PyObject *key) {
+    if (self->dict) return PyDict_Contains(self->dict, key);
+    Py_ssize_t i = matches_find(self, key);
+    return i == -2 ? -1 : i >= 0;
+}
+
+static Py_ssize_t Matches_length(Matches *self) { return Py_SIZE(self); }
+
+static PyObject *Matches_get(Matches *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    PyObject *v = matches_lookup(self, args[0]);
+    if (v || PyErr_Occurred()) return v;
+    v = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+/* Iteration is over the names, in rank slot order, without building a value. */
+static PyObject *Matches_iter(Matches *self) {
+    const Py_ssize_t n = Py_SIZE(self);
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = holder_name(self, i)->name;
+        Py_INCREF(name);
+        PyTuple_SET_ITEM(t, i, name);
+    }
+    PyObject *it = PyObject_GetIter(t);
+    Py_DECREF(t);
+    return it;
+}
+
+static PyObject *matches_view(Matches *self, const char *which) {
+    PyObject *d = matches_dict(self);
+    return d ? PyObject_CallMethod(d, which, NULL) : NULL;
+}
+
+static PyObject *Matches_keys(Matches *self, PyObject *unused) { return matches_view(self, "keys"); }
+static PyObject *Matches_values(Matches *self, PyObject *unused) { return matches_view(self, "values"); }
+static PyObject *Matches_items(Matches *self, PyObject *unused) { return matches_view(self, "items"); }
+
+/* Pickled and copied as the dict it equals. */
+static PyObject *Matches_reduce(Matches *self, PyObject *unused) {
+    PyObject *d = matches_dict(self);
+    return d ? Py_BuildValue("(O(O))", (PyObject *)&PyDict_Type, d) : NULL;
+}
+
+/* best(n=1) -> the n deepest holders as (name, value), deepest first, ties in
+ * rank slot order. Picks by insertion into a sorted window of n: no value
+ * is built for the others. */
+static PyObject *Matches_best(Matches *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t want = 1;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "best(n=1)");
+        return NULL;
+    }
+    if (nargs == 1 && (want = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if (want < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    const Py_ssize_t n = Py_SIZE(self);
+    if (want > n) want = n;
+    Py_ssize_t small[16], *top = small, k = 0;
+    if (want > 16 && !(top = PyMem_Malloc((size_t)want * sizeof *top))) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n && want > 0; i++) {
+        const i32 d = self->h[i].b;
+        if (k == want && d <= self->h[top[k - 1]].b) continue;
+        Py_ssize_t j = k < want ? k++ : k - 1;
+        for (; j > 0 && d > self->h[top[j - 1]].b; j--) top[j] = top[j - 1];
+        top[j] = i;
+    }
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t i = 0; out && i < k; i++) {
+        PyObject *v = holder_value(self, top[i]);
+        PyObject *pair = v ? PyTuple_Pack(2, holder_name(self, top[i])->name, v) : NULL;
+        Py_XDECREF(v);
+        if (!pair) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, pair);
+    }
+    if (top != small) PyMem_Free(top);
+    return out;
+}
+
+static PyObject *Matches_get_max_depth(Matches *self, void *c) { return PyLong_FromLong(self->max); }
+
+static PyObject *Matches_richcompare(PyObject *a, PyObject *b, int op) {
+    const int other = PyObject_TypeCheck(b, &MatchesType);
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(a, &MatchesType) || !(other || PyDict_Check(b)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *da = matches_dict((Matches *)a);
+    PyObject *db = da && other ? matches_dict((Matches *)b) : b;
+    return da && db ? PyObject_RichCompare(da, db, op) : NULL;
+}
+
+/* Printed as the dict it equals (what a match printed before it was lazy). */
+static PyObject *Matches_repr(Matches *self) {
+    PyObject *d = matches_dict(self);
+    return d ? PyObject_Repr(d) : NULL;
+}
+
+static int Matches_traverse(Matches *self, visitproc visit, void *arg) {
+    Py_VISIT(self->names);
+    Py_VISIT(self->tt);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+/* Holders read their names: once the names are gone, there are none. */
+static int Matches_clear(Matches *self) {
+    Py_SET_SIZE(self, 0);
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->tt);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void Matches_dealloc(Matches *self) {
+    PyObject_GC_UnTrack(self);
+    Matches_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMappingMethods Matches_as_mapping = {
+    .mp_length = (lenfunc)Matches_length,
+    .mp_subscript = (binaryfunc)Matches_subscript,
+};
+
+static PySequenceMethods Matches_as_sequence = {
+    .sq_contains = (objobjproc)Matches_contains,
+};
+
+static PyMethodDef Matches_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Matches_get, METH_FASTCALL, "get(key, default=None)"},
+    {"keys", (PyCFunction)Matches_keys, METH_NOARGS, "the holders"},
+    {"values", (PyCFunction)Matches_values, METH_NOARGS, "their matched depths"},
+    {"items", (PyCFunction)Matches_items, METH_NOARGS, "(holder, depth) pairs"},
+    {"best", (PyCFunction)(void (*)(void))Matches_best, METH_FASTCALL,
+     "best(n=1) -> the n deepest (holder, depth) pairs, deepest first"},
+    {"__class_getitem__", Py_GenericAlias, METH_O | METH_CLASS, "Matches[K, V] in annotations"},
+    {"__reduce__", (PyCFunction)Matches_reduce, METH_NOARGS, "pickled as a dict"},
+    {NULL},
+};
+
+static PyGetSetDef Matches_getset[] = {
+    {"max_depth", (getter)Matches_get_max_depth, NULL, "the deepest holder's matched blocks (0: none)", NULL},
+    {NULL},
+};
+
+static PyTypeObject MatchesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.prefix_index._core.Matches",
+    .tp_basicsize = sizeof(Matches) - sizeof(Holder), /* h[] from there */
+    .tp_itemsize = sizeof(Holder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_doc = "A match's holders and their matched blocks: a read-only mapping, built as read.",
+    .tp_dealloc = (destructor)Matches_dealloc,
+    .tp_traverse = (traverseproc)Matches_traverse,
+    .tp_clear = (inquiry)Matches_clear,
+    .tp_repr = (reprfunc)Matches_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_as_mapping = &Matches_as_mapping,
+    .tp_as_sequence = &Matches_as_sequence,
+    .tp_richcompare = Matches_richcompare,
+    .tp_iter = (getiterfunc)Matches_iter,
+    .tp_methods = Matches_methods,
+    .tp_getset = Matches_getset,
+};
+
+/* The walk's Matches: names[sid] and depths (or tiers_type(gpu, cpu,
+ * storage) when read) of every holder; frees the walk. */
 static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *tt) {
     const size_t W = wk->W, S = W << 6;
     u64 *acc = wk->acc;
@@ -1486,43 +1840,57 @@ static PyObject *walk_result(Index *self, Walk *wk, PyObject *names, PyObject *t
             record_lost(acc[2 * W + w], (2 * W + w) << 6, depth, at);
         }
     }
+    Matches *out = NULL;
+    Names *nm = names_snapshot(self, names);
+    if (!nm) goto done;
+    const size_t ns = S < (size_t)Py_SIZE(nm) ? S : (size_t)Py_SIZE(nm);
     Py_ssize_t held = 0;
-    for (size_t sid = 0; sid < S; sid++) held += depth[sid] > 0;
-#if PY_VERSION_HEX < 0x030D0000
-    PyObject *out = held > 5 ? _PyDict_NewPresized(held) : PyDict_New();
-#else
-    PyObject *out = PyDict_New();
-#endif
-    if (!out) goto fail;
-    /* tiers_type and dict insertion may run Python code that changes
-     * `names`: re-read its size each time, and hold the name. */
-    for (size_t sid = 0; sid < S && (Py_ssize_t)sid < PyList_GET_SIZE(names); sid++) {
-        i32 d = depth[sid];
-        if (d <= 0) continue;
-        PyObject *name = PyList_GET_ITEM(names, (Py_ssize_t)sid);
-        if (name == Py_None) continue;
-        Py_INCREF(name);
-        PyObject *v;
-        if (tt == Py_None) v = PyLong_FromLong(d);
-        else if (!wk->split) v = PyObject_CallFunction(tt, "iii", d, 0, 0);
-        else {
-            i32 g = depth[S + sid], f = depth[2 * S + sid];
-            v = PyObject_CallFunction(tt, "iii", g, f - g, d - f);
+    for (size_t sid = 0; sid < ns; sid++) {
+        if (depth[sid] <= 0 || nm->e[sid].name == Py_None) continue;
+        if (nm->e[sid].hash == -1 && PyObject_Hash(nm->e[sid].name) == -1) { /* raises */
+            Py_DECREF(nm);
+            goto done;
         }
-        Py_hash_t h = v ? name_hash(self, sid, name) : -1;
-        int rc = h != -1 ? set_known(out, name, v, h) : -1;
-        Py_XDECREF(v);
-        Py_DECREF(name);
-        if (rc < 0) {
-            Py_DECREF(out);
-            goto fail;
-        }
+        held++;
     }
+    out = PyObject_GC_NewVar(Matches, &MatchesType, tt == Py_None ? held : 2 * held);
+    if (!out) {
+        Py_DECREF(nm);
+        goto done;
+    }
+    out->names = nm;
+    out->tt = NULL;
+    if (tt != Py_None) {
+        Py_INCREF(tt);
+        out->tt = tt;
+    }
+    out->dict = NULL;
+    out->lookups = 0;
+    out->cap = held;
+    i32 max = 0;
+    Py_ssize_t k = 0;
+    for (size_t sid = 0; sid < ns; sid++) {
+        const i32 d = depth[sid];
+        if (d <= 0 || nm->e[sid].name == Py_None) continue;
+        out->h[k].a = (i32)sid;
+        out->h[k].b = d;
+        if (out->tt) {
+            Holder *gf = &out->h[held + k];
+            gf->a = gf->b = d;
+            if (wk->split) {
+                gf->a = depth[S + sid];
+                gf->b = depth[2 * S + sid];
+            }
+        }
+        if (d > max) max = d;
+        k++;
+    }
+    out->max = max;
+    Py_SET_SIZE(out, k);
+    PyObject_GC_Track(out);
+done:
     walk_end(wk);
-    return out;
-fail:
-    walk_end(wk);
-    return NULL;
+    return (PyObject *)out;
 }
 
 static int names_arg(PyObject *names) {
@@ -1531,7 +1899,7 @@ static int names_arg(PyObject *names) {
     return -1;
 }
 
-/* match(keys, names, tiers_type) -> {names[sid]: depth}
+/* match(keys, names, tiers_type) -> Matches {names[sid]: depth}
  *
  * The longest run of the prompt's keys from the first that each rank holds.
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
@@ -2086,9 +2454,9 @@ static PyMethodDef Index_methods[] = {
      "apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers, max_events, "
      "max_blocks, max_block_size, max_tokens) -> counter deltas, or None (decode it the general way)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
-     "match(keys, names, tiers_type) -> {name: depth}"},
+     "match(keys, names, tiers_type) -> Matches {name: depth}"},
     {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
-     "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> {name: depth}"},
+     "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> Matches {name: depth}"},
     {NULL},
 };
 
@@ -2119,12 +2487,14 @@ static struct PyModuleDef coremodule = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
+    if (PyType_Ready(&NamesType) < 0 || PyType_Ready(&MatchesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
     Py_INCREF(&KeyChainType);
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
-        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
+        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0 ||
+        PyModule_AddObjectRef(m, "Matches", (PyObject *)&MatchesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

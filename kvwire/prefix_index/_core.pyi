@@ -1,7 +1,11 @@
 """Types of the native tables and key chain (``_core.c``)."""
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar, overload
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_T = TypeVar("_T")
 
 ORPHAN: int
 MALFORMED: int
@@ -18,6 +22,28 @@ class KeyChain:
     def keys_into(
         self, tokens: Any, packed: bool, start: int, position: int, extra: Any, out: Any
     ) -> int: ...
+
+class Matches(Mapping[_K, _V]):
+    """A match's holders and their matched blocks: a read-only mapping, built as read.
+
+    Made only by a match. Equal to the dict of the same items; ``len``,
+    ``in``, iteration (over the holders, rank slot order), ``best`` and
+    ``max_depth`` build no values, a lookup builds one, and ``keys``,
+    ``values``, ``items``, equality and ``repr`` (that of the dict) build (and keep) the dict.
+    """
+
+    def __getitem__(self, key: _K) -> _V: ...
+    def __iter__(self) -> Iterator[_K]: ...
+    def __len__(self) -> int: ...
+    @overload
+    def get(self, key: _K, /) -> _V | None: ...
+    @overload
+    def get(self, key: _K, default: _V | _T, /) -> _V | _T: ...
+    def best(self, n: int = 1, /) -> list[tuple[_K, _V]]:
+        """The ``n`` deepest holders with their depths, deepest first (ties: rank slot order)."""
+    @property
+    def max_depth(self) -> int:
+        """The deepest holder's matched blocks in any tier (0 when none)."""
 
 class Index:
     """Holder tables of the prefix index."""
@@ -62,7 +88,7 @@ class Index:
     ) -> tuple[int, int, int, int, int, int] | None: ...
     def blocks(self, sid: int) -> list[int]: ...
     def rank_stats(self, sid: int) -> tuple[int, int]: ...
-    def match(self, keys: Any, names: list[Any], tiers_type: Any) -> dict[Any, Any]: ...
+    def match(self, keys: Any, names: list[Any], tiers_type: Any) -> Matches[Any, Any]: ...
     def match_tokens(
         self,
         chain: KeyChain,
@@ -72,4 +98,4 @@ class Index:
         extra: Any,
         names: list[Any],
         tiers_type: Any,
-    ) -> dict[Any, Any]: ...
+    ) -> Matches[Any, Any]: ...

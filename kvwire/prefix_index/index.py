@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.prefix_index._core import MALFORMED, ORPHAN, OVER_CAP, Index
+from kvwire.prefix_index._core import MALFORMED, ORPHAN, OVER_CAP, Index, Matches
 from kvwire.prefix_index.keys import KeyScheme, key_scheme, token_source
 from kvwire.wire import (
     DEFAULT_LIMITS,
@@ -56,6 +56,7 @@ __all__ = [
     "GPU",
     "STORAGE",
     "IndexStats",
+    "Matches",
     "PrefixIndex",
     "RankKey",
     "TierDepths",
@@ -64,6 +65,9 @@ __all__ = [
 
 U64 = npt.NDArray[np.uint64]
 RankKey = tuple[str, int]
+
+# A match's result is a read-only mapping that builds what is read of it.
+Mapping.register(Matches)
 
 GPU = 0
 CPU = 1
@@ -325,12 +329,17 @@ class PrefixIndex:
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         cache_salt: Any = None,
-    ) -> dict[RankKey, int]:
+    ) -> Matches[RankKey, int]:
         """Matched blocks per (worker, rank): the longest prefix it holds from block 0.
 
         Ranks holding nothing of the prompt are left out. A partial last block
         is not counted. Keys are computed as the match goes (one native call):
         a list's items past the end of the longest match are not read.
+
+        The result is a read-only :class:`Matches` mapping (equal to the dict of
+        the same items), a snapshot of the walk: it builds only what is read of
+        it (``len``, ``best(n)`` and ``max_depth`` build nothing), so a router
+        reading a few holders does not pay for every holder of a popular prefix.
         """
         if type(tokens) is list and lora_name is None and extra_keys is None and cache_salt is None:
             # The common call, a tokenizer's list: straight to the native walk.
@@ -347,7 +356,7 @@ class PrefixIndex:
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         cache_salt: Any = None,
-    ) -> dict[RankKey, TierDepths]:
+    ) -> Matches[RankKey, TierDepths]:
         """Like :meth:`match`, split by tier (see :class:`TierDepths`)."""
         return self._match_tokens(tokens, lora_name, extra_keys, cache_salt, TierDepths)
 
@@ -358,7 +367,7 @@ class PrefixIndex:
         extra_keys: Sequence[Any] | None,
         cache_salt: Any,
         tiers_type: type[TierDepths] | None,
-    ) -> dict[RankKey, Any]:
+    ) -> Matches[RankKey, Any]:
         scheme = self._scheme
         src, packed, n_tokens = token_source(tokens)
         extra = None
@@ -372,16 +381,21 @@ class PrefixIndex:
                 scheme.native, src, packed, start, extra, self._names, tiers_type
             )
 
-    def match_keys(self, keys: U64) -> dict[RankKey, int]:
+    def match_keys(self, keys: U64) -> Matches[RankKey, int]:
         """:meth:`match` for keys computed already (with this index's seed), the
         prompt's from its first block (as :meth:`keys` and :func:`block_keys` give them)."""
+        with self._lock:
+            try:  # a contiguous 64-bit array goes straight in (the common call: one frame)
+                return self._core.match(keys, self._names, None)
+            except (TypeError, ValueError, BufferError):
+                pass
         return self._match_keys(keys, None)
 
-    def match_keys_tiers(self, keys: U64) -> dict[RankKey, TierDepths]:
+    def match_keys_tiers(self, keys: U64) -> Matches[RankKey, TierDepths]:
         """:meth:`match_tiers` for keys computed already."""
         return self._match_keys(keys, TierDepths)
 
-    def _match_keys(self, keys: Any, tiers_type: type[TierDepths] | None) -> dict[RankKey, Any]:
+    def _match_keys(self, keys: Any, tiers_type: type[TierDepths] | None) -> Matches[RankKey, Any]:
         with self._lock:
             try:  # a contiguous 64-bit array goes straight in
                 return self._core.match(keys, self._names, tiers_type)

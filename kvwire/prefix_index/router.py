@@ -169,13 +169,17 @@ class KvRouter:
             tokens if packed else src, lora_name=lora_name, extra_keys=extra_keys,
             cache_salt=cache_salt,
         )  # fmt: skip
+        # The match builds a holder's depths only when looked up: a candidate
+        # holding nothing costs nothing, nor do holders that are not candidates.
+        held = matched.max_depth > 0
         gw, cw, sw = self.tier_weights
         scored: dict[RankKey, Candidate] = {}
         for key, raw in candidates.items():
             load = raw if isinstance(raw, Load) else Load(*raw)
             why = self._no_credit(key)
             if why is None:
-                cached, used, note = matched.get(key, _NO_CACHE), True, ""
+                cached = matched.get(key, _NO_CACHE) if held else _NO_CACHE
+                used, note = True, ""
             else:
                 cached, used, note = _NO_CACHE, False, why
             credit = gw * cached.gpu + cw * cached.cpu + sw * cached.storage

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
 import subprocess
 import sys
 import textwrap
+import weakref
+from typing import Self
 
 import pytest
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
-from kvwire.prefix_index._core import Index
+from kvwire.prefix_index._core import Index, Matches
 from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
@@ -136,7 +141,11 @@ def test_match_survives_a_tiers_type_that_empties_the_names() -> None:
         return (g, c, s)
 
     got = idx._core.match(keys, names, evil)
-    assert len(got) == 1  # stopped where the names ran out
+    # The result holds the names it was built with; a value built later (here,
+    # running the evil type) cannot change which holders it has.
+    assert len(got) == 5 and names
+    assert got[("w0", 0)] == (2, 0, 0) and not names
+    assert dict(got) == {(f"w{w}", 0): (2, 0, 0) for w in range(5)}
 
 
 def test_index_max_entries_is_checked() -> None:
@@ -157,3 +166,42 @@ def test_other_block_sizes_cost_no_key_scheme_and_stay_unmatched() -> None:
     assert idx.rank_blocks("w", 0) == 199
     assert idx.stats().malformed_stores == 0
     assert idx.match([1] * (BS + 1)) == {}
+
+
+def test_a_match_result_cannot_be_made_from_python_and_outlives_its_index() -> None:
+    with pytest.raises(TypeError):
+        Matches()
+    with pytest.raises(TypeError):
+        Matches.__new__(Matches)
+    idx = PrefixIndex(BS)
+    for w in range(3):
+        idx.apply(f"w{w}", 0, KVEventBatch(0.0, [BlockStored([1, 2], None, tokens(2), BS)], 0))
+    got, tiers = idx.match(tokens(2)), idx.match_tiers(tokens(2))
+    idx.remove_worker("w0")
+    del idx
+    gc.collect()
+    assert got == {("w0", 0): 2, ("w1", 0): 2, ("w2", 0): 2}  # a snapshot of the walk
+    assert tiers[("w2", 0)] == (2, 0, 0) and tiers.best(1) == [(("w0", 0), (2, 0, 0))]
+    with pytest.raises(TypeError):
+        hash(got)
+    for copied in (copy.copy(got), pickle.loads(pickle.dumps(got))):
+        assert type(copied) is dict and copied == got
+    with pytest.raises(TypeError):
+        got[["unhashable"]]  # type: ignore[index]
+
+
+def test_a_match_result_in_a_cycle_is_collected() -> None:
+    idx = PrefixIndex(BS)
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockStored([1], None, tokens(1), BS)], 0))
+
+    class Depths(tuple):  # type: ignore[type-arg]
+        def __new__(cls, *depths: int) -> Self:
+            return super().__new__(cls, depths)
+
+    got = idx._core.match(idx.keys(tokens(1)), [("w", 0)], Depths)
+    holder = got[("w", 0)]
+    holder_ref = weakref.ref(Depths)
+    Depths.result = got  # type: ignore[attr-defined]  # result -> type -> result
+    del got, holder, Depths
+    gc.collect()
+    assert holder_ref() is None

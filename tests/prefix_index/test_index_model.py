@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.prefix_index import PrefixIndex
+from kvwire.prefix_index import Matches, PrefixIndex
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from .model import MASK, Ident, ModelIndex
@@ -217,6 +219,8 @@ class Driver:
                 kw = {"lora_name": lora, "extra_keys": extra, "cache_salt": salt}
                 assert self.index.match_tiers(toks, **kw) == self.model.match_tiers(toks, **kw)
                 assert self.index.match(toks, **kw) == self.model.match(toks, **kw)
+                check_lazy(self.index.match_tiers(toks, **kw), self.model.match_tiers(toks, **kw))
+                check_lazy(self.index.match(toks, **kw), self.model.match(toks, **kw))
         for name in self.model.ranks:
             assert self.index.blocks(*name) == self.model.blocks(*name), name
         s = self.index.stats()
@@ -235,6 +239,30 @@ class Driver:
                 hashes = [h for h, e in entries.items() for _ in range(e.counts[t])]
                 if hashes:
                     self.send(w, r, [BlockRemoved(block_hashes=hashes, medium=medium)])
+
+
+def _total(v: Any) -> int:
+    return v if isinstance(v, int) else int(v.total)
+
+
+def check_lazy(got: Matches[Any, Any], want: dict[Any, Any]) -> None:
+    """Every way of reading a lazy result, each on a fresh one, answers like the dict."""
+    assert isinstance(got, Mapping) and len(got) == len(want)
+    order = list(got)  # rank slot order
+    assert sorted(order) == sorted(want)
+    assert got.max_depth == max(map(_total, want.values()), default=0)
+    by_depth = sorted(order, key=lambda k: -_total(want[k]))  # stable: slot order on ties
+    for n in (0, 1, 2, len(want) + 1):
+        assert got.best(n) == [(k, want[k]) for k in by_depth[:n]]
+    for k in order:  # lookups by scan, then (past a few) by the dict
+        assert k in got and got[k] == want[k] and got.get(k) == want[k]
+    absent = ("absent", 0)
+    assert absent not in got and got.get(absent) is None and got.get(absent, 7) == 7
+    with pytest.raises(KeyError):
+        got[absent]
+    assert dict(got.items()) == want and list(got.keys()) == order
+    assert sorted(map(_total, got.values())) == sorted(map(_total, want.values()))
+    assert got == want and want == got and (got != want) is False and repr(got) == repr(dict(got.items()))
 
 
 def _enc(e: Any) -> bytes:
@@ -282,9 +310,40 @@ def test_masks_cover_many_ranks() -> None:
     got = d.index.match(tokens)
     assert got == d.model.match(tokens)
     assert sorted(set(got.values())) == [1, 2, 3]
+    check_lazy(d.index.match(tokens), d.model.match(tokens))
+    check_lazy(d.index.match_tiers(tokens), d.model.match_tiers(tokens))
     for i in range(0, 150, 2):
         d.index.remove_worker(f"w{i}")
         d.model.remove_worker(f"w{i}")
     assert d.index.match(tokens) == d.model.match(tokens)
     assert len(d.index.match(tokens)) == 75
     assert MASK == (1 << 64) - 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([40, 70, 140]))
+def test_long_prompts_over_many_ranks_match_the_model(seed: int, ranks: int) -> None:
+    """Prompts of many 8-block groups held to random depths by up to 140 ranks (one
+    mask word and several), some on CPU: every walk answers like the model."""
+    import random
+
+    rng = random.Random(seed)
+    d = Driver()
+    prompts = [[rng.randrange(50) for _ in range(40 * BS)] for _ in range(4)]
+    for i in range(ranks):
+        tokens = prompts[rng.randrange(len(prompts))]
+        n = rng.randint(1, 40)
+        ev = BlockStored(
+            block_hashes=[content_hash(tuple(tokens[: (j + 1) * BS])) for j in range(n)],
+            parent_block_hash=None,
+            token_ids=tokens[: n * BS],
+            block_size=BS,
+            medium=rng.choice([None, None, None, "CPU"]),
+        )
+        batch = KVEventBatch(0.0, [ev])
+        d.index.apply(f"w{i}", 0, batch)
+        d.model.apply(f"w{i}", 0, batch)
+    for tokens in prompts:
+        assert d.index.match(tokens) == d.model.match(tokens)
+        assert d.index.match_tiers(tokens) == d.model.match_tiers(tokens)
+        check_lazy(d.index.match(tokens), d.model.match(tokens))
