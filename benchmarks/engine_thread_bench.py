@@ -37,6 +37,10 @@ Publishers, each a case:
   ``vllm`` and ``kvwire-plugin``). They separate what the harness and Python
   allocation cost the CPU-bound loop from publishing.
 Every publisher has a replay endpoint.
+``--fresh-lists``: the engine loop builds new lists of new ints every iteration, with or
+without publishing, and drops them after the call, as an engine does (by default the lists
+are four prebuilt variants): a publisher that keeps them past the call frees them later, on
+the engine thread, after its own thread has read them.
 
 This 2-core VM gives a process a full or a half core at random, so a baseline
 from another process means nothing: within one process, blocks of iterations
@@ -101,6 +105,7 @@ FLOORS = ("call-only", "alloc-only", "structs-only")
 LOOPS = ("cpu", "gpu")
 TARGET_NOTE = "target: <= max(0.5%, 1/4 of vLLM's)"
 CPU_RATIO_TARGET = 0.5
+_FRESH = False  # --fresh-lists: the engine builds new lists every iteration
 _OPTIONS: dict[str, Any] = {}  # extra EventPublisher keywords for the kvwire-wire/-defaults cases
 
 
@@ -148,11 +153,32 @@ def subscriber(endpoint: str, conn: Any) -> None:
 
 @dataclass
 class Inputs:
+    """Each iteration's lists: a few prebuilt variants, or (``fresh``) new lists of new ints
+    built by the engine loop every iteration, with or without publishing, as an engine builds
+    them and drops them after the call."""
+
     stores: list[tuple[list[int], int, list[int]]]
     removes: list[list[int]]
+    fresh: bool = False
+    current: tuple[list[int], int, list[int], list[int]] | None = None
+
+    def make(self, n: int) -> None:
+        """Fresh mode: iteration ``n``'s lists (new list and int objects; the old ones dropped)."""
+        h, p, t = self.stores[n % len(self.stores)]
+        k = n % 1000 + 1
+        self.current = ([x ^ k for x in h], p ^ k, [x ^ k for x in t],
+                        [x ^ k for x in self.removes[n % len(self.removes)]])  # fmt: skip
+
+    def at(self, i: int) -> tuple[list[int], int, list[int], list[int]]:
+        if self.fresh:
+            if self.current is None:
+                self.make(i)
+            return self.current
+        h, p, t = self.stores[i % len(self.stores)]
+        return h, p, t, self.removes[i % len(self.removes)]
 
 
-def make_inputs(blocks: int, variants: int = 4, seed: int = 0) -> Inputs:
+def make_inputs(blocks: int, variants: int = 4, seed: int = 0, fresh: bool = False) -> Inputs:
     rng = random.Random(seed)
     stores = []
     removes = []
@@ -161,7 +187,7 @@ def make_inputs(blocks: int, variants: int = 4, seed: int = 0) -> Inputs:
         tokens = [rng.randrange(128_000) for _ in range(blocks * BLOCK_TOKENS)]
         stores.append((hashes, rng.getrandbits(64), tokens))
         removes.append([rng.getrandbits(64) for _ in range(blocks)])
-    return Inputs(stores, removes)
+    return Inputs(stores, removes, fresh)
 
 
 class Case:
@@ -171,8 +197,7 @@ class Case:
         self.name = name
         pub_port, replay_port = free_port(), free_port()
         self.endpoint = f"tcp://127.0.0.1:{pub_port}"
-        stores, removes = inputs.stores, inputs.removes
-        nvar = len(stores)
+        at = inputs.at
         self.publish: Callable[[int], None]
         self.pub: Any
         self._depth: Callable[[bool], int]
@@ -206,12 +231,12 @@ class Case:
             publish_struct = self.pub.publish
 
             def publish(i: int) -> None:
-                h, p, t = stores[i % nvar]
+                h, p, t, r = at(i)
                 stored = stored_cls(
                     block_hashes=h, parent_block_hash=p, token_ids=t, block_size=BLOCK_TOKENS,
                     lora_id=None, medium="GPU", lora_name=None,
                 )  # fmt: skip
-                removed = removed_cls(block_hashes=removes[i % nvar], medium="GPU")
+                removed = removed_cls(block_hashes=r, medium="GPU")
                 publish_struct(batch_cls(ts=time.time(), events=[stored, removed]))
 
             self.publish = publish
@@ -220,10 +245,10 @@ class Case:
             alloc = name == "alloc-only"
 
             def publish(i: int) -> None:
-                h, p, t = stores[i % nvar]
+                h, p, t, r = at(i)
                 if alloc:  # the records list and the two record tuples of one iteration
                     records = [(0, h, p, t, None, "GPU", None, None)]
-                    records.append((1, removes[i % nvar], "GPU", None))
+                    records.append((1, r, "GPU", None))
 
             self.publish = publish
             self.pub = _Discard()
@@ -244,9 +269,9 @@ class Case:
             stored_hook, removed_hook, flush = col.stored, col.removed, col.flush
 
             def publish(i: int) -> None:
-                h, p, t = stores[i % nvar]
+                h, p, t, r = at(i)
                 stored_hook(h, p, t)
-                removed_hook(removes[i % nvar])
+                removed_hook(r)
                 flush()
 
             self.publish = publish
@@ -376,7 +401,8 @@ def engine_run(
     engine_core, other = cores()
     me = threading.get_native_id()
     os.sched_setaffinity(me, other)  # threads and processes made now inherit "other"
-    case = Case(name, make_inputs(blocks), _OPTIONS)
+    inputs = make_inputs(blocks, fresh=_FRESH)
+    case = Case(name, inputs, _OPTIONS)
     proc, conn = connect(case, mp.get_context("spawn"))
     os.sched_setaffinity(me, engine_core)
     work = spins["cpu"] if loop == "cpu" else spins["gpu"]
@@ -386,13 +412,17 @@ def engine_run(
     on: list[float] = []
     off: list[float] = []
     calls: list[float] = []
-    i = 0
+    i = n = 0
+    make = inputs.make if inputs.fresh else None
     try:
         for r in range(rounds):
             for with_pub in (True, False) if r % 2 == 0 else (False, True):
                 out = on if with_pub else off
                 for _ in range(block_iters):
                     t0 = clock()
+                    if make:
+                        make(n)  # the engine's own lists, with or without publishing
+                        n += 1
                     spin(work)
                     if wait:
                         time.sleep(wait)
@@ -486,6 +516,7 @@ def calls_run(blocks: int, loop: str, iters: int, spins: dict[str, int]) -> dict
 
 
 def main() -> None:
+    global _FRESH
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 runs, fewer iterations")
     parser.add_argument("--runs", type=int, default=None)
@@ -498,7 +529,12 @@ def main() -> None:
     parser.add_argument(
         "--coalesce-ms", type=float, default=None, help="kvwire's coalesce_s (default: its own)"
     )
+    parser.add_argument(
+        "--fresh-lists", action="store_true",
+        help="engine table: new lists every iteration (as an engine builds them), not 4 prebuilt",
+    )  # fmt: skip
     args = parser.parse_args()
+    _FRESH = args.fresh_lists
     if args.coalesce_ms is not None:
         _OPTIONS["coalesce_s"] = args.coalesce_ms / 1000
     logging.getLogger("kvwire").setLevel(logging.ERROR)  # the plugin's loopback-bind warning
