@@ -141,12 +141,24 @@ static PyTypeObject PayloadType = {
 
 /* --- queue items ---------------------------------------------------------------------- */
 
+typedef struct {
+    u64 bits; /* the value modulo 2**64 */
+    int neg;  /* the value is negative */
+} IntV;
+
 /* One record of a collector batch, in CollectedBatch.records' layout: a store (every
  * field), a removal (hashes, medium, group) or a clear (none). Each field is a strong
- * reference, or NULL where the tag has none. */
+ * reference, or NULL where the tag has none. A copied record (vals set) instead holds
+ * the values of its hashes, token ids and parent, read on the engine thread during the
+ * hook call (hashes, tokens and parent NULL): the sender then touches none of the
+ * engine's lists or ints, and frees vals itself once the batch is encoded. */
 typedef struct Rec {
     long tag;
     PyObject *hashes, *parent, *tokens, *lora, *medium, *extra, *group;
+    IntV *vals; /* nh hashes then nt token ids, as read (not yet in the hashes' wire form) */
+    size_t nh, nt;
+    IntV pv;    /* the parent's value, when has_parent */
+    int has_parent;
 } Rec;
 
 /* A collector batch the sender reads without the GIL: the native collector's flush()
@@ -265,11 +277,6 @@ static double heartbeat_due(double last_sent, double interval, double now, doubl
 /* --- reading Python objects without the GIL -------------------------------------------
  * Only exact types whose fields never change: reading their memory needs no lock. */
 
-typedef struct {
-    u64 bits; /* the value modulo 2**64 */
-    int neg;  /* the value is negative */
-} IntV;
-
 /* An exact int within [-2**63, 2**64); 0, or -1 for anything else. */
 static int read_int(PyObject *o, IntV *out) {
     out->bits = 0;
@@ -353,6 +360,57 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
+/* The values of a list or tuple of exact ints in range into v; 0, or -1 (one is not). */
+static int read_seq(PyObject *seq, IntV *v) {
+    Py_ssize_t n = seq_len(seq);
+    PyObject **items = seq_items(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (read_int(items[i], &v[i]) < 0) return -1;
+    return 0;
+}
+
+static inline int exact_seq(PyObject *o) { return PyList_CheckExact(o) || PyTuple_CheckExact(o); }
+
+/* Copy a record's hashes, token ids and parent into r->vals and drop those references,
+ * when they are lists or tuples of exact ints in range (and the parent None or one);
+ * otherwise (or out of memory) leave the record holding its references. */
+static void rec_copy(Rec *r) {
+    PyObject *hs = r->hashes, *tk = r->tokens;
+    if (!exact_seq(hs) || (tk && !exact_seq(tk))) return;
+    IntV pv = {0, 0};
+    int has_parent = r->tag == T_STORE && r->parent != Py_None;
+    if (has_parent && read_int(r->parent, &pv) < 0) return;
+    size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
+    IntV *v = malloc((nh + nt ? nh + nt : 1) * sizeof(IntV));
+    if (!v) return;
+    if (read_seq(hs, v) < 0 || (tk && read_seq(tk, v + nh) < 0)) {
+        free(v);
+        return;
+    }
+    r->vals = v;
+    r->nh = nh;
+    r->nt = nt;
+    r->pv = pv;
+    r->has_parent = has_parent;
+    Py_CLEAR(r->hashes);
+    Py_CLEAR(r->tokens);
+    Py_CLEAR(r->parent);
+}
+
+static inline size_t rec_nh(const Rec *r) { return r->vals ? r->nh : (size_t)seq_len(r->hashes); }
+static inline size_t rec_nt(const Rec *r) { return r->vals ? r->nt : (size_t)seq_len(r->tokens); }
+static inline int rec_has_parent(const Rec *r) {
+    return r->vals ? r->has_parent : r->parent != Py_None;
+}
+
+/* A store record's parent (rec_has_parent), as read. */
+static inline IntV rec_parent(const Rec *r) {
+    IntV v;
+    if (r->vals) return r->pv;
+    read_int(r->parent, &v);
+    return v;
+}
+
 /* A list or tuple (its items are checked as they are written); its length, or -1. */
 static Py_ssize_t check_ints(PyObject *o) {
     if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return -1;
@@ -371,16 +429,17 @@ static int check_recs(const Rec *recs, size_t n, long bs, size_t *size) {
         IntV v;
         int present;
         if (r->tag == T_STORE) {
-            Py_ssize_t nh = check_ints(r->hashes), nt = check_ints(r->tokens);
+            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
+            Py_ssize_t nt = r->vals ? (Py_ssize_t)r->nt : check_ints(r->tokens);
             if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
-            if (r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
+            if (!r->vals && r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
             if (read_str(r->lora, &s, &slen) < 0) return -1;
             if (read_str(r->medium, &s, &slen2) < 0) return -1;
             if (r->extra != Py_None) return -1; /* extra_keys */
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
             total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2) + 160;
         } else if (r->tag == T_REMOVE) {
-            Py_ssize_t nh = check_ints(r->hashes);
+            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
             if (nh <= 0) return -1;
             if (read_str(r->medium, &s, &slen) < 0) return -1;
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
@@ -413,6 +472,16 @@ static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int 
     return p;
 }
 
+/* Copied values (in range: read by read_int). */
+static unsigned char *put_vals(unsigned char *p, const IntV *v, size_t n, int hashes,
+                               int hash_signed) {
+    for (size_t i = 0; i < n; i++) {
+        IntV x = hashes ? hash_form(v[i], hash_signed) : v[i];
+        p = kvw_put_int(p, x.bits, x.neg);
+    }
+    return p;
+}
+
 static inline unsigned char *put_intv(unsigned char *p, IntV v) { return kvw_put_int(p, v.bits, v.neg); }
 
 static unsigned char *put_opt_str(unsigned char *p, PyObject *o) {
@@ -438,7 +507,8 @@ static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
 /* The last hash of a store record, in the wire's form. */
 static IntV last_hash(const Rec *r, int hash_signed) {
     IntV v;
-    read_int(seq_items(r->hashes)[seq_len(r->hashes) - 1], &v);
+    if (r->vals) v = r->vals[r->nh - 1];
+    else read_int(seq_items(r->hashes)[seq_len(r->hashes) - 1], &v);
     return hash_form(v, hash_signed);
 }
 
@@ -450,12 +520,11 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
         IntV last = last_hash(rec, hash_signed);
         for (; j < n; j++) {
             const Rec *nxt = &recs[j];
-            IntV parent;
-            if (nxt->tag != T_STORE || nxt->parent == Py_None) break;
+            if (nxt->tag != T_STORE || !rec_has_parent(nxt)) break;
             if (!same_str(nxt->lora, rec->lora) || !same_str(nxt->medium, rec->medium) ||
                 !same_opt_int(nxt->group, rec->group))
                 break;
-            read_int(nxt->parent, &parent);
+            IntV parent = rec_parent(nxt);
             if (parent.bits != last.bits) break; /* both in the same form: equal iff equal bits */
             last = last_hash(nxt, hash_signed);
         }
@@ -474,11 +543,16 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
 static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_t end, int tokens,
                               int hash_signed) {
     size_t n = 0;
-    for (size_t k = i; k < end; k++)
-        n += (size_t)seq_len(tokens ? recs[k].tokens : recs[k].hashes);
+    for (size_t k = i; k < end; k++) n += tokens ? rec_nt(&recs[k]) : rec_nh(&recs[k]);
     p = kvw_put_array_header(p, n);
-    for (size_t k = i; k < end && p; k++)
-        p = tokens ? put_ints(p, recs[k].tokens, 0, 0) : put_ints(p, recs[k].hashes, 1, hash_signed);
+    for (size_t k = i; k < end && p; k++) {
+        const Rec *r = &recs[k];
+        if (r->vals)
+            p = tokens ? put_vals(p, r->vals + r->nh, r->nt, 0, 0)
+                       : put_vals(p, r->vals, r->nh, 1, hash_signed);
+        else
+            p = tokens ? put_ints(p, r->tokens, 0, 0) : put_ints(p, r->hashes, 1, hash_signed);
+    }
     return p;
 }
 
@@ -496,13 +570,8 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
     }
     if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
     if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
-    if (rec->parent == Py_None) {
-        *p++ = 0xc0;
-    } else {
-        IntV v;
-        read_int(rec->parent, &v);
-        p = put_intv(p, hash_form(v, hash_signed));
-    }
+    if (!rec_has_parent(rec)) *p++ = 0xc0;
+    else p = put_intv(p, hash_form(rec_parent(rec), hash_signed));
     if (dialect == 0) p = LIT(p, "\xa9token_ids");
     if (!(p = put_run(p, recs, i, end, 1, 0))) return NULL;
     if (dialect == 0) p = LIT(p, "\xaa" "block_size");
@@ -584,6 +653,8 @@ static Buf *encode_batch(const CBatch *batch, int dialect) {
 /* --- collector batches as C records and as Python objects (with the GIL) --------------- */
 
 static void rec_release(Rec *r) {
+    free(r->vals);
+    r->vals = NULL;
     Py_XDECREF(r->hashes);
     Py_XDECREF(r->parent);
     Py_XDECREF(r->tokens);
@@ -612,15 +683,47 @@ static PyObject *TAGS[3], *CLEAR_RECORD; /* 0, 1, 2 and (2,) */
 
 /* The records in CollectedBatch.records' layout (a new list of tuples), or NULL with an
  * error set. */
+static PyObject *intv_object(IntV v) {
+    return v.neg ? PyLong_FromLongLong((long long)(i64)v.bits)
+                 : PyLong_FromUnsignedLongLong((unsigned long long)v.bits);
+}
+
+/* A new list of copied values' ints, or NULL with an error set. */
+static PyObject *vals_list(const IntV *v, size_t n) {
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *x = intv_object(v[i]);
+        if (!x) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, x);
+    }
+    return out;
+}
+
 static PyObject *records_list(const Rec *recs, size_t n) {
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
         const Rec *r = &recs[i];
-        PyObject *t = r->tag == T_STORE
-                          ? PyTuple_Pack(8, TAGS[0], r->hashes, r->parent, r->tokens, r->lora,
-                                         r->medium, r->extra, r->group)
-                      : r->tag == T_REMOVE ? PyTuple_Pack(4, TAGS[1], r->hashes, r->medium, r->group)
-                                           : Py_NewRef(CLEAR_RECORD);
+        PyObject *hs = NULL, *tk = NULL, *parent = NULL, *t = NULL;
+        if (r->vals) { /* a copied record: lists of new ints with the values read */
+            hs = vals_list(r->vals, r->nh);
+            tk = r->tag == T_STORE ? vals_list(r->vals + r->nh, r->nt) : Py_NewRef(Py_None);
+            parent = r->has_parent ? intv_object(r->pv) : Py_NewRef(Py_None);
+        } else {
+            hs = Py_XNewRef(r->hashes);
+            tk = Py_XNewRef(r->tokens);
+            parent = Py_XNewRef(r->parent);
+        }
+        if (r->tag == T_STORE)
+            t = hs && tk && parent ? PyTuple_Pack(8, TAGS[0], hs, parent, tk, r->lora, r->medium,
+                                                  r->extra, r->group)
+                                   : NULL;
+        else if (r->tag == T_REMOVE)
+            t = hs ? PyTuple_Pack(4, TAGS[1], hs, r->medium, r->group) : NULL;
+        else
+            t = Py_NewRef(CLEAR_RECORD);
+        Py_XDECREF(hs);
+        Py_XDECREF(tk);
+        Py_XDECREF(parent);
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }
@@ -1215,7 +1318,15 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     i64 native = 0, gil = 0, sent = 0, failed = 0, bad = 0, skipped = 0, beats = 0;
     int last_kind = -1; /* the kind of the last item put on the wire or left as a gap */
     int bad_or_skip = 0;
-    for (int i = 0; i < n; i++) encode_item(s, &items[i], ts, &have_gil, &native, &gil);
+    for (int i = 0; i < n; i++) {
+        encode_item(s, &items[i], ts, &have_gil, &native, &gil);
+        /* Copied values are freed here, by the thread that read them last. */
+        CBatch *b = items[i].batch;
+        for (size_t k = 0; b && k < b->n; k++) {
+            free(b->recs[k].vals);
+            b->recs[k].vals = NULL;
+        }
+    }
     if (have_gil) {
         /* Release what is done while holding it anyway. */
         pthread_mutex_lock(&s->mu);
@@ -2222,11 +2333,14 @@ static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_
         }
         c->stored_blocks += n;
     }
+    /* Lists and tuples (not what capture() snapshots) are read now, while hot. */
+    int copy = exact_seq(hs) && exact_seq(toks);
     if (collector_capture(c, &hs, S_block_hashes) < 0 ||
         collector_capture(c, &toks, S_token_ids) < 0)
         goto fail;
     Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
              Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
+    if (copy) rec_copy(&r);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 fail:
@@ -2245,9 +2359,11 @@ static PyObject *collector_removed(Collector *c, PyObject *const *args, Py_ssize
     if (n < 0) return NULL;
     if (!n) Py_RETURN_NONE;
     PyObject *hs = Py_NewRef(a[0]);
+    int copy = exact_seq(hs);
     if (collector_capture(c, &hs, S_block_hashes) < 0) return NULL;
     Rec r = {.tag = T_REMOVE, .hashes = hs, .medium = Py_NewRef(a[1] ? a[1] : S_GPU),
              .group = Py_NewRef(a[2] ? a[2] : Py_None)};
+    if (copy) rec_copy(&r);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 }

@@ -341,12 +341,31 @@ def test_numpy_scalars_in_lists_are_converted() -> None:
 def test_lists_changed_before_encoding_are_detected() -> None:
     cap = Capture()
     col = EventCollector(cap, 2)
-    tokens = [1, 2]
+    tokens = [np.int32(1), 2]  # not all exact ints: kept by reference
     col.stored([7], None, tokens)
     col.flush()
     tokens.append(3)  # the engine kept writing to the list it passed
     with pytest.raises(ValueError, match="changed"):
         cap.only().encode("map")
+
+
+def test_lists_of_ints_are_read_during_the_call() -> None:
+    cap = Capture()
+    col = EventCollector(cap, 2)
+    hashes, tokens, gone = [2**64 - 1, -5], [1, 2, 3, -(2**63)], [9, 2**63]
+    refs = [sys.getrefcount(x) for x in (hashes, tokens, gone)]
+    col.stored(hashes, -7, tokens)
+    col.removed(gone)
+    # The collector holds no reference to the lists: the engine frees them itself.
+    assert [sys.getrefcount(x) for x in (hashes, tokens, gone)] == refs
+    hashes[0] = 1
+    tokens.append(4)
+    gone.clear()
+    col.flush()
+    assert cap.only().to_batch().events == [
+        BlockStored([2**64 - 1, 2**64 - 5], 2**64 - 7, [1, 2, 3, -(2**63)], 2, None, "GPU", None),
+        BlockRemoved([9, 2**63], "GPU", None),
+    ]
 
 
 def test_arrays_are_copied_at_the_call() -> None:
