@@ -2109,8 +2109,9 @@ static PyTypeObject EnginePublishType = {
 /* --- the collector's hooks -------------------------------------------------------------
  *
  * EventCollector's engine-thread hooks, creating no Python object per call for lists and
- * tuples: stored()/removed()/cleared() append C records holding strong references to what
- * the engine passed (the contract: lists not changed after the call), and flush() hands
+ * tuples: stored()/removed()/cleared() append C records holding the values of lists and
+ * tuples of exact ints (read during the call: rec_copy), else strong references to what the
+ * engine passed (the contract: those lists not changed after the call), and flush() hands
  * them to the publisher's Sender as a C batch, queued like publish() queues one. Other
  * inputs go through the Python `capture` callable (arrays copied, CUDA copies queued);
  * with any other publisher, flush() builds a CollectedBatch and calls its publish(). */

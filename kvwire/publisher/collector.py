@@ -1,15 +1,17 @@
 """The hooks a KV cache manager calls: collect one iteration's changes, publish one batch.
 
-Everything on the engine thread is a reference or a cheap copy. Lists and
-tuples are kept by reference, as engines pass fresh ones (slices, new lists of
-hashes): they must not be changed after the call. Numpy arrays and CPU tensors
+Everything on the engine thread is a cheap copy or a reference. Lists and
+tuples of exact ints are read during the call into C memory (no reference is
+kept: the engine frees its lists itself, and another core never touches them);
+other lists and tuples are kept by reference and must not be changed after the
+call. Numpy arrays and CPU tensors
 are copied (engines reuse buffers), CUDA tensors copied into pinned host memory
 without waiting (a CUDA event marks when the copy is done). Conversion,
 coalescing and msgpack encoding happen later, on the publisher's sender thread.
 
 The hooks themselves are C (``Collector`` in :mod:`kvwire.publisher._sender`):
 for lists and tuples a call creates no Python object, it appends a record
-holding references to what it was passed to C memory. With an
+to C memory holding their values (or, for what is not exact ints, references). With an
 :class:`~kvwire.publisher.EventPublisher`, ``flush()`` queues those records on
 its native sender as they are; with any other publisher it builds a
 :class:`CollectedBatch` and calls ``publish()``.
