@@ -155,9 +155,10 @@ typedef struct {
 typedef struct Rec {
     long tag;
     PyObject *hashes, *parent, *tokens, *lora, *medium, *extra, *group;
-    IntV *vals; /* nh hashes then nt token ids, as read (not yet in the hashes' wire form) */
+    u64 *vals;  /* nh hashes (modulo 2**64: their wire form is set at encoding), then nt token
+                 * ids as uint32 (rec_tokens) */
     size_t nh, nt;
-    IntV pv;    /* the parent's value, when has_parent */
+    u64 pv;     /* the parent (modulo 2**64), when has_parent */
     int has_parent;
 } Rec;
 
@@ -360,20 +361,39 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
-/* The values of a list or tuple of exact ints in range into v; 0, or -1 (one is not). */
-static int read_seq(PyObject *seq, IntV *v) {
+/* A list or tuple of exact hashes in range, modulo 2**64, into v; 0, or -1 (one is not). */
+static int read_hashes(PyObject *seq, u64 *v) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (read_int(items[i], &v[i]) < 0) return -1;
+    IntV x;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (read_int(items[i], &x) < 0) return -1;
+        v[i] = x.bits;
+    }
     return 0;
 }
+
+/* A list or tuple of exact token ids in [0, 2**32) into v; 0, or -1 (one is not). */
+static int read_tokens(PyObject *seq, uint32_t *v) {
+    Py_ssize_t n = seq_len(seq);
+    PyObject **items = seq_items(seq);
+    IntV x;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (read_int(items[i], &x) < 0 || x.neg || x.bits > UINT32_MAX) return -1;
+        v[i] = (uint32_t)x.bits;
+    }
+    return 0;
+}
+
+static inline const uint32_t *rec_tokens(const Rec *r) { return (const uint32_t *)(r->vals + r->nh); }
 
 static inline int exact_seq(PyObject *o) { return PyList_CheckExact(o) || PyTuple_CheckExact(o); }
 
 /* Copy a record's hashes, token ids and parent into r->vals and drop those references,
- * when they are lists or tuples of exact ints in range (and the parent None or one);
- * otherwise (or out of memory) leave the record holding its references. */
+ * when they are lists or tuples of exact ints in range (hashes and the parent within
+ * [-2**63, 2**64), token ids within [0, 2**32)); otherwise (or out of memory) leave the
+ * record holding its references. Hashes need only their value modulo 2**64: both wire
+ * forms, and Python's _hash_int, are functions of it. */
 static void rec_copy(Rec *r) {
     PyObject *hs = r->hashes, *tk = r->tokens;
     if (!exact_seq(hs) || (tk && !exact_seq(tk))) return;
@@ -381,16 +401,16 @@ static void rec_copy(Rec *r) {
     int has_parent = r->tag == T_STORE && r->parent != Py_None;
     if (has_parent && read_int(r->parent, &pv) < 0) return;
     size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
-    IntV *v = malloc((nh + nt ? nh + nt : 1) * sizeof(IntV));
+    u64 *v = malloc(nh * sizeof(u64) + nt * sizeof(uint32_t) + 1);
     if (!v) return;
-    if (read_seq(hs, v) < 0 || (tk && read_seq(tk, v + nh) < 0)) {
+    if (read_hashes(hs, v) < 0 || (tk && read_tokens(tk, (uint32_t *)(v + nh)) < 0)) {
         free(v);
         return;
     }
     r->vals = v;
     r->nh = nh;
     r->nt = nt;
-    r->pv = pv;
+    r->pv = pv.bits;
     r->has_parent = has_parent;
     Py_CLEAR(r->hashes);
     Py_CLEAR(r->tokens);
@@ -405,8 +425,8 @@ static inline int rec_has_parent(const Rec *r) {
 
 /* A store record's parent (rec_has_parent), as read. */
 static inline IntV rec_parent(const Rec *r) {
-    IntV v;
-    if (r->vals) return r->pv;
+    IntV v = {r->pv, 0};
+    if (r->vals) return v;
     read_int(r->parent, &v);
     return v;
 }
@@ -472,13 +492,15 @@ static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int 
     return p;
 }
 
-/* Copied values (in range: read by read_int). */
-static unsigned char *put_vals(unsigned char *p, const IntV *v, size_t n, int hashes,
-                               int hash_signed) {
-    for (size_t i = 0; i < n; i++) {
-        IntV x = hashes ? hash_form(v[i], hash_signed) : v[i];
-        p = kvw_put_int(p, x.bits, x.neg);
-    }
+/* Copied hashes, in the wire's form. */
+static unsigned char *put_hash_vals(unsigned char *p, const u64 *v, size_t n, int hash_signed) {
+    for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], hash_signed && (i64)v[i] < 0);
+    return p;
+}
+
+/* Copied token ids. */
+static unsigned char *put_token_vals(unsigned char *p, const uint32_t *v, size_t n) {
+    for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], 0);
     return p;
 }
 
@@ -507,7 +529,7 @@ static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
 /* The last hash of a store record, in the wire's form. */
 static IntV last_hash(const Rec *r, int hash_signed) {
     IntV v;
-    if (r->vals) v = r->vals[r->nh - 1];
+    if (r->vals) v = (IntV){r->vals[r->nh - 1], 0};
     else read_int(seq_items(r->hashes)[seq_len(r->hashes) - 1], &v);
     return hash_form(v, hash_signed);
 }
@@ -548,8 +570,8 @@ static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_
     for (size_t k = i; k < end && p; k++) {
         const Rec *r = &recs[k];
         if (r->vals)
-            p = tokens ? put_vals(p, r->vals + r->nh, r->nt, 0, 0)
-                       : put_vals(p, r->vals, r->nh, 1, hash_signed);
+            p = tokens ? put_token_vals(p, rec_tokens(r), r->nt)
+                       : put_hash_vals(p, r->vals, r->nh, hash_signed);
         else
             p = tokens ? put_ints(p, r->tokens, 0, 0) : put_ints(p, r->hashes, 1, hash_signed);
     }
@@ -683,16 +705,12 @@ static PyObject *TAGS[3], *CLEAR_RECORD; /* 0, 1, 2 and (2,) */
 
 /* The records in CollectedBatch.records' layout (a new list of tuples), or NULL with an
  * error set. */
-static PyObject *intv_object(IntV v) {
-    return v.neg ? PyLong_FromLongLong((long long)(i64)v.bits)
-                 : PyLong_FromUnsignedLongLong((unsigned long long)v.bits);
-}
-
-/* A new list of copied values' ints, or NULL with an error set. */
-static PyObject *vals_list(const IntV *v, size_t n) {
+/* A new list of copied hashes (tokens NULL) or token ids, or NULL with an error set. */
+static PyObject *vals_list(const u64 *hashes, const uint32_t *tokens, size_t n) {
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *x = intv_object(v[i]);
+        PyObject *x = tokens ? PyLong_FromUnsignedLong(tokens[i])
+                             : PyLong_FromUnsignedLongLong(hashes[i]);
         if (!x) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, x);
     }
@@ -705,9 +723,9 @@ static PyObject *records_list(const Rec *recs, size_t n) {
         const Rec *r = &recs[i];
         PyObject *hs = NULL, *tk = NULL, *parent = NULL, *t = NULL;
         if (r->vals) { /* a copied record: lists of new ints with the values read */
-            hs = vals_list(r->vals, r->nh);
-            tk = r->tag == T_STORE ? vals_list(r->vals + r->nh, r->nt) : Py_NewRef(Py_None);
-            parent = r->has_parent ? intv_object(r->pv) : Py_NewRef(Py_None);
+            hs = vals_list(r->vals, NULL, r->nh);
+            tk = r->tag == T_STORE ? vals_list(NULL, rec_tokens(r), r->nt) : Py_NewRef(Py_None);
+            parent = r->has_parent ? PyLong_FromUnsignedLongLong(r->pv) : Py_NewRef(Py_None);
         } else {
             hs = Py_XNewRef(r->hashes);
             tk = Py_XNewRef(r->tokens);

@@ -352,7 +352,7 @@ def test_lists_changed_before_encoding_are_detected() -> None:
 def test_lists_of_ints_are_read_during_the_call() -> None:
     cap = Capture()
     col = EventCollector(cap, 2)
-    hashes, tokens, gone = [2**64 - 1, -5], [1, 2, 3, -(2**63)], [9, 2**63]
+    hashes, tokens, gone = [2**64 - 1, -5], [1, 2, 3, 2**32 - 1], [9, 2**63]
     refs = [sys.getrefcount(x) for x in (hashes, tokens, gone)]
     col.stored(hashes, -7, tokens)
     col.removed(gone)
@@ -363,9 +363,20 @@ def test_lists_of_ints_are_read_during_the_call() -> None:
     gone.clear()
     col.flush()
     assert cap.only().to_batch().events == [
-        BlockStored([2**64 - 1, 2**64 - 5], 2**64 - 7, [1, 2, 3, -(2**63)], 2, None, "GPU", None),
+        BlockStored([2**64 - 1, 2**64 - 5], 2**64 - 7, [1, 2, 3, 2**32 - 1], 2, None, "GPU", None),
         BlockRemoved([9, 2**63], "GPU", None),
     ]
+
+
+def test_token_ids_outside_32_bits_are_kept_by_reference() -> None:
+    cap = Capture()
+    col = EventCollector(cap, 2)
+    tokens = [-1, 2**32]
+    before = sys.getrefcount(tokens)
+    col.stored([5], None, tokens)
+    assert sys.getrefcount(tokens) == before + 1
+    col.flush()
+    assert cap.only().to_batch().events == [BlockStored([5], None, [-1, 2**32], 2, None, "GPU", None)]
 
 
 def test_arrays_are_copied_at_the_call() -> None:
