@@ -361,6 +361,15 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
+/* A list or tuple of exact ints in range into v; 0, or -1 (one is not). */
+static int read_seq(PyObject *seq, IntV *v) {
+    Py_ssize_t n = seq_len(seq);
+    PyObject **items = seq_items(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (read_int(items[i], &v[i]) < 0) return -1;
+    return 0;
+}
+
 /* A list or tuple of exact hashes in range, modulo 2**64, into v; 0, or -1 (one is not). */
 static int read_hashes(PyObject *seq, u64 *v) {
     Py_ssize_t n = seq_len(seq);
@@ -845,10 +854,18 @@ typedef struct {
 
 static PyTypeObject EngineFormatType;
 
-/* One queued engine batch: each event's layout and its field values (strong). */
+/* A field value that was a list of exact ints: n copied ints from `off` in the batch's
+ * ints (n -1: the value is held by reference). */
+typedef struct EList {
+    Py_ssize_t n, off;
+} EList;
+
+/* One queued engine batch: each event's layout and its field values (strong; NULL where
+ * the value is a copied list). */
 typedef struct EEvent {
     const EvLayout *lay;
     PyObject **vals;
+    const EList *lists;
 } EEvent;
 
 typedef struct EBatch {
@@ -859,10 +876,15 @@ typedef struct EBatch {
     size_t n, nvals;
     EEvent *ev;          /* n events, then */
     PyObject **vals;     /* every field value, in event order (one allocation with the batch) */
+    EList *lists;        /* per value, the same */
+    IntV *ints;          /* the copied lists' ints (freed by the sender once encoded) */
+    int native;          /* every value is one the native encoder writes: Python never needs
+                          * the batch object */
 } EBatch;
 
 static void ebatch_free(EBatch *b) {
     if (!b) return;
+    free(b->ints);
     for (size_t i = 0; i < b->nvals; i++) Py_XDECREF(b->vals[i]);
     Py_XDECREF(b->rank);
     Py_XDECREF((PyObject *)b->fmt);
@@ -871,8 +893,11 @@ static void ebatch_free(EBatch *b) {
 
 static inline PyObject *slot(PyObject *o, Py_ssize_t off) { return *(PyObject **)((char *)o + off); }
 
-/* The engine batch's fields as read on the engine thread (new references), or NULL (no
- * error set) when msgspec is to encode it. */
+static Py_ssize_t value_size(PyObject *v);
+
+/* The engine batch's fields as read on the engine thread (new references; lists of exact
+ * ints copied into C memory, so that no reference to them or their ints is kept), or NULL
+ * (no error set) when msgspec is to encode it. */
 static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
     if (Py_TYPE(batch) != f->batch_cls) return NULL;
     PyObject *ts = slot(batch, f->batch_off[0]), *events = slot(batch, f->batch_off[1]),
@@ -880,32 +905,54 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
     if (!ts || !events || !rank || !PyFloat_CheckExact(ts) || !PyList_CheckExact(events))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(events);
-    size_t nvals = 0;
+    size_t nvals = 0, nints = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyTypeObject *t = Py_TYPE(PyList_GET_ITEM(events, i));
+        PyObject *e = PyList_GET_ITEM(events, i);
         int k = 0;
-        while (k < f->nev && f->ev[k].cls != t) k++;
+        while (k < f->nev && f->ev[k].cls != Py_TYPE(e)) k++;
         if (k == f->nev) return NULL; /* an unknown class or a subclass */
-        nvals += (size_t)f->ev[k].nfields;
+        const EvLayout *lay = &f->ev[k];
+        nvals += (size_t)lay->nfields;
+        for (int j = 0; j < lay->nfields; j++) {
+            PyObject *v = slot(e, lay->off[j]);
+            if (v && PyList_CheckExact(v)) nints += (size_t)PyList_GET_SIZE(v);
+        }
     }
-    EBatch *b = malloc(sizeof(EBatch) + (size_t)n * sizeof(EEvent) + nvals * sizeof(PyObject *));
+    EBatch *b = malloc(sizeof(EBatch) + (size_t)n * sizeof(EEvent) +
+                       nvals * (sizeof(PyObject *) + sizeof(EList)));
     if (!b) return NULL;
     *b = (EBatch){.fmt = (EngineFormat *)Py_NewRef((PyObject *)f), .ts = PyFloat_AS_DOUBLE(ts),
-                  .rank = Py_NewRef(rank)};
+                  .rank = Py_NewRef(rank), .native = value_size(rank) >= 0};
     b->ev = (EEvent *)(b + 1);
     b->vals = (PyObject **)(b->ev + n);
+    b->lists = (EList *)(b->vals + nvals);
+    if (!(b->ints = malloc(nints * sizeof(IntV) + 1))) {
+        ebatch_free(b);
+        return NULL;
+    }
+    Py_ssize_t used = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(events, i);
         int k = 0;
         while (f->ev[k].cls != Py_TYPE(e)) k++;
         const EvLayout *lay = &f->ev[k];
-        b->ev[b->n++] = (EEvent){lay, b->vals + b->nvals};
+        b->ev[b->n++] = (EEvent){lay, b->vals + b->nvals, b->lists + b->nvals};
         for (int j = 0; j < lay->nfields; j++) {
             PyObject *v = slot(e, lay->off[j]);
             if (!v) { /* an unset field: msgspec says what is wrong */
                 ebatch_free(b);
                 return NULL;
             }
+            EList *l = &b->lists[b->nvals];
+            *l = (EList){-1, 0};
+            if (PyList_CheckExact(v) && read_seq(v, b->ints + used) == 0) {
+                *l = (EList){PyList_GET_SIZE(v), used};
+                used += l->n;
+                b->vals[b->nvals++] = NULL;
+                continue;
+            }
+            /* a list held by reference holds something else than exact ints in range */
+            if (PyList_CheckExact(v) || value_size(v) < 0) b->native = 0;
             b->vals[b->nvals++] = Py_NewRef(v);
         }
     }
@@ -922,6 +969,16 @@ static Py_ssize_t value_size(PyObject *v) {
     if (PyUnicode_CheckExact(v)) return read_str(v, &s, &n) < 0 ? -1 : n + 5;
     if (PyList_CheckExact(v)) return 5 + 9 * seq_len(v); /* its ints checked as written */
     return -1;
+}
+
+static unsigned char *put_value(unsigned char *p, PyObject *v);
+
+/* An engine batch's value: a copied list (v NULL) or an object. */
+static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l, const IntV *ints) {
+    if (v) return put_value(p, v);
+    p = kvw_put_array_header(p, (size_t)l->n);
+    for (Py_ssize_t i = 0; i < l->n; i++) p = put_intv(p, ints[l->off + i]);
+    return p;
 }
 
 static unsigned char *put_value(unsigned char *p, PyObject *v) {
@@ -951,7 +1008,8 @@ static Buf *encode_engine(const EBatch *b) {
         const EvLayout *lay = b->ev[i].lay;
         size += 16 + (size_t)PyUnicode_GET_LENGTH(lay->tag_field) + (size_t)PyUnicode_GET_LENGTH(lay->tag);
         for (int j = 0; j < lay->nfields; j++) {
-            Py_ssize_t vs = value_size(b->ev[i].vals[j]);
+            PyObject *v = b->ev[i].vals[j];
+            Py_ssize_t vs = v ? value_size(v) : 5 + 9 * b->ev[i].lists[j].n;
             if (vs < 0) return NULL;
             size += (size_t)vs + 5 + (size_t)PyUnicode_GET_LENGTH(lay->key[j]);
         }
@@ -977,7 +1035,7 @@ static Buf *encode_engine(const EBatch *b) {
         for (int j = 0; j < lay->nfields && p; j++) {
             if (lay->omit_none[j] && vals[j] == Py_None) continue;
             p = put_key(p, lay->key[j]);
-            p = put_value(p, vals[j]);
+            p = put_field(p, vals[j], &b->ev[i].lists[j], b->ints);
         }
     }
     if (!p) { /* an int only msgspec encodes (or refuses) */
@@ -1291,7 +1349,8 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     (*gil)++;
     /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch;
      * an engine's batch goes to Python wrapped as its format says (msgspec's encoding). */
-    PyObject *obj = it->engine   ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
+    PyObject *obj = it->engine   ? (it->obj ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
+                                            : NULL) /* native: out of memory */
                     : it->obj    ? Py_NewRef(it->obj)
                     : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch, NULL)
                                     : NULL;
@@ -1343,6 +1402,10 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         for (size_t k = 0; b && k < b->n; k++) {
             free(b->recs[k].vals);
             b->recs[k].vals = NULL;
+        }
+        if (items[i].engine) {
+            free(items[i].engine->ints);
+            items[i].engine->ints = NULL;
         }
     }
     if (have_gil) {
@@ -1702,7 +1765,7 @@ static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssiz
     }
     EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0]);
     if (!eb) Py_RETURN_NONE;
-    Item it = {.kind = K_ENGINE, .obj = Py_NewRef(args[0]), .engine = eb};
+    Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(args[0]), .engine = eb};
     return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
@@ -2048,7 +2111,8 @@ static PyObject *engine_publish_call(EnginePublish *p, PyObject *const *args, si
     if (cur == Py_None && PyObject_SetAttr(batch, p->rank_field, p->rank) < 0) return NULL;
     EBatch *eb = ebatch_read(p->fmt, batch);
     if (eb) {
-        Item it = {.kind = K_ENGINE, .obj = Py_NewRef(batch), .engine = eb};
+        /* A batch of native values is not kept: the engine frees it, its lists and ints. */
+        Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(batch), .engine = eb};
         sender_enqueue(p->sender, &it);
         Py_RETURN_NONE;
     }
