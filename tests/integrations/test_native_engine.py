@@ -6,6 +6,7 @@ native encoder's where it takes the batch, msgspec's (under the GIL) where not.
 
 from __future__ import annotations
 
+import sys
 import time
 import types
 from typing import Any
@@ -255,3 +256,37 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
     finally:
         sub.close()
         pub.shutdown()
+
+
+def test_plain_batches_are_read_during_publish(
+    vllm_session: Engine, ipc_dir: str, zctx: zmq.Context[Any]
+) -> None:
+    """The plugin keeps no reference to a plain batch, its lists or their ints (the engine
+    frees them itself): changing them after publish() changes nothing that is sent."""
+    kv = vllm_session.kv_events
+    endpoint = f"ipc://{ipc_dir}/copied"
+    pub = _publisher(kv, VllmEventPublisher, endpoint)
+    sub = subscribe(zctx, endpoint)
+    try:
+        deadline = time.monotonic() + 20
+        while not sub.poll(0):  # pings until the subscription is through
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            pub.publish(_plain_batch(kv, 0))
+            sub.poll(20)
+        while sub.poll(200):
+            sub.recv_multipart()
+        first = int(pub.publisher._sender.stats()["last_seq"]) + 1
+        batch = _plain_batch(kv, 1)
+        batch.data_parallel_rank = pub.rank
+        expected = ENCODER.encode(batch)
+        tokens = batch.events[0].token_ids
+        refs = sys.getrefcount(batch), sys.getrefcount(tokens)
+        pub.publish(batch)
+        assert (sys.getrefcount(batch), sys.getrefcount(tokens)) == refs
+        tokens[0] = 99
+        batch.events[1].block_hashes.append(5)
+        (msg,) = receive(sub, 1, first)
+        assert msg[2] == expected
+    finally:
+        pub.shutdown()
+        sub.close(linger=0)

@@ -376,7 +376,9 @@ def test_token_ids_outside_32_bits_are_kept_by_reference() -> None:
     col.stored([5], None, tokens)
     assert sys.getrefcount(tokens) == before + 1
     col.flush()
-    assert cap.only().to_batch().events == [BlockStored([5], None, [-1, 2**32], 2, None, "GPU", None)]
+    assert cap.only().to_batch().events == [
+        BlockStored([5], None, [-1, 2**32], 2, None, "GPU", None)
+    ]
 
 
 def test_arrays_are_copied_at_the_call() -> None:
