@@ -361,13 +361,22 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
-/* A list or tuple of exact ints in range into v; 0, or -1 (one is not). */
-static int read_seq(PyObject *seq, IntV *v) {
+/* A list of exact ints in range into v as their 64 bits, *neg set when one is negative;
+ * 0, or -1 when one is not such an int or the list mixes negative ints with ints above
+ * 2**63 - 1 (the bits then do not say which is which). */
+static int read_list_bits(PyObject *seq, u64 *v, int *neg) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (read_int(items[i], &v[i]) < 0) return -1;
-    return 0;
+    int any_neg = 0, any_big = 0;
+    IntV x;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (read_int(items[i], &x) < 0) return -1;
+        any_neg |= x.neg;
+        any_big |= !x.neg && (i64)x.bits < 0;
+        v[i] = x.bits;
+    }
+    *neg = any_neg;
+    return any_neg && any_big ? -1 : 0;
 }
 
 /* A list or tuple of exact hashes in range, modulo 2**64, into v; 0, or -1 (one is not). */
@@ -855,9 +864,11 @@ typedef struct {
 static PyTypeObject EngineFormatType;
 
 /* A field value that was a list of exact ints: n copied ints from `off` in the batch's
- * ints (n -1: the value is held by reference). */
+ * ints, as their 64 bits; `neg`: the list has negative ints (then none above 2**63 - 1),
+ * written as such (n -1: the value is held by reference). */
 typedef struct EList {
     Py_ssize_t n, off;
+    int neg;
 } EList;
 
 /* One queued engine batch: each event's layout and its field values (strong; NULL where
@@ -877,7 +888,7 @@ typedef struct EBatch {
     EEvent *ev;          /* n events, then */
     PyObject **vals;     /* every field value, in event order (one allocation with the batch) */
     EList *lists;        /* per value, the same */
-    IntV *ints;          /* the copied lists' ints (freed by the sender once encoded) */
+    u64 *ints;           /* the copied lists' ints (freed by the sender once encoded) */
     int native;          /* every value is one the native encoder writes: Python never needs
                           * the batch object */
 } EBatch;
@@ -926,7 +937,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
     b->ev = (EEvent *)(b + 1);
     b->vals = (PyObject **)(b->ev + n);
     b->lists = (EList *)(b->vals + nvals);
-    if (!(b->ints = malloc(nints * sizeof(IntV) + 1))) {
+    if (!(b->ints = malloc(nints * sizeof(u64) + 1))) {
         ebatch_free(b);
         return NULL;
     }
@@ -944,9 +955,10 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
                 return NULL;
             }
             EList *l = &b->lists[b->nvals];
-            *l = (EList){-1, 0};
-            if (PyList_CheckExact(v) && read_seq(v, b->ints + used) == 0) {
-                *l = (EList){PyList_GET_SIZE(v), used};
+            *l = (EList){-1, 0, 0};
+            if (PyList_CheckExact(v) && read_list_bits(v, b->ints + used, &l->neg) == 0) {
+                l->n = PyList_GET_SIZE(v);
+                l->off = used;
                 used += l->n;
                 b->vals[b->nvals++] = NULL;
                 continue;
@@ -974,10 +986,13 @@ static Py_ssize_t value_size(PyObject *v) {
 static unsigned char *put_value(unsigned char *p, PyObject *v);
 
 /* An engine batch's value: a copied list (v NULL) or an object. */
-static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l, const IntV *ints) {
+static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l, const u64 *ints) {
     if (v) return put_value(p, v);
     p = kvw_put_array_header(p, (size_t)l->n);
-    for (Py_ssize_t i = 0; i < l->n; i++) p = put_intv(p, ints[l->off + i]);
+    for (Py_ssize_t i = 0; i < l->n; i++) {
+        u64 x = ints[l->off + i];
+        p = kvw_put_int(p, x, l->neg && (i64)x < 0);
+    }
     return p;
 }
 
