@@ -863,12 +863,13 @@ typedef struct {
 
 static PyTypeObject EngineFormatType;
 
-/* A field value that was a list of exact ints: n copied ints from `off` in the batch's
- * ints, as their 64 bits; `neg`: the list has negative ints (then none above 2**63 - 1),
- * written as such (n -1: the value is held by reference). */
+/* A field value that was a list of exact ints: n copied ints from byte `off` of the
+ * batch's ints, as uint32 (`narrow`: all within [0, 2**32), token ids) or as their 64 bits;
+ * `neg`: the list has negative ints (then none above 2**63 - 1), written as such (n -1:
+ * the value is held by reference). */
 typedef struct EList {
     Py_ssize_t n, off;
-    int neg;
+    int neg, narrow;
 } EList;
 
 /* One queued engine batch: each event's layout and its field values (strong; NULL where
@@ -888,7 +889,7 @@ typedef struct EBatch {
     EEvent *ev;          /* n events, then */
     PyObject **vals;     /* every field value, in event order (one allocation with the batch) */
     EList *lists;        /* per value, the same */
-    u64 *ints;           /* the copied lists' ints (freed by the sender once encoded) */
+    unsigned char *ints; /* the copied lists' ints (freed by the sender once encoded) */
     int native;          /* every value is one the native encoder writes: Python never needs
                           * the batch object */
 } EBatch;
@@ -955,11 +956,14 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
                 return NULL;
             }
             EList *l = &b->lists[b->nvals];
-            *l = (EList){-1, 0, 0};
-            if (PyList_CheckExact(v) && read_list_bits(v, b->ints + used, &l->neg) == 0) {
-                l->n = PyList_GET_SIZE(v);
+            *l = (EList){-1, 0, 0, 0};
+            Py_ssize_t len = PyList_CheckExact(v) ? PyList_GET_SIZE(v) : -1;
+            if (len >= 0 && (read_tokens(v, (uint32_t *)(b->ints + used)) == 0
+                                 ? (l->narrow = 1)
+                                 : read_list_bits(v, (u64 *)(b->ints + used), &l->neg) == 0)) {
+                l->n = len;
                 l->off = used;
-                used += l->n;
+                used += l->narrow ? (len * 4 + 7) & ~(Py_ssize_t)7 : len * 8;
                 b->vals[b->nvals++] = NULL;
                 continue;
             }
@@ -986,13 +990,13 @@ static Py_ssize_t value_size(PyObject *v) {
 static unsigned char *put_value(unsigned char *p, PyObject *v);
 
 /* An engine batch's value: a copied list (v NULL) or an object. */
-static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l, const u64 *ints) {
+static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l,
+                                const unsigned char *ints) {
     if (v) return put_value(p, v);
     p = kvw_put_array_header(p, (size_t)l->n);
-    for (Py_ssize_t i = 0; i < l->n; i++) {
-        u64 x = ints[l->off + i];
-        p = kvw_put_int(p, x, l->neg && (i64)x < 0);
-    }
+    if (l->narrow) return put_token_vals(p, (const uint32_t *)(ints + l->off), (size_t)l->n);
+    const u64 *x = (const u64 *)(ints + l->off);
+    for (Py_ssize_t i = 0; i < l->n; i++) p = kvw_put_int(p, x[i], l->neg && (i64)x[i] < 0);
     return p;
 }
 
