@@ -361,10 +361,10 @@ static inline PyObject **seq_items(PyObject *o) {
     return PyList_CheckExact(o) ? ((PyListObject *)o)->ob_item : ((PyTupleObject *)o)->ob_item;
 }
 
-/* A list of exact ints in range into v as their 64 bits, *neg set when one is negative;
- * 0, or -1 when one is not such an int or the list mixes negative ints with ints above
- * 2**63 - 1 (the bits then do not say which is which). */
-static int read_list_bits(PyObject *seq, u64 *v, int *neg) {
+/* A list or tuple of exact ints in range into v as their values modulo 2**64; 0, or -1
+ * (one is not such an int). *neg: one is negative; *mixed: negative ints and ints above
+ * 2**63 - 1 both (their bits then do not say which is which). */
+static int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
     int any_neg = 0, any_big = 0;
@@ -376,18 +376,7 @@ static int read_list_bits(PyObject *seq, u64 *v, int *neg) {
         v[i] = x.bits;
     }
     *neg = any_neg;
-    return any_neg && any_big ? -1 : 0;
-}
-
-/* A list or tuple of exact hashes in range, modulo 2**64, into v; 0, or -1 (one is not). */
-static int read_hashes(PyObject *seq, u64 *v) {
-    Py_ssize_t n = seq_len(seq);
-    PyObject **items = seq_items(seq);
-    IntV x;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (read_int(items[i], &x) < 0) return -1;
-        v[i] = x.bits;
-    }
+    *mixed = any_neg && any_big;
     return 0;
 }
 
@@ -421,7 +410,8 @@ static void rec_copy(Rec *r) {
     size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
     u64 *v = malloc(nh * sizeof(u64) + nt * sizeof(uint32_t) + 1);
     if (!v) return;
-    if (read_hashes(hs, v) < 0 || (tk && read_tokens(tk, (uint32_t *)(v + nh)) < 0)) {
+    int neg, mixed; /* (a hash's wire form needs only its bits) */
+    if (read_bits(hs, v, &neg, &mixed) < 0 || (tk && read_tokens(tk, (uint32_t *)(v + nh)) < 0)) {
         free(v);
         return;
     }
@@ -943,6 +933,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
         return NULL;
     }
     Py_ssize_t used = 0;
+    int mixed;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(events, i);
         int k = 0;
@@ -960,7 +951,8 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
             Py_ssize_t len = PyList_CheckExact(v) ? PyList_GET_SIZE(v) : -1;
             if (len >= 0 && (read_tokens(v, (uint32_t *)(b->ints + used)) == 0
                                  ? (l->narrow = 1)
-                                 : read_list_bits(v, (u64 *)(b->ints + used), &l->neg) == 0)) {
+                                 : read_bits(v, (u64 *)(b->ints + used), &l->neg, &mixed) == 0 &&
+                                       !mixed)) {
                 l->n = len;
                 l->off = used;
                 used += l->narrow ? (len * 4 + 7) & ~(Py_ssize_t)7 : len * 8;
