@@ -182,6 +182,18 @@ def _publisher(kv: Any, cls: type[EngineEventPublisher], endpoint: str) -> Any:
     )
 
 
+def _join(kv: Any, pub: Any, sub: Any) -> int:
+    """Ping until the subscription is through, drain; the seq the next batch gets."""
+    deadline = time.monotonic() + 20
+    while not sub.poll(0):
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        pub.publish(_plain_batch(kv, 0))
+        sub.poll(20)
+    while sub.poll(200):
+        sub.recv_multipart()
+    return int(pub.publisher._sender.stats()["last_seq"]) + 1
+
+
 @pytest.mark.parametrize(
     ("name", "cls"), [("vllm", VllmEventPublisher), ("sglang", SglangEventPublisher)]
 )
@@ -200,14 +212,7 @@ def test_plain_batches_never_take_the_gil_on_the_sender(
     sub = subscribe(zctx, endpoint)
     try:
         sender = pub.publisher._sender
-        deadline = time.monotonic() + 20
-        while not sub.poll(0):  # pings until the subscription is through
-            assert time.monotonic() < deadline, "the subscriber never joined"
-            pub.publish(_plain_batch(kv, 0))
-            sub.poll(20)
-        while sub.poll(200):
-            sub.recv_multipart()
-        first = int(sender.stats()["last_seq"]) + 1
+        first = _join(kv, pub, sub)
         before = sender.stats()
         n = 200
         batches = [_plain_batch(kv, i) for i in range(n)]
@@ -268,14 +273,7 @@ def test_plain_batches_are_read_during_publish(
     pub = _publisher(kv, VllmEventPublisher, endpoint)
     sub = subscribe(zctx, endpoint)
     try:
-        deadline = time.monotonic() + 20
-        while not sub.poll(0):  # pings until the subscription is through
-            assert time.monotonic() < deadline, "the subscriber never joined"
-            pub.publish(_plain_batch(kv, 0))
-            sub.poll(20)
-        while sub.poll(200):
-            sub.recv_multipart()
-        first = int(pub.publisher._sender.stats()["last_seq"]) + 1
+        first = _join(kv, pub, sub)
         batch = _plain_batch(kv, 1)
         batch.data_parallel_rank = pub.rank
         expected = ENCODER.encode(batch)

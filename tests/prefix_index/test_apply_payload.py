@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.wire import (
+    DEFAULT_LIMITS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -221,10 +222,24 @@ def test_hostile_payloads_are_refused_or_applied_as_decode_batch_does(
     batches: list[list[Any]], dialect: Any, seed: int
 ) -> None:
     """Damaged payloads: WireError with nothing applied exactly when decode_batch refuses them."""
-    rnd = random.Random(seed)
     limits = DecodeLimits(max_events=3, max_blocks=4, max_block_size=4096, max_tokens=18)
-    ref = PrefixIndex(4)
-    idx, _ = fused_index(4)
+    check_hostile(batches, dialect, seed, 4, limits, [list(range(8))])
+
+
+def check_hostile(
+    batches: list[list[Any]],
+    dialect: Any,
+    seed: int,
+    block_size: int,
+    limits: DecodeLimits,
+    prompts: list[list[int]] | None = None,
+) -> None:
+    """Each batch and two damaged copies, into a reference index by decode_batch + apply
+    and into a fused one by apply_payload: the same refusals and the same index after each
+    (``prompts``: those matched; default, the stored blocks' tokens)."""
+    rnd = random.Random(seed)
+    ref = PrefixIndex(block_size)
+    idx, _ = fused_index(block_size)
     warm = encode_batch(KVEventBatch(0.0, [], 0))
     ref.apply("w", 0, decode_batch(warm))
     idx.apply_payload("w", 0, warm)
@@ -239,7 +254,8 @@ def test_hostile_payloads_are_refused_or_applied_as_decode_batch_does(
             else:
                 ref.apply("w", 0, batch)
                 idx.apply_payload("w", 0, p, limits)
-            assert_same(ref, idx, [list(range(8))])
+            stored = [list(e.token_ids) for e in events if type(e) is BlockStored]
+            assert_same(ref, idx, prompts if prompts is not None else stored)
 
 
 @given(st.binary(max_size=200))
@@ -343,21 +359,4 @@ def test_fused_apply_of_16_token_blocks_of_every_id_width(
 @given(chained_batches(), st.sampled_from(["map", "array"]), st.integers(0, 2**32))
 def test_hostile_16_token_payloads(batches: list[list[Any]], dialect: Any, seed: int) -> None:
     """Damaged payloads of 16-token blocks: refused or applied exactly as decode_batch does."""
-    rnd = random.Random(seed)
-    ref = PrefixIndex(16)
-    idx, _ = fused_index(16)
-    warm = encode_batch(KVEventBatch(0.0, [], 0))
-    ref.apply("w", 0, decode_batch(warm))
-    idx.apply_payload("w", 0, warm)
-    for events in batches:
-        payload = encode_batch(KVEventBatch(0.0, events, 0), dialect=dialect)
-        for p in (payload, mutate(payload, rnd), mutate(payload, rnd)):
-            try:
-                batch = decode_batch(p)
-            except WireError:
-                with pytest.raises(WireError):
-                    idx.apply_payload("w", 0, p)
-            else:
-                ref.apply("w", 0, batch)
-                idx.apply_payload("w", 0, p)
-            assert_same(ref, idx, [list(e.token_ids) for e in events if type(e) is BlockStored])
+    check_hostile(batches, dialect, seed, 16, DEFAULT_LIMITS)
