@@ -2490,10 +2490,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&NamesType) < 0 || PyType_Ready(&MatchesType) < 0) return NULL;
     PyObject *m = PyModule_Create(&coremodule);
     if (!m) return NULL;
-    Py_INCREF(&KeyChainType);
-    Py_INCREF(&IndexType);
-    if (PyModule_AddObject(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
-        PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0 ||
+    if (PyModule_AddObjectRef(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
+        PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0 ||
         PyModule_AddObjectRef(m, "Matches", (PyObject *)&MatchesType) < 0) {
         Py_DECREF(m);
         return NULL;

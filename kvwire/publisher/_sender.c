@@ -2427,14 +2427,12 @@ static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_
         }
         c->stored_blocks += n;
     }
-    /* Lists and tuples (not what capture() snapshots) are read now, while hot. */
-    int copy = exact_seq(hs) && exact_seq(toks);
     if (collector_capture(c, &hs, S_block_hashes) < 0 ||
         collector_capture(c, &toks, S_token_ids) < 0)
         goto fail;
     Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
              Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
-    if (copy) rec_copy(&r);
+    rec_copy(&r); /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 fail:
@@ -2453,11 +2451,10 @@ static PyObject *collector_removed(Collector *c, PyObject *const *args, Py_ssize
     if (n < 0) return NULL;
     if (!n) Py_RETURN_NONE;
     PyObject *hs = Py_NewRef(a[0]);
-    int copy = exact_seq(hs);
     if (collector_capture(c, &hs, S_block_hashes) < 0) return NULL;
     Rec r = {.tag = T_REMOVE, .hashes = hs, .medium = Py_NewRef(a[1] ? a[1] : S_GPU),
              .group = Py_NewRef(a[2] ? a[2] : Py_None)};
-    if (copy) rec_copy(&r);
+    rec_copy(&r);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 }
