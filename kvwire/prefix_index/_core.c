@@ -26,6 +26,7 @@
 typedef uint64_t u64;
 typedef uint32_t u32;
 typedef int32_t i32;
+typedef uint16_t u16;
 
 #define F1 0xFF51AFD7ED558CCDULL
 #define F2 0xC4CEB9FE1A85EC53ULL
@@ -541,17 +542,20 @@ static void table_free(void *p, size_t bytes) {
 }
 
 /* Where a record lives: its home hash hh picks the slot, from its top
- * bits (cap <= 2**61), plus its low 3 bits. A record's own key gives
- * hh = mix(key) with those bits clear; the nodes' table uses a home hash
- * shared by 8 consecutive blocks of a chain with their offsets in it, so a
- * prompt's walk reads a few neighbouring cache lines (and pages) per 8
- * blocks instead of one random line per block. */
+ * bits, plus its low 3 bits. A record's own key gives hh = mix(key) with
+ * all but the top 32 bits clear (so an entry keeps a home hash in 4 bytes;
+ * past 2**32 slots homes would crowd, still correct); the nodes' table uses
+ * a home hash shared by 8 consecutive blocks of a chain with their offsets
+ * in it, so a prompt's walk reads a few neighbouring cache lines (and
+ * pages) per 8 blocks instead of one random line per block. */
 static inline u64 mix64(u64 k) {
     k ^= k >> 31;
     return k * GOLDEN;
 }
 
-static inline u64 own_home(u64 k) { return mix64(k) & ~7ULL; }
+#define HOME_BITS 0xFFFFFFFF00000000ULL
+
+static inline u64 own_home(u64 k) { return mix64(k) & HOME_BITS; }
 
 static inline size_t home_at(u64 hh, int shift, size_t m) {
     return ((size_t)(hh >> shift) + (size_t)(hh & 7)) & m;
@@ -733,14 +737,27 @@ static int t_delete(Table *t, char *r, Occupied occ) {
 /* ------------------------------------------------------------------------ */
 /* Records                                                                   */
 
-/* One engine hash of one rank. Occupied while any count is non-zero. */
+/* One engine hash of one rank, 32 bytes: a probe reads one cache line.
+ * Occupied while any count is non-zero. A count stops at COUNT_MAX stores
+ * (an engine storing one hash that often without removing it is broken
+ * anyway; removals then take it out after COUNT_MAX). */
 typedef struct {
     u64 h;
-    u32 c[3];  /* next to h: a probe reads 20 bytes, in one cache line 3 times in 4 */
-    i32 depth; /* block position; ~position on a detached chain */
+    u16 c[3];
+    i32 depth;  /* block position; ~position on a detached chain */
+    u32 hh_hi;  /* the top half of the key's home hash in the nodes' table */
     u64 key;
-    u64 hh;    /* the key's home hash in the nodes' table */
 } Entry;
+
+#define COUNT_MAX UINT16_MAX
+_Static_assert(sizeof(Entry) == 32, "an entry is half a cache line");
+
+/* The key's home hash: a chain from a root shares its group's (top half
+ * stored) with its offset in the group, its position's low bits; a detached
+ * or unmatchable key has its own (offset 0). */
+static inline u64 entry_hh(const Entry *e) {
+    return ((u64)e->hh_hi << 32) | (e->depth >= 0 ? (u64)(e->depth & 7) : 0);
+}
 
 static int entry_occ(const char *r, size_t rs) {
     const Entry *e = (const Entry *)r;
@@ -822,7 +839,7 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
         return -1;
     }
-    /* Memory is taken for it up front (100-140 B a block a rank): a hint is
+    /* Memory is taken for it up front (90-140 B a block a rank): a hint is
      * an engine's cache size, not a bound to be generous with. */
     if (expected < 0 || expected > ((Py_ssize_t)1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "expected_blocks_per_rank must be in [0, 2**24] (0: no hint)");
@@ -1062,7 +1079,7 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         if (pe) {
             start = pe->key;
             dd = pe->depth;
-            parent_hh = pe->hh;
+            parent_hh = entry_hh(pe);
         } else {
             flags |= ORPHAN;
             start = fmix64(chain->detached_k ^ parent);
@@ -1101,7 +1118,7 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
             continue;
         }
         int64_t pos = d0 + i, a = pos & ~(int64_t)7;
-        hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & ~7ULL)) | (u64)(pos & 7);
+        hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & HOME_BITS)) | (u64)(pos & 7);
     }
     /* Both tables grown for the whole store first, so that the prefetches
      * below stay in the tables the loop probes. */
@@ -1123,14 +1140,14 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         if (added) {
             /* Occupied from here on: the count below is at least one. */
             e->key = keys[i];
-            e->hh = hhs[i];
+            e->hh_hi = (u32)(hhs[i] >> 32);
             e->depth = depth;
             if (depth < 0) rk->detached++;
         }
         int pb = presence(e);
-        if (e->c[tier] != UINT32_MAX) e->c[tier]++;
+        if (e->c[tier] != COUNT_MAX) e->c[tier]++;
         int pa = presence(e);
-        if (pb != pa && node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
+        if (pb != pa && node_update(self, sid, e->key, entry_hh(e), pb, pa) < 0) return -1;
     }
     return flags;
 }
@@ -1202,7 +1219,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
         if (i + NODE_AHEAD < n) {
             /* Its entry, prefetched a while ago, names its node: on its way too. */
             const Entry *f = (const Entry *)t_find(&rk->entries, hashes[i + NODE_AHEAD], entry_occ);
-            if (f) t_prefetch_h(&self->nodes, f->hh);
+            if (f) t_prefetch_h(&self->nodes, entry_hh(f));
         }
         Entry *e = (Entry *)t_find(&rk->entries, hashes[i], entry_occ);
         if (!e || e->c[tier] == 0) {
@@ -1213,7 +1230,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
         e->c[tier]--;
         int pa = presence(e);
         if (pb == pa) continue;
-        if (node_update(self, sid, e->key, e->hh, pb, pa) < 0) return -1;
+        if (node_update(self, sid, e->key, entry_hh(e), pb, pa) < 0) return -1;
         if (!pa) {
             if (e->depth < 0) rk->detached--;
             if (t_delete(&rk->entries, (char *)e, entry_occ) < 0) return -1;
@@ -1248,11 +1265,11 @@ static int clear_core(Index *self, size_t sid) {
         if (j + CLEAR_AHEAD < t->cap) {
             /* The entries are read in order; their nodes are random probes. */
             const Entry *f = (const Entry *)(t->a + (j + CLEAR_AHEAD) * t->rs);
-            if (entry_occ((const char *)f, t->rs)) t_prefetch_h(&self->nodes, f->hh);
+            if (entry_occ((const char *)f, t->rs)) t_prefetch_h(&self->nodes, entry_hh(f));
         }
         const Entry *e = (const Entry *)(t->a + j * t->rs);
         if (!entry_occ((const char *)e, t->rs)) continue;
-        char *r = t_find_h(&self->nodes, e->key, e->hh, node_occ);
+        char *r = t_find_h(&self->nodes, e->key, entry_hh(e), node_occ);
         if (r && node_drop(self, r, sid) < 0) return -1;
     }
     rank_free(rk);
@@ -2306,7 +2323,7 @@ static void event_prefetch(Index *self, Rank *rk, const PEv *ev, int stage, KeyC
         if (!pe || pe->depth < 0) return;
         start = pe->key;
         d0 = (int64_t)pe->depth + 1;
-        hh_group = pe->hh & ~7ULL;
+        hh_group = entry_hh(pe) & HOME_BITS;
     }
     u64 key = chain_step(chain, start, self->ps.p[ev->soff], (u64)d0, 0);
     t_prefetch_h(&self->nodes, (d0 & 7) ? hh_group | (u64)(d0 & 7) : own_home(key));

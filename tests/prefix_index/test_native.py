@@ -97,7 +97,7 @@ def test_tables_past_two_mib_grow_and_shrink_exact() -> None:
         idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
     full = idx.stats()
     assert (full.holders, full.blocks) == (n, n)
-    assert full.memory_bytes > 4 << 20  # 40 B a rank slot and 24 B a node slot, at load <= 0.7
+    assert full.memory_bytes > 4 << 20  # 32 B a rank slot and 24 B a node slot, at load <= 0.7
     assert idx.match(tokens) == {("w", 0): n}
     # All but the first 16th in a random order, the tables shrinking back under 2 MiB
     # as they go; then the rest: the prefix follows exactly.
@@ -165,8 +165,8 @@ def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
 
     store(0, 10)
     first = hinted.stats().memory_bytes
-    # One rank: 8,192 slots (5,000 at load <= 0.7) of 40 B in its table and of 24 B of nodes.
-    assert first == 8192 * (40 + 24) > 50 * plain.stats().memory_bytes
+    # One rank: 8,192 slots (5,000 at load <= 0.7) of 32 B in its table and of 24 B of nodes.
+    assert first == 8192 * (32 + 24) > 50 * plain.stats().memory_bytes
     for a in range(10, 5_000, 700):
         store(a, min(a + 700, 5_000))
         assert hinted.stats().memory_bytes == first
@@ -185,7 +185,7 @@ def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
     for w in ("w0", "w1"):
         ev = BlockStored(hashes[:10], None, tokens[: 10 * BS], BS)
         idx2.apply_payload(w, 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
-    assert idx2.stats().memory_bytes == 2 * 8192 * 40 + 16384 * 24
+    assert idx2.stats().memory_bytes == 2 * 8192 * 32 + 16384 * 24
     # A presized rank table of 1 MiB or more takes whole 2 MiB huge pages where tables are
     # mapped (not under AddressSanitizer, whose build allocates them exactly); counted.
     big = PrefixIndex(BS, expected_blocks_per_rank=20_000)
@@ -319,3 +319,23 @@ def test_match_raises_for_a_bad_item_only_where_the_walk_reaches() -> None:
         prompt[(bad_block - 16) * BS] = -1
         held = bad_block - 16
         assert idx.match(prompt) == ({("w", 0): held} if held else {})
+
+
+def test_a_store_count_stops_at_65535_and_tiers_count_apart() -> None:
+    # An entry counts up to 65,535 stores a tier (2 bytes each); more stores of
+    # one hash without a removal leave it there, so 65,535 removals take it out.
+    idx = PrefixIndex(BS)
+    tokens = list(range(BS))
+    gpu = BlockStored([7], None, tokens, BS)
+    idx.apply("w", 0, KVEventBatch(0.0, [gpu] * 65_540, 0))
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockStored([7], None, tokens, BS, medium="CPU")] * 2, 0))
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockRemoved([7] * 65_534)], 0))
+    assert idx.match(tokens) == {("w", 0): 1}
+    assert idx.match_tiers(tokens)[("w", 0)] == (1, 0, 0)
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockRemoved([7])], 0))
+    assert idx.match_tiers(tokens)[("w", 0)] == (0, 1, 0)
+    assert idx.stats().unknown_removals == 0
+    idx.apply("w", 0, KVEventBatch(0.0, [BlockRemoved([7]), BlockRemoved([7] * 3, medium="CPU")], 0))
+    assert idx.match(tokens) == {}
+    assert idx.stats().unknown_removals == 2
+    assert idx.stats().holders == 0
