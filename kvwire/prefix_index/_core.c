@@ -466,6 +466,8 @@ static KeyChain *chain_arg(PyObject *o) {
 
 typedef int (*Occupied)(const char *rec, size_t rs);
 
+typedef struct Arena Arena;
+
 typedef struct {
     char *a;
     size_t cap;   /* 0 or a power of two >= MIN_CAP */
@@ -475,6 +477,8 @@ typedef struct {
     int homed;    /* the record's second 8 bytes are its home hash (below) */
     size_t floor; /* 0, or the capacity the table starts at and never shrinks under */
     size_t bytes; /* of memory behind a (at least cap * rs) */
+    Arena *arena; /* where its mid-sized arrays come from (below), or NULL */
+    int in_arena; /* a is one */
 } Table;
 
 /* A growing index allocates a table twice the size at every doubling, and
@@ -507,8 +511,9 @@ static void populate(void *p, size_t bytes) {
 
 /* *bytes zeroed bytes, rounded up to whole huge pages for a presized table
  * of HUGE_MIN / 2 or more: a capacity hint asks for speed with memory up
- * front, and a random probe into a rank's table then misses the cache but
- * not the TLB (apply about 10% faster, at most 1.6x that table's memory). */
+ * front, and a random probe into it then misses the cache but not the TLB
+ * (at most 1.6x that table's memory; rank tables of that size come from
+ * the arena below instead). */
 static void *table_alloc(size_t *bytes_io, int presized) {
     size_t bytes = *bytes_io;
 #if TABLE_MMAP
@@ -539,6 +544,115 @@ static void table_free(void *p, size_t bytes) {
     }
 #endif
     PyMem_Free(p);
+}
+
+/* The rank tables' arena. A rank's table is probed at a random place per
+ * block, and 64 ranks' tables of 0.5-1 MiB each are far more pages than the
+ * TLB covers: from the allocator (4 KiB pages) nearly every probe of a
+ * growing index was a TLB miss too, a costly one in a VM. So arrays of
+ * ARENA_MIN bytes up to HUGE_MIN (a power of two: a rank table's 32-byte
+ * entries) are carved from 2 MiB chunks on transparent huge pages, a chunk
+ * per size, a bit a slot; a chunk is unmapped once empty. Only the two
+ * largest sizes: a chunk then holds 2 or 4 tables, so one rank alone, or
+ * ranks shrinking apart, waste at most 1.5 MiB a chunk; memory_bytes counts
+ * whole chunks. */
+#define ARENA_MIN ((size_t)1 << 19)
+
+typedef struct {
+    char *base;
+    u32 used, dirty; /* slots in use; slots used since mapped (to zero again) */
+    size_t size;
+} Chunk;
+
+struct Arena {
+    Chunk *c;
+    size_t n, cap;
+};
+
+#if TABLE_MMAP
+static int arena_fits(size_t bytes) {
+    return bytes >= ARENA_MIN && bytes < HUGE_MIN && (bytes & (bytes - 1)) == 0;
+}
+
+/* A zeroed array of `size` bytes (a power of two fitting the arena), or NULL. */
+static void *arena_alloc(Arena *ar, size_t size) {
+    const u32 full = (u32)(((u64)1 << (HUGE_MIN / size)) - 1);
+    for (size_t i = 0; i < ar->n; i++) {
+        Chunk *c = &ar->c[i];
+        if (c->size != size || c->used == full) continue;
+        int s = __builtin_ctz(~c->used);
+        char *p = c->base + (size_t)s * size;
+        if (c->dirty & (1u << s)) memset(p, 0, size);
+        c->used |= 1u << s;
+        c->dirty |= 1u << s;
+        return p;
+    }
+    if (ar->n == ar->cap) {
+        size_t cap = ar->cap ? 2 * ar->cap : 16;
+        Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
+        if (!c) return NULL;
+        ar->c = c;
+        ar->cap = cap;
+    }
+    /* Aligned to 2 MiB, so that the kernel can back it with one huge page. */
+    char *m = mmap(NULL, 2 * HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
+    if (base > m) munmap(m, (size_t)(base - m));
+    if (base + HUGE_MIN < m + 2 * HUGE_MIN) munmap(base + HUGE_MIN, (size_t)(m + 2 * HUGE_MIN - base - HUGE_MIN));
+#ifdef MADV_HUGEPAGE
+    madvise(base, HUGE_MIN, MADV_HUGEPAGE);
+#endif
+    populate(base, HUGE_MIN);
+    ar->c[ar->n++] = (Chunk){base, 1, 1, size};
+    return base;
+}
+
+static void arena_free(Arena *ar, char *p) {
+    char *base = (char *)((uintptr_t)p & ~(uintptr_t)(HUGE_MIN - 1));
+    for (size_t i = 0; i < ar->n; i++) {
+        Chunk *c = &ar->c[i];
+        if (c->base != base) continue;
+        c->used &= ~(1u << ((size_t)(p - base) / c->size));
+        if (!c->used) {
+            munmap(base, HUGE_MIN);
+            *c = ar->c[--ar->n];
+        }
+        return;
+    }
+}
+#endif
+
+static void arena_release(Arena *ar) {
+#if TABLE_MMAP
+    for (size_t i = 0; i < ar->n; i++) munmap(ar->c[i].base, HUGE_MIN);
+#endif
+    PyMem_Free(ar->c);
+    ar->c = NULL;
+    ar->n = ar->cap = 0;
+}
+
+/* A table's array: from its arena where it fits, else as above. */
+static void *t_alloc(Table *t, size_t *bytes, int presized, int *in_arena) {
+    *in_arena = 0;
+#if TABLE_MMAP
+    if (t->arena && arena_fits(*bytes)) {
+        void *p = arena_alloc(t->arena, *bytes);
+        *in_arena = p != NULL;
+        return p;
+    }
+#endif
+    return table_alloc(bytes, presized);
+}
+
+static void t_free(Table *t) {
+#if TABLE_MMAP
+    if (t->in_arena) {
+        arena_free(t->arena, t->a);
+        return;
+    }
+#endif
+    table_free(t->a, t->bytes);
 }
 
 /* Where a record lives: its home hash hh picks the slot, from its top
@@ -618,15 +732,17 @@ static int shift_for(size_t cap) {
  * cache or TLB miss per record. */
 __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap, Occupied occ) {
     if (cap == 0) {
-        table_free(t->a, t->bytes);
+        t_free(t);
         t->a = NULL;
+        t->in_arena = 0;
         t->cap = 0;
         t->count = 0;
         t->bytes = 0;
         return 0;
     }
     size_t bytes = cap * t->rs;
-    char *a = table_alloc(&bytes, cap <= t->floor);
+    int in_arena;
+    char *a = t_alloc(t, &bytes, cap <= t->floor, &in_arena);
     if (!a) { PyErr_NoMemory(); return -1; }
     int shift = shift_for(cap);
     size_t m = cap - 1;
@@ -645,11 +761,12 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
         while (occ(a + i * t->rs, t->rs)) i = (i + 1) & m;
         memcpy(a + i * t->rs, r, t->rs);
     }
-    table_free(t->a, t->bytes);
+    t_free(t);
     t->a = a;
     t->cap = cap;
     t->shift = shift;
     t->bytes = bytes;
+    t->in_arena = in_arena;
     return 0;
 }
 
@@ -809,6 +926,7 @@ typedef struct {
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     size_t expected;    /* blocks a rank is expected to hold (tables presized); 0: none */
+    Arena arena; /* the rank tables' mid-sized arrays */
     Scratch tok, keys, hashes;
     /* apply_payload's first pass: hashes, block sums, events */
     Scratch ph, ps;
@@ -861,6 +979,7 @@ static void Index_dealloc(Index *self) {
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
+    arena_release(&self->arena);
     scratch_free(&self->tok);
     scratch_free(&self->keys);
     scratch_free(&self->hashes);
@@ -999,6 +1118,7 @@ static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
         memset(r + self->nranks, 0, (need - self->nranks) * sizeof(Rank));
         for (size_t i = self->nranks; i < need; i++) {
             r[i].entries.rs = sizeof(Entry);
+            r[i].entries.arena = &self->arena;
             r[i].entries.floor = self->expected ? cap_for(self->expected) : 0;
             r[i].multi.rs = sizeof(Multi);
         }
@@ -2437,7 +2557,7 @@ done:
 }
 
 static size_t rank_bytes(const Rank *r) {
-    return r->entries.bytes + r->multi.bytes;
+    return (r->entries.in_arena ? 0 : r->entries.bytes) + r->multi.bytes;
 }
 
 static PyObject *Index_get_max_entries(Index *self, void *c) {
@@ -2455,6 +2575,7 @@ static PyObject *Index_get_nodes(Index *self, void *c) {
 static PyObject *Index_get_memory(Index *self, void *c) {
     size_t total = self->nodes.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
+    total += self->arena.n * HUGE_MIN; /* its chunks, in use or not */
     return PyLong_FromSize_t(total);
 }
 

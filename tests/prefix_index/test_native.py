@@ -112,7 +112,8 @@ def test_tables_past_two_mib_grow_and_shrink_exact() -> None:
         first_gone = min(first_gone, *(position[h] for h in gone))
         assert idx.match(tokens) == {("w", 0): first_gone}
     assert idx.match(tokens) == {("w", 0): keep}
-    assert idx.stats().memory_bytes < 1 << 21
+    # The rank's table at 512 KiB (in a 2 MiB arena chunk, counted whole), the nodes' under it.
+    assert idx.stats().memory_bytes < 5 << 19
     idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved(hashes[:keep])], 0)))
     s = idx.stats()
     assert (s.blocks, s.holders, s.memory_bytes) == (0, 0, 0)
@@ -146,6 +147,43 @@ def test_tables_double_many_times_with_removals_interleaved() -> None:
                     depth = next((d for d, k in enumerate(ks) if k not in keys), len(ks))
                     assert idx.match(tokens).get(name, 0) == depth
     assert idx.stats().holders == 2 * 200 * 48  # 9,600 a rank: 8 -> 16,384 slots, 11 doublings
+
+
+def test_rank_tables_share_arena_chunks_through_growth_and_removal() -> None:
+    """Five ranks' tables grow through the arena's sizes (0.5 and 1 MiB, two or four to a
+    2 MiB chunk), then shrink and free in an interleaved random order; answers stay exact
+    and the chunks go back once empty."""
+    rnd = random.Random(11)
+    idx = PrefixIndex(BS)
+    n, per, ranks = 12_000, 1_500, 5
+    tokens = {w: [rnd.randrange(50_000) for _ in range(n * BS)] for w in range(ranks)}
+    hashes = {w: rnd.sample(range(1, 1 << 62), n) for w in range(ranks)}
+    for a in range(0, n, per):
+        for w in range(ranks):
+            ev = BlockStored(hashes[w][a : a + per], hashes[w][a - 1] if a else None,
+                             tokens[w][a * BS : (a + per) * BS], BS)  # fmt: skip
+            idx.apply_payload(f"w{w}", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
+    # Five 1 MiB rank tables: three chunks (or, under ASan, five arrays of their own);
+    # 60,000 nodes: 131,072 slots of 24 B.
+    assert idx.stats().memory_bytes in (3 * (2 << 20) + (3 << 20), 5 * (1 << 20) + (3 << 20))
+    for w in range(ranks):
+        assert idx.match(tokens[w]) == {(f"w{w}", 0): n}
+    position = {(w, h): i for w in range(ranks) for i, h in enumerate(hashes[w])}
+    pending = [(w, h) for w in range(ranks) for h in hashes[w]]
+    rnd.shuffle(pending)
+    first_gone = dict.fromkeys(range(ranks), n)
+    for a in range(0, len(pending), 4_000):
+        by_rank: dict[int, list[int]] = {}
+        for w, h in pending[a : a + 4_000]:
+            by_rank.setdefault(w, []).append(h)
+            first_gone[w] = min(first_gone[w], position[(w, h)])
+        for w, gone in by_rank.items():
+            idx.apply_payload(f"w{w}", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved(gone)], 0)))
+        for w in range(ranks):
+            want = {(f"w{w}", 0): first_gone[w]} if first_gone[w] else {}
+            assert idx.match(tokens[w]) == want
+    s = idx.stats()
+    assert (s.blocks, s.holders, s.memory_bytes) == (0, 0, 0)
 
 
 def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
