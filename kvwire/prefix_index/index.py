@@ -13,7 +13,8 @@ arrives, token bytes read straight from the decoded payload:
 
 - per (worker, rank): engine hash -> (our key, position, one store count per
   tier). Counts make removals reference counted: an engine may store one hash
-  twice and remove one copy. Dropping a rank walks only its own table.
+  twice and remove one copy (a count stops at 65,535 copies of one hash in one
+  tier). Dropping a rank walks only its own table.
 - one shared table: our key -> a bitmask of the ranks holding it (one bit per
   rank, 64 ranks a word; per tier once a non-GPU medium shows up). A match
   ANDs the masks along the prompt's keys. Eight consecutive blocks of a chain
