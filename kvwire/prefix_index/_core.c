@@ -171,15 +171,43 @@ static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64
     return 0;
 }
 
+/* A token id that is an exact int of one non-negative digit (every id of a
+ * real vocabulary: < 2**30), read off the object: its value, with a word
+ * or'ed into *bad that leaves it <= 1 only if the id is one (the value is
+ * meaningless otherwise). Call only on exact ints: nothing else is sure to
+ * have the fields read. */
+static inline u64 digit_token(PyObject *o, u64 *bad) {
+#if PY_VERSION_HEX >= 0x030C0000
+    /* Any compact value, negative ones too (two's complement, as token_of). */
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *bad = 2;
+        return 0;
+    }
+    return (u64)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+#else
+    /* ob_size 0 or 1 (a negative one has every bit set); a zero's digit is
+     * not always written. */
+    Py_ssize_t size = Py_SIZE(o);
+    *bad |= (u64)size;
+    return (u64)((PyLongObject *)o)->ob_digit[0] & (0 - (u64)size);
+#endif
+}
+
 /* A list or tuple of Python ints. Reads items only with PyLong_Check'ed
  * conversions, which run no Python code, so the sequence cannot change
  * under the loop and borrowed items stay alive. */
 static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
-    for (Py_ssize_t k = 0; k < n; k++)
+    /* Small exact ints straight off the objects, up to the first other item;
+     * from there the general way, or from the start if one of them was not
+     * small (so an error is the first item's in order, as before). */
+    u64 bad = 0;
+    for (; k < n && PyLong_CheckExact(items[k]); k++) t[k] = digit_token(items[k], &bad);
+    if (bad > 1) k = 0;
+    for (; k < n; k++)
         if (token_of(items[k], &t[k]) < 0) return -1;
     *out = t;
     *count = n;
@@ -1921,28 +1949,6 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
 /* Blocks keyed and walked at a time: a prompt whose match ends early is
  * hashed only a chunk past it. */
 #define MATCH_CHUNK 16
-
-/* A token id that is an exact int of one non-negative digit (every id of a
- * real vocabulary: < 2**30), read off the object: its value, with a word
- * or'ed into *bad that leaves it <= 1 only if the id is one (the value is
- * meaningless otherwise). Call only on exact ints: nothing else is sure to
- * have the fields read. */
-static inline u64 digit_token(PyObject *o, u64 *bad) {
-#if PY_VERSION_HEX >= 0x030C0000
-    /* Any compact value, negative ones too (two's complement, as token_of). */
-    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-        *bad = 2;
-        return 0;
-    }
-    return (u64)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
-#else
-    /* ob_size 0 or 1 (a negative one has every bit set); a zero's digit is
-     * not always written. */
-    Py_ssize_t size = Py_SIZE(o);
-    *bad |= (u64)size;
-    return (u64)((PyLongObject *)o)->ob_digit[0] & (0 - (u64)size);
-#endif
-}
 
 /* The block sum of bs list items read straight off the int objects: 1, or 0
  * when an item is anything but a small exact int (no error set; the caller

@@ -376,3 +376,14 @@ def test_a_bad_list_item_raises_at_every_place_in_a_block(bad: object) -> None:
                 idx.match(prompt)
         # In the partial last block: never read.
         assert idx.match([*toks, *[bad] * (bs - 1)]) == {("w", 0): 8}
+
+
+def test_keys_of_a_list_raise_for_its_first_bad_item() -> None:
+    idx = PrefixIndex(BS)
+    for first, then, err in ((2**64, "x", ValueError), ("x", 2**64, TypeError), (-(2**64), 1.5, ValueError)):
+        toks: list[object] = list(range(4 * BS))
+        toks[3], toks[10] = first, then
+        with pytest.raises(err):
+            idx.keys(toks)
+        with pytest.raises(err):
+            idx.keys(tuple(toks))
