@@ -39,7 +39,6 @@ typedef uint16_t u16;
 #define CLEAR_AHEAD 16
 #define REHASH_AHEAD 32
 #define WALK_PREFETCH 32 /* blocks (4 groups): more at once queue behind each other (measured) */
-#define TOKEN_PREFETCH 64
 
 static inline u64 fmix64(u64 x) {
     x ^= x >> 33;
@@ -173,15 +172,43 @@ static int tokens_packed(const unsigned char *p, Py_ssize_t len, Scratch *s, u64
     return 0;
 }
 
+/* A token id that is an exact int of one non-negative digit (every id of a
+ * real vocabulary: < 2**30), read off the object: its value, with a word
+ * or'ed into *bad that leaves it <= 1 only if the id is one (the value is
+ * meaningless otherwise). Call only on exact ints: nothing else is sure to
+ * have the fields read. */
+static inline u64 digit_token(PyObject *o, u64 *bad) {
+#if PY_VERSION_HEX >= 0x030C0000
+    /* Any compact value, negative ones too (two's complement, as token_of). */
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *bad = 2;
+        return 0;
+    }
+    return (u64)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+#else
+    /* ob_size 0 or 1 (a negative one has every bit set); a zero's digit is
+     * not always written. */
+    Py_ssize_t size = Py_SIZE(o);
+    *bad |= (u64)size;
+    return (u64)((PyLongObject *)o)->ob_digit[0] & (0 - (u64)size);
+#endif
+}
+
 /* A list or tuple of Python ints. Reads items only with PyLong_Check'ed
  * conversions, which run no Python code, so the sequence cannot change
  * under the loop and borrowed items stay alive. */
 static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
-    for (Py_ssize_t k = 0; k < n; k++)
+    /* Small exact ints straight off the objects, up to the first other item;
+     * from there the general way, or from the start if one of them was not
+     * small (so an error is the first item's in order, as before). */
+    u64 bad = 0;
+    for (; k < n && PyLong_CheckExact(items[k]); k++) t[k] = digit_token(items[k], &bad);
+    if (bad > 1) k = 0;
+    for (; k < n; k++)
         if (token_of(items[k], &t[k]) < 0) return -1;
     *out = t;
     *count = n;
@@ -2060,40 +2087,69 @@ static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t narg
  * hashed only a chunk past it. */
 #define MATCH_CHUNK 16
 
+/* The block sum of bs list items read straight off the int objects: 1, or 0
+ * when an item is anything but a small exact int (no error set; the caller
+ * converts that block with token_of). One test a pair for the types and one
+ * a block for the values, so the loads of a cold prompt's ints overlap. */
+static inline int items_sum(PyObject *const *p, const u64 *w, Py_ssize_t bs, u64 *sum) {
+    PyTypeObject *const lt = &PyLong_Type;
+    u64 a0 = 0, a1 = 0, bad = 0;
+    Py_ssize_t j = 0;
+    for (; j + 2 <= bs; j += 2) {
+        PyObject *o0 = p[j], *o1 = p[j + 1];
+        if ((Py_TYPE(o0) != lt) | (Py_TYPE(o1) != lt)) return 0;
+        a0 += digit_token(o0, &bad) * w[j];
+        a1 += digit_token(o1, &bad) * w[j + 1];
+    }
+    if (j < bs) {
+        if (Py_TYPE(p[j]) != lt) return 0;
+        a0 += digit_token(p[j], &bad) * w[j];
+    }
+    *sum = a0 + a1;
+    return bad <= 1;
+}
+
 /* A prompt's keys a chunk at a time: from a list's items (read as far as
  * that) or from tokens read up front. */
 typedef struct {
     KeyChain *chain;
     PyObject *seq;
     const u64 *all;
-    u64 *tok;
+    u64 *tok; /* a block's tokens, for items the general way */
     const u64 *extra;
     Py_ssize_t nb;
     u64 state;
 } MatchChunks;
 
+/* Block b's sum from the list's items; -1 with TypeError or ValueError for
+ * an unusable item. PyLong_Check'ed conversions run no Python code: the list
+ * cannot change under us. */
+static inline int item_block_sum(MatchChunks *mc, Py_ssize_t b, u64 *sum) {
+    const KeyChain *c = mc->chain;
+    PyObject **p = PySequence_Fast_ITEMS(mc->seq) + b * c->bs;
+    if (items_sum(p, c->w, c->bs, sum)) return 0;
+    for (Py_ssize_t j = 0; j < c->bs; j++)
+        if (token_of(p[j], &mc->tok[j]) < 0) return -1;
+    *sum = block_sum_of(c, mc->tok, 0);
+    return 0;
+}
+
 /* Keys of the chunk at block b into out (*m of them), their nodes
  * prefetched; -1 with TypeError or ValueError for an unusable item. */
 static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out, Py_ssize_t *m) {
-    const Py_ssize_t bs = mc->chain->bs;
+    const KeyChain *c = mc->chain;
     Py_ssize_t n = mc->nb - b < MATCH_CHUNK ? mc->nb - b : MATCH_CHUNK;
-    const u64 *t;
     if (mc->seq) {
-        /* PyLong_Check'ed conversions run no Python code: the list cannot
-         * change under us. */
-        PyObject **items = PySequence_Fast_ITEMS(mc->seq) + b * bs;
-        const Py_ssize_t nt = n * bs, ahead = mc->nb * bs - b * bs - TOKEN_PREFETCH;
-        for (Py_ssize_t k = 0; k < nt; k++) {
-            /* The int objects are the cache misses of a cold prompt: have
-             * them on their way well ahead, into the next chunk. */
-            if (k < ahead) __builtin_prefetch(items[k + TOKEN_PREFETCH]);
-            if (token_of(items[k], &mc->tok[k]) < 0) return -1;
+        u64 state = mc->state;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            u64 l;
+            if (item_block_sum(mc, b + k, &l) < 0) return -1;
+            state = chain_step(c, state, l, (u64)(b + k), mc->extra ? mc->extra[b + k] : 0);
+            out[k] = state;
         }
-        t = mc->tok;
     } else {
-        t = mc->all + b * bs;
+        chain_keys(c, mc->all + b * c->bs, n, mc->state, (u64)b, mc->extra ? mc->extra + b : NULL, out);
     }
-    chain_keys(mc->chain, t, n, mc->state, (u64)b, mc->extra ? mc->extra + b : NULL, out);
     mc->state = out[n - 1];
     for (Py_ssize_t k = 0; k < n; k++) t_prefetch_h(&self->nodes, walk_hh(out, k));
     *m = n;
@@ -2136,7 +2192,7 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     if (walk_begin(&wk, self, args[6] != Py_None) < 0) goto done;
     u64 keys[2][MATCH_CHUNK];
     u64 *tok = NULL;
-    if (seq && !(tok = scratch_get(&chain->tok, MATCH_CHUNK * bs))) {
+    if (seq && !(tok = scratch_get(&chain->tok, bs))) {
         walk_end(&wk);
         goto done;
     }

@@ -378,3 +378,71 @@ def test_a_store_count_stops_at_65535_and_tiers_count_apart() -> None:
     assert idx.match(tokens) == {}
     assert idx.stats().unknown_removals == 2
     assert idx.stats().holders == 0
+
+
+class _Id(int):
+    pass
+
+
+def _int_forms(rnd: random.Random, n: int) -> list[object]:
+    """Token ids in every form a list can hold them: small exact ints (the fast
+    read), ints of two or more digits, negatives, past 2**63, and int subclasses."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 7
+
+    forms = [
+        lambda: rnd.randrange(50_000), lambda: 0, lambda: 2**30 - 1, lambda: 2**30,
+        lambda: rnd.randrange(2**30, 2**62), lambda: -rnd.randrange(1, 2**40), lambda: -(2**63),
+        lambda: 2**64 - 1 - rnd.randrange(2**20), lambda: True, lambda: Tok.A,
+        lambda: _Id(rnd.randrange(50_000)),
+    ]  # fmt: skip
+    # Mostly small ints, so that whole blocks of them take the fast read too.
+    return [rnd.choice(forms)() if rnd.random() < 0.3 else rnd.randrange(50_000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("bs", [1, 3, 4, 5, 16])
+def test_list_items_of_every_int_form_key_as_their_values(bs: int) -> None:
+    """match(list) reads exact small ints off the objects, a block at a time, and
+    anything else the general way: both give the keys of the values mod 2**64."""
+    rnd = random.Random(bs)
+    for trial in range(20):
+        n = rnd.randrange(1, 40)
+        toks = _int_forms(rnd, n * bs) if trial else [rnd.randrange(50_000) for _ in range(n * bs)]
+        values = [int(t) % 2**64 for t in toks]  # type: ignore[call-overload]
+        idx = PrefixIndex(bs)
+        stored = BlockStored(list(range(1, n + 1)), None, values, bs)
+        idx.apply("w", 0, KVEventBatch(0.0, [stored], 0))
+        tail = [rnd.randrange(50_000) for _ in range(rnd.randrange(bs))]  # a partial last block
+        assert idx.match([*toks, *tail]) == {("w", 0): n}
+        assert idx.match((*toks, *tail)) == {("w", 0): n}
+        keys = block_keys(np.array(values, dtype=np.uint64), bs)
+        assert (idx.keys(toks) == keys).all()
+
+
+@pytest.mark.parametrize("bad", ["x", 1.0, None, 2**64, -(2**63) - 1, 2**100])
+def test_a_bad_list_item_raises_at_every_place_in_a_block(bad: object) -> None:
+    err = TypeError if not isinstance(bad, int) else ValueError
+    for bs in (1, 3, 16):
+        toks = list(range(8 * bs))
+        idx = PrefixIndex(bs)
+        idx.apply("w", 0, KVEventBatch(0.0, [BlockStored(list(range(1, 9)), None, toks, bs)], 0))
+        for at in range(3 * bs):
+            prompt: list[object] = list(toks)
+            prompt[at] = bad
+            with pytest.raises(err):
+                idx.match(prompt)
+        # In the partial last block: never read.
+        assert idx.match([*toks, *[bad] * (bs - 1)]) == {("w", 0): 8}
+
+
+def test_keys_of_a_list_raise_for_its_first_bad_item() -> None:
+    idx = PrefixIndex(BS)
+    for first, then, err in ((2**64, "x", ValueError), ("x", 2**64, TypeError), (-(2**64), 1.5, ValueError)):
+        toks: list[object] = list(range(4 * BS))
+        toks[3], toks[10] = first, then
+        with pytest.raises(err):
+            idx.keys(toks)
+        with pytest.raises(err):
+            idx.keys(tuple(toks))
