@@ -6,6 +6,7 @@ native encoder's where it takes the batch, msgspec's (under the GIL) where not.
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 import types
@@ -139,6 +140,34 @@ def test_native_encoder_takes_every_plain_batch(request: pytest.FixtureRequest, 
         assert fmt.encode(batch) == ENCODER.encode(batch)
 
     check()
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 129, 300])
+def test_any_int_anywhere_in_long_lists_is_msgspecs_bytes(vllm_session: Engine, n: int) -> None:
+    """The lists are read prefetching 64 items ahead: ints of every size and sign (and ones
+    only msgspec writes, or refuses) first, in the middle and last of lists about that long."""
+    kv = vllm_session.kv_events
+    fmt = engine_format(kv, RANK_FIELD["vllm"], ENCODER)
+    assert fmt is not None
+    rng = random.Random(n)
+    edges = [0, 1, 2**30 - 1, 2**30, 2**32 - 1, 2**32, 2**60, 2**63 - 1, 2**63, 2**64 - 1, -1,
+             -(2**31), -(2**63)]  # fmt: skip
+    for at in sorted({0, n // 2, n - 1}):
+        for x in [*edges, 2**64, True]:
+            hashes = [rng.getrandbits(64) for _ in range(n)]  # about half above 2**63 - 1
+            tokens = [rng.randrange(200_000) for _ in range(n)]
+            hashes[at] = tokens[at] = x
+            stored = kv.BlockStored(
+                block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=16,
+                lora_id=None, medium="GPU", lora_name=None,
+            )  # fmt: skip
+            removed = kv.BlockRemoved(block_hashes=hashes[::-1], medium="GPU")
+            batch = kv.KVEventBatch(ts=1.0, events=[stored, removed])
+            ours, theirs = fmt.encode(batch), msgspec_bytes(batch)
+            if x in edges and type(x) is int:
+                assert ours == theirs
+            else:
+                assert ours is None or ours == theirs
 
 
 def test_subclasses_and_unknown_classes_go_to_msgspec(vllm_session: Engine) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from typing import Any
@@ -366,6 +367,62 @@ def test_lists_of_ints_are_read_during_the_call() -> None:
         BlockStored([2**64 - 1, 2**64 - 5], 2**64 - 7, [1, 2, 3, 2**32 - 1], 2, None, "GPU", None),
         BlockRemoved([9, 2**63], "GPU", None),
     ]
+
+
+# Ints the hooks read inline (zero, one to three 30-bit digits, up to 2**64 - 1), ones they
+# leave to the general reader (negative) and ones no list is copied with, each placed first,
+# in the middle and last of lists shorter than, as long as and longer than the distance the
+# reads prefetch ahead (64 items).
+LENGTHS = [1, 2, 63, 64, 65, 128, 129, 300]
+HASH_EDGES = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63 - 1, 2**63, U64, -1, -(2**30),
+              -(2**60), -(2**63)]  # fmt: skip
+TOKEN_EDGES = [0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
+
+
+class Index(int):
+    """An int subclass: valid, but never read inline."""
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_every_int_form_is_read_exactly_anywhere_in_a_list(n: int) -> None:
+    cap = Capture()
+    col = EventCollector(cap, 1)
+    rng = random.Random(n)
+    for at in sorted({0, n // 2, n - 1}):
+        for k, h in enumerate(HASH_EDGES):
+            hashes = [rng.getrandbits(64) for _ in range(n)]
+            tokens = [rng.randrange(200_000) for _ in range(n)]
+            gone = [rng.getrandbits(64) - (1 << 63) for _ in range(n)]
+            hashes[at] = gone[at] = h
+            tokens[at] = TOKEN_EDGES[k % len(TOKEN_EDGES)]
+            refs = [sys.getrefcount(x) for x in (hashes, tokens, gone)]
+            col.stored(hashes, None, tokens)
+            col.removed(gone)
+            assert [sys.getrefcount(x) for x in (hashes, tokens, gone)] == refs  # copied
+            col.flush()
+            assert cap.only().to_batch().events == [
+                BlockStored([x & U64 for x in hashes], None, tokens, 1, None, "GPU", None),
+                BlockRemoved([x & U64 for x in gone], "GPU", None),
+            ]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_one_int_out_of_range_anywhere_keeps_the_list_by_reference(n: int) -> None:
+    cap = Capture()
+    col = EventCollector(cap, 1)
+    for at in sorted({0, n // 2, n - 1}):
+        for bad_hash, bad_token in [(1 << 64, -1), (-(1 << 63) - 1, 1 << 32), (True, True),
+                                    (Index(5), Index(5)), (1 << 90, 1 << 64)]:  # fmt: skip
+            hashes, tokens = list(range(n)), list(range(n))
+            hashes[at], tokens[at] = bad_hash, bad_token
+            refs = [sys.getrefcount(x) for x in (hashes, tokens)]
+            col.stored(hashes, None, list(range(n)))
+            col.stored(list(range(n)), None, tokens)
+            assert [sys.getrefcount(x) for x in (hashes, tokens)] == [r + 1 for r in refs]
+            col.flush()
+            records = cap.only().records
+            assert records[0][1] is hashes and records[1][3] is tokens
+            assert records[0][3] == records[1][1] == list(range(n))  # copied: equal, new lists
 
 
 def test_token_ids_outside_32_bits_are_kept_by_reference() -> None:
