@@ -2606,11 +2606,11 @@ static int limits_of(Index *self, PyObject *limits) {
             v[i] = ssize_arg(o, &bad);
             Py_DECREF(o);
         }
-        Py_XSETREF(self->limits, Py_NewRef(limits));
         self->max_events = bad ? -1 : v[0];
         self->max_blocks = v[1];
         self->max_bs = v[2];
         self->max_tokens = v[3];
+        Py_XSETREF(self->limits, Py_NewRef(limits)); /* last: the old one's release may run code */
     }
     return self->max_events < 0;
 }
