@@ -940,6 +940,7 @@ typedef struct {
     Table entries;
     Table multi;
     size_t detached;
+    int over_cap; /* a store was refused at max_entries since the last clear */
 } Rank;
 
 typedef struct PEv PEv; /* an event of a payload being applied (below) */
@@ -962,6 +963,19 @@ typedef struct {
     /* The names (and their hashes) matches report by: Names, shared by
      * every match until the names list changes. */
     PyObject *snap;
+    /* What configure() gave: the per-index arguments of apply_payload and
+     * match_list, so the common calls pass only what varies. */
+    KeyChain *chain;
+    PyObject *groups; /* NULL: apply_payload leaves every payload to the general path */
+    PyObject *tier_of, *names; /* PrefixIndex._TIER_OF, the names list */
+    u64 root;
+    Py_ssize_t index_max_bs;
+    int none_ok;
+    /* the DecodeLimits last given to apply_payload (frozen) and its bounds */
+    PyObject *limits;
+    Py_ssize_t max_events, max_blocks, max_bs, max_tokens;
+    /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused */
+    Py_ssize_t counts[5];
 } Index;
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -999,10 +1013,16 @@ static void rank_free(Rank *r) {
     t_rehash(&r->entries, 0, entry_occ);
     t_rehash(&r->multi, 0, multi_occ);
     r->detached = 0;
+    r->over_cap = 0;
 }
 
 static void Index_dealloc(Index *self) {
     Py_XDECREF(self->snap);
+    Py_XDECREF(self->chain);
+    Py_XDECREF(self->groups);
+    Py_XDECREF(self->tier_of);
+    Py_XDECREF(self->names);
+    Py_XDECREF(self->limits);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -1216,7 +1236,10 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
     if (tier != 0 && self->tiers == 1 && relayout(self, self->words, 3) < 0) return -1;
 
     Rank *rk = &self->ranks[sid];
-    if (over_cap(self, rk, hashes, n)) return OVER_CAP;
+    if (over_cap(self, rk, hashes, n)) {
+        rk->over_cap = 1;
+        return OVER_CAP;
+    }
     int64_t d0 = 0;
     int detached = 0;
     u64 parent_hh = 0;
@@ -1448,12 +1471,13 @@ static PyObject *Index_blocks(Index *self, PyObject *arg) {
     return out;
 }
 
-/* rank_stats(sid) -> (entries, detached entries) */
+/* rank_stats(sid) -> (entries, detached entries, over cap) */
 static PyObject *Index_rank_stats(Index *self, PyObject *arg) {
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     Rank *rk = &self->ranks[sid];
-    return Py_BuildValue("nn", (Py_ssize_t)rk->entries.count, (Py_ssize_t)rk->detached);
+    return Py_BuildValue("nnO", (Py_ssize_t)rk->entries.count, (Py_ssize_t)rk->detached,
+                         rk->over_cap ? Py_True : Py_False);
 }
 
 static void record_lost(u64 lost, size_t base, i32 *depth, i32 at) {
@@ -2156,19 +2180,12 @@ static int chunk_keys(MatchChunks *mc, const Index *self, Py_ssize_t b, u64 *out
     return 0;
 }
 
-/* match_tokens(chain, tokens, packed, start, extra, names, tiers_type)
- *
- * match() from token ids in one call: keys are computed a chunk at a time
+/* match() from token ids in one call: keys are computed a chunk at a time
  * as the walk goes, and list items are read only as far as that. */
-static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
-    KeyChain *chain = chain_arg(args[0]);
-    if (!chain) return NULL;
-    if (chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
-    int packed = PyObject_IsTrue(args[2]);
-    u64 state;
-    if (packed < 0 || u64_arg(args[3], &state, "start") < 0) return NULL;
-    PyObject *obj = args[1], *seq = NULL;
+static PyObject *match_tokens_core(Index *self, KeyChain *chain, PyObject *obj, int packed, u64 state,
+                                   PyObject *extra_obj, PyObject *names, PyObject *tt) {
+    if (chain_ready(chain) < 0 || names_arg(names) < 0) return NULL;
+    PyObject *seq = NULL;
     const u64 *all = NULL; /* tokens read up front (buffers, packed) */
     Py_ssize_t ntok;
     if (!packed && (PyList_Check(obj) || PyTuple_Check(obj))) {
@@ -2185,11 +2202,11 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     const u64 *extra = NULL;
     Walk wk = {0};
     PyObject *result = NULL;
-    if (args[4] != Py_None) {
-        if (get_u64s(args[4], &ev, nb, "extra") < 0) goto done;
+    if (extra_obj != Py_None) {
+        if (get_u64s(extra_obj, &ev, nb, "extra") < 0) goto done;
         extra = ev.buf;
     }
-    if (walk_begin(&wk, self, args[6] != Py_None) < 0) goto done;
+    if (walk_begin(&wk, self, tt != Py_None) < 0) goto done;
     u64 keys[2][MATCH_CHUNK];
     u64 *tok = NULL;
     if (seq && !(tok = scratch_get(&chain->tok, bs))) {
@@ -2223,11 +2240,67 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
         b = next;
         m = m2;
     }
-    result = walk_result(self, &wk, args[5], args[6]);
+    result = walk_result(self, &wk, names, tt);
 done:
     if (extra) PyBuffer_Release(&ev);
     Py_XDECREF(seq);
     return result;
+}
+
+/* match_tokens(chain, tokens, packed, start, extra, names, tiers_type) */
+static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
+    KeyChain *chain = chain_arg(args[0]);
+    if (!chain) return NULL;
+    int packed = PyObject_IsTrue(args[2]);
+    u64 state;
+    if (packed < 0 || u64_arg(args[3], &state, "start") < 0) return NULL;
+    return match_tokens_core(self, chain, args[1], packed, state, args[4], args[5], args[6]);
+}
+
+static Py_ssize_t ssize_arg(PyObject *o, int *fail);
+
+static int configured(Index *self) {
+    if (self->chain) return 0;
+    PyErr_SetString(PyExc_ValueError, "Index used before configure()");
+    return -1;
+}
+
+/* match_list(tokens): match_tokens(chain, tokens, False, root, None, names,
+ * None) with configure()'s chain, root and names: PrefixIndex.match's
+ * common call, a tokenizer's list, in one argument. */
+static PyObject *Index_match_list(Index *self, PyObject *tokens) {
+    if (configured(self) < 0) return NULL;
+    return match_tokens_core(self, self->chain, tokens, 0, self->root, Py_None, self->names, Py_None);
+}
+
+/* configure(chain, root, index_max_block_size, groups, tiers, names): the
+ * per-index arguments of apply_payload and match_list. groups None:
+ * apply_payload takes no payload (groups it cannot compare natively). */
+static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 6, "configure") < 0) return NULL;
+    KeyChain *chain = chain_arg(args[0]);
+    if (!chain || chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
+    PyObject *groups = args[3] == Py_None ? NULL : args[3];
+    if ((groups && !PyAnySet_Check(groups)) || !PyDict_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "groups must be a set or None, tiers a dict");
+        return NULL;
+    }
+    u64 root;
+    if (u64_arg(args[1], &root, "root") < 0) return NULL;
+    int bad = 0;
+    Py_ssize_t index_max_bs = ssize_arg(args[2], &bad);
+    if (bad) groups = NULL; /* a bound this path does not read: the general way */
+    int none_ok = groups ? PySet_Contains(groups, Py_None) : 0;
+    if (none_ok < 0) return NULL;
+    Py_XSETREF(self->chain, (KeyChain *)Py_NewRef(args[0]));
+    Py_XSETREF(self->groups, Py_XNewRef(groups));
+    Py_XSETREF(self->tier_of, Py_NewRef(args[4]));
+    Py_XSETREF(self->names, Py_NewRef(args[5]));
+    self->root = root;
+    self->index_max_bs = index_max_bs;
+    self->none_ok = none_ok;
+    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -2519,51 +2592,65 @@ static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
     return v;
 }
 
-/* apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers,
- *               max_events, max_blocks, max_block_size, max_tokens)
- *   -> (orphans, unknown removals, ignored, malformed, refused, over_cap) | None
- *
- * over_cap: 0 unchanged, 1 a store was refused last, 2 a clear came last.
- * None: the payload is outside the subset read here; nothing changed. */
-static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 11, "apply_payload") < 0) return NULL;
-    if (!chain_arg(args[1])) return NULL;
-    if (!PyAnySet_Check(args[5]) || !PyDict_Check(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "groups must be a set, tiers a dict");
-        return NULL;
+/* The DecodeLimits' bounds into the index, read once per limits object (a
+ * frozen struct, held so its id is not reused); 1: a bound this path does
+ * not read (the general way). */
+static int limits_of(Index *self, PyObject *limits) {
+    if (limits != self->limits) {
+        static const char *const names[4] = {"max_events", "max_blocks", "max_block_size", "max_tokens"};
+        Py_ssize_t v[4];
+        int bad = 0;
+        for (int i = 0; i < 4; i++) {
+            PyObject *o = PyObject_GetAttrString(limits, names[i]);
+            if (!o) return -1;
+            v[i] = ssize_arg(o, &bad);
+            Py_DECREF(o);
+        }
+        self->max_events = bad ? -1 : v[0];
+        self->max_blocks = v[1];
+        self->max_bs = v[2];
+        self->max_tokens = v[3];
+        Py_XSETREF(self->limits, Py_NewRef(limits)); /* last: the old one's release may run code */
     }
-    PCtx cx = {.self = self, .chain = (KeyChain *)args[1], .groups = args[5], .tiers = args[6]};
-    u64 root;
-    if (u64_arg(args[3], &root, "root") < 0) return NULL;
-    int bad = 0;
-    cx.index_max_bs = ssize_arg(args[4], &bad);
-    cx.max_events = ssize_arg(args[7], &bad);
-    cx.max_blocks = ssize_arg(args[8], &bad);
-    cx.max_bs = ssize_arg(args[9], &bad);
-    cx.max_tokens = ssize_arg(args[10], &bad);
-    if (bad) Py_RETURN_NONE; /* limits this path does not read: the general way */
+    return self->max_events < 0;
+}
+
+/* apply_payload(sid, payload, limits) -> True | False
+ *
+ * decode_batch(payload, limits) applied to rank sid with configure()'s
+ * arguments, counted in counters and each rank's over_cap. False: the
+ * payload is outside the subset read here (or groups are not native);
+ * nothing changed, the caller decodes it the general way. */
+static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 3, "apply_payload") < 0) return NULL;
+    if (configured(self) < 0) return NULL;
+    if (!self->groups) Py_RETURN_FALSE;
+    int lim = limits_of(self, args[2]);
+    if (lim) return lim < 0 ? NULL : Py_NewRef(Py_False);
+    PCtx cx = {.self = self, .chain = self->chain, .groups = self->groups, .tiers = self->tier_of,
+               .none_ok = self->none_ok, .index_max_bs = self->index_max_bs,
+               .max_events = self->max_events, .max_blocks = self->max_blocks,
+               .max_bs = self->max_bs, .max_tokens = self->max_tokens};
+    const u64 root = self->root;
     Py_buffer pv;
-    if (PyObject_GetBuffer(args[2], &pv, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(args[1], &pv, PyBUF_SIMPLE) < 0) {
         if (!clear_refusal() && !PyErr_ExceptionMatches(PyExc_BufferError)) return NULL;
         PyErr_Clear();
-        Py_RETURN_NONE;
+        Py_RETURN_FALSE;
     }
     PyObject *result = NULL;
     size_t sid;
     if (chain_ready(cx.chain) < 0 || check_sid(self, args[0], &sid) < 0) goto done;
-    cx.none_ok = PySet_Contains(cx.groups, Py_None);
-    if (cx.none_ok < 0) goto done;
     self->ph_len = self->ps_len = 0;
     Rd r = {pv.buf, pv.len, 0};
     Py_ssize_t m = 0;
     int rc = rd_batch(&cx, &r, &m);
     if (rc) {
-        if (rc == FALL) result = Py_NewRef(Py_None);
+        if (rc == FALL) result = Py_NewRef(Py_False);
         goto done;
     }
     /* The second pass: nothing below can refuse the batch. */
     Py_ssize_t orphans = 0, unknown = 0, ignored = 0, malformed = 0, refused = 0;
-    int over = 0;
     Rank *rk = &self->ranks[sid];
     for (Py_ssize_t k = 0; k < m && k < EVENT_AHEAD; k++) event_prefetch(self, rk, &self->pev[k], 0, cx.chain, root);
     for (Py_ssize_t k = 0; k < m; k++) {
@@ -2572,7 +2659,6 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
         const PEv *ev = &self->pev[k];
         if (ev->kind == EV_CLEARED) {
             if (clear_core(self, sid) < 0) goto done;
-            over = 2;
             continue;
         }
         if (!ev->group_ok) {
@@ -2591,15 +2677,19 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
         int flags = store_core(self, sid, cx.chain, ev->tier, h, ev->n, ev->has_parent, ev->parent,
                                root, NULL, 0, sums, NULL);
         if (flags < 0) goto done;
-        if (flags & OVER_CAP) {
+        if (flags & OVER_CAP) { /* store_core marked the rank */
             refused++;
-            over = 1;
             continue;
         }
         if (flags & ORPHAN) orphans++;
         if ((flags & MALFORMED) && !ev->other_size) malformed++;
     }
-    result = Py_BuildValue("nnnnni", orphans, unknown, ignored, malformed, refused, over);
+    self->counts[0] += orphans;
+    self->counts[1] += unknown;
+    self->counts[2] += ignored;
+    self->counts[3] += malformed;
+    self->counts[4] += refused;
+    result = Py_NewRef(Py_True);
 done:
     PyBuffer_Release(&pv);
     scratch_trim(&self->ph);
@@ -2628,6 +2718,11 @@ static PyObject *Index_get_nodes(Index *self, void *c) {
     return PyLong_FromSize_t(self->nodes.count);
 }
 
+static PyObject *Index_get_counters(Index *self, void *c) {
+    const Py_ssize_t *n = self->counts;
+    return Py_BuildValue("nnnnn", n[0], n[1], n[2], n[3], n[4]);
+}
+
 static PyObject *Index_get_memory(Index *self, void *c) {
     size_t total = self->nodes.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
@@ -2643,14 +2738,18 @@ static PyMethodDef Index_methods[] = {
      "remove(sid, hashes, tier) -> unknown removals"},
     {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
-    {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached)"},
+    {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
+    {"configure", (PyCFunction)(void (*)(void))Index_configure, METH_FASTCALL,
+     "configure(chain, root, index_max_block_size, groups, tiers, names): apply_payload's and "
+     "match_list's per-index arguments"},
     {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload, METH_FASTCALL,
-     "apply_payload(sid, chain, payload, root, index_max_block_size, groups, tiers, max_events, "
-     "max_blocks, max_block_size, max_tokens) -> counter deltas, or None (decode it the general way)"},
+     "apply_payload(sid, payload, limits) -> True, or False (decode it the general way)"},
     {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(keys, names, tiers_type) -> Matches {name: depth}"},
     {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
      "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> Matches {name: depth}"},
+    {"match_list", (PyCFunction)Index_match_list, METH_O,
+     "match_list(tokens) -> Matches {name: depth}, with configure()'s chain, root and names"},
     {NULL},
 };
 
@@ -2659,6 +2758,8 @@ static PyGetSetDef Index_getset[] = {
     {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
     {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
+    {"counters", (getter)Index_get_counters, NULL,
+     "apply_payload's (orphans, unknown removals, ignored, malformed, refused)", NULL},
     {NULL},
 };
 

@@ -203,10 +203,7 @@ class PrefixIndex:
         self.seed = seed & _MASK
         self._scheme: KeyScheme = key_scheme(self.seed, block_size)
         self._root = self._scheme.root()
-        self._chain = self._scheme.native
         self._groups = frozenset(groups)
-        # apply_payload's native path compares groups in C: ints and None only.
-        self._native_groups = all(g is None or type(g) is int for g in self._groups)
         self._lock = threading.Lock()
         self._core = Index(max_blocks_per_rank or 0, expected_blocks_per_rank=expected_blocks_per_rank)
         self._sids: dict[RankKey, int] = {}
@@ -214,12 +211,20 @@ class PrefixIndex:
         self._names: list[RankKey | None] = []
         self._free_sids: list[int] = []
         self._workers: dict[str, set[int]] = {}
+        # apply_payload's native path compares groups in C: ints and None only.
+        native_groups = all(g is None or type(g) is int for g in self._groups)
+        # The native calls' per-index arguments, given once (the core counts
+        # its own payloads and marks ranks over cap; stats() adds these).
+        self._core.configure(
+            self._scheme.native, self._root, max_block_size,
+            self._groups if native_groups else None, _TIER_OF, self._names,
+        )  # fmt: skip
+        # What the general path (apply) counted.
         self._orphan_stores = 0
         self._unknown_removals = 0
         self._ignored = 0
         self._malformed = 0
         self._refused = 0
-        self._over_cap: set[int] = set()
 
     # --- the sink --------------------------------------------------------------
 
@@ -242,7 +247,7 @@ class PrefixIndex:
                     elif ev.block_hashes:
                         self._remove(sid, ev)
                 elif isinstance(ev, AllBlocksCleared):
-                    self._clear_sid(sid)
+                    self._core.clear_rank(sid)
 
     def apply_payload(
         self,
@@ -262,24 +267,8 @@ class PrefixIndex:
         """
         with self._lock:
             sid = self._sids.get((worker_id, rank))
-            if sid is not None and self._native_groups:
-                done = self._core.apply_payload(
-                    sid, self._chain, payload, self._root, self.max_block_size, self._groups,
-                    _TIER_OF, limits.max_events, limits.max_blocks, limits.max_block_size,
-                    limits.max_tokens,
-                )  # fmt: skip
-                if done is not None:
-                    orphans, unknown, ignored, malformed, refused, over = done
-                    self._orphan_stores += orphans
-                    self._unknown_removals += unknown
-                    self._ignored += ignored
-                    self._malformed += malformed
-                    self._refused += refused
-                    if over == 1:
-                        self._over_cap.add(sid)
-                    elif over == 2:
-                        self._over_cap.discard(sid)
-                    return
+            if sid is not None and self._core.apply_payload(sid, payload, limits):
+                return
         self.apply(worker_id, rank, decode_batch(payload, limits))
 
     def clear(self, worker_id: str, rank: int) -> None:
@@ -287,17 +276,13 @@ class PrefixIndex:
         with self._lock:
             sid = self._sids.get((worker_id, rank))
             if sid is not None:
-                self._clear_sid(sid)
-
-    def _clear_sid(self, sid: int) -> None:
-        self._core.clear_rank(sid)
-        self._over_cap.discard(sid)
+                self._core.clear_rank(sid)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and all its ranks."""
         with self._lock:
             for sid in sorted(self._workers.pop(worker_id, ())):
-                self._clear_sid(sid)
+                self._core.clear_rank(sid)
                 name = self._names[sid]
                 assert name is not None
                 del self._sids[name]
@@ -345,9 +330,7 @@ class PrefixIndex:
         if type(tokens) is list and lora_name is None and extra_keys is None and cache_salt is None:
             # The common call, a tokenizer's list: straight to the native walk.
             with self._lock:
-                return self._core.match_tokens(
-                    self._chain, tokens, False, self._root, None, self._names, None
-                )
+                return self._core.match_list(tokens)
         return self._match_tokens(tokens, lora_name, extra_keys, cache_salt, None)
 
     def match_tiers(
@@ -431,24 +414,25 @@ class PrefixIndex:
         """Whether a store of this rank was refused at ``max_blocks_per_rank`` since its
         last clear: its view is incomplete (never wrong in what it claims)."""
         sid = self._sids.get((worker_id, rank))
-        return sid is not None and sid in self._over_cap
+        return sid is not None and self._core.rank_stats(sid)[2]
 
     def stats(self) -> IndexStats:
         """Current sizes and lifetime counters."""
         with self._lock:
             per_rank = [self._core.rank_stats(sid) for sid in self._sids.values()]
+            orphans, unknown, ignored, malformed, refused = self._core.counters
             return IndexStats(
                 blocks=self._core.nodes,
-                holders=sum(entries for entries, _ in per_rank),
+                holders=sum(entries for entries, _, _ in per_rank),
                 ranks=len(per_rank),
-                detached=sum(detached for _, detached in per_rank),
-                orphan_stores=self._orphan_stores,
-                unknown_removals=self._unknown_removals,
-                ignored_events=self._ignored,
-                malformed_stores=self._malformed,
+                detached=sum(detached for _, detached, _ in per_rank),
+                orphan_stores=self._orphan_stores + orphans,
+                unknown_removals=self._unknown_removals + unknown,
+                ignored_events=self._ignored + ignored,
+                malformed_stores=self._malformed + malformed,
                 memory_bytes=self._core.memory,
-                refused_stores=self._refused,
-                ranks_over_cap=len(self._over_cap),
+                refused_stores=self._refused + refused,
+                ranks_over_cap=sum(over for _, _, over in per_rank),
             )
 
     # --- applying events ---------------------------------------------------------
@@ -511,9 +495,8 @@ class PrefixIndex:
                 self._malformed += 1
                 return
             flags = self._core.store(sid, scheme.native, hashes, parent, *args)
-        if flags & OVER_CAP:
+        if flags & OVER_CAP:  # the core marked the rank over cap
             self._refused += 1
-            self._over_cap.add(sid)
             return
         if flags & ORPHAN:
             self._orphan_stores += 1

@@ -38,7 +38,7 @@ class CountingCore:
 
     def apply_payload(self, *args: Any) -> Any:
         done = self.core.apply_payload(*args)
-        if done is None:
+        if not done:
             self.general += 1
         else:
             self.native += 1
@@ -295,6 +295,45 @@ def test_payload_forms_and_groups_outside_the_native_path() -> None:
     assert counting.native == 0 and odd.match(list(range(8))) == {("w", 0): 2}
     with pytest.raises(WireError):
         odd.apply_payload("w", 0, b"\x93")
+
+
+def test_counters_and_cap_across_paths_and_limits_objects() -> None:
+    """The core's counters and over-cap marks plus the general path's equal decode + apply,
+    whichever path each payload took and whichever limits object came with it."""
+    ref = PrefixIndex(4, max_blocks_per_rank=3)
+    idx, counting = fused_index(4, max_blocks_per_rank=3)
+    tight = DecodeLimits(max_blocks=2)
+    odd = DecodeLimits(max_events=1 << 70)  # a bound the native path does not read
+
+    def stored(hashes: list[int], parent: int | None = None, **kw: Any) -> BlockStored:
+        return BlockStored(hashes, parent, list(range(4 * len(hashes))), 4, **kw)
+
+    steps: list[tuple[list[Any], DecodeLimits]] = [
+        ([stored([1])], DEFAULT_LIMITS),  # the rank's first batch: general
+        ([stored([2], parent=99), BlockRemoved([77])], DEFAULT_LIMITS),  # orphan, unknown: native
+        ([stored([3, 4, 5])], DEFAULT_LIMITS),  # refused at the cap: native
+        ([stored([6, 7, 8])], tight),  # refused by the limits: nothing applied
+        ([stored([6], group_idx=5), BlockRemoved([78])], odd),  # ignored, unknown: general
+        ([stored([9, 10, 11], lora_name="a")], DEFAULT_LIMITS),  # refused at the cap: general
+        ([AllBlocksCleared(), stored([12], parent=98)], DEFAULT_LIMITS),  # clear, orphan: native
+        ([stored([13, 14, 15], extra_keys=[[1]] * 3)], DEFAULT_LIMITS),  # refused: general
+        ([BlockRemoved([79]), stored([1], group_idx=5)], tight),  # unknown, ignored: native
+    ]
+    for events, limits in steps:
+        payload = encode_batch(KVEventBatch(0.0, events, 0))
+        try:
+            batch = decode_batch(payload, limits)
+        except WireError:
+            with pytest.raises(WireError):
+                idx.apply_payload("w", 0, payload, limits)
+        else:
+            ref.apply("w", 0, batch)
+            idx.apply_payload("w", 0, payload, limits)
+        assert_same(ref, idx, [list(range(n)) for n in range(0, 16, 4)])
+    st_ = idx.stats()
+    assert (st_.orphan_stores, st_.unknown_removals, st_.ignored_events) == (2, 3, 2)
+    assert (st_.refused_stores, st_.ranks_over_cap) == (3, 1)
+    assert (counting.native, counting.general) == (4, 4)  # (the first batch never reaches the core)
 
 
 # Token ids of every msgpack width; 16-token blocks (what engines use) of uint16 ids

@@ -123,10 +123,20 @@ def test_index_before_init_is_an_empty_valid_index() -> None:
         idx.ensure_rank(0)
         idx.store(0, chain, [11, 12], None, [1, 2, 3, 4], False, 7, None, 0)
         print(idx.match(keys, ["a"], None), idx.nodes, idx.rank_stats(0))
+        for call in (lambda: idx.apply_payload(0, b"", None), lambda: idx.match_list([1, 2])):
+            try:
+                call()
+            except ValueError as exc:
+                print(exc)
         """
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[:2] == ["{}", "{'a': 2} 2 (2, 0)"]
+    assert proc.stdout.split("\n")[:4] == [
+        "{}",
+        "{'a': 2} 2 (2, 0, False)",
+        "Index used before configure()",
+        "Index used before configure()",
+    ]
 
 
 def test_match_survives_a_tiers_type_that_empties_the_names() -> None:
