@@ -48,6 +48,18 @@ class CountingCore:
         return getattr(self.core, name)
 
 
+def apply_both(ref: PrefixIndex, idx: PrefixIndex, payload: bytes, limits: DecodeLimits) -> None:
+    """decode + apply into ref and apply_payload into idx, or both refuse it."""
+    try:
+        batch = decode_batch(payload, limits)
+    except WireError:
+        with pytest.raises(WireError):
+            idx.apply_payload("w", 0, payload, limits)
+    else:
+        ref.apply("w", 0, batch)
+        idx.apply_payload("w", 0, payload, limits)
+
+
 def fused_index(*args: Any, **kw: Any) -> tuple[PrefixIndex, CountingCore]:
     idx = PrefixIndex(*args, **kw)
     counting = CountingCore(idx._core)
@@ -246,14 +258,7 @@ def check_hostile(
     for events in batches:
         payload = encode_batch(KVEventBatch(0.0, events, 0), dialect=dialect)
         for p in (payload, mutate(payload, rnd), mutate(payload, rnd)):
-            try:
-                batch = decode_batch(p, limits)
-            except WireError:
-                with pytest.raises(WireError):
-                    idx.apply_payload("w", 0, p, limits)
-            else:
-                ref.apply("w", 0, batch)
-                idx.apply_payload("w", 0, p, limits)
+            apply_both(ref, idx, p, limits)
             stored = [list(e.token_ids) for e in events if type(e) is BlockStored]
             assert_same(ref, idx, prompts if prompts is not None else stored)
 
@@ -321,14 +326,7 @@ def test_counters_and_cap_across_paths_and_limits_objects() -> None:
     ]
     for events, limits in steps:
         payload = encode_batch(KVEventBatch(0.0, events, 0))
-        try:
-            batch = decode_batch(payload, limits)
-        except WireError:
-            with pytest.raises(WireError):
-                idx.apply_payload("w", 0, payload, limits)
-        else:
-            ref.apply("w", 0, batch)
-            idx.apply_payload("w", 0, payload, limits)
+        apply_both(ref, idx, payload, limits)
         assert_same(ref, idx, [list(range(n)) for n in range(0, 16, 4)])
     st_ = idx.stats()
     assert (st_.orphan_stores, st_.unknown_removals, st_.ignored_events) == (2, 3, 2)
