@@ -372,27 +372,17 @@ static inline PyObject **seq_items(PyObject *o) {
         if ((i) < (n)) __builtin_prefetch((items)[i]);                                       \
     } while (0)
 
-/* An exact int of one digit (not negative) or zero, read inline: 1 (*v its value), else 0
- * (read_int then says what it is). */
-static inline int one_digit(PyObject *o, PyTypeObject *long_type, u64 *v) {
-    if (Py_TYPE(o) != long_type) return 0;
+/* An exact int's digits, read inline: how many (0 for zero) with *d at them, or less than 0 for a
+ * negative one. Call only on an object whose type is exactly int. */
+static inline Py_ssize_t pos_digits(PyObject *o, const digit **d) {
     PyLongObject *l = (PyLongObject *)o;
 #if PY_VERSION_HEX >= 0x030C0000
     uintptr_t tag = l->long_value.lv_tag & ~(uintptr_t)4; /* (bit 2: 3.14's immortal flag) */
-    if (tag == 1) { /* zero */
-        *v = 0;
-        return 1;
-    }
-    *v = l->long_value.ob_digit[0];
-    return tag == (1 << 3);
+    *d = l->long_value.ob_digit;
+    return (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
 #else
-    Py_ssize_t size = Py_SIZE(o);
-    if (size == 0) {
-        *v = 0;
-        return 1;
-    }
-    *v = l->ob_digit[0];
-    return size == 1;
+    *d = l->ob_digit;
+    return Py_SIZE(o);
 #endif
 }
 
@@ -409,15 +399,8 @@ static int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
         PREFETCH_ITEM(items, i + READ_AHEAD, n);
         PyObject *o = items[i];
         if (Py_TYPE(o) == long_type) { /* a positive int of up to 64 bits, inline */
-            PyLongObject *l = (PyLongObject *)o;
-#if PY_VERSION_HEX >= 0x030C0000
-            uintptr_t tag = l->long_value.lv_tag & ~(uintptr_t)4;
-            const digit *d = l->long_value.ob_digit;
-            Py_ssize_t nd = (tag & 3) == 0 ? (Py_ssize_t)(tag >> 3) : -1;
-#else
-            const digit *d = l->ob_digit;
-            Py_ssize_t nd = Py_SIZE(o);
-#endif
+            const digit *d;
+            Py_ssize_t nd = pos_digits(o, &d);
             if (nd == 3 && d[2] < 16) { /* (most 64-bit hashes) */
                 u64 x = d[0] | (u64)d[1] << PyLong_SHIFT | (u64)d[2] << (2 * PyLong_SHIFT);
                 any_big |= (i64)x < 0;
@@ -452,10 +435,13 @@ static int read_tokens(PyObject *seq, uint32_t *v) {
     for (Py_ssize_t i = 0; i < READ_AHEAD; i++) PREFETCH_ITEM(items, i, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         PREFETCH_ITEM(items, i + READ_AHEAD, n);
-        u64 x;
-        if (one_digit(items[i], long_type, &x)) { /* every token id below 2**30 */
-            v[i] = (uint32_t)x;
-            continue;
+        if (Py_TYPE(items[i]) == long_type) { /* every token id below 2**30, inline */
+            const digit *d;
+            Py_ssize_t nd = pos_digits(items[i], &d);
+            if (nd == 0 || nd == 1) {
+                v[i] = nd ? (uint32_t)d[0] : 0;
+                continue;
+            }
         }
         IntV y;
         if (read_int(items[i], &y) < 0 || y.neg || y.bits > UINT32_MAX) return -1;
