@@ -56,7 +56,14 @@ mean iteration: the sender takes the GIL in bursts (a forced switch after the
 interpreter's 5 ms switch interval), which land in a minority of iterations
 that the median does not see, so the mean is the time the engine loses
 (kvwire's native sender takes it only for batches Python must encode). A
-third line ("call") gives the median time of the publishing step itself
+third line ("paired") compares each block with publishing only with the block
+next to it without (the two ~0.1 s apart), so that the host's speed changing
+between seconds cancels out: the median over every round of every run, with
+its 95% confidence interval in parentheses (order statistics, no assumption
+on the distribution). The runs' medians above swing by several points on this
+VM, more than the targets; the paired figure is how to tell a 0.5% effect
+from noise (more ``--runs`` narrow its interval). A
+fourth line ("call") gives the median time of the publishing step itself
 (hooks, flush, ``publish()``) in the iterations that publish: what the engine
 thread pays in its own calls, apart from anything it waits for; "p99" its 99th
 percentile (kvwire: the first batch of a block, after the sender went idle in the
@@ -395,8 +402,9 @@ def cores() -> tuple[set[int], set[int]]:
 
 def engine_run(
     name: str, blocks: int, loop: str, block_iters: int, rounds: int, spins: dict[str, int]
-) -> tuple[float, float, float, float, int]:
-    """One run: the engine thread's slowdown by median and by mean iteration, the median
+) -> tuple[float, float, list[float], float, float, int]:
+    """One run: the engine thread's slowdown by median and by mean iteration, and per
+    round (a block with publishing against the block next to it without), the median
     and 99th-percentile time (µs) of the publishing step itself (hooks, flush, publish);
     the SUB's gaps."""
     engine_core, other = cores()
@@ -413,12 +421,14 @@ def engine_run(
     on: list[float] = []
     off: list[float] = []
     calls: list[float] = []
+    pairs: list[float] = []
     i = n = 0
     make = inputs.make if inputs.fresh else None
     try:
         for r in range(rounds):
+            block: dict[bool, list[float]] = {True: [], False: []}
             for with_pub in (True, False) if r % 2 == 0 else (False, True):
-                out = on if with_pub else off
+                out = block[with_pub]
                 for _ in range(block_iters):
                     t0 = clock()
                     if make:
@@ -434,13 +444,25 @@ def engine_run(
                         i += 1
                     out.append(clock() - t0)
                 case.drain()
+            on += block[True]
+            off += block[False]
+            pairs.append(statistics.median(block[True]) / statistics.median(block[False]) - 1)
     finally:
         os.sched_setaffinity(me, other)
         gaps = finish(case, proc, conn)
     median = statistics.median(on) / statistics.median(off) - 1
     mean = statistics.fmean(on) / statistics.fmean(off) - 1
     p99 = statistics.quantiles(calls, n=100)[98]
-    return median, mean, statistics.median(calls) * 1e6, p99 * 1e6, gaps
+    return median, mean, pairs, statistics.median(calls) * 1e6, p99 * 1e6, gaps
+
+
+def median_ci(xs: list[float]) -> tuple[float, float, float]:
+    """The median and its distribution-free 95% confidence interval (order statistics)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * n**0.5  # 1.96 * sqrt(n) / 2 ranks each side
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
+    return statistics.median(s), s[lo], s[hi]
 
 
 # --- whole-process CPU per block ---------------------------------------------------------------
@@ -561,17 +583,19 @@ def main() -> None:
             for blocks in args.sizes:
                 per: dict[str, list[float]] = {c: [] for c in args.cases}
                 means: dict[str, list[float]] = {c: [] for c in args.cases}
+                paired: dict[str, list[float]] = {c: [] for c in args.cases}
                 steps: dict[str, list[float]] = {c: [] for c in args.cases}
                 tails: dict[str, list[float]] = {c: [] for c in args.cases}
                 gaps = 0
                 for r in range(runs):
                     order = args.cases if r % 2 == 0 else list(reversed(args.cases))
                     for name in order:
-                        slow, mean, step, tail, g = engine_run(
+                        slow, mean, pairs, step, tail, g = engine_run(
                             name, blocks, loop, block_iters, rounds, spins
                         )
                         per[name].append(slow)
                         means[name].append(mean)
+                        paired[name] += pairs
                         steps[name].append(step)
                         tails[name].append(tail)
                         gaps += g
@@ -587,6 +611,11 @@ def main() -> None:
                         + " ".join(f"{c:>26}" for c in cells)
                         + (f"  {gaps}" if label == "median" else "")
                     )
+                cells = []
+                for name in args.cases:
+                    mid, lo, hi = median_ci(paired[name])
+                    cells.append(f"{mid * 100:+.2f}% ({lo * 100:+.1f}..{hi * 100:+.1f})")
+                print(f"{'':>4} {'':>4} {'paired':>6} " + " ".join(f"{c:>26}" for c in cells))
                 for label, times in (("call", steps), ("p99", tails)):
                     cells = [f"{statistics.median(times[name]):.2f} us" for name in args.cases]
                     print(f"{'':>4} {'':>4} {label:>6} " + " ".join(f"{c:>26}" for c in cells))
