@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch: on these machines it installs from local disk, never a CUDA download.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint unit e2e bench asan clean venv engine-wheels
+.PHONY: demo test lint unit e2e bench asan other-pythons clean venv engine-wheels
 
 $(STAMP): pyproject.toml kvwire/wire/_pack.c kvwire/prefix_index/_core.c
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,9 @@ lint: $(STAMP)
 engine-wheels: $(STAMP)
 	$(PY) -m tests.integrations.engines
 
-# The native tests under the sanitizers first (about 40 s), then the whole suite.
-test: $(STAMP) lint engine-wheels asan
+# The native tests under the sanitizers first (about 40 s), on the other CPython
+# versions this machine has (about 40 s each), then the whole suite.
+test: $(STAMP) lint engine-wheels asan other-pythons
 	$(PY) -m pytest -q -ra
 
 unit: $(STAMP) engine-wheels
@@ -43,6 +44,11 @@ e2e: $(STAMP)
 # and the short fuzz run; part of `make test`, so CI (.ci/run) runs it.
 asan: $(STAMP)
 	scripts/asan-native.sh $(PY)
+
+# The native int reads follow CPython's int layout, which changed in 3.12: their
+# tests on every CPython 3.12+ found (pyenv's, or KVWIRE_PYTHONS); none found: a note.
+other-pythons:
+	scripts/other-pythons.sh
 
 # Dynamo's RadixTree, the index benchmark's baseline, in a venv of its own.
 .venv-dynamo/.installed:
@@ -57,4 +63,4 @@ bench: $(STAMP) .venv-dynamo/.installed
 	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/index_bench.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-py3.* build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
