@@ -56,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,25 +77,192 @@ enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
 
 /* --- payload buffers ---------------------------------------------------------------- */
 
+/* A payload: a reference-counted buffer, malloc'd (slab NULL) or carved from a slab. */
 typedef struct Buf {
     atomic_long refs;
     size_t len;
+    struct Slab *slab;
     unsigned char data[];
 } Buf;
 
-static Buf *buf_new(size_t cap) {
+/* The sender thread's payloads are carved one after the other from 1 MiB slabs (exact sizes,
+ * no malloc per batch), and a slab whose payloads are all released is kept for reuse. The
+ * replay ring keeps each payload for buffer_steps batches, and memory a process touches for
+ * the first time costs a page fault per 4 KiB (about half the sender's time at B=256 when
+ * each payload was a fresh malloc, the allocator growing and trimming its heap): a reused
+ * slab costs none, and a new one is populated in one madvise call rather than page by page.
+ * Payloads are released in about the order they were made (the ring is a FIFO), so slabs
+ * empty in turn. A Pool outlives its Sender while slabs remain (one reference per slab). */
+#define SLAB_BYTES ((size_t)1 << 20)
+#define SLAB_SPARE 4 /* empty slabs kept for reuse */
+
+typedef struct Pool {
+    atomic_long refs;  /* the sender's, and one per slab */
+    pthread_mutex_t mu;
+    struct Slab *spare; /* (mu) */
+    size_t nspare;      /* (mu) */
+    int closed;         /* (mu) the sender is gone: free emptied slabs */
+    struct Slab *cur;   /* the slab being carved (the sender thread's, or its owner's) */
+} Pool;
+
+typedef struct Slab {
+    atomic_long live; /* payloads carved from it, plus one while it is being carved */
+    Pool *pool;
+    size_t used;      /* bytes carved (with cur) */
+    struct Slab *next; /* on the spare list */
+    _Alignas(16) unsigned char mem[];
+} Slab;
+
+#define SLAB_CAP (SLAB_BYTES - offsetof(Slab, mem))
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it (EINVAL): faults then */
+#endif
+
+static void pool_unref(Pool *p) {
+    if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+    }
+}
+
+static Pool *pool_new(void) {
+    Pool *p = calloc(1, sizeof(Pool));
+    if (p) {
+        atomic_init(&p->refs, 1);
+        pthread_mutex_init(&p->mu, NULL);
+    }
+    return p;
+}
+
+static void slab_unmap(Slab *s) {
+    Pool *p = s->pool;
+    UNPOISON(s, SLAB_BYTES);
+    munmap(s, SLAB_BYTES);
+    pool_unref(p);
+}
+
+/* One reference less on a slab: emptied, it goes to the spare list (or away). */
+static void slab_release(Slab *s) {
+    if (atomic_fetch_sub_explicit(&s->live, 1, memory_order_acq_rel) != 1) return;
+    Pool *p = s->pool;
+    pthread_mutex_lock(&p->mu);
+    int keep = !p->closed && p->nspare < SLAB_SPARE;
+    if (keep) {
+        s->next = p->spare;
+        p->spare = s;
+        p->nspare++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!keep) slab_unmap(s);
+}
+
+/* The sender is done with its pool: what is spare goes, the rest when emptied. */
+static void pool_close(Pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->closed = 1;
+    Slab *spare = p->spare;
+    p->spare = NULL;
+    p->nspare = 0;
+    pthread_mutex_unlock(&p->mu);
+    while (spare) {
+        Slab *next = spare->next;
+        slab_unmap(spare);
+        spare = next;
+    }
+    if (p->cur) slab_release(p->cur);
+    p->cur = NULL;
+    pool_unref(p);
+}
+
+/* A slab to carve: a spare one (its pages already in memory), or a new one. */
+static Slab *slab_get(Pool *p) {
+    pthread_mutex_lock(&p->mu);
+    Slab *s = p->spare;
+    if (s) {
+        p->spare = s->next;
+        p->nspare--;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!s) {
+        void *m = mmap(NULL, SLAB_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return NULL;
+        (void)madvise(m, SLAB_BYTES, MADV_POPULATE_WRITE);
+        s = m;
+        s->pool = p;
+        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+    }
+    POISON(s->mem, SLAB_CAP);
+    atomic_init(&s->live, 1);
+    s->used = 0;
+    s->next = NULL;
+    return s;
+}
+
+/* A buffer for up to cap bytes: carved from the pool's slab (pool: the caller is its only
+ * user), or malloc'd (pool NULL, too large a payload, or no slab to be had). Set its length
+ * with buf_end(), before the next buf_new() on the pool. */
+static Buf *buf_new(Pool *pool, size_t cap) {
+    size_t need = (sizeof(Buf) + cap + 15) & ~(size_t)15;
+    if (pool && need <= SLAB_CAP / 4) {
+        Slab *s = pool->cur;
+        if (!s || s->used + need > SLAB_CAP) {
+            if (s) slab_release(s);
+            s = pool->cur = slab_get(pool);
+        }
+        if (s) {
+            Buf *b = (Buf *)(s->mem + s->used);
+            UNPOISON(b, need);
+            atomic_fetch_add_explicit(&s->live, 1, memory_order_relaxed);
+            atomic_init(&b->refs, 1);
+            b->len = 0;
+            b->slab = s;
+            return b;
+        }
+    }
     Buf *b = malloc(sizeof(Buf) + cap);
     if (b) {
         atomic_init(&b->refs, 1);
         b->len = 0;
+        b->slab = NULL;
     }
     return b;
+}
+
+/* The payload ends at `end`: its length, and (carved) the slab's next buffer starts after it. */
+static void buf_end(Buf *b, const unsigned char *end) {
+    b->len = (size_t)(end - b->data);
+    Slab *s = b->slab;
+    if (s) {
+        size_t used = (size_t)((unsigned char *)b - s->mem);
+        size_t size = (sizeof(Buf) + b->len + 15) & ~(size_t)15;
+        s->used = used + size;
+        POISON(b->data + b->len, size - sizeof(Buf) - b->len);
+        POISON(s->mem + s->used, SLAB_CAP - s->used);
+    }
 }
 
 static inline void buf_ref(Buf *b) { atomic_fetch_add_explicit(&b->refs, 1, memory_order_relaxed); }
 
 static inline void buf_unref(Buf *b) {
-    if (b && atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) free(b);
+    if (!b || atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) != 1) return;
+    Slab *s = b->slab;
+    if (!s) {
+        free(b);
+        return;
+    }
+    POISON(b, sizeof(Buf) + b->len);
+    slab_release(s);
 }
 
 static void buf_free_zmq(void *data, void *hint) { buf_unref((Buf *)hint); }
@@ -237,6 +405,7 @@ typedef struct {
     i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
+    Pool *pool; /* the thread's payload memory */
     pthread_t thread;
     PyThreadState *tstate;
 } Sender;
@@ -566,7 +735,7 @@ static unsigned char *put_hash_vals(unsigned char *p, const u64 *v, size_t n, in
 
 /* Copied token ids. */
 static unsigned char *put_token_vals(unsigned char *p, const uint32_t *v, size_t n) {
-    for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], 0);
+    for (size_t i = 0; i < n; i++) p = kvw_put_u32(p, v[i]);
     return p;
 }
 
@@ -710,7 +879,7 @@ static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t even
 
 /* A collector batch's payload, or NULL when a record is one only Python encodes
  * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
-static Buf *encode_batch(const CBatch *batch, int dialect) {
+static Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
     const Rec *recs = batch->recs;
     size_t n = batch->n, size;
     long bs = batch->block_size;
@@ -718,7 +887,7 @@ static Buf *encode_batch(const CBatch *batch, int dialect) {
     if (bs < 1 || check_recs(recs, n, bs, &size) < 0) return NULL;
     size_t events = 0;
     for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
-    Buf *b = buf_new(size + 16);
+    Buf *b = buf_new(pool, size + 16);
     if (!b) return NULL;
     unsigned char *p = put_envelope_head(b->data, batch->ts, events);
     for (size_t i = 0; i < n;) {
@@ -734,7 +903,7 @@ static Buf *encode_batch(const CBatch *batch, int dialect) {
         i = end;
     }
     p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
-    b->len = (size_t)(p - b->data);
+    buf_end(b, p);
     return b;
 }
 
@@ -866,12 +1035,12 @@ static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b, PyOb
 }
 
 /* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
-static Buf *encode_heartbeat(double ts, i64 rank) {
-    Buf *b = buf_new(32);
+static Buf *encode_heartbeat(double ts, i64 rank, Pool *pool) {
+    Buf *b = buf_new(pool, 32);
     if (!b) return NULL;
     unsigned char *p = put_envelope_head(b->data, ts, 0);
     p = kvw_put_int(p, (u64)rank, rank < 0);
-    b->len = (size_t)(p - b->data);
+    buf_end(b, p);
     return b;
 }
 
@@ -1071,7 +1240,7 @@ static unsigned char *put_key(unsigned char *p, PyObject *s) {
 
 /* The engine batch's payload, msgspec's bytes, or NULL when a value is one only msgspec
  * encodes. Reads no reference counts. */
-static Buf *encode_engine(const EBatch *b) {
+static Buf *encode_engine(const EBatch *b, Pool *pool) {
     size_t size = 48;
     for (size_t i = 0; i < b->n; i++) {
         const EvLayout *lay = b->ev[i].lay;
@@ -1085,7 +1254,7 @@ static Buf *encode_engine(const EBatch *b) {
     }
     Py_ssize_t rank_size = value_size(b->rank);
     if (rank_size < 0) return NULL;
-    Buf *buf = buf_new(size + (size_t)rank_size + 16);
+    Buf *buf = buf_new(pool, size + (size_t)rank_size + 16);
     if (!buf) return NULL;
     unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
     for (size_t i = 0; i < b->n && p; i++) {
@@ -1112,7 +1281,7 @@ static Buf *encode_engine(const EBatch *b) {
         return NULL;
     }
     p = put_value(p, b->rank);
-    buf->len = (size_t)(p - buf->data);
+    buf_end(buf, p);
     return buf;
 }
 
@@ -1231,7 +1400,7 @@ fail:
  * when msgspec encodes it (for tests). */
 static PyObject *engine_format_encode(EngineFormat *f, PyObject *batch) {
     EBatch *eb = ebatch_read(f, batch);
-    Buf *b = eb ? encode_engine(eb) : NULL;
+    Buf *b = eb ? encode_engine(eb, NULL) : NULL;
     ebatch_free(eb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
@@ -1403,12 +1572,13 @@ static void take_gil(Sender *s, PyThreadState *ts, int *have) {
 static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i64 *native,
                         i64 *gil) {
     if (it->kind == K_HEARTBEAT) {
-        it->payload = encode_heartbeat(it->ts, it->rank);
+        it->payload = encode_heartbeat(it->ts, it->rank, s->pool);
         return;
     }
     if (it->kind == K_SKIP) return;
     if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
-        it->payload = it->engine ? encode_engine(it->engine) : encode_batch(it->batch, s->dialect);
+        it->payload = it->engine ? encode_engine(it->engine, s->pool)
+                                 : encode_batch(it->batch, s->dialect, s->pool);
         if (it->payload) {
             (*native)++;
             return;
@@ -1427,10 +1597,10 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     Py_XDECREF(obj);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
-        it->payload = buf_new((size_t)n);
+        it->payload = buf_new(s->pool, (size_t)n);
         if (it->payload) {
             memcpy(it->payload->data, PyBytes_AS_STRING(r), (size_t)n);
-            it->payload->len = (size_t)n;
+            buf_end(it->payload, it->payload->data + n);
         }
     } else if (!r) {
         PyErr_WriteUnraisable(s->encode); /* the callable reports its own errors: a bug */
@@ -1690,8 +1860,9 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     pthread_condattr_destroy(&ca);
     s->topic = malloc(topic.len ? (size_t)topic.len : 1);
     s->ring = calloc((size_t)buffer_steps, sizeof(FeedEntry));
+    s->pool = pool_new();
     s->service_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!s->topic || !s->ring || s->service_fd < 0) {
+    if (!s->topic || !s->ring || !s->pool || s->service_fd < 0) {
         if (s->service_fd < 0) PyErr_SetFromErrno(PyExc_OSError);
         else PyErr_NoMemory();
         PyBuffer_Release(&topic);
@@ -1741,6 +1912,7 @@ static void sender_dealloc(Sender *s) {
     for (size_t i = 0; i < s->feed_len; i++) buf_unref(s->feed[i].buf);
     free(s->feed);
     free(s->topic);
+    pool_close(s->pool); /* (payloads still held elsewhere keep their slabs) */
     if (s->service_fd >= 0) close(s->service_fd);
     Py_XDECREF(s->batch_type);
     Py_XDECREF(s->encode);
@@ -2085,7 +2257,7 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
      * batch, or None when it leaves the batch to Python (for tests). */
     if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type) Py_RETURN_NONE;
     CBatch *cb = read_collected(batch);
-    Buf *b = cb ? encode_batch(cb, s->dialect) : NULL;
+    Buf *b = cb ? encode_batch(cb, s->dialect, NULL) : NULL;
     cbatch_free(cb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
