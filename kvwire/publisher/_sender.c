@@ -94,7 +94,7 @@ typedef struct Buf {
  * Payloads are released in about the order they were made (the ring is a FIFO), so slabs
  * empty in turn. A Pool outlives its Sender while slabs remain (one reference per slab). */
 #define SLAB_BYTES ((size_t)1 << 20)
-#define SLAB_SPARE 4 /* empty slabs kept for reuse */
+#define SLAB_SPARE 16 /* empty slabs kept for reuse (at most 16 MiB a pool) */
 
 typedef struct Pool {
     atomic_long refs;  /* the sender's, and one per slab */
@@ -102,6 +102,8 @@ typedef struct Pool {
     struct Slab *spare; /* (mu) */
     size_t nspare;      /* (mu) */
     int closed;         /* (mu) the sender is gone: free emptied slabs */
+    int populate;       /* fault a new slab's pages in at once (not on an engine thread: a
+                         * millisecond's stall) */
     struct Slab *cur;   /* the slab being carved (the sender thread's, or its owner's) */
 } Pool;
 
@@ -135,9 +137,10 @@ static void pool_unref(Pool *p) {
     }
 }
 
-static Pool *pool_new(void) {
+static Pool *pool_new(int populate) {
     Pool *p = calloc(1, sizeof(Pool));
     if (p) {
+        p->populate = populate;
         atomic_init(&p->refs, 1);
         pthread_mutex_init(&p->mu, NULL);
     }
@@ -197,7 +200,7 @@ static Slab *slab_get(Pool *p) {
     if (!s) {
         void *m = mmap(NULL, SLAB_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (m == MAP_FAILED) return NULL;
-        (void)madvise(m, SLAB_BYTES, MADV_POPULATE_WRITE);
+        if (p->populate) (void)madvise(m, SLAB_BYTES, MADV_POPULATE_WRITE);
         s = m;
         s->pool = p;
         atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
@@ -263,6 +266,24 @@ static inline void buf_unref(Buf *b) {
     }
     POISON(b, sizeof(Buf) + b->len);
     slab_release(s);
+}
+
+/* Ints copied on the engine thread (a record's vals, an engine batch's ints), until the
+ * sender encodes them: carved like payloads from a pool of the GIL holders' (the sender's
+ * vpool; they are released at once after encoding, so its slabs cycle without touching
+ * new memory), or malloc'd (pool NULL). 8-byte aligned. End with ints_end() before the
+ * next ints_alloc() on the pool, or free. */
+static void *ints_alloc(Pool *pool, size_t bytes) {
+    Buf *b = buf_new(pool, bytes);
+    return b ? b->data : NULL;
+}
+
+static inline Buf *ints_buf(void *v) { return (Buf *)((unsigned char *)v - offsetof(Buf, data)); }
+
+static void ints_end(void *v, size_t bytes) { buf_end(ints_buf(v), (unsigned char *)v + bytes); }
+
+static void ints_free(void *v) {
+    if (v) buf_unref(ints_buf(v));
 }
 
 static void buf_free_zmq(void *data, void *hint) { buf_unref((Buf *)hint); }
@@ -405,7 +426,8 @@ typedef struct {
     i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
-    Pool *pool; /* the thread's payload memory */
+    Pool *pool;  /* the thread's payload memory */
+    Pool *vpool; /* the ints the engine threads copy (with the GIL) */
     pthread_t thread;
     PyThreadState *tstate;
 } Sender;
@@ -628,20 +650,22 @@ static inline int exact_seq(PyObject *o) { return PyList_CheckExact(o) || PyTupl
  * [-2**63, 2**64), token ids within [0, 2**32)); otherwise (or out of memory) leave the
  * record holding its references. Hashes need only their value modulo 2**64: both wire
  * forms, and Python's _hash_int, are functions of it. */
-static void rec_copy(Rec *r) {
+static void rec_copy(Rec *r, Pool *pool) {
     PyObject *hs = r->hashes, *tk = r->tokens;
     if (!exact_seq(hs) || (tk && !exact_seq(tk))) return;
     IntV pv = {0, 0};
     int has_parent = r->tag == T_STORE && r->parent != Py_None;
     if (has_parent && read_int(r->parent, &pv) < 0) return;
     size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
-    u64 *v = malloc(nh * sizeof(u64) + nt * sizeof(uint32_t) + 1);
+    size_t bytes = nh * sizeof(u64) + nt * sizeof(uint32_t);
+    u64 *v = ints_alloc(pool, bytes);
     if (!v) return;
     int neg, mixed; /* (a hash's wire form needs only its bits) */
     if (read_bits(hs, v, &neg, &mixed) < 0 || (tk && read_tokens(tk, (uint32_t *)(v + nh)) < 0)) {
-        free(v);
+        ints_free(v);
         return;
     }
+    ints_end(v, bytes);
     r->vals = v;
     r->nh = nh;
     r->nt = nt;
@@ -910,7 +934,7 @@ static Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
 /* --- collector batches as C records and as Python objects (with the GIL) --------------- */
 
 static void rec_release(Rec *r) {
-    free(r->vals);
+    ints_free(r->vals);
     r->vals = NULL;
     Py_XDECREF(r->hashes);
     Py_XDECREF(r->parent);
@@ -1113,7 +1137,7 @@ typedef struct EBatch {
 
 static void ebatch_free(EBatch *b) {
     if (!b) return;
-    free(b->ints);
+    ints_free(b->ints);
     for (size_t i = 0; i < b->nvals; i++) Py_XDECREF(b->vals[i]);
     Py_XDECREF(b->rank);
     Py_XDECREF((PyObject *)b->fmt);
@@ -1127,7 +1151,7 @@ static Py_ssize_t value_size(PyObject *v);
 /* The engine batch's fields as read on the engine thread (new references; lists of exact
  * ints copied into C memory, so that no reference to them or their ints is kept), or NULL
  * (no error set) when msgspec is to encode it. */
-static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
+static EBatch *ebatch_read(EngineFormat *f, PyObject *batch, Pool *pool) {
     if (Py_TYPE(batch) != f->batch_cls) return NULL;
     PyObject *ts = slot(batch, f->batch_off[0]), *events = slot(batch, f->batch_off[1]),
              *rank = slot(batch, f->batch_off[2]);
@@ -1155,7 +1179,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
     b->ev = (EEvent *)(b + 1);
     b->vals = (PyObject **)(b->ev + n);
     b->lists = (EList *)(b->vals + nvals);
-    if (!(b->ints = malloc(nints * sizeof(u64) + 1))) {
+    if (!(b->ints = ints_alloc(pool, nints * sizeof(u64)))) {
         ebatch_free(b);
         return NULL;
     }
@@ -1191,6 +1215,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
             b->vals[b->nvals++] = Py_NewRef(v);
         }
     }
+    ints_end(b->ints, (size_t)used);
     return b;
 }
 
@@ -1399,7 +1424,7 @@ fail:
 /* encode(batch) -> bytes | None: what the sender writes for an engine batch, or None
  * when msgspec encodes it (for tests). */
 static PyObject *engine_format_encode(EngineFormat *f, PyObject *batch) {
-    EBatch *eb = ebatch_read(f, batch);
+    EBatch *eb = ebatch_read(f, batch, NULL);
     Buf *b = eb ? encode_engine(eb, NULL) : NULL;
     ebatch_free(eb);
     if (!b) Py_RETURN_NONE;
@@ -1639,11 +1664,11 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         /* Copied values are freed here, by the thread that read them last. */
         CBatch *b = items[i].batch;
         for (size_t k = 0; b && k < b->n; k++) {
-            free(b->recs[k].vals);
+            ints_free(b->recs[k].vals);
             b->recs[k].vals = NULL;
         }
         if (items[i].engine) {
-            free(items[i].engine->ints);
+            ints_free(items[i].engine->ints);
             items[i].engine->ints = NULL;
         }
     }
@@ -1860,9 +1885,10 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     pthread_condattr_destroy(&ca);
     s->topic = malloc(topic.len ? (size_t)topic.len : 1);
     s->ring = calloc((size_t)buffer_steps, sizeof(FeedEntry));
-    s->pool = pool_new();
+    s->pool = pool_new(1);
+    s->vpool = pool_new(0);
     s->service_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!s->topic || !s->ring || !s->pool || s->service_fd < 0) {
+    if (!s->topic || !s->ring || !s->pool || !s->vpool || s->service_fd < 0) {
         if (s->service_fd < 0) PyErr_SetFromErrno(PyExc_OSError);
         else PyErr_NoMemory();
         PyBuffer_Release(&topic);
@@ -1913,6 +1939,7 @@ static void sender_dealloc(Sender *s) {
     free(s->feed);
     free(s->topic);
     pool_close(s->pool); /* (payloads still held elsewhere keep their slabs) */
+    pool_close(s->vpool);
     if (s->service_fd >= 0) close(s->service_fd);
     Py_XDECREF(s->batch_type);
     Py_XDECREF(s->encode);
@@ -2004,7 +2031,7 @@ static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "publish_engine(batch, format: EngineFormat)");
         return NULL;
     }
-    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0]);
+    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0], s->vpool);
     if (!eb) Py_RETURN_NONE;
     Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(args[0]), .engine = eb};
     return PyBool_FromLong(sender_enqueue(s, &it));
@@ -2350,7 +2377,7 @@ static PyObject *engine_publish_call(EnginePublish *p, PyObject *const *args, si
         Py_DECREF(cur);
     }
     if (cur == Py_None && PyObject_SetAttr(batch, p->rank_field, p->rank) < 0) return NULL;
-    EBatch *eb = ebatch_read(p->fmt, batch);
+    EBatch *eb = ebatch_read(p->fmt, batch, p->sender->vpool);
     if (eb) {
         /* A batch of native values is not kept: the engine frees it, its lists and ints. */
         Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(batch), .engine = eb};
@@ -2662,7 +2689,8 @@ static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_
         goto fail;
     Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
              Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
-    rec_copy(&r); /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
+    /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
+    rec_copy(&r, c->sender ? c->sender->vpool : NULL);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 fail:
@@ -2684,7 +2712,7 @@ static PyObject *collector_removed(Collector *c, PyObject *const *args, Py_ssize
     if (collector_capture(c, &hs, S_block_hashes) < 0) return NULL;
     Rec r = {.tag = T_REMOVE, .hashes = hs, .medium = Py_NewRef(a[1] ? a[1] : S_GPU),
              .group = Py_NewRef(a[2] ? a[2] : Py_None)};
-    rec_copy(&r);
+    rec_copy(&r, c->sender ? c->sender->vpool : NULL);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 }
