@@ -105,6 +105,7 @@ typedef struct Pool {
     int populate;       /* fault a new slab's pages in at once (not on an engine thread: a
                          * millisecond's stall) */
     struct Slab *cur;   /* the slab being carved (the sender thread's, or its owner's) */
+    atomic_long made, mapped; /* slabs mapped so far, and now (for tests) */
 } Pool;
 
 typedef struct Slab {
@@ -142,6 +143,8 @@ static Pool *pool_new(int populate) {
     if (p) {
         p->populate = populate;
         atomic_init(&p->refs, 1);
+        atomic_init(&p->made, 0);
+        atomic_init(&p->mapped, 0);
         pthread_mutex_init(&p->mu, NULL);
     }
     return p;
@@ -149,6 +152,7 @@ static Pool *pool_new(int populate) {
 
 static void slab_unmap(Slab *s) {
     Pool *p = s->pool;
+    atomic_fetch_sub_explicit(&p->mapped, 1, memory_order_relaxed);
     UNPOISON(s, SLAB_BYTES);
     munmap(s, SLAB_BYTES);
     pool_unref(p);
@@ -204,6 +208,8 @@ static Slab *slab_get(Pool *p) {
         s = m;
         s->pool = p;
         atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&p->made, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&p->mapped, 1, memory_order_relaxed);
     }
     POISON(s->mem, SLAB_CAP);
     atomic_init(&s->live, 1);
@@ -2292,6 +2298,13 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
     return out;
 }
 
+/* slabs() -> ((made, mapped), (made, mapped)): the payload and copied-int pools' slabs mapped
+ * so far and now (for tests). */
+static PyObject *sender_slabs(Sender *s, PyObject *unused) {
+    return Py_BuildValue("((ll)(ll))", atomic_load(&s->pool->made), atomic_load(&s->pool->mapped),
+                         atomic_load(&s->vpool->made), atomic_load(&s->vpool->mapped));
+}
+
 static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong(s->service_fd); }
 
 static PyGetSetDef sender_getset[] = {
@@ -2322,6 +2335,8 @@ static PyMethodDef sender_methods[] = {
     {"wake", (PyCFunction)sender_wake, METH_NOARGS, "Make service_fd readable."},
     {"clear_wake", (PyCFunction)sender_clear_wake, METH_NOARGS, "Reset service_fd."},
     {"seqs", (PyCFunction)sender_seqs, METH_O, "seqs(ring): queued (False) or buffered (True) seqs."},
+    {"slabs", (PyCFunction)sender_slabs, METH_NOARGS,
+     "((made, mapped), (made, mapped)): the payload and copied-int pools' slabs (for tests)."},
     {"encode_native", (PyCFunction)sender_encode, METH_O,
      "The native encoding of a collector batch, or None when Python encodes it."},
     {NULL},
