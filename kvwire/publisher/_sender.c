@@ -24,10 +24,11 @@
  * is made then for the Collector's batches); `stats()` counts both, and every
  * time the thread took the GIL.
  * The oldest queued batch is sent coalesce_s after its publish(), with whatever
- * was published meanwhile (a backlog is sent at once).
+ * was published meanwhile (a backlog is sent at once, and a nap ends when CHUNK
+ * batches are queued: a burst goes out a chunk at a time, its copies few).
  * While batches keep coming (two within POLL_S of each other), the thread looks
- * at the queue every `coalesce_s` instead of waiting on the condition variable,
- * so publish() makes no wake-up syscall; POLL_S after the last batch it goes
+ * at the queue every `coalesce_s` instead of being woken, so publish() makes no
+ * wake-up syscall at a steady pace; POLL_S after the last batch it goes
  * back to waiting. A heartbeat, or a batch a while after the previous one (an
  * engine publishing now and then), starts no polling: a host of many such
  * ranks would otherwise wake POLL_S / coalesce_s times per batch for nothing.
@@ -411,6 +412,7 @@ typedef struct {
     size_t max_queue;
     i64 next_seq;
     int closed, stopping, waiting, started, joined, flushed;
+    int napping; /* the thread naps (polling or coalescing): woken when a chunk is queued */
     double deadline;
     double last_sent;
     int last_was_batch; /* the last send was a batch, not a heartbeat */
@@ -1752,10 +1754,14 @@ static int timed_wait(Sender *s, double until) {
     return pthread_cond_timedwait(&s->cv, &s->mu, &t);
 }
 
-static void sleep_s(double secs) {
-    struct timespec t = {(time_t)secs, (long)((secs - (double)(time_t)secs) * 1e9)};
-    while (nanosleep(&t, &t) < 0 && errno == EINTR) {
-    }
+/* Nap until `until` (CLOCK_MONOTONIC s), or until publish() has queued a chunk: a burst
+ * is sent a chunk at a time as it comes, not after the nap, so that the batches queued (their
+ * copied ints) stay few; publish() makes a wake-up syscall only then (once per CHUNK batches
+ * of a burst), never while an engine publishes at a steady pace. With mu held. */
+static void nap(Sender *s, double until) {
+    s->napping = 1;
+    timed_wait(s, until);
+    s->napping = 0;
 }
 
 static void *run(void *arg) {
@@ -1783,10 +1789,7 @@ static void *run(void *arg) {
             if (now < s->poll_until && s->coalesce_s > 0 && !s->closed) {
                 /* Recently busy: look again in coalesce_s rather than be woken, so that a
                  * steadily publishing engine thread never makes a wake-up syscall. */
-                double nap = s->coalesce_s;
-                pthread_mutex_unlock(&s->mu);
-                sleep_s(nap);
-                pthread_mutex_lock(&s->mu);
+                nap(s, now + s->coalesce_s);
                 continue;
             }
             s->waiting = 1;
@@ -1797,11 +1800,10 @@ static void *run(void *arg) {
         /* Coalescing: the oldest queued batch waits coalesce_s from its publish(), so that
          * batches published meanwhile share its wake-up (none waits longer; a backlog
          * does not wait at all). */
-        double nap = s->stopping ? 0 : s->q[s->qhead].enq + s->coalesce_s - mono_now();
-        if (nap > 0) { /* a heartbeat (enq 0) never waits */
-            pthread_mutex_unlock(&s->mu);
-            sleep_s(nap);
-            pthread_mutex_lock(&s->mu);
+        double now = mono_now();
+        double until = s->stopping || s->q_send >= CHUNK ? 0 : s->q[s->qhead].enq + s->coalesce_s;
+        if (until > now) { /* a heartbeat (enq 0) never waits */
+            nap(s, until);
             continue;
         }
         int n = 0;
@@ -2002,8 +2004,8 @@ static int sender_enqueue(Sender *s, Item *it) {
         }
     } else if (queue_push(s, it) == 0) {
         queued = 1;
-        if (s->waiting) {
-            s->waiting = 0;
+        if (s->waiting || (s->napping && s->q_send >= CHUNK)) {
+            s->waiting = s->napping = 0;
             pthread_cond_signal(&s->cv);
         }
     } else {
@@ -2110,8 +2112,8 @@ static PyObject *sender_close(Sender *s, PyObject *arg) {
     s->closed = 1;
     s->stopping = 1;
     s->deadline = mono_now() + timeout;
-    if (s->waiting) {
-        s->waiting = 0;
+    if (s->waiting || s->napping) {
+        s->waiting = s->napping = 0;
         pthread_cond_signal(&s->cv);
     }
     Item *q = NULL;
