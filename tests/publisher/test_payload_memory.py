@@ -49,7 +49,7 @@ def test_held_payloads_keep_their_bytes_while_slabs_are_reused(
         live = bytes(recv_live(sub).payload)
         [(seq, held)] = pub._sender.replay_range(first, 1)
         assert seq == first and bytes(held) == live
-        for i in range(600):  # a dozen slabs' worth, through a ring of 8
+        for _ in range(600):  # a dozen slabs' worth, through a ring of 8
             publish(col, rng, 256)
             recv_live(sub)
         (made, mapped), _ = pub._sender.slabs()
@@ -84,7 +84,7 @@ def test_a_steady_stream_maps_no_new_slabs(ipc_dir: str, zctx: zmq.Context[Any])
     with EventPublisher(
         f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, buffer_steps=50
     ) as pub:
-        sub, first = connect_sub(zctx, pub)
+        sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
 
         def run(n: int) -> None:
@@ -105,7 +105,7 @@ def test_a_payload_too_large_for_a_slab_is_sent_and_replayed(
     """Payloads beyond a quarter slab are allocated on their own: sent and kept alike."""
     rng = random.Random(4)
     with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
-        sub, first = connect_sub(zctx, pub)
+        sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
         before = pub._sender.slabs()[0]
         hashes, parent, tokens = chain(rng, 4096)  # about 300 KB
