@@ -24,10 +24,11 @@
  * is made then for the Collector's batches); `stats()` counts both, and every
  * time the thread took the GIL.
  * The oldest queued batch is sent coalesce_s after its publish(), with whatever
- * was published meanwhile (a backlog is sent at once).
+ * was published meanwhile (a backlog is sent at once, and a nap ends when CHUNK
+ * batches are queued: a burst goes out a chunk at a time, its copies few).
  * While batches keep coming (two within POLL_S of each other), the thread looks
- * at the queue every `coalesce_s` instead of waiting on the condition variable,
- * so publish() makes no wake-up syscall; POLL_S after the last batch it goes
+ * at the queue every `coalesce_s` instead of being woken, so publish() makes no
+ * wake-up syscall at a steady pace; POLL_S after the last batch it goes
  * back to waiting. A heartbeat, or a batch a while after the previous one (an
  * engine publishing now and then), starts no polling: a host of many such
  * ranks would otherwise wake POLL_S / coalesce_s times per batch for nothing.
@@ -56,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,25 +78,219 @@ enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
 
 /* --- payload buffers ---------------------------------------------------------------- */
 
+/* A payload: a reference-counted buffer, malloc'd (slab NULL) or carved from a slab. */
 typedef struct Buf {
     atomic_long refs;
     size_t len;
+    struct Slab *slab;
     unsigned char data[];
 } Buf;
 
-static Buf *buf_new(size_t cap) {
+/* The sender thread's payloads are carved one after the other from 1 MiB slabs (exact sizes,
+ * no malloc per batch), and a slab whose payloads are all released is kept for reuse. The
+ * replay ring keeps each payload for buffer_steps batches, and memory a process touches for
+ * the first time costs a page fault per 4 KiB (about half the sender's time at B=256 when
+ * each payload was a fresh malloc, the allocator growing and trimming its heap): a reused
+ * slab costs none, and a new one is populated in one madvise call rather than page by page.
+ * Payloads are released in about the order they were made (the ring is a FIFO), so slabs
+ * empty in turn. A Pool outlives its Sender while slabs remain (one reference per slab). */
+#define SLAB_BYTES ((size_t)1 << 20)
+#define SLAB_SPARE 16 /* empty slabs kept for reuse (at most 16 MiB a pool) */
+
+typedef struct Pool {
+    atomic_long refs;  /* the sender's, and one per slab */
+    pthread_mutex_t mu;
+    struct Slab *spare; /* (mu) */
+    size_t nspare;      /* (mu) */
+    int closed;         /* (mu) the sender is gone: free emptied slabs */
+    int populate;       /* fault a new slab's pages in at once (not on an engine thread: a
+                         * millisecond's stall) */
+    struct Slab *cur;   /* the slab being carved (the sender thread's, or its owner's) */
+    atomic_long made, mapped; /* slabs mapped so far, and now (for tests) */
+} Pool;
+
+typedef struct Slab {
+    atomic_long live; /* payloads carved from it, plus one while it is being carved */
+    Pool *pool;
+    size_t used;      /* bytes carved (with cur) */
+    struct Slab *next; /* on the spare list */
+    _Alignas(16) unsigned char mem[];
+} Slab;
+
+#define SLAB_CAP (SLAB_BYTES - offsetof(Slab, mem))
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define POISON(p, n) ((void)(p), (void)(n))
+#define UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it (EINVAL): faults then */
+#endif
+
+static void pool_unref(Pool *p) {
+    if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+    }
+}
+
+static Pool *pool_new(int populate) {
+    Pool *p = calloc(1, sizeof(Pool));
+    if (p) {
+        p->populate = populate;
+        atomic_init(&p->refs, 1);
+        atomic_init(&p->made, 0);
+        atomic_init(&p->mapped, 0);
+        pthread_mutex_init(&p->mu, NULL);
+    }
+    return p;
+}
+
+static void slab_unmap(Slab *s) {
+    Pool *p = s->pool;
+    atomic_fetch_sub_explicit(&p->mapped, 1, memory_order_relaxed);
+    UNPOISON(s, SLAB_BYTES);
+    munmap(s, SLAB_BYTES);
+    pool_unref(p);
+}
+
+/* One reference less on a slab: emptied, it goes to the spare list (or away). */
+static void slab_release(Slab *s) {
+    if (atomic_fetch_sub_explicit(&s->live, 1, memory_order_acq_rel) != 1) return;
+    Pool *p = s->pool;
+    pthread_mutex_lock(&p->mu);
+    int keep = !p->closed && p->nspare < SLAB_SPARE;
+    if (keep) {
+        s->next = p->spare;
+        p->spare = s;
+        p->nspare++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!keep) slab_unmap(s);
+}
+
+/* The sender is done with its pool: what is spare goes, the rest when emptied. */
+static void pool_close(Pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->closed = 1;
+    Slab *spare = p->spare;
+    p->spare = NULL;
+    p->nspare = 0;
+    pthread_mutex_unlock(&p->mu);
+    while (spare) {
+        Slab *next = spare->next;
+        slab_unmap(spare);
+        spare = next;
+    }
+    if (p->cur) slab_release(p->cur);
+    p->cur = NULL;
+    pool_unref(p);
+}
+
+/* A slab to carve: a spare one (its pages already in memory), or a new one. */
+static Slab *slab_get(Pool *p) {
+    pthread_mutex_lock(&p->mu);
+    Slab *s = p->spare;
+    if (s) {
+        p->spare = s->next;
+        p->nspare--;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!s) {
+        void *m = mmap(NULL, SLAB_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return NULL;
+        if (p->populate) (void)madvise(m, SLAB_BYTES, MADV_POPULATE_WRITE);
+        s = m;
+        s->pool = p;
+        atomic_fetch_add_explicit(&p->refs, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&p->made, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&p->mapped, 1, memory_order_relaxed);
+    }
+    POISON(s->mem, SLAB_CAP);
+    atomic_init(&s->live, 1);
+    s->used = 0;
+    s->next = NULL;
+    return s;
+}
+
+/* A buffer for up to cap bytes: carved from the pool's slab (pool: the caller is its only
+ * user), or malloc'd (pool NULL, too large a payload, or no slab to be had). Set its length
+ * with buf_end(), before the next buf_new() on the pool. */
+static Buf *buf_new(Pool *pool, size_t cap) {
+    size_t need = (sizeof(Buf) + cap + 15) & ~(size_t)15;
+    if (pool && need <= SLAB_CAP / 4) {
+        Slab *s = pool->cur;
+        if (!s || s->used + need > SLAB_CAP) {
+            if (s) slab_release(s);
+            s = pool->cur = slab_get(pool);
+        }
+        if (s) {
+            Buf *b = (Buf *)(s->mem + s->used);
+            UNPOISON(b, need);
+            atomic_fetch_add_explicit(&s->live, 1, memory_order_relaxed);
+            atomic_init(&b->refs, 1);
+            b->len = 0;
+            b->slab = s;
+            return b;
+        }
+    }
     Buf *b = malloc(sizeof(Buf) + cap);
     if (b) {
         atomic_init(&b->refs, 1);
         b->len = 0;
+        b->slab = NULL;
     }
     return b;
+}
+
+/* The payload ends at `end`: its length, and (carved) the slab's next buffer starts after it. */
+static void buf_end(Buf *b, const unsigned char *end) {
+    b->len = (size_t)(end - b->data);
+    Slab *s = b->slab;
+    if (s) {
+        size_t used = (size_t)((unsigned char *)b - s->mem);
+        size_t size = (sizeof(Buf) + b->len + 15) & ~(size_t)15;
+        s->used = used + size;
+        POISON(b->data + b->len, size - sizeof(Buf) - b->len);
+        POISON(s->mem + s->used, SLAB_CAP - s->used);
+    }
 }
 
 static inline void buf_ref(Buf *b) { atomic_fetch_add_explicit(&b->refs, 1, memory_order_relaxed); }
 
 static inline void buf_unref(Buf *b) {
-    if (b && atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) free(b);
+    if (!b || atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) != 1) return;
+    Slab *s = b->slab;
+    if (!s) {
+        free(b);
+        return;
+    }
+    POISON(b, sizeof(Buf) + b->len);
+    slab_release(s);
+}
+
+/* Ints copied on the engine thread (a record's vals, an engine batch's ints), until the
+ * sender encodes them: carved like payloads from a pool of the GIL holders' (the sender's
+ * vpool; they are released at once after encoding, so its slabs cycle without touching
+ * new memory), or malloc'd (pool NULL). 8-byte aligned. End with ints_end() before the
+ * next ints_alloc() on the pool, or free. */
+static void *ints_alloc(Pool *pool, size_t bytes) {
+    Buf *b = buf_new(pool, bytes);
+    return b ? b->data : NULL;
+}
+
+static inline Buf *ints_buf(void *v) { return (Buf *)((unsigned char *)v - offsetof(Buf, data)); }
+
+static void ints_end(void *v, size_t bytes) { buf_end(ints_buf(v), (unsigned char *)v + bytes); }
+
+static void ints_free(void *v) {
+    if (v) buf_unref(ints_buf(v));
 }
 
 static void buf_free_zmq(void *data, void *hint) { buf_unref((Buf *)hint); }
@@ -216,6 +412,7 @@ typedef struct {
     size_t max_queue;
     i64 next_seq;
     int closed, stopping, waiting, started, joined, flushed;
+    int napping; /* the thread naps (polling or coalescing): woken when a chunk is queued */
     double deadline;
     double last_sent;
     int last_was_batch; /* the last send was a batch, not a heartbeat */
@@ -237,6 +434,8 @@ typedef struct {
     i64 heartbeats, native_encoded, gil_encoded, gil_takes;
     /* the thread */
     void *pub;
+    Pool *pool;  /* the thread's payload memory */
+    Pool *vpool; /* the ints the engine threads copy (with the GIL) */
     pthread_t thread;
     PyThreadState *tstate;
 } Sender;
@@ -459,20 +658,22 @@ static inline int exact_seq(PyObject *o) { return PyList_CheckExact(o) || PyTupl
  * [-2**63, 2**64), token ids within [0, 2**32)); otherwise (or out of memory) leave the
  * record holding its references. Hashes need only their value modulo 2**64: both wire
  * forms, and Python's _hash_int, are functions of it. */
-static void rec_copy(Rec *r) {
+static void rec_copy(Rec *r, Pool *pool) {
     PyObject *hs = r->hashes, *tk = r->tokens;
     if (!exact_seq(hs) || (tk && !exact_seq(tk))) return;
     IntV pv = {0, 0};
     int has_parent = r->tag == T_STORE && r->parent != Py_None;
     if (has_parent && read_int(r->parent, &pv) < 0) return;
     size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
-    u64 *v = malloc(nh * sizeof(u64) + nt * sizeof(uint32_t) + 1);
+    size_t bytes = nh * sizeof(u64) + nt * sizeof(uint32_t);
+    u64 *v = ints_alloc(pool, bytes);
     if (!v) return;
     int neg, mixed; /* (a hash's wire form needs only its bits) */
     if (read_bits(hs, v, &neg, &mixed) < 0 || (tk && read_tokens(tk, (uint32_t *)(v + nh)) < 0)) {
-        free(v);
+        ints_free(v);
         return;
     }
+    ints_end(v, bytes);
     r->vals = v;
     r->nh = nh;
     r->nt = nt;
@@ -566,7 +767,7 @@ static unsigned char *put_hash_vals(unsigned char *p, const u64 *v, size_t n, in
 
 /* Copied token ids. */
 static unsigned char *put_token_vals(unsigned char *p, const uint32_t *v, size_t n) {
-    for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], 0);
+    for (size_t i = 0; i < n; i++) p = kvw_put_u32(p, v[i]);
     return p;
 }
 
@@ -710,7 +911,7 @@ static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t even
 
 /* A collector batch's payload, or NULL when a record is one only Python encodes
  * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
-static Buf *encode_batch(const CBatch *batch, int dialect) {
+static Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
     const Rec *recs = batch->recs;
     size_t n = batch->n, size;
     long bs = batch->block_size;
@@ -718,7 +919,7 @@ static Buf *encode_batch(const CBatch *batch, int dialect) {
     if (bs < 1 || check_recs(recs, n, bs, &size) < 0) return NULL;
     size_t events = 0;
     for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
-    Buf *b = buf_new(size + 16);
+    Buf *b = buf_new(pool, size + 16);
     if (!b) return NULL;
     unsigned char *p = put_envelope_head(b->data, batch->ts, events);
     for (size_t i = 0; i < n;) {
@@ -734,14 +935,14 @@ static Buf *encode_batch(const CBatch *batch, int dialect) {
         i = end;
     }
     p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
-    b->len = (size_t)(p - b->data);
+    buf_end(b, p);
     return b;
 }
 
 /* --- collector batches as C records and as Python objects (with the GIL) --------------- */
 
 static void rec_release(Rec *r) {
-    free(r->vals);
+    ints_free(r->vals);
     r->vals = NULL;
     Py_XDECREF(r->hashes);
     Py_XDECREF(r->parent);
@@ -866,12 +1067,12 @@ static PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b, PyOb
 }
 
 /* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
-static Buf *encode_heartbeat(double ts, i64 rank) {
-    Buf *b = buf_new(32);
+static Buf *encode_heartbeat(double ts, i64 rank, Pool *pool) {
+    Buf *b = buf_new(pool, 32);
     if (!b) return NULL;
     unsigned char *p = put_envelope_head(b->data, ts, 0);
     p = kvw_put_int(p, (u64)rank, rank < 0);
-    b->len = (size_t)(p - b->data);
+    buf_end(b, p);
     return b;
 }
 
@@ -944,7 +1145,7 @@ typedef struct EBatch {
 
 static void ebatch_free(EBatch *b) {
     if (!b) return;
-    free(b->ints);
+    ints_free(b->ints);
     for (size_t i = 0; i < b->nvals; i++) Py_XDECREF(b->vals[i]);
     Py_XDECREF(b->rank);
     Py_XDECREF((PyObject *)b->fmt);
@@ -958,7 +1159,7 @@ static Py_ssize_t value_size(PyObject *v);
 /* The engine batch's fields as read on the engine thread (new references; lists of exact
  * ints copied into C memory, so that no reference to them or their ints is kept), or NULL
  * (no error set) when msgspec is to encode it. */
-static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
+static EBatch *ebatch_read(EngineFormat *f, PyObject *batch, Pool *pool) {
     if (Py_TYPE(batch) != f->batch_cls) return NULL;
     PyObject *ts = slot(batch, f->batch_off[0]), *events = slot(batch, f->batch_off[1]),
              *rank = slot(batch, f->batch_off[2]);
@@ -986,7 +1187,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
     b->ev = (EEvent *)(b + 1);
     b->vals = (PyObject **)(b->ev + n);
     b->lists = (EList *)(b->vals + nvals);
-    if (!(b->ints = malloc(nints * sizeof(u64) + 1))) {
+    if (!(b->ints = ints_alloc(pool, nints * sizeof(u64)))) {
         ebatch_free(b);
         return NULL;
     }
@@ -1022,6 +1223,7 @@ static EBatch *ebatch_read(EngineFormat *f, PyObject *batch) {
             b->vals[b->nvals++] = Py_NewRef(v);
         }
     }
+    ints_end(b->ints, (size_t)used);
     return b;
 }
 
@@ -1071,7 +1273,7 @@ static unsigned char *put_key(unsigned char *p, PyObject *s) {
 
 /* The engine batch's payload, msgspec's bytes, or NULL when a value is one only msgspec
  * encodes. Reads no reference counts. */
-static Buf *encode_engine(const EBatch *b) {
+static Buf *encode_engine(const EBatch *b, Pool *pool) {
     size_t size = 48;
     for (size_t i = 0; i < b->n; i++) {
         const EvLayout *lay = b->ev[i].lay;
@@ -1085,7 +1287,7 @@ static Buf *encode_engine(const EBatch *b) {
     }
     Py_ssize_t rank_size = value_size(b->rank);
     if (rank_size < 0) return NULL;
-    Buf *buf = buf_new(size + (size_t)rank_size + 16);
+    Buf *buf = buf_new(pool, size + (size_t)rank_size + 16);
     if (!buf) return NULL;
     unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
     for (size_t i = 0; i < b->n && p; i++) {
@@ -1112,7 +1314,7 @@ static Buf *encode_engine(const EBatch *b) {
         return NULL;
     }
     p = put_value(p, b->rank);
-    buf->len = (size_t)(p - buf->data);
+    buf_end(buf, p);
     return buf;
 }
 
@@ -1230,8 +1432,8 @@ fail:
 /* encode(batch) -> bytes | None: what the sender writes for an engine batch, or None
  * when msgspec encodes it (for tests). */
 static PyObject *engine_format_encode(EngineFormat *f, PyObject *batch) {
-    EBatch *eb = ebatch_read(f, batch);
-    Buf *b = eb ? encode_engine(eb) : NULL;
+    EBatch *eb = ebatch_read(f, batch, NULL);
+    Buf *b = eb ? encode_engine(eb, NULL) : NULL;
     ebatch_free(eb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
@@ -1403,12 +1605,13 @@ static void take_gil(Sender *s, PyThreadState *ts, int *have) {
 static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i64 *native,
                         i64 *gil) {
     if (it->kind == K_HEARTBEAT) {
-        it->payload = encode_heartbeat(it->ts, it->rank);
+        it->payload = encode_heartbeat(it->ts, it->rank, s->pool);
         return;
     }
     if (it->kind == K_SKIP) return;
     if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
-        it->payload = it->engine ? encode_engine(it->engine) : encode_batch(it->batch, s->dialect);
+        it->payload = it->engine ? encode_engine(it->engine, s->pool)
+                                 : encode_batch(it->batch, s->dialect, s->pool);
         if (it->payload) {
             (*native)++;
             return;
@@ -1427,10 +1630,10 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     Py_XDECREF(obj);
     if (r && PyBytes_Check(r)) {
         Py_ssize_t n = PyBytes_GET_SIZE(r);
-        it->payload = buf_new((size_t)n);
+        it->payload = buf_new(s->pool, (size_t)n);
         if (it->payload) {
             memcpy(it->payload->data, PyBytes_AS_STRING(r), (size_t)n);
-            it->payload->len = (size_t)n;
+            buf_end(it->payload, it->payload->data + n);
         }
     } else if (!r) {
         PyErr_WriteUnraisable(s->encode); /* the callable reports its own errors: a bug */
@@ -1469,11 +1672,11 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         /* Copied values are freed here, by the thread that read them last. */
         CBatch *b = items[i].batch;
         for (size_t k = 0; b && k < b->n; k++) {
-            free(b->recs[k].vals);
+            ints_free(b->recs[k].vals);
             b->recs[k].vals = NULL;
         }
         if (items[i].engine) {
-            free(items[i].engine->ints);
+            ints_free(items[i].engine->ints);
             items[i].engine->ints = NULL;
         }
     }
@@ -1551,10 +1754,14 @@ static int timed_wait(Sender *s, double until) {
     return pthread_cond_timedwait(&s->cv, &s->mu, &t);
 }
 
-static void sleep_s(double secs) {
-    struct timespec t = {(time_t)secs, (long)((secs - (double)(time_t)secs) * 1e9)};
-    while (nanosleep(&t, &t) < 0 && errno == EINTR) {
-    }
+/* Nap until `until` (CLOCK_MONOTONIC s), or until publish() has queued a chunk: a burst
+ * is sent a chunk at a time as it comes, not after the nap, so that the batches queued (their
+ * copied ints) stay few; publish() makes a wake-up syscall only then (once per CHUNK batches
+ * of a burst), never while an engine publishes at a steady pace. With mu held. */
+static void nap(Sender *s, double until) {
+    s->napping = 1;
+    timed_wait(s, until);
+    s->napping = 0;
 }
 
 static void *run(void *arg) {
@@ -1582,10 +1789,7 @@ static void *run(void *arg) {
             if (now < s->poll_until && s->coalesce_s > 0 && !s->closed) {
                 /* Recently busy: look again in coalesce_s rather than be woken, so that a
                  * steadily publishing engine thread never makes a wake-up syscall. */
-                double nap = s->coalesce_s;
-                pthread_mutex_unlock(&s->mu);
-                sleep_s(nap);
-                pthread_mutex_lock(&s->mu);
+                nap(s, now + s->coalesce_s);
                 continue;
             }
             s->waiting = 1;
@@ -1596,11 +1800,10 @@ static void *run(void *arg) {
         /* Coalescing: the oldest queued batch waits coalesce_s from its publish(), so that
          * batches published meanwhile share its wake-up (none waits longer; a backlog
          * does not wait at all). */
-        double nap = s->stopping ? 0 : s->q[s->qhead].enq + s->coalesce_s - mono_now();
-        if (nap > 0) { /* a heartbeat (enq 0) never waits */
-            pthread_mutex_unlock(&s->mu);
-            sleep_s(nap);
-            pthread_mutex_lock(&s->mu);
+        double now = mono_now();
+        double until = s->stopping || s->q_send >= CHUNK ? 0 : s->q[s->qhead].enq + s->coalesce_s;
+        if (until > now) { /* a heartbeat (enq 0) never waits */
+            nap(s, until);
             continue;
         }
         int n = 0;
@@ -1690,8 +1893,10 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     pthread_condattr_destroy(&ca);
     s->topic = malloc(topic.len ? (size_t)topic.len : 1);
     s->ring = calloc((size_t)buffer_steps, sizeof(FeedEntry));
+    s->pool = pool_new(1);
+    s->vpool = pool_new(0);
     s->service_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!s->topic || !s->ring || s->service_fd < 0) {
+    if (!s->topic || !s->ring || !s->pool || !s->vpool || s->service_fd < 0) {
         if (s->service_fd < 0) PyErr_SetFromErrno(PyExc_OSError);
         else PyErr_NoMemory();
         PyBuffer_Release(&topic);
@@ -1741,6 +1946,8 @@ static void sender_dealloc(Sender *s) {
     for (size_t i = 0; i < s->feed_len; i++) buf_unref(s->feed[i].buf);
     free(s->feed);
     free(s->topic);
+    pool_close(s->pool); /* (payloads still held elsewhere keep their slabs) */
+    pool_close(s->vpool);
     if (s->service_fd >= 0) close(s->service_fd);
     Py_XDECREF(s->batch_type);
     Py_XDECREF(s->encode);
@@ -1797,8 +2004,8 @@ static int sender_enqueue(Sender *s, Item *it) {
         }
     } else if (queue_push(s, it) == 0) {
         queued = 1;
-        if (s->waiting) {
-            s->waiting = 0;
+        if (s->waiting || (s->napping && s->q_send >= CHUNK)) {
+            s->waiting = s->napping = 0;
             pthread_cond_signal(&s->cv);
         }
     } else {
@@ -1832,7 +2039,7 @@ static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "publish_engine(batch, format: EngineFormat)");
         return NULL;
     }
-    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0]);
+    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0], s->vpool);
     if (!eb) Py_RETURN_NONE;
     Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(args[0]), .engine = eb};
     return PyBool_FromLong(sender_enqueue(s, &it));
@@ -1905,8 +2112,8 @@ static PyObject *sender_close(Sender *s, PyObject *arg) {
     s->closed = 1;
     s->stopping = 1;
     s->deadline = mono_now() + timeout;
-    if (s->waiting) {
-        s->waiting = 0;
+    if (s->waiting || s->napping) {
+        s->waiting = s->napping = 0;
         pthread_cond_signal(&s->cv);
     }
     Item *q = NULL;
@@ -2085,12 +2292,19 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
      * batch, or None when it leaves the batch to Python (for tests). */
     if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type) Py_RETURN_NONE;
     CBatch *cb = read_collected(batch);
-    Buf *b = cb ? encode_batch(cb, s->dialect) : NULL;
+    Buf *b = cb ? encode_batch(cb, s->dialect, NULL) : NULL;
     cbatch_free(cb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
     buf_unref(b);
     return out;
+}
+
+/* slabs() -> ((made, mapped), (made, mapped)): the payload and copied-int pools' slabs mapped
+ * so far and now (for tests). */
+static PyObject *sender_slabs(Sender *s, PyObject *unused) {
+    return Py_BuildValue("((ll)(ll))", atomic_load(&s->pool->made), atomic_load(&s->pool->mapped),
+                         atomic_load(&s->vpool->made), atomic_load(&s->vpool->mapped));
 }
 
 static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong(s->service_fd); }
@@ -2123,6 +2337,8 @@ static PyMethodDef sender_methods[] = {
     {"wake", (PyCFunction)sender_wake, METH_NOARGS, "Make service_fd readable."},
     {"clear_wake", (PyCFunction)sender_clear_wake, METH_NOARGS, "Reset service_fd."},
     {"seqs", (PyCFunction)sender_seqs, METH_O, "seqs(ring): queued (False) or buffered (True) seqs."},
+    {"slabs", (PyCFunction)sender_slabs, METH_NOARGS,
+     "((made, mapped), (made, mapped)): the payload and copied-int pools' slabs (for tests)."},
     {"encode_native", (PyCFunction)sender_encode, METH_O,
      "The native encoding of a collector batch, or None when Python encodes it."},
     {NULL},
@@ -2178,7 +2394,7 @@ static PyObject *engine_publish_call(EnginePublish *p, PyObject *const *args, si
         Py_DECREF(cur);
     }
     if (cur == Py_None && PyObject_SetAttr(batch, p->rank_field, p->rank) < 0) return NULL;
-    EBatch *eb = ebatch_read(p->fmt, batch);
+    EBatch *eb = ebatch_read(p->fmt, batch, p->sender->vpool);
     if (eb) {
         /* A batch of native values is not kept: the engine frees it, its lists and ints. */
         Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(batch), .engine = eb};
@@ -2490,7 +2706,8 @@ static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_
         goto fail;
     Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
              Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
-    rec_copy(&r); /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
+    /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
+    rec_copy(&r, c->sender ? c->sender->vpool : NULL);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 fail:
@@ -2512,7 +2729,7 @@ static PyObject *collector_removed(Collector *c, PyObject *const *args, Py_ssize
     if (collector_capture(c, &hs, S_block_hashes) < 0) return NULL;
     Rec r = {.tag = T_REMOVE, .hashes = hs, .medium = Py_NewRef(a[1] ? a[1] : S_GPU),
              .group = Py_NewRef(a[2] ? a[2] : Py_None)};
-    rec_copy(&r);
+    rec_copy(&r, c->sender ? c->sender->vpool : NULL);
     if (collector_append(c, r) < 0) return NULL;
     Py_RETURN_NONE;
 }

@@ -151,12 +151,12 @@ class EventPublisher:
     ``coalesce_s``: the sender sends the oldest queued batch this long after
     its ``publish()`` (with every batch published meanwhile), so that batches
     close together share one wake-up; none waits longer, and a backlog does not
-    wait at all. While batches keep coming (each within 50 ms of the
-    previous one, until 50 ms after the last) it looks at the queue every
-    ``coalesce_s`` instead of being woken, so that ``publish()`` makes no
-    system call; a rank publishing now and then, or only heartbeats, is woken
-    instead of polling for nothing. 0 sends at once (every batch then wakes
-    the sender).
+    wait at all (nor does a burst: 64 batches queued wake the sender). While
+    batches keep coming (each within 50 ms of the previous one, until 50 ms
+    after the last) it looks at the queue every ``coalesce_s`` instead of being
+    woken, so that ``publish()`` makes no system call at a steady pace; a rank
+    publishing now and then, or only heartbeats, is woken instead of polling
+    for nothing. 0 sends at once (every batch then wakes the sender).
 
     The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
     takes the GIL for a collector's batch of Python lists, tuples or arrays'

@@ -259,6 +259,7 @@ def test_malformed_replay_requests_are_counted_and_ignored(
 ) -> None:
     with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
         pub.publish(batch(0))
+        wait_for(lambda: pub.stats().published == 1, what="the batch in the replay ring")
         dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
         dealer.connect(pub.bound_replay_endpoint or "")
         dealer.send_multipart([b"", b"short"])
