@@ -4,7 +4,7 @@
 # bytes; the publisher's native sender thread runs under the publisher's tests)
 # and the short fuzz campaign (a live subscriber fed junk frames), then
 # restore the optimised builds. Any memory error aborts the run. `make test`
-# runs it first (about 40 s).
+# runs it first (about 3.5 min on a 2-core machine).
 set -euo pipefail
 PY="${1:-.venv/bin/python}"
 cd "$(dirname "$0")/.."
