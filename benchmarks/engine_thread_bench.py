@@ -6,9 +6,10 @@ the GIL is a microsecond the scheduler may wait. This measures that loss.
 Engine loop, each iteration: a fixed amount of pure-Python work that never
 releases the GIL (calibrated to about 1 ms, like a busy scheduler; "gpu": about
 200 us of Python, then 1.5 ms with the GIL released, like waiting on a GPU
-step), then one batch: B stored blocks of 16 tokens (one chain) and B removed
-blocks, hashes and tokens as Python lists, the way vLLM hands them. A SUB
-process receives everything (seq gaps are counted and printed).
+step: a busy wait, as CUDA's synchronize spins; ``--gpu-wait sleep``: time.sleep),
+then one batch: B stored blocks of 16 tokens (one chain) and B removed blocks,
+hashes and tokens as Python lists, the way vLLM hands them. A SUB process
+receives everything (seq gaps are counted and printed).
 
 Publishers, each a case:
 - ``vllm``: vLLM 0.33's own ``ZmqEventPublisher`` from its wheel, fed vLLM's
@@ -413,7 +414,7 @@ def gil_free_spin() -> Callable[[float], None]:
 
 
 # How the "gpu" loop waits its 1.5 ms with the GIL released (``--gpu-wait``).
-_GPU_WAIT: list[Callable[[float], None]] = [time.sleep]
+_GPU_WAIT: Callable[[float], None] = time.sleep
 
 
 def calibrate(seconds: float) -> int:
@@ -462,7 +463,7 @@ def engine_run(
     os.sched_setaffinity(me, engine_core)
     work = spins["cpu"] if loop == "cpu" else spins["gpu"]
     wait = 0.0 if loop == "cpu" else 0.0015
-    gpu_wait = _GPU_WAIT[0]
+    gpu_wait = _GPU_WAIT
     publish = case.publish
     clock = time.perf_counter
     on: list[float] = []
@@ -563,7 +564,7 @@ def calls_run(blocks: int, loop: str, iters: int, spins: dict[str, int]) -> dict
     os.sched_setaffinity(me, engine_core)
     work = spins[loop]
     wait = 0.0 if loop == "cpu" else 0.0015
-    gpu_wait = _GPU_WAIT[0]
+    gpu_wait = _GPU_WAIT
     clock = time.perf_counter
     times: dict[str, list[float]] = {n: [] for n in names}
     try:
@@ -587,7 +588,7 @@ def calls_run(blocks: int, loop: str, iters: int, spins: dict[str, int]) -> dict
 
 
 def main() -> None:
-    global _FRESH
+    global _FRESH, _GPU_WAIT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 runs, fewer iterations")
     parser.add_argument("--runs", type=int, default=None)
@@ -612,7 +613,7 @@ def main() -> None:
     args = parser.parse_args()
     _FRESH = not args.prebuilt_lists
     if args.gpu_wait == "spin":
-        _GPU_WAIT[0] = gil_free_spin()
+        _GPU_WAIT = gil_free_spin()
     if args.coalesce_ms is not None:
         _OPTIONS["coalesce_s"] = args.coalesce_ms / 1000
     logging.getLogger("kvwire").setLevel(logging.ERROR)  # the plugin's loopback-bind warning
