@@ -29,7 +29,7 @@ lint: $(STAMP)
 engine-wheels: $(STAMP)
 	$(PY) -m tests.integrations.engines
 
-# The native tests under the sanitizers first (about 3.5 min), on the other CPython
+# The native tests under the sanitizers first (about 3 min), on the other CPython
 # versions this machine has (about 1 min, side by side), then the whole suite.
 test: $(STAMP) lint engine-wheels asan other-pythons
 	$(PY) -m pytest -q -ra

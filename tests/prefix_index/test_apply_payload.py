@@ -22,6 +22,7 @@ from kvwire.wire import (
     decode_batch,
     encode_batch,
 )
+from tests.budget import examples
 
 from .test_index_model import BS, Driver, ops
 
@@ -374,7 +375,7 @@ def chained_batches(draw: Any) -> list[list[Any]]:
     return batches
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chained_batches(), st.sampled_from(["map", "array"]))
 def test_fused_apply_of_16_token_blocks_of_every_id_width(
     batches: list[list[Any]], dialect: Any
@@ -392,7 +393,7 @@ def test_fused_apply_of_16_token_blocks_of_every_id_width(
     assert_same(ref, idx, prompts)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chained_batches(), st.sampled_from(["map", "array"]), st.integers(0, 2**32))
 def test_hostile_16_token_payloads(batches: list[list[Any]], dialect: Any, seed: int) -> None:
     """Damaged payloads of 16-token blocks: refused or applied exactly as decode_batch does."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvwire.prefix_index import Matches, PrefixIndex
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tests.budget import examples
 
 from .model import MASK, Ident, ModelIndex
 
@@ -271,7 +272,7 @@ def _enc(e: Any) -> bytes:
     return msgspec.msgpack.encode(e)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops, st.sampled_from([1, 4, 1000]), st.sampled_from([0, 0, 2, 40]))
 def test_index_matches_model(op_list: list[tuple[Any, ...]], check_every: int, hint: int) -> None:
     """Same answers as the model after every operation, every few, or only at the end;

@@ -29,6 +29,7 @@ from kvwire.wire import (
     decode_batch,
     encode_batch,
 )
+from tests.budget import examples
 
 U64 = st.integers(0, 2**64 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -161,7 +162,7 @@ LIMITS = st.one_of(
     ),
 )
 PROPERTY = settings(
-    max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

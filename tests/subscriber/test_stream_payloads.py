@@ -37,6 +37,7 @@ from kvwire.wire import (
     encode_batch,
     pack_seq,
 )
+from tests.budget import examples
 from tests.subscriber.sim import BLOCK, TOPIC, Harness
 from tests.subscriber.test_stream_model import LONG_FATES, MODEL, PUBLISHERS, config, long_schedule
 
@@ -125,7 +126,7 @@ def twins(rnd: random.Random, replay: bool) -> tuple[IndexHarness, IndexHarness]
     return pair
 
 
-@settings(MODEL, max_examples=1000)
+@settings(MODEL, max_examples=examples(1000))
 @given(rnd=st.randoms(use_true_random=False), replay=st.booleans())
 def test_payload_and_decoding_streams_end_with_the_same_index_counters_and_states(
     rnd: random.Random, replay: bool
