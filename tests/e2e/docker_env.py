@@ -76,6 +76,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import wait_for
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO_ROOT / "scripts" / "docker"
 ENSURE_DOCKERD = SCRIPTS_DIR / "ensure-dockerd.sh"
@@ -224,25 +226,6 @@ def _cleanup_at_exit() -> None:
 # --------------------------------------------------------------------------- waiting
 
 
-def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll pred() until it returns a truthy value or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            value = pred()
-            if value:
-                return value
-        except Exception as exc:
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            msg = f"timed out after {timeout}s waiting for {what}"
-            if last_exc is not None:
-                msg += f" (last error: {last_exc!r})"
-            raise TimeoutError(msg)
-        time.sleep(interval)
-
-
 def wait_for_tcp(host: str, port: int, timeout: float = 30.0) -> float:
     """Wait until host:port accepts a TCP connection (deadline-based poll).
     Returns the seconds it took."""
@@ -252,7 +235,7 @@ def wait_for_tcp(host: str, port: int, timeout: float = 30.0) -> float:
         with socket.create_connection((host, port), timeout=1.0):
             return True
 
-    wait_until(attempt, timeout, interval=0.05, what=f"tcp {host}:{port}")
+    wait_for(attempt, timeout, f"tcp {host}:{port}", poll=0.05, retry_on=(OSError,))
     return time.monotonic() - t0
 
 
@@ -296,8 +279,8 @@ class Node:
         return int(self.container.attrs["State"]["Pid"])
 
     def wait_status(self, *statuses: str, timeout: float = 30.0) -> str:
-        return wait_until(lambda: self.status in statuses and self.status, timeout,
-                          what=f"{self.name} status in {statuses}")
+        return wait_for(lambda: self.status in statuses and self.status, timeout,
+                        f"{self.name} status in {statuses}", poll=0.05, retry_on=(Exception,))
 
     # -- lifecycle
     def start(self, timeout: float = 60.0, expect_running: bool = True) -> Node:

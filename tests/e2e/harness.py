@@ -26,6 +26,7 @@ from kvwire.reference.control import ControlClient, ControlError
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
 from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
+from tests.waiting import wait_for as wait_for  # the scenarios wait through it
 
 from .faultproxy import FaultProxy
 
@@ -314,15 +315,6 @@ def report(name: str, results: list[Convergence]) -> None:
         )
         REPORTS.append(line)
         print(line)
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def applied(router: Router, engine: Engine, batches: int) -> Callable[[], bool]:

@@ -10,10 +10,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +24,7 @@ from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventCollector, EventPublisher
 from kvwire.subscriber import BlockSetSink, EngineSource, RankState, Subscriber
 from kvwire.wire import KVEventBatch
+from tests.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -41,15 +41,6 @@ def _load(name: str) -> ModuleType:
 
 engine_integration = _load("engine_integration")
 router_proxy = _load("router_proxy")
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll until ``predicate`` holds; fail at the deadline."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -86,7 +77,7 @@ def _caught_up(sub: Subscriber, pub: EventPublisher, worker: str = "toy", rank: 
             st is not None and st.state is RankState.SYNCED and st.expected_seq == pub.last_seq + 1
         )
 
-    wait_for(done, f"{worker}/{rank} to apply batch {pub.last_seq}")
+    wait_for(done, what=f"{worker}/{rank} to apply batch {pub.last_seq}")
 
 
 def test_engine_integration_events_rebuild_the_managers_cache(ipc_dir: str) -> None:
@@ -243,13 +234,13 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
                 and ranks["a/0"]["blocks"] == 3
             )
 
-        wait_for(ready, "the proxy's subscriber to apply both engines' stores")
+        wait_for(ready, what="the proxy's subscriber to apply both engines' stores")
         assert proxy.index.blocks("b", 1) == caches[1].held_hashes()
 
         # A cached prompt goes to its holder, though a/0 would win a tie.
         for field in ("prompt_token_ids", "prompt"):
             # The proxy frees a request's load just after its answer is sent.
-            wait_for(lambda: _idle(url), "the previous request's load to be released")
+            wait_for(lambda: _idle(url), what="the previous request's load to be released")
             request = {"model": "m", field: prompt, "max_tokens": 4}
             status, headers, answer = _post(completions, request)
             assert status == 200 and answer == {"backend": "B", "rank": "1"}
@@ -265,7 +256,7 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
         hold = {"prompt": held, "hold": True}
         in_flight = threading.Thread(target=lambda: first.append(_post(completions, hold)))
         in_flight.start()
-        wait_for(lambda: len(backend_a.received) + len(backend_b.received) == 3, "the held request")
+        wait_for(lambda: len(backend_a.received) + len(backend_b.received) == 3, what="the held request")
         received = backend_a.received + backend_b.received
         busy = next(r[1]["X-Kvwire-Route"] for r in received if b'"hold"' in r[2])
         loads = {k: r["load"] for k, r in _ranks(url).items()}
@@ -278,7 +269,7 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
         backend_b.gate.set()
         in_flight.join(15)
         assert first and first[0][0] == 200 and first[0][1]["X-Kvwire-Route"] == busy
-        wait_for(lambda: _idle(url), "every rank's load to return to zero")
+        wait_for(lambda: _idle(url), what="every rank's load to return to zero")
 
         status, _, answer = _post(completions, b"{not json")
         assert status == 400 and "invalid JSON" in answer["error"]
