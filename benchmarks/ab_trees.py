@@ -1,87 +1,354 @@
-"""Whole-process CPU per block of two (or more) builds in one process (issue 10).
+"""Two (or more) built trees measured in one process, runs alternated: the before/after table.
 
-Each tree's ``kvwire`` package (its own built ``_sender``) is imported once and swapped in
-``sys.modules`` before each run of ``engine_thread_bench.throughput_run``, the trees alternated
-A B B A ...: a noisy host then moves both builds alike, and the paired ratio of each pair of
-runs says more than two processes' medians would.
+A change that must lose no speed is judged against the tree before it on the same host at the
+same time. On a shared machine two processes' medians differ by more than the effects asked
+about, so this loads each tree's ``kvwire`` package (its own built extensions) and its own
+benchmark scripts into one process once, puts that tree's modules into ``sys.modules`` before
+each of its runs, and alternates the trees A B B A ...: a host that slows down moves both alike,
+and the ratio of each run to the neighbouring run of the first tree (the "paired" column) says
+more than two medians would. Each tree runs its own ``benchmarks/*.py``, so a tree whose API
+changed brings the bench code that speaks it; what this script calls in them is
+``engine_thread_bench.throughput_run`` / ``engine_run`` / ``calibrate`` / ``cores`` /
+``gil_free_spin``, ``index_bench.Workload`` / ``KvwireSide`` and
+``subscriber_bench.make_frames`` / ``core_rate`` / ``index_rate`` / ``transport_rates``.
 
-Run: ``python benchmarks/ab_trees.py kvwire-wire 256 10 /path/to/old /path/to/new`` (case,
-blocks per batch, runs per tree, then trees holding a built ``kvwire``; ``--batches`` as the
-bench: 1,500 at B=256, 10,000 at B=16).
+Sections (``--sections``; all but ``transport`` by default):
+
+- ``cpu``: ``engine_thread_bench``'s cpu table: whole-process CPU µs per stored block,
+  publishing as fast as the loop can into a SUB in another process (``--cases``, ``--sizes``);
+- ``engine``: ``engine_thread_bench``'s engine table: the engine loop pinned alone on one
+  core ("cpu": 1 ms of Python; "gpu": 200 µs of Python and 1.5 ms without the GIL), blocks of
+  iterations with and without publishing alternated; the paired iteration ratio (with /
+  without) and the publishing call's median time;
+- ``index``: ``index_bench``'s ``independent`` workload (64 workers): ``apply_payload`` into a
+  fresh index (unhinted, capacity-hinted, one-block events), match from a cold list, a fresh
+  list and precomputed keys;
+- ``subscriber``: ``subscriber_bench``'s in-process figures: decode + sequencing to a no-op
+  sink, and sequencing into a ``PrefixIndex`` by payload bytes, B = 16 and 256;
+- ``transport``: ``subscriber_bench``'s 64 ranks over tcp into a ``Subscriber``: blocks per
+  CPU second of the subscriber process (the sender runs in a child process).
+
+Run (each tree a checkout with its extensions built in place, as ``make venv`` leaves it)::
+
+    .venv/bin/python benchmarks/ab_trees.py OLD_TREE NEW_TREE [--runs 10] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import pkgutil
 import statistics
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+BENCHES = ("engine_thread_bench", "index_bench", "subscriber_bench")
+SECTIONS = ("cpu", "engine", "index", "subscriber", "transport")
 
 
-def load(tree: str) -> dict[str, ModuleType]:
-    """The tree's kvwire modules (what the bench's cases import), imported afresh."""
-    for name in [k for k in sys.modules if k == "kvwire" or k.startswith("kvwire.")]:
+def _ours(name: str) -> bool:
+    return name in BENCHES or name.split(".")[0] in ("kvwire", "tests")
+
+
+def _clear() -> None:
+    for name in [k for k in sys.modules if _ours(k)]:
         del sys.modules[name]
-    sys.path.insert(0, tree)
+
+
+@dataclass
+class Tree:
+    """One checkout: its kvwire modules and bench modules, as imported from it."""
+
+    root: str
+    label: str
+    modules: dict[str, ModuleType] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)  # per section, built once per tree
+
+    def bench(self, name: str) -> Any:
+        return self.modules[name]
+
+
+@contextlib.contextmanager
+def active(tree: Tree) -> Iterator[None]:
+    """``tree``'s modules in ``sys.modules``, its root and benchmarks first on ``sys.path``
+    (a spawned child imports the bench module from there) and in ``PYTHONPATH`` (a child
+    started by ``subprocess`` imports this tree's kvwire)."""
+    _clear()
+    sys.modules.update(tree.modules)
+    entries = [str(Path(tree.root) / "benchmarks"), tree.root]
+    saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
+    sys.path[0:0] = entries
+    os.environ["PYTHONPATH"] = os.pathsep.join([*entries, *filter(None, [saved_env])])
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        if saved_env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_env
+        _check(tree)
+
+
+def _check(tree: Tree) -> None:
+    """Every kvwire module the run used came from ``tree`` (a lazy import could reach another)."""
+    for name, mod in sys.modules.items():
+        where = getattr(mod, "__file__", None) or ""
+        if name.split(".")[0] == "kvwire" and where and not where.startswith(tree.root + os.sep):
+            raise SystemExit(f"{tree.root}: {name} was imported from {where}")
+
+
+def load(root: str, label: str) -> Tree:
+    """Import every kvwire module of ``root`` (so no later lazy import reaches another tree)
+    and its bench scripts, afresh."""
+    tree = Tree(root, label)
+    _clear()
+    saved = list(sys.path)
+    sys.path[0:0] = [str(Path(root) / "benchmarks"), root]
     importlib.invalidate_caches()
-    for name in ("kvwire.publisher", "kvwire.integrations.vllm", "kvwire.integrations.adapter"):
-        importlib.import_module(name)
-    sys.path.remove(tree)
-    mods = {k: v for k, v in sys.modules.items() if k == "kvwire" or k.startswith("kvwire.")}
-    where = mods["kvwire.publisher._sender"].__file__ or ""
-    if not where.startswith(tree):
-        raise SystemExit(f"{tree}: imported {where} instead")
-    return mods
+    try:
+        pkg = importlib.import_module("kvwire")
+        for info in pkgutil.walk_packages(pkg.__path__, "kvwire."):
+            # Optional dependencies (an engine, torch) missing: that module is not benchmarked.
+            with contextlib.suppress(ImportError):
+                importlib.import_module(info.name)
+        for name in BENCHES:
+            importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+    tree.modules = {k: v for k, v in sys.modules.items() if _ours(k)}
+    _check(tree)
+    return tree
 
 
-def use(mods: dict[str, ModuleType]) -> None:
-    for name in [k for k in sys.modules if k == "kvwire" or k.startswith("kvwire.")]:
-        del sys.modules[name]
-    sys.modules.update(mods)
+# --- what one run of one tree measures: (figure, unit, higher is better) -> value ----------
+
+Figure = tuple[str, str, bool]
+Measure = Callable[[Tree], dict[Figure, float]]
+
+
+def cpu_section(cases: list[str], sizes: list[int], quick: bool) -> Measure:
+    def measure(tree: Tree) -> dict[Figure, float]:
+        bench = tree.bench("engine_thread_bench")
+        out: dict[Figure, float] = {}
+        for case in cases:
+            for b in sizes:
+                n = (4000 if quick else 10_000) if b <= 16 else (600 if quick else 1500)
+                cpu, gaps = bench.throughput_run(case, b, n)
+                if gaps:
+                    raise SystemExit(f"{tree.root}: {case} B={b}: {gaps} seq gaps")
+                out[(f"cpu {case} B={b}", "µs/block", False)] = cpu
+        return out
+
+    return measure
+
+
+def engine_section(
+    cases: list[str], sizes: list[int], quick: bool
+) -> tuple[Callable[[Tree], Any], Measure]:
+    """The engine table's figures: the engine loop pinned alone on one core, blocks of
+    iterations with and without publishing alternated; per case, loop and size the paired
+    iteration ratio (with / without) and the publishing call's median time."""
+    block_iters, rounds = (40, 6) if quick else (60, 8)
+    spins: dict[str, int] = {}
+
+    def prepare(tree: Tree) -> Any:
+        bench = tree.bench("engine_thread_bench")
+        bench._GPU_WAIT = bench.gil_free_spin()  # the bench's default wait (--gpu-wait spin)
+        if not spins:  # the loop's work, calibrated once on the engine's core for every tree
+            engine_core, other = bench.cores()
+            me = threading.get_native_id()
+            os.sched_setaffinity(me, engine_core)
+            spins.update(cpu=bench.calibrate(0.001), gpu=bench.calibrate(0.0002))
+            os.sched_setaffinity(me, other | engine_core)
+        return None
+
+    def measure(tree: Tree) -> dict[Figure, float]:
+        bench = tree.bench("engine_thread_bench")
+        out: dict[Figure, float] = {}
+        for case in cases:
+            for loop in ("cpu", "gpu"):
+                for b in sizes:
+                    _, _, pairs, call, _, gaps = bench.engine_run(
+                        case, b, loop, block_iters, rounds, spins
+                    )
+                    if gaps:
+                        raise SystemExit(f"{tree.root}: {case} {loop} B={b}: {gaps} seq gaps")
+                    name = f"engine {loop} {case} B={b}"
+                    out[(f"{name} iteration", "with/without", False)] = 1 + statistics.median(pairs)
+                    out[(f"{name} call", "µs", False)] = call
+        engine_core, other = bench.cores()  # engine_run leaves this thread on the other cores
+        os.sched_setaffinity(threading.get_native_id(), engine_core | other)
+        return out
+
+    return prepare, measure
+
+
+def index_section(seqs: int, lookups: int) -> tuple[Callable[[Tree], Any], Measure]:
+    def prepare(tree: Tree) -> Any:
+        bench = tree.bench("index_bench")
+        return bench.KvwireSide(bench.Workload("independent", 64, seqs, 1, lookups))
+
+    def measure(tree: Tree) -> dict[Figure, float]:
+        bench, side = tree.bench("index_bench"), tree.state["index"]
+        blocks = side.wl.blocks
+        out: dict[Figure, float] = {}
+        # Per CPU second of this process: apply runs in the calling thread, so its CPU time
+        # is its cost whatever else the host runs (the bench's own figure is wall clock).
+        _, cpu, _ = side.build(small=True)
+        out[("index apply, one-block events", "M blocks/CPU s", True)] = blocks / cpu / 1e6
+        _, cpu, _ = side.build(hint=True)
+        out[("index apply, hinted", "M blocks/CPU s", True)] = blocks / cpu / 1e6
+        _, cpu, _ = side.build()
+        out[("index apply", "M blocks/CPU s", True)] = blocks / cpu / 1e6
+        side.check()
+        med = bench._median_us
+        out[("index match, cold list", "µs", False)] = med(side.match_list())
+        out[("index match, fresh list", "µs", False)] = med(side.match_fresh())
+        out[("index match, keys", "µs", False)] = med(side.match_keys(side.keys()))
+        side.index = None
+        return out
+
+    return prepare, measure
+
+
+def subscriber_section(quick: bool) -> tuple[Callable[[Tree], Any], Measure]:
+    def prepare(tree: Tree) -> Any:
+        bench = tree.bench("subscriber_bench")
+        frames = {}
+        for b in (16, 256):
+            n = max(1_000, (100_000 if quick else 400_000) // b)
+            frames[b] = bench.make_frames(b, n)
+            bench.core_rate(frames[b][:200], b)  # warm up
+        return frames
+
+    def measure(tree: Tree) -> dict[Figure, float]:
+        bench, frames = tree.bench("subscriber_bench"), tree.state["subscriber"]
+        out: dict[Figure, float] = {}
+        for b, f in frames.items():
+            rate = bench.core_rate(f, b)
+            out[(f"subscriber decode+sequencing B={b}", "M blocks/s", True)] = rate / 1e6
+            rate = bench.index_rate(f[: max(1_000, 100_000 // b)], b, True)
+            out[(f"subscriber into PrefixIndex, bytes B={b}", "M blocks/s", True)] = rate / 1e6
+        return out
+
+    return prepare, measure
+
+
+def transport_section(quick: bool) -> Measure:
+    def measure(tree: Tree) -> dict[Figure, float]:
+        bench = tree.bench("subscriber_bench")
+        out: dict[Figure, float] = {}
+        for b in (16, 256):
+            per_rank = max(200, (500_000 if quick else 2_000_000) // b // bench.TRANSPORT_RANKS)
+            _, cpu, _ = bench.transport_rates(b, bench.TRANSPORT_RANKS, per_rank, 1)
+            out[(f"transport per subscriber CPU s, B={b}", "M blocks/s", True)] = cpu[0] / 1e6
+        return out
+
+    return measure
+
+
+# --- main ------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("case")
-    parser.add_argument("blocks", type=int)
-    parser.add_argument("runs", type=int)
-    parser.add_argument("trees", nargs="+")
-    parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument(
+        "trees", nargs="+", help="checkouts with kvwire built in place; the first is the baseline"
+    )
+    parser.add_argument(
+        "--labels", nargs="+", help="a short name per tree (default: the directory's)"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=None,
+        help="runs per tree (default 10, --quick 6); even, so each tree runs first as often",
+    )  # fmt: skip
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS[:4]))
+    parser.add_argument("--cases", nargs="+", default=["kvwire-wire"],
+                        help="engine_thread_bench cases of the cpu section (kvwire-plugin needs vLLM's wheel)")  # fmt: skip
+    parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer batches, sequences and lookups per run: a few minutes in all")  # fmt: skip
     args = parser.parse_args()
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    sys.path.insert(0, str(here.parent))  # tests.integrations.engines, for vLLM's wheel
-    import engine_thread_bench as bench
+    roots = [os.path.abspath(t) for t in args.trees]
+    labels = args.labels or [Path(r).name for r in roots]
+    if len(labels) != len(roots) or len(set(labels)) != len(labels):
+        raise SystemExit("--labels: one distinct label per tree")
+    runs = args.runs or (6 if args.quick else 10)
+    logging.getLogger("kvwire").setLevel(logging.ERROR)  # the plugin's loopback-bind warning
 
-    sys.path.remove(str(here.parent))
-    logging.getLogger("kvwire").setLevel(logging.ERROR)
-    trees = [os.path.abspath(t) for t in args.trees]
-    n = args.batches or (10_000 if args.blocks <= 16 else 1500)
-    builds = [load(t) for t in trees]
-    res: list[list[float]] = [[] for _ in trees]
-    for r in range(args.runs):
-        order = range(len(trees)) if r % 2 == 0 else reversed(range(len(trees)))
-        for k in order:
-            use(builds[k])
-            cpu, gaps = bench.throughput_run(args.case, args.blocks, n)
-            if gaps:
-                raise SystemExit(f"{trees[k]}: {gaps} gaps")
-            res[k].append(cpu)
-    for tree, v in zip(trees, res, strict=True):
-        print(
-            f"{args.case} B={args.blocks} {tree}: median {statistics.median(v):.4f} "
-            f"[{min(v):.4f}..{max(v):.4f}] µs a block, {len(v)} runs"
+    started = time.monotonic()
+    trees = [load(r, label) for r, label in zip(roots, labels, strict=True)]
+    measures: list[Measure] = []
+    prepares: dict[str, Callable[[Tree], Any]] = {}
+    if "cpu" in args.sections:
+        measures.append(cpu_section(args.cases, args.sizes, args.quick))
+    if "engine" in args.sections:
+        prepares["engine"], m = engine_section(args.cases, args.sizes, args.quick)
+        measures.append(m)
+    if "index" in args.sections:
+        prepares["index"], m = index_section(
+            100 if args.quick else 200, 1000 if args.quick else 2000
         )
-    for k in range(1, len(trees)):
-        ratio = [b / a for a, b in zip(res[0], res[k], strict=True)]
-        print(
-            f"  paired {trees[k]} / {trees[0]}: median {statistics.median(ratio):.3f} "
-            f"[{min(ratio):.3f}..{max(ratio):.3f}]"
-        )
+        measures.append(m)
+    if "subscriber" in args.sections:
+        prepares["subscriber"], m = subscriber_section(args.quick)
+        measures.append(m)
+    if "transport" in args.sections:
+        measures.append(transport_section(args.quick))
+    for tree in trees:
+        with active(tree):
+            for name, prepare in prepares.items():
+                tree.state[name] = prepare(tree)
+
+    results: list[dict[Figure, list[float]]] = [{} for _ in trees]
+    for r in range(runs):
+        for measure in measures:
+            order = list(range(len(trees))) if r % 2 == 0 else list(reversed(range(len(trees))))
+            for k in order:
+                with active(trees[k]):
+                    for fig, value in measure(trees[k]).items():
+                        results[k].setdefault(fig, []).append(value)
+        print(f"run {r + 1} of {runs} done, {time.monotonic() - started:.0f} s", flush=True)
+    report(trees, results)
+    print(f"\n{runs} runs per tree, {time.monotonic() - started:.0f} s in all")
+
+
+def report(trees: list[Tree], results: list[dict[Figure, list[float]]]) -> None:
+    """Medians per tree; for each later tree the median of its per-run ratios to the first
+    tree's run in the same round, and the change in the direction that is better."""
+    base = trees[0].label
+    head = f"{'figure':<42} {'unit':<11}" + "".join(f" {t.label[:14]:>14}" for t in trees)
+    head += "".join(
+        f"  {t.label[:10] + '/' + base[:10] + ' (gain)':>23} {'paired [range]':>21}"
+        for t in trees[1:]
+    )
+    print(
+        "\nmedians, each tree's runs alternated in one process (↑ higher is better, ↓ lower; "
+        "gain: the change in the better direction)"
+    )
+    print(head)
+    print("-" * len(head))
+    for fig in results[0]:
+        name, unit, higher = fig
+        meds = [statistics.median(res[fig]) for res in results]
+        row = f"{name:<42} {unit + (' ↑' if higher else ' ↓'):<11}"
+        row += "".join(f" {m:>14.4g}" for m in meds)
+        for k in range(1, len(trees)):
+            paired = [b / a for a, b in zip(results[0][fig], results[k][fig], strict=True)]
+            change = meds[k] / meds[0] - 1 if higher else meds[0] / meds[k] - 1
+            row += f"  {meds[k] / meds[0]:>12.3f} ({change * 100:+6.1f}%)"
+            row += f" {statistics.median(paired):>6.3f} [{min(paired):.2f}..{max(paired):.2f}]"
+        print(row)
 
 
 if __name__ == "__main__":
