@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvwire.publisher import PublisherConfig
 from kvwire.reference.control import ControlClient, ControlError
 from kvwire.reference.serve import EngineConfig, _parse
 
@@ -14,8 +15,8 @@ from kvwire.reference.serve import EngineConfig, _parse
         EngineConfig(),
         EngineConfig(port=5557, replay_port=5657, control_port=5757),
         EngineConfig(ranks=4, host="0.0.0.0", port=7000, replay_port=None, control_port=7100,
-                     num_blocks=64, block_size=8, buffer_steps=20, hwm=5, max_queue_size=3,
-                     topic="kv", device="cpu", hash_seed=9),
+                     num_blocks=64, block_size=8, device="cpu", hash_seed=9,
+                     publisher=PublisherConfig(buffer_steps=20, hwm=5, max_queue_size=3, topic="kv")),
     ],
 )
 def test_argv_starts_the_same_configuration(config: EngineConfig) -> None:
