@@ -452,7 +452,8 @@ def _add_publisher_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(
                 _flag(f.name), default=None, metavar="VALUE",
-                help=f"{describe(f.type, 'none')}; default: {f.default!r}",
+                help=f"{describe(f.type, 'none')}; default: "
+                + ("none" if f.default is None else repr(f.default)),
             )  # fmt: skip
 
 

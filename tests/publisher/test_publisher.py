@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sys
 import threading
 import time
@@ -177,6 +178,61 @@ def test_bad_endpoints_and_settings_are_rejected() -> None:
         EventPublisher(config=PublisherConfig(dialect="json"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="coalesce_s"):
         EventPublisher(config=PublisherConfig(send_coalesce_s=-1))
+
+
+BAD_SETTINGS = [
+    ("max_queue_size", 0, "an integer >= 1"),
+    ("hwm", 2**31, "an integer from 1 to 2147483647"),
+    ("send_coalesce_s", -0.001, "a number from 0 to 60"),
+    ("send_coalesce_s", 10**15, "a number from 0 to 60"),
+    ("topic", 5, "a string"),
+    ("dialect", "json", "one of 'array', 'map'"),
+    ("buffer_steps", 0, "an integer >= 1"),
+    ("max_replay_batches", 0, "an integer >= 1, or None"),
+    ("max_replay_jobs", -1, "an integer >= 1"),
+    ("replay_stall_s", 0, "a number > 0"),
+    ("epoch", 1, "a boolean"),
+    ("heartbeat_s", 1e-7, "a number from 0.001 to 3600, or None"),
+    ("heartbeat_s", float("nan"), "a number from 0.001 to 3600, or None"),
+    ("snapshot", "yes", "a boolean"),
+    ("snapshot_chunk_blocks", 0, "an integer >= 1"),
+    ("mirror_backlog", 0, "an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(("field", "bad", "allowed"), BAD_SETTINGS)
+def test_a_bad_setting_is_refused_however_the_config_is_made(
+    field: str, bad: object, allowed: str
+) -> None:
+    """One rule per setting: the annotation's range, applied when built and when read."""
+    message = f"PublisherConfig.{field}={bad!r} is refused: expected {allowed}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PublisherConfig(**{field: bad})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        msgspec.structs.replace(PublisherConfig(), **{field: bad})
+    with pytest.raises(msgspec.ValidationError, match=re.escape(f"at `$.{field}`")):
+        msgspec.convert({field: bad}, PublisherConfig)
+
+
+def test_every_setting_has_a_range_checked_and_old_names_are_refused() -> None:
+    assert {field for field, _, _ in BAD_SETTINGS} == set(PublisherConfig.__struct_fields__)
+    config = msgspec.json.decode(b'{"heartbeat_s": null, "send_coalesce_s": 0}', type=PublisherConfig)
+    assert config == PublisherConfig(heartbeat_s=None, send_coalesce_s=0)
+    for old in ("heartbeat", "coalesce_s", "clock"):
+        with pytest.raises(msgspec.ValidationError, match=f"unknown field `{old}`"):
+            msgspec.convert({old: 1}, PublisherConfig)
+
+
+def test_a_running_publisher_keeps_its_config_in_range(ipc_dir: str) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None))
+    pub.max_queue_size = 5
+    pub.send_coalesce_s = 0.25
+    assert pub.config == PublisherConfig(heartbeat_s=None, max_queue_size=5, send_coalesce_s=0.25)
+    for name, bad in (("max_queue_size", 0), ("send_coalesce_s", 61.0)):
+        with pytest.raises(ValueError, match=f"PublisherConfig.{name}="):
+            setattr(pub, name, bad)
+    assert (pub.max_queue_size, pub.send_coalesce_s) == (5, 0.25)  # unchanged
+    pub.close()
 
 
 def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
