@@ -167,6 +167,8 @@ class EventPublisher:
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
+        if not isinstance(config, PublisherConfig):
+            raise TypeError(f"config must be a PublisherConfig, got {type(config).__name__}")
         validate_endpoints(endpoint, replay_endpoint, rank + 1)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -215,6 +217,7 @@ class EventPublisher:
         self._replay: ReplayServer | None = None
         self._mirror_in_hand = 0  # taken from the feed, being applied
         self._problems = RateLimitedLog(log, _LOG_INTERVAL_S)
+        self._problems_lock = threading.Lock()  # noted by the sender and service threads
         self._next_log = 0.0
         self._logged_queue_full = 0
         self._logged_send_error = 0
@@ -538,7 +541,8 @@ class EventPublisher:
     # --- bounded-rate logging ------------------------------------------------------
 
     def _note_error(self, kind: str, message: str) -> None:
-        self._problems.note(kind, message, f"rank {self.rank}")
+        with self._problems_lock:
+            self._problems.note(kind, message, f"rank {self.rank}")
 
     def _maybe_log(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -566,4 +570,5 @@ class EventPublisher:
                 "send", f"{failed - self._logged_send_error} batches not sent (libzmq refused them)"
             )
             self._logged_send_error = failed
-        self._problems.flush(force)
+        with self._problems_lock:
+            self._problems.flush(force)

@@ -457,13 +457,24 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
         assert len(seqs) < 3001
 
 
-def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)) as pub:
+def test_encode_errors_are_counted_and_leave_a_gap(
+    ipc_dir: str, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    logs = caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher")
+    with logs, EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)) as pub:
         sub, first = connect_sub(zctx, pub)
-        pub.publish(FailingBatch())
+        for _ in range(3):
+            pub.publish(FailingBatch())
         pub.publish(batch(1))
-        assert recv_live(sub).seq == first + 1
-        assert pub.stats().dropped_encode_error == 1
+        assert recv_live(sub).seq == first + 3
+        assert pub.stats().dropped_encode_error == 3
+    # The first is logged at once, the repeats in one line (at the latest on close).
+    lines = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
+    assert lines == [
+        "rank 0: a batch could not be encoded: cannot encode this",
+        "a batch could not be encoded: cannot encode this "
+        "(2 times since the last report, from 1: rank 0)",
+    ]
 
 
 def test_skip_leaves_a_gap_that_replay_cannot_fill(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
