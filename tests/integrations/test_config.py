@@ -8,6 +8,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import msgspec.inspect as mi
 import pytest
 
 from kvwire.integrations.config import IntegrationConfig, RelayConfig, bind_address, plugin_enabled
@@ -89,6 +91,23 @@ def test_every_variable_is_read() -> None:
         buffer_steps=9, max_queue_size=11, hwm=13, topic="kv", send_coalesce_s=0.0,
         max_replay_batches=7, epoch=True, heartbeat_s=0.5, snapshot=False,
     )  # fmt: skip
+
+
+def _range(cls: type[msgspec.Struct], name: str) -> Any:
+    """A field's type with its constraints, ``None`` left out."""
+    field = next(f for f in msgspec.structs.fields(cls) if f.name == name)
+    info = mi.type_info(field.type)
+    if isinstance(info, mi.UnionType):
+        (info,) = [t for t in info.types if not isinstance(t, mi.NoneType)]
+    return info
+
+
+def test_the_variables_ranges_are_the_publishers() -> None:
+    """A variable that sets a PublisherConfig field is checked by that field's own range."""
+    for name in ("buffer_steps", "max_queue_size", "hwm", "max_replay_batches", "heartbeat_s"):
+        assert _range(RelayConfig, name) == _range(PublisherConfig, name), name
+    coalesce_ms, coalesce_s = _range(IntegrationConfig, "coalesce_ms"), _range(PublisherConfig, "send_coalesce_s")
+    assert (coalesce_ms.ge, coalesce_ms.le) == (coalesce_s.ge * 1000, coalesce_s.le * 1000)
 
 
 def test_relay_variables_are_read_by_the_relay_only() -> None:
