@@ -75,7 +75,8 @@ def register() -> None:
 
     Off, it reads ``KVWIRE_PUBLISHER`` alone and cannot fail on a setting; the
     other variables are read when a config names ``"kvwire"`` (the publisher is
-    made) or, on, here, where a bad value stops SGLang with an error naming it.
+    made) or, on, here: a bad value raises naming the variable (SGLang logs the
+    failed plugin and keeps its own publisher).
     """
     enabled = plugin_enabled(SglangEventPublisher.engine)
     if enabled:

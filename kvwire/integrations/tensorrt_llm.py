@@ -207,7 +207,8 @@ class TrtllmEventRelay:
 
     ``llm`` is a TensorRT-LLM ``LLM`` (anything with ``get_kv_cache_events(timeout)``).
     Settings left ``None`` come from ``config`` (by default :class:`RelayConfig`
-    read from the ``KVWIRE_*`` variables; endpoints loopback by default). Each poll publishes at most one batch per rank.
+    read from the ``KVWIRE_*`` variables; endpoints loopback by default). Each
+    poll publishes at most one batch per rank.
     """
 
     def __init__(
