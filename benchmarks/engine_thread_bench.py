@@ -264,12 +264,12 @@ class Case:
             self._depth = lambda mirror: 0
             self._close = self.pub.close
         else:
-            from kvwire.publisher import EventCollector, EventPublisher
+            from kvwire.publisher import EventCollector
 
             options = dict(options or {})
             if name in ("kvwire-wire", "kvwire-nosub", "hooks-only"):
-                options.update(epoch=False, heartbeat=None, snapshot=False)
-            self.pub = EventPublisher(self.endpoint, f"tcp://127.0.0.1:{replay_port}", **options)
+                options.update(epoch=False, heartbeat_s=None, snapshot=False)
+            self.pub = _publisher(self.endpoint, f"tcp://127.0.0.1:{replay_port}", options)
             if name == "hooks-only":
                 self.pub.close()  # never bound: every batch is dropped (and counted) at once
             else:
@@ -301,6 +301,17 @@ class Case:
 
     def close(self) -> None:
         self._close()
+
+
+def _publisher(endpoint: str, replay: str, settings: dict[str, Any]) -> Any:
+    """An EventPublisher with ``settings`` (PublisherConfig fields); a tree from before
+    PublisherConfig takes them as keywords under their old names (ab_trees.py alternates trees)."""
+    import kvwire.publisher as kp
+
+    if hasattr(kp, "PublisherConfig"):
+        return kp.EventPublisher(endpoint, replay, kp.PublisherConfig(**settings))
+    old = {"heartbeat_s": "heartbeat", "send_coalesce_s": "coalesce_s"}
+    return kp.EventPublisher(endpoint, replay, **{old.get(k, k): v for k, v in settings.items()})
 
 
 class _Discard:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
 
-from kvwire.publisher import EventPublisher  # noqa: E402
+from kvwire.publisher import EventPublisher, PublisherConfig  # noqa: E402
 from kvwire.subscriber import (  # noqa: E402
     BlockSetSink,
     EngineSource,
@@ -114,10 +114,9 @@ def engine_main(args: argparse.Namespace) -> None:
         EventPublisher(
             f"tcp://127.0.0.1:{args.port}",
             f"tcp://127.0.0.1:{args.replay_port}",
+            PublisherConfig(heartbeat_s=args.heartbeat or None),
             rank=r,
-            ranks_per_host=ranks,
             context=ctx,
-            heartbeat=args.heartbeat or None,
         ).start()
         for r in range(ranks)
     ]

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.publisher import EventCollector, EventPublisher, PublisherConfig
 from kvwire.reference import CacheFullError, PagedKVCache
 from kvwire.wire import (
     AllBlocksCleared,
@@ -191,11 +191,12 @@ def run_decode_loop(args: argparse.Namespace, device: torch.device) -> None:
         step()
     one = (time.perf_counter() - t0) / 5
     print(f"step alone: {one * 1e3:.3f} ms (H200 reference: ~1.54 ms)")
-    default_coalesce = EventPublisher().coalesce_s
+    default_coalesce = PublisherConfig().send_coalesce_s
     coalesces = [default_coalesce] + ([] if args.no_sweep else [0.0, 0.0005, 0.002])
     pubs = {
         coalesce: EventPublisher(
-            "tcp://127.0.0.1:*", topic=f"coalesce{coalesce}", coalesce_s=coalesce
+            "tcp://127.0.0.1:*",
+            config=PublisherConfig(topic=f"coalesce{coalesce}", send_coalesce_s=coalesce),
         ).start()
         for coalesce in coalesces
     }
@@ -291,7 +292,7 @@ def run_reference_cache(args: argparse.Namespace, device: torch.device) -> None:
     requests = 200 if tiny else 1500
     ipc = tempfile.mkdtemp(prefix="kvwg")
     ctx: zmq.Context[Any] = zmq.Context()
-    with EventPublisher(f"ipc://{ipc}/cache", buffer_steps=10) as pub:
+    with EventPublisher(f"ipc://{ipc}/cache", config=PublisherConfig(buffer_steps=10)) as pub:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 0)

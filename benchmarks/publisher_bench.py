@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import zmq
 
-from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.publisher import EventCollector, EventPublisher, PublisherConfig
 from kvwire.security import ClientKeys, ServerKeys, generate_keypair, secure_client
 from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
@@ -221,10 +221,11 @@ def run_throughput(blocks: int, kind: str, iterations: int, variant: str = "plai
     client_keys = None
     tmp = tempfile.TemporaryDirectory()
     if variant == "mirror":
-        options = {"replay_endpoint": "tcp://127.0.0.1:*", "snapshot": True}
+        options = {"replay_endpoint": "tcp://127.0.0.1:*"}
     elif variant == "curve":
         options["server_keys"], client_keys = make_keys(Path(tmp.name))
-    with tmp, EventPublisher(endpoint, max_queue_size=iterations + 1000, **options) as pub:
+    config = PublisherConfig(max_queue_size=iterations + 1000)
+    with tmp, EventPublisher(endpoint, config=config, **options) as pub:
         col = EventCollector(pub, BLOCK_TOKENS)
         proc, conn = connect_subscriber(ctx, pub, col, stall=False, keys=client_keys)
         start_seq = pub.last_seq + 1
@@ -341,7 +342,9 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
 def run_stalled(blocks: int, iterations: int, max_queue_size: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     inputs = make_inputs(blocks, "lists")
-    with EventPublisher("tcp://127.0.0.1:*", max_queue_size=max_queue_size, hwm=1000) as pub:
+    with EventPublisher(
+        "tcp://127.0.0.1:*", config=PublisherConfig(max_queue_size=max_queue_size, hwm=1000)
+    ) as pub:
         col = EventCollector(pub, BLOCK_TOKENS)
         proc, conn = connect_subscriber(ctx, pub, col, stall=True)
         real_publish = pub.publish
@@ -420,7 +423,9 @@ def run_publish_cost(calls: int) -> tuple[float, float]:
     """ns per ``publish()`` of a prebuilt batch into a queue no sender drains: kvwire's
     (native, under a mutex), and a bare Python deque append without a lock."""
     batch = KVEventBatch(0.0, [], 0)
-    locked = EventPublisher(max_queue_size=calls + 1, heartbeat=None)  # never started
+    locked = EventPublisher(
+        config=PublisherConfig(max_queue_size=calls + 1, heartbeat_s=None)
+    )  # never started
     unlocked = _UnlockedQueue(calls + 1)
     out = []
     for target in (locked, unlocked):

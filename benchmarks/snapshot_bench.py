@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zmq
 
 from kvwire.prefix_index import PrefixIndex
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.publisher.mirror import Mirror
 from kvwire.wire import (
     BlockStored,
@@ -173,8 +173,9 @@ def live_probe(endpoint: str, conn: Any) -> None:
 def serve_once(batches: list[KVEventBatch], blocks: int) -> dict[str, Any]:
     mpctx = mp.get_context("spawn")
     with EventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat=None,
-        max_queue_size=len(batches) + 100_000, buffer_steps=1000,
+        "tcp://127.0.0.1:*",
+        "tcp://127.0.0.1:*",
+        PublisherConfig(heartbeat_s=None, max_queue_size=len(batches) + 100_000, buffer_steps=1000),
     ) as pub:  # fmt: skip
         for b in batches:
             pub.publish(b)

@@ -7,6 +7,6 @@ TensorRT-LLM's ``get_kv_cache_events`` through kvwire. The ``KVWIRE_*``
 variables are listed in :mod:`kvwire.integrations.config`.
 """
 
-from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.config import IntegrationConfig, RelayConfig
 
-__all__ = ["IntegrationConfig"]
+__all__ = ["IntegrationConfig", "RelayConfig"]

@@ -123,21 +123,20 @@ class EngineEventPublisher:
         rank: int,
         endpoint: str,
         replay_endpoint: str | None,
-        buffer_steps: int,
-        hwm: int,
-        max_queue_size: int,
+        buffer_steps: int | None,
+        hwm: int | None,
+        max_queue_size: int | None,
         topic: str,
         config: IntegrationConfig,
         ignored: dict[str, Any] | None = None,
     ) -> None:
-        """``ignored``: the engine's settings newer than this publisher, logged and left out."""
+        """The engine's own settings (``None``: the publisher's default) and kvwire's.
+
+        ``ignored``: the engine's settings newer than this publisher, logged and left out.
+        """
         if ignored:
             log.info("kvwire publisher ignores %s settings %s", self.engine, sorted(ignored))
         self.rank = rank
-        self.topic = topic
-        self.buffer_steps = buffer_steps
-        self.hwm = hwm
-        self.max_queue_size = max_queue_size
         pub = bind_address(endpoint, config)
         replay = None if replay_endpoint is None else bind_address(replay_endpoint, config)
         if (pub, replay) != (endpoint, replay_endpoint) and not config.expose:
@@ -149,12 +148,9 @@ class EngineEventPublisher:
         self.publisher = EventPublisher(
             pub,
             replay,
+            config.publisher_config(buffer_steps, hwm, max_queue_size, topic),
             rank=rank,
-            buffer_steps=buffer_steps,
-            hwm=hwm,
-            max_queue_size=max_queue_size,
-            topic=topic,
-            **config.publisher_options(buffer_steps),
+            server_keys=config.server_keys(),
         ).start()
         self._encoder = msgspec.msgpack.Encoder()
         fmt = engine_format(self.kv_events, self.rank_field, self._encoder)
@@ -170,6 +166,11 @@ class EngineEventPublisher:
             "kvwire publisher for %s rank %d on %s (replay %s)",
             self.engine, rank, self.publisher.bound_endpoint, self.publisher.bound_replay_endpoint,
         )  # fmt: skip
+
+    @property
+    def topic(self) -> str:
+        """The topic the engine configured."""
+        return self.publisher.config.topic
 
     def publish(self, events: Any) -> None:
         """Queue the engine's batch; never blocks (a full queue drops it, a visible gap).

@@ -7,41 +7,57 @@ everything kvwire adds comes from the environment:
 =============================  =========  ==================================================
 variable                       default    meaning
 =============================  =========  ==================================================
-``KVWIRE_PUBLISHER``           unset      ``1``: the vLLM / SGLang plugins put kvwire's
-                                          publisher in place of the engine's ``"zmq"`` one
-                                          (and register ``"kvwire"``). Anything else: the
-                                          plugins do nothing.
+``KVWIRE_PUBLISHER``           unset      ``1`` (or ``true``): the vLLM / SGLang plugins put
+                                          kvwire's publisher in place of the engine's
+                                          ``"zmq"`` one (and register ``"kvwire"``). Unset,
+                                          ``0`` or ``false``: the plugins read no other
+                                          variable and change nothing. Any other value is
+                                          logged as an error and the plugins stay off.
 ``KVWIRE_EXPOSE``              unset      ``1``: bind wildcard hosts (``tcp://*:5557``) as
                                           configured, with a warning. Unset: bind loopback
                                           instead (events carry prompt token ids).
-``KVWIRE_COALESCE_MS``         ``2``      how long the sender waits after a wake-up so the
-                                          engine thread keeps the GIL (0: send at once).
+``KVWIRE_COALESCE_MS``         ``2``      the publisher's ``send_coalesce_s`` in ms: how long
+                                          the sender holds a batch so that batches published
+                                          meanwhile share its send round (0: send at once;
+                                          at most 60000).
 ``KVWIRE_MAX_REPLAY_BATCHES``  buffer     batches one replay request is answered with
                                           (default: the whole replay buffer, as the engines
                                           do).
 ``KVWIRE_EPOCH``               unset      ``1``: an epoch id on every topic frame, so
                                           subscribers tell a restart from a gap (changes the
                                           topic frame).
-``KVWIRE_HEARTBEAT_S``         unset      heartbeat interval (s): an empty batch on the
-                                          wall-clock grid of it (of half of it right after
-                                          a batch) when nothing went out meanwhile, so a
-                                          trailing loss shows (adds messages;
+``KVWIRE_HEARTBEAT_S``         unset      the publisher's ``heartbeat_s`` (0.001 to 3600): an
+                                          empty batch on the wall-clock grid of it (of half
+                                          of it right after a batch) when nothing went out
+                                          meanwhile, so a trailing loss shows (adds messages;
                                           ``kvwire.wire.heartbeat``).
 ``KVWIRE_SECRET_KEY``          unset      the publisher's CURVE ``.key_secret`` file
                                           (``kvwire keygen``); with ``KVWIRE_ALLOW_DIR``, only
                                           clients whose public key is in that directory read
                                           the events (add or remove files to rotate keys).
 ``KVWIRE_ALLOW_DIR``           unset      the directory of allowed client public keys.
-``KVWIRE_ENDPOINT``            loopback   TensorRT-LLM relay: base PUB endpoint
-                                          (rank ``r`` binds port + ``r``),
-                                          ``tcp://127.0.0.1:5557``.
-``KVWIRE_REPLAY_ENDPOINT``     unset      TensorRT-LLM relay: base replay endpoint.
-``KVWIRE_BLOCK_SIZE``          ``32``     TensorRT-LLM relay: ``tokens_per_block``.
-``KVWIRE_BUFFER_STEPS``        ``10000``  TensorRT-LLM relay: batches kept for replay.
-``KVWIRE_MAX_QUEUE_SIZE``      ``100000`` TensorRT-LLM relay: batches waiting to be sent.
-``KVWIRE_HWM``                 ``100000`` TensorRT-LLM relay: PUB send high-water mark.
-``KVWIRE_TOPIC``               empty      TensorRT-LLM relay: topic.
 =============================  =========  ==================================================
+
+The TensorRT-LLM relay (:class:`RelayConfig`) also reads, and only it:
+
+=============================  =========  ==================================================
+``KVWIRE_ENDPOINT``            loopback   base PUB endpoint (rank ``r`` binds port + ``r``),
+                                          ``tcp://127.0.0.1:5557``.
+``KVWIRE_REPLAY_ENDPOINT``     unset      base replay endpoint.
+``KVWIRE_BLOCK_SIZE``          ``32``     ``tokens_per_block``.
+``KVWIRE_BUFFER_STEPS``        ``10000``  batches kept for replay.
+``KVWIRE_MAX_QUEUE_SIZE``      ``100000`` batches waiting to be sent.
+``KVWIRE_HWM``                 ``100000`` PUB send high-water mark.
+``KVWIRE_TOPIC``               empty      topic.
+=============================  =========  ==================================================
+
+Each variable is a field of :class:`IntegrationConfig` or :class:`RelayConfig`
+(``KVWIRE_`` and the field's name upper-cased; ``KVWIRE_PUBLISHER`` is
+``enabled``), read with ``msgspec.convert`` against the field's type and
+range, the same ranges as :class:`~kvwire.publisher.PublisherConfig`'s; an
+empty variable counts as unset. A value outside them is refused when it is
+read, naming the variable, its value and what is allowed. Settings left unset
+take the publisher's defaults.
 
 Everything kvwire adds that would change the bytes on the wire stays off
 unless a variable turns it on, so existing consumers of vLLM's and SGLang's
@@ -50,110 +66,159 @@ streams keep reading exactly what the engines' own publishers send.
 
 from __future__ import annotations
 
-import math
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Self
 
+import msgspec
+from msgspec import Meta
+
+from kvwire.publisher.config import (
+    MAX_SEND_COALESCE_S,
+    HeartbeatSeconds,
+    Hwm,
+    Positive,
+    PublisherConfig,
+)
+from kvwire.publisher.publisher import DEFAULT_ENDPOINT
 from kvwire.security import ServerKeys
+from kvwire.settings import read_env
 
-__all__ = ["IntegrationConfig", "bind_address"]
+__all__ = ["IntegrationConfig", "RelayConfig", "bind_address", "plugin_enabled"]
+
+log = logging.getLogger(__name__)
 
 _WILDCARDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]"}
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
+def _variable(field: str) -> str:
+    """The environment variable of a setting."""
+    return "KVWIRE_PUBLISHER" if field == "enabled" else f"KVWIRE_{field.upper()}"
 
 
-def _seconds(env: Mapping[str, str], name: str) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value} must be a positive number of seconds")
-    return value
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-@dataclass(frozen=True)
-class IntegrationConfig:
-    """kvwire's settings inside an engine, read once from the environment."""
-
+class _Switch(msgspec.Struct, frozen=True, kw_only=True, rename=_variable):
     enabled: bool = False
+
+
+class IntegrationConfig(_Switch, frozen=True, kw_only=True, rename=_variable):
+    """kvwire's settings inside vLLM and SGLang, one field per ``KVWIRE_*`` variable.
+
+    ``enabled`` is ``KVWIRE_PUBLISHER``; a plugin reads it alone
+    (:func:`plugin_enabled`) and everything else only when it is on. Unset
+    settings (``None``) take :class:`~kvwire.publisher.PublisherConfig`'s
+    defaults; kvwire's additions (epoch, heartbeats) stay off unless asked
+    for, and snapshots are not served, so the wire carries the engine's bytes.
+    """
+
     expose: bool = False
-    coalesce_ms: int = 2
-    max_replay_batches: int | None = None
+    coalesce_ms: Annotated[int, Meta(ge=0, le=MAX_SEND_COALESCE_S * 1000)] | None = None
+    max_replay_batches: Positive | None = None
     epoch: bool = False
-    heartbeat_s: float | None = None
-    server_keys: ServerKeys | None = None
-    endpoint: str = "tcp://127.0.0.1:5557"
-    replay_endpoint: str | None = None
-    block_size: int = 32
-    buffer_steps: int = 10_000
-    max_queue_size: int = 100_000
-    hwm: int = 100_000
-    topic: str = ""
+    heartbeat_s: HeartbeatSeconds | None = None
+    secret_key: str | None = None
+    allow_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.secret_key is None) != (self.allow_dir is None):
+            given, missing = ("SECRET_KEY", "ALLOW_DIR")[:: 1 if self.allow_dir is None else -1]
+            raise ValueError(
+                f"KVWIRE_SECRET_KEY and KVWIRE_ALLOW_DIR go together: KVWIRE_{given} is set "
+                f"and KVWIRE_{missing} is not"
+            )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> IntegrationConfig:
-        """Read the ``KVWIRE_*`` variables; a malformed value raises ``ValueError`` naming it."""
-        env = os.environ if env is None else env
-        replay_max = env.get("KVWIRE_MAX_REPLAY_BATCHES")
-        secret, allow = env.get("KVWIRE_SECRET_KEY"), env.get("KVWIRE_ALLOW_DIR")
-        if bool(secret) != bool(allow):
-            raise ValueError("KVWIRE_SECRET_KEY and KVWIRE_ALLOW_DIR go together")
-        return cls(
-            enabled=_flag(env, "KVWIRE_PUBLISHER"),
-            expose=_flag(env, "KVWIRE_EXPOSE"),
-            coalesce_ms=_int(env, "KVWIRE_COALESCE_MS", 2, 0),
-            max_replay_batches=(
-                _int(env, "KVWIRE_MAX_REPLAY_BATCHES", 1, 1) if replay_max else None
-            ),
-            epoch=_flag(env, "KVWIRE_EPOCH"),
-            heartbeat_s=_seconds(env, "KVWIRE_HEARTBEAT_S"),
-            server_keys=ServerKeys(Path(secret), Path(allow)) if secret and allow else None,
-            endpoint=env.get("KVWIRE_ENDPOINT") or cls.endpoint,
-            replay_endpoint=env.get("KVWIRE_REPLAY_ENDPOINT") or None,
-            block_size=_int(env, "KVWIRE_BLOCK_SIZE", 32, 1),
-            buffer_steps=_int(env, "KVWIRE_BUFFER_STEPS", 10_000, 1),
-            max_queue_size=_int(env, "KVWIRE_MAX_QUEUE_SIZE", 100_000, 1),
-            hwm=_int(env, "KVWIRE_HWM", 100_000, 1),
-            topic=env.get("KVWIRE_TOPIC", ""),
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Self:
+        """Read the variables (``os.environ`` by default); a bad value raises ``ValueError``
+        naming the variable, its value and what is allowed, and so does a key file that
+        cannot be read."""
+        config = read_env(cls, os.environ if env is None else env)
+        config.server_keys()
+        return config
+
+    def server_keys(self) -> ServerKeys | None:
+        """The publisher's CURVE keys, loaded from ``KVWIRE_SECRET_KEY`` and
+        ``KVWIRE_ALLOW_DIR`` (``None`` without them)."""
+        if self.secret_key is None or self.allow_dir is None:
+            return None
+        try:
+            return ServerKeys(Path(self.secret_key), Path(self.allow_dir))
+        except ValueError as exc:
+            raise ValueError(
+                f"KVWIRE_SECRET_KEY={self.secret_key!r} with KVWIRE_ALLOW_DIR="
+                f"{self.allow_dir!r} is refused: {exc}"
+            ) from None
+
+    def publisher_config(
+        self,
+        buffer_steps: int | None = None,
+        hwm: int | None = None,
+        max_queue_size: int | None = None,
+        topic: str = "",
+    ) -> PublisherConfig:
+        """The publisher's settings: the engine's own (``None``: the publisher's default)
+        and what the variables add. What they do not ask for is off, so the wire
+        carries the engine's own bytes."""
+        given: dict[str, Any] = {
+            "buffer_steps": buffer_steps,
+            "hwm": hwm,
+            "max_queue_size": max_queue_size,
+            "send_coalesce_s": None if self.coalesce_ms is None else self.coalesce_ms / 1000,
+        }
+        return PublisherConfig(
+            topic=topic,
+            max_replay_batches=self.max_replay_batches,
+            epoch=self.epoch,
+            heartbeat_s=self.heartbeat_s,
+            snapshot=False,
+            **{name: value for name, value in given.items() if value is not None},
         )
 
-    def publisher_options(self, buffer_steps: int) -> dict[str, Any]:
-        """kvwire-only keywords for :class:`~kvwire.publisher.EventPublisher`.
 
-        Features the environment did not ask for are passed switched off, so
-        the wire carries the engines' own bytes.
-        """
-        return {
-            "coalesce_s": self.coalesce_ms / 1000,
-            "max_replay_batches": self.max_replay_batches or buffer_steps,
-            "epoch": self.epoch,
-            "heartbeat": self.heartbeat_s,
-            "snapshot": False,
-            "server_keys": self.server_keys,
-        }
+class RelayConfig(IntegrationConfig, frozen=True, kw_only=True, rename=_variable):
+    """The TensorRT-LLM relay's settings: the plugins' and what the engine's own
+    configuration would give (the relay has none to read), from ``KVWIRE_*``
+    variables only the relay reads. ``enabled`` does not apply to the relay."""
+
+    endpoint: str = DEFAULT_ENDPOINT
+    replay_endpoint: str | None = None
+    block_size: Positive = 32
+    buffer_steps: Positive | None = None
+    max_queue_size: Positive | None = None
+    hwm: Hwm | None = None
+    topic: str = ""
+
+    def publisher_config(
+        self,
+        buffer_steps: int | None = None,
+        hwm: int | None = None,
+        max_queue_size: int | None = None,
+        topic: str = "",
+    ) -> PublisherConfig:
+        """As :meth:`IntegrationConfig.publisher_config`, the relay's own settings
+        filling what is not given."""
+        return super().publisher_config(
+            self.buffer_steps if buffer_steps is None else buffer_steps,
+            self.hwm if hwm is None else hwm,
+            self.max_queue_size if max_queue_size is None else max_queue_size,
+            topic or self.topic,
+        )
+
+
+def plugin_enabled(engine: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVWIRE_PUBLISHER`` turns an engine plugin on; reads no other variable.
+
+    Never raises: an engine calls its plugins without a guard (vLLM 0.33's
+    ``load_general_plugins``), and the plugins promise to change nothing until
+    asked. A value that is neither on nor off is logged as an error, naming
+    the variable, and leaves the plugin off.
+    """
+    try:
+        return read_env(_Switch, os.environ if env is None else env).enabled
+    except ValueError as exc:
+        log.error("kvwire's %s plugin stays off: %s", engine, exc)
+        return False
 
 
 def bind_address(endpoint: str, config: IntegrationConfig) -> str:

@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from kvwire.integrations.adapter import EngineEventPublisher, install
-from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.config import IntegrationConfig, plugin_enabled
 from kvwire.wire import local_endpoint
 
 __all__ = ["SglangEventPublisher", "register"]
@@ -33,9 +33,9 @@ class SglangEventPublisher(EngineEventPublisher):
         attn_dp_rank: int = 0,
         endpoint: str = "tcp://*:5557",
         replay_endpoint: str | None = None,
-        buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        max_queue_size: int = 100_000,
+        buffer_steps: int | None = None,
+        hwm: int | None = None,
+        max_queue_size: int | None = None,
         topic: str = "",
         bind: bool | None = None,
         *,
@@ -71,9 +71,18 @@ class SglangEventPublisher(EngineEventPublisher):
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point, idempotent: ``"kvwire"`` is registered always
     (SGLang accepts any publisher name, and nothing runs until a config names it); ``"zmq"`` is
-    taken over only with ``KVWIRE_PUBLISHER=1``."""
+    taken over only with ``KVWIRE_PUBLISHER=1``.
+
+    Off, it reads ``KVWIRE_PUBLISHER`` alone and cannot fail on a setting; the
+    other variables are read when a config names ``"kvwire"`` (the publisher is
+    made) or, on, here: a bad value raises naming the variable (SGLang logs the
+    failed plugin and keeps its own publisher).
+    """
+    enabled = plugin_enabled(SglangEventPublisher.engine)
+    if enabled:
+        IntegrationConfig.from_env()
     install(
         importlib.import_module("sglang.srt.disaggregation.kv_events"),
         SglangEventPublisher,
-        replace_zmq=IntegrationConfig.from_env().enabled,
+        replace_zmq=enabled,
     )

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.config import RelayConfig
 from kvwire.publisher import EventCollector, EventPublisher
 from kvwire.wire import WireError, normalise_hash
 
@@ -206,8 +206,9 @@ class TrtllmEventRelay:
     """Polls ``get_kv_cache_events`` on a thread and publishes each rank's events through kvwire.
 
     ``llm`` is a TensorRT-LLM ``LLM`` (anything with ``get_kv_cache_events(timeout)``).
-    Settings left ``None`` come from the ``KVWIRE_*`` variables (endpoints
-    loopback by default). Each poll publishes at most one batch per rank.
+    Settings left ``None`` come from ``config`` (by default :class:`RelayConfig`
+    read from the ``KVWIRE_*`` variables; endpoints loopback by default). Each
+    poll publishes at most one batch per rank.
     """
 
     def __init__(
@@ -219,9 +220,9 @@ class TrtllmEventRelay:
         replay_endpoint: str | None = None,
         ranks: int = 1,
         poll_timeout_s: float = 0.1,
-        config: IntegrationConfig | None = None,
+        config: RelayConfig | None = None,
     ) -> None:
-        self.config = config or IntegrationConfig.from_env()
+        self.config = config or RelayConfig.from_env()
         self.block_size = block_size or self.config.block_size
         self.endpoint = endpoint or self.config.endpoint
         self.replay_endpoint = replay_endpoint or self.config.replay_endpoint
@@ -229,6 +230,8 @@ class TrtllmEventRelay:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
         self.poll_timeout_s = poll_timeout_s
+        self._publisher_config = self.config.publisher_config()
+        self._server_keys = self.config.server_keys()
         self._poll: Callable[[float], Sequence[Mapping[str, Any]] | None] = llm.get_kv_cache_events
         self.converters: dict[int, RankConverter] = {}
         self.publishers: dict[int, EventPublisher] = {}
@@ -239,16 +242,12 @@ class TrtllmEventRelay:
 
     def _rank(self, rank: int) -> tuple[RankConverter, EventCollector]:
         if rank not in self.converters:
-            cfg = self.config
             publisher = EventPublisher(
                 self.endpoint,
                 self.replay_endpoint,
+                self._publisher_config,
                 rank=rank,
-                buffer_steps=cfg.buffer_steps,
-                hwm=cfg.hwm,
-                max_queue_size=cfg.max_queue_size,
-                topic=cfg.topic,
-                **cfg.publisher_options(cfg.buffer_steps),
+                server_keys=self._server_keys,
             ).start()
             self.publishers[rank] = publisher
             self._collectors[rank] = EventCollector(publisher, self.block_size, hash_format="signed")

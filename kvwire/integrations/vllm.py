@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 from kvwire.integrations.adapter import EngineEventPublisher, install
-from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.config import IntegrationConfig, plugin_enabled
 
 __all__ = ["VllmEventPublisher", "register"]
 
@@ -33,9 +33,9 @@ class VllmEventPublisher(EngineEventPublisher):
         data_parallel_rank: int = 0,
         endpoint: str = "tcp://*:5557",
         replay_endpoint: str | None = None,
-        buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        max_queue_size: int = 100_000,
+        buffer_steps: int | None = None,
+        hwm: int | None = None,
+        max_queue_size: int | None = None,
         topic: str = "",
         *,
         config: IntegrationConfig | None = None,
@@ -55,20 +55,28 @@ class VllmEventPublisher(EngineEventPublisher):
 
     def get_publisher_config(self) -> Any:
         """What vLLM's own publisher reports: its resolved (bound) configuration."""
+        config = self.publisher.config
         return self.kv_events.KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
             endpoint=self.publisher.bound_endpoint,
             replay_endpoint=self.publisher.bound_replay_endpoint,
-            buffer_steps=self.buffer_steps,
-            hwm=self.hwm,
-            max_queue_size=self.max_queue_size,
-            topic=self.topic,
+            buffer_steps=config.buffer_steps,
+            hwm=config.hwm,
+            max_queue_size=config.max_queue_size,
+            topic=config.topic,
         )
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: idempotent, inert unless ``KVWIRE_PUBLISHER=1``."""
-    if not IntegrationConfig.from_env().enabled:
+    """The ``vllm.general_plugins`` entry point: idempotent, inert unless ``KVWIRE_PUBLISHER=1``.
+
+    vLLM calls it without a guard in every process, so while off it reads
+    ``KVWIRE_PUBLISHER`` alone and cannot raise. On, a bad ``KVWIRE_*`` value
+    stops vLLM here with an error naming the variable: the operator asked for
+    kvwire, and an engine publishing nothing would look healthy.
+    """
+    if not plugin_enabled(VllmEventPublisher.engine):
         return
+    IntegrationConfig.from_env()
     install(importlib.import_module("vllm.distributed.kv_events"), VllmEventPublisher)

@@ -1,7 +1,7 @@
 """The engine side: what an inference engine embeds to publish KV-cache events.
 
-``EventPublisher`` owns the sockets and ``EventCollector`` is what a cache
-manager calls each iteration. The engine integrations (vLLM, SGLang,
+``EventPublisher`` owns the sockets, ``PublisherConfig`` holds its settings
+and ``EventCollector`` is what a cache manager calls each iteration. The engine integrations (vLLM, SGLang,
 TensorRT-LLM) live in :mod:`kvwire.integrations`; the reference engine that
 the demo and the tests drive lives in :mod:`kvwire.reference`.
 """
@@ -13,6 +13,7 @@ from kvwire.publisher.collector import (
     EventCollector,
     HashFormat,
 )
+from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.publisher import (
     DEFAULT_ENDPOINT,
     EventPublisher,
@@ -29,5 +30,6 @@ __all__ = [
     "EventPublisher",
     "HashFormat",
     "PendingBatch",
+    "PublisherConfig",
     "PublisherStats",
 ]

@@ -52,6 +52,7 @@ from typing import Any
 import msgspec
 
 from kvwire.publisher._mirror import Chain, Core
+from kvwire.publisher.config import PublisherConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEventBatch
 from kvwire.wire.codec import StoredParts, decode_batch, encode_parts
 from kvwire.wire.errors import WireError
@@ -177,9 +178,14 @@ class Mirror:
     # --- snapshots -----------------------------------------------------------------
 
     def snapshot(
-        self, rank: int | None, *, chunk_blocks: int = 4096, dialect: Dialect = "map"
+        self,
+        rank: int | None,
+        *,
+        chunk_blocks: int = PublisherConfig().snapshot_chunk_blocks,
+        dialect: Dialect = "map",
     ) -> SnapshotCursor:
-        """Start a snapshot of the state as of :attr:`next_seq`; serve it with ``next_chunk()``."""
+        """Start a snapshot of the state as of :attr:`next_seq`; serve it with ``next_chunk()``
+        in chunks of at most ``chunk_blocks`` blocks (the publisher passes its config's)."""
         cursor = SnapshotCursor(self, rank, chunk_blocks, dialect)
         self._cursors.append(cursor)
         return cursor

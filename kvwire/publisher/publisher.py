@@ -26,8 +26,10 @@ import zmq
 
 from kvwire._native import libzmq_path
 from kvwire.publisher._sender import Sender
+from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
 from kvwire.publisher.replay import ReplayServer
+from kvwire.ratelog import RateLimitedLog
 from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 from kvwire.wire import (
     Dialect,
@@ -38,7 +40,6 @@ from kvwire.wire import (
     offset_endpoint,
     validate_endpoints,
 )
-from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S
 
 __all__ = ["DEFAULT_ENDPOINT", "EventPublisher", "PendingBatch", "PublisherStats"]
 
@@ -48,6 +49,7 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 """Loopback only: events carry users' prompt token ids, so reaching them from
 other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
 
+_DEFAULTS = PublisherConfig()
 _LOG_INTERVAL_S = 10.0
 _MIRROR_EVERY_S = 0.08  # the service thread applies the mirror feed at most this often
 
@@ -116,47 +118,29 @@ class EventPublisher:
     payload]``; replay and snapshots follow ``docs/wire.md`` (DEALER and REQ
     clients).
 
-    ``publish()`` never blocks: at most ``max_queue_size`` batches wait for the
-    sender thread, beyond that a batch is dropped and counted. ``hwm`` is the
-    PUB socket's per-subscriber send high-water mark; a subscriber that falls
-    that far behind loses messages inside ZeroMQ and sees a seq gap.
-    ``buffer_steps`` batches are kept for replay; one replay request is answered
-    with at most ``max_replay_batches`` of them, served in chunks between live
-    sends, at most ``max_replay_jobs`` at once, each cut off after
-    ``replay_stall_s`` seconds without progress.
+    ``config`` (:class:`~kvwire.publisher.PublisherConfig`) holds every
+    setting: the queue bound, replay limits, and kvwire's additions (epoch,
+    heartbeats, snapshots), each switchable so that an engine integration can
+    stay byte-identical to the engine's own publisher. Snapshots need a replay
+    endpoint: without one, ``config.snapshot`` is ignored.
 
-    kvwire's additions, each switchable so that an engine integration can stay
-    byte-identical to the engine's own publisher:
+    ``server_keys``: make both sockets CURVE servers admitting only the
+    allow-listed client keys (:mod:`kvwire.security`). The publisher stops the
+    ZAP handler of a context it made; with a ``context`` passed in (several
+    ranks of a process sharing its I/O thread), that is the caller's
+    (``kvwire.security.release_context``).
 
-    - ``epoch``: a random 64-bit id per instance, appended to every topic frame
-      (live, replay, snapshot) as ``\\x00sgl-kv-epoch=kvw1.<hex>[.hb<ms>][.snap]``.
-    - ``heartbeat``: the interval (s, default 2) of the wall-clock grid on which
-      the sender thread publishes an empty batch on the next seq when nothing
-      went out in the last half interval; after a batch, on the grid of half
-      the interval (:mod:`kvwire.wire.heartbeat`). So a trailing drop is a
-      visible gap within 0.75 intervals, an idle rank costs its subscribers
-      one heartbeat per interval, and a fleet's heartbeats arrive together
-      (``None``: never).
-    - ``snapshot``: with a replay endpoint, keep a mirror of the rank's cache
-      and serve snapshots of it (``[b"", b"kvwire-snapshot"]`` requests), in
-      chunks of at most ``snapshot_chunk_blocks`` blocks. Batches dropped on a
-      full queue are still mirrored (up to ``mirror_backlog`` of them held for
-      that, apart from the queue), so a snapshot repairs the gap they leave;
-      see :mod:`kvwire.publisher.mirror`.
-    - ``server_keys``: make both sockets CURVE servers admitting only the
-      allow-listed client keys (:mod:`kvwire.security`). The publisher stops
-      the ZAP handler of a context it made; with a ``context`` passed in, that
-      is the caller's (``kvwire.security.release_context``).
-
-    ``coalesce_s``: the sender sends the oldest queued batch this long after
-    its ``publish()`` (with every batch published meanwhile), so that batches
-    close together share one wake-up; none waits longer, and a backlog does not
-    wait at all (nor does a burst: 64 batches queued wake the sender). While
-    batches keep coming (each within 50 ms of the previous one, until 50 ms
-    after the last) it looks at the queue every ``coalesce_s`` instead of being
+    ``publish()`` never blocks: at most ``config.max_queue_size`` batches wait
+    for the sender thread, beyond that a batch is dropped and counted. The
+    sender sends the oldest queued batch ``config.send_coalesce_s`` after its
+    ``publish()`` (with every batch published meanwhile), so that batches close
+    together share one wake-up; none waits longer, and a backlog does not wait
+    at all (nor does a burst: 64 batches queued wake the sender). While batches
+    keep coming (each within 50 ms of the previous one, until 50 ms after the
+    last) it looks at the queue every ``send_coalesce_s`` instead of being
     woken, so that ``publish()`` makes no system call at a steady pace; a rank
     publishing now and then, or only heartbeats, is woken instead of polling
-    for nothing. 0 sends at once (every batch then wakes the sender).
+    for nothing.
 
     The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
     takes the GIL for a collector's batch of Python lists, tuples or arrays'
@@ -175,71 +159,31 @@ class EventPublisher:
         self,
         endpoint: str = DEFAULT_ENDPOINT,
         replay_endpoint: str | None = None,
+        config: PublisherConfig = _DEFAULTS,
         *,
         rank: int = 0,
-        buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        max_queue_size: int = 100_000,
-        topic: str = "",
-        max_replay_batches: int = 10_000,
-        dialect: Dialect = "map",
-        ranks_per_host: int | None = None,
-        coalesce_s: float = 0.002,
-        epoch: bool = True,
-        heartbeat: float | None = DEFAULT_INTERVAL_S,
-        snapshot: bool = True,
         server_keys: ServerKeys | None = None,
-        max_replay_jobs: int = 64,
-        replay_stall_s: float = 2.0,
-        snapshot_chunk_blocks: int = 4096,
-        mirror_backlog: int = 100_000,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
-        for name, value in (
-            ("buffer_steps", buffer_steps),
-            ("hwm", hwm),
-            ("max_queue_size", max_queue_size),
-            ("mirror_backlog", mirror_backlog),
-            ("max_replay_batches", max_replay_batches),
-            ("max_replay_jobs", max_replay_jobs),
-            ("snapshot_chunk_blocks", snapshot_chunk_blocks),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if dialect not in ("map", "array"):
-            raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
-        if not 0 <= coalesce_s <= 60:
-            raise ValueError(f"coalesce_s must be in [0, 60], got {coalesce_s}")
-        if heartbeat is not None and not 0.001 <= heartbeat <= 3600:
-            raise ValueError(f"heartbeat must be None or 0.001..3600 s, got {heartbeat}")
-        if not replay_stall_s > 0:
-            raise ValueError(f"replay_stall_s must be > 0, got {replay_stall_s}")
-        validate_endpoints(endpoint, replay_endpoint, ranks_per_host or rank + 1)
+        if not isinstance(config, PublisherConfig):
+            raise TypeError(f"config must be a PublisherConfig, got {type(config).__name__}")
+        validate_endpoints(endpoint, replay_endpoint, rank + 1)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.rank = rank
-        self.buffer_steps = buffer_steps
-        self.hwm = hwm
-        self.topic = topic
-        self.max_replay_batches = max_replay_batches
-        self.dialect: Dialect = dialect
-        self.heartbeat = heartbeat
-        self.snapshot = snapshot and replay_endpoint is not None
+        self.snapshot = config.snapshot and replay_endpoint is not None
+        """Whether this publisher serves snapshots (asked for, and a replay endpoint to serve on)."""
+        self._config = config
         self.server_keys = server_keys
-        self.max_replay_jobs = max_replay_jobs
-        self.replay_stall_s = replay_stall_s
-        self.snapshot_chunk_blocks = snapshot_chunk_blocks
         self.epoch: bytes | None = (
-            format_epoch(secrets.randbits(64), heartbeat_s=heartbeat, snapshot=self.snapshot)
-            if epoch
+            format_epoch(secrets.randbits(64), heartbeat_s=config.heartbeat_s, snapshot=self.snapshot)
+            if config.epoch
             else None
         )
         """This instance's epoch (``None`` without one): a new value means a restart."""
-        self._topic = epoch_topic(topic.encode(), self.epoch)
-        self._max_queue = max_queue_size
-        self._coalesce_s = coalesce_s
+        self._topic = epoch_topic(config.topic.encode(), self.epoch)
         self._own_context = context is None
         self._ctx = context
         self._pub: zmq.Socket[bytes] | None = None
@@ -252,14 +196,14 @@ class EventPublisher:
         # Batches dropped on a full queue still reach the mirror, up to mirror_backlog.
         self._sender = Sender(
             topic=self._topic,
-            dialect=dialect,
+            dialect=config.dialect,
             rank=rank,
-            max_queue=max_queue_size,
-            buffer_steps=buffer_steps,
-            coalesce_s=coalesce_s,
-            heartbeat_s=heartbeat or 0.0,
+            max_queue=config.max_queue_size,
+            buffer_steps=config.buffer_steps,
+            coalesce_s=config.send_coalesce_s,
+            heartbeat_s=config.heartbeat_s or 0.0,
             mirror=self._mirror is not None,
-            mirror_backlog=mirror_backlog,
+            mirror_backlog=config.mirror_backlog,
             batch_type=CollectedBatch,
             encode=self._encode,
         )
@@ -272,7 +216,8 @@ class EventPublisher:
         self._lifecycle = threading.Lock()
         self._replay: ReplayServer | None = None
         self._mirror_in_hand = 0  # taken from the feed, being applied
-        self._problems = _RateLimitedLog(rank)
+        self._problems = RateLimitedLog(log, _LOG_INTERVAL_S)
+        self._problems_lock = threading.Lock()  # noted by the sender and service threads
         self._next_log = 0.0
         self._logged_queue_full = 0
         self._logged_send_error = 0
@@ -315,28 +260,29 @@ class EventPublisher:
         return self._sender if self.publish == self._sender.publish else None
 
     @property
-    def coalesce_s(self) -> float:
-        """How long the sender waits after a wake-up before sending (see the class docstring)."""
-        return self._coalesce_s
+    def config(self) -> PublisherConfig:
+        """The settings in force (``max_queue_size`` and ``send_coalesce_s`` change at run time)."""
+        return self._config
 
-    @coalesce_s.setter
-    def coalesce_s(self, value: float) -> None:
-        if not 0 <= value <= 60:
-            raise ValueError(f"coalesce_s must be in [0, 60], got {value}")
+    @property
+    def send_coalesce_s(self) -> float:
+        """How long the sender holds the oldest queued batch (see the class docstring); settable."""
+        return self._config.send_coalesce_s
+
+    @send_coalesce_s.setter
+    def send_coalesce_s(self, value: float) -> None:
+        self._config = msgspec.structs.replace(self._config, send_coalesce_s=value)
         self._sender.set_coalesce(value)
-        self._coalesce_s = value
 
     @property
     def max_queue_size(self) -> int:
-        """How many batches may wait for the sender before ``publish()`` drops."""
-        return self._max_queue
+        """How many batches may wait for the sender before ``publish()`` drops; settable."""
+        return self._config.max_queue_size
 
     @max_queue_size.setter
     def max_queue_size(self, value: int) -> None:
-        if value < 1:
-            raise ValueError(f"max_queue_size must be >= 1, got {value}")
+        self._config = msgspec.structs.replace(self._config, max_queue_size=value)
         self._sender.set_max_queue(value)
-        self._max_queue = value
 
     @property
     def queue_depth(self) -> int:
@@ -410,7 +356,7 @@ class EventPublisher:
             router: zmq.Socket[bytes] | None = None
             try:
                 pub = ctx.socket(zmq.PUB)
-                pub.setsockopt(zmq.SNDHWM, self.hwm)
+                pub.setsockopt(zmq.SNDHWM, self._config.hwm)
                 pub.setsockopt(zmq.LINGER, 0)
                 if keys is not None:
                     secure_server(pub, keys)
@@ -422,7 +368,7 @@ class EventPublisher:
                     router = ctx.socket(zmq.ROUTER)
                     # Replies go at the client's pace: a never-reading client holds
                     # at most this many (shared) messages in its pipe.
-                    router.setsockopt(zmq.SNDHWM, min(self.max_replay_batches + 2, 256))
+                    router.setsockopt(zmq.SNDHWM, min(self._config.replay_batches + 2, 256))
                     router.setsockopt(zmq.RCVHWM, 1000)
                     router.setsockopt(zmq.MAXMSGSIZE, 1024)
                     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -455,15 +401,11 @@ class EventPublisher:
                     self._topic,
                     # Engines close a replay with an empty topic; kvwire with its epoch.
                     end_topic=self._topic if self.epoch is not None else b"",
-                    max_batches=self.max_replay_batches,
+                    config=self._config,
                     mirror=self._mirror,
                     sync_mirror=self._apply_mirror_feed,
                     rank=self.rank,
-                    dialect=self.dialect,
                     note_error=self._note_error,
-                    max_jobs=self.max_replay_jobs,
-                    stall_s=self.replay_stall_s,
-                    snapshot_chunk_blocks=self.snapshot_chunk_blocks,
                 )
             self._service = threading.Thread(
                 target=self._serve, name=f"kvwire-publisher-{self.rank}", daemon=True
@@ -543,8 +485,8 @@ class EventPublisher:
             if type(item) is KVEventBatch:
                 if item.data_parallel_rank is None:
                     item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
-                return encode_batch(item, dialect=self.dialect)
-            return bytes(item.encode(self.dialect))  # type: ignore[union-attr]
+                return encode_batch(item, dialect=self._config.dialect)
+            return bytes(item.encode(self._config.dialect))  # type: ignore[union-attr]
         except Exception as exc:
             self._note_error("encode", f"a batch could not be encoded: {exc}")
             return None
@@ -599,7 +541,8 @@ class EventPublisher:
     # --- bounded-rate logging ------------------------------------------------------
 
     def _note_error(self, kind: str, message: str) -> None:
-        self._problems.note(kind, message)
+        with self._problems_lock:
+            self._problems.note(kind, message, f"rank {self.rank}")
 
     def _maybe_log(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -616,7 +559,7 @@ class EventPublisher:
                 "(max_queue_size=%d; %d since start)",
                 self.rank,
                 dropped - self._logged_queue_full,
-                self._max_queue,
+                self._config.max_queue_size,
                 dropped,
             )
             self._logged_queue_full = dropped
@@ -627,27 +570,5 @@ class EventPublisher:
                 "send", f"{failed - self._logged_send_error} batches not sent (libzmq refused them)"
             )
             self._logged_send_error = failed
-        self._problems.emit(now, force)
-
-
-class _RateLimitedLog:
-    """Logs each kind of problem at most once per interval, with a count of repeats."""
-
-    def __init__(self, rank: int, interval: float = _LOG_INTERVAL_S) -> None:
-        self._rank = rank
-        self._interval = interval
-        self._pending: dict[str, tuple[str, int]] = {}
-        self._last: dict[str, float] = {}
-
-    def note(self, kind: str, message: str, count: int = 1) -> None:
-        _, seen = self._pending.get(kind, ("", 0))
-        self._pending[kind] = (message, seen + count)
-
-    def emit(self, now: float, force: bool = False) -> None:
-        for kind in list(self._pending):
-            if not force and now - self._last.get(kind, -self._interval) < self._interval:
-                continue
-            message, count = self._pending.pop(kind)
-            self._last[kind] = now
-            suffix = f" ({count} such problems since the last report)" if count > 1 else ""
-            log.warning("rank %d: %s%s", self._rank, message, suffix)
+        with self._problems_lock:
+            self._problems.flush(force)

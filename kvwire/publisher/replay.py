@@ -7,9 +7,10 @@ hostile or stalled client from costing more than a slot:
 - a replay sends the sender's own payload buffers (zero-copy: libzmq holds a
   reference to the one buffer every client shares), never a copy per client;
 - at most one job per client identity (a new request replaces the old job);
-- at most ``max_jobs`` jobs, served round robin; when all are taken, a job that
-  has made no progress the longest is cut off to admit the new request;
-- a job that cannot send for ``stall_s`` (its client stopped reading) is cut off.
+- at most ``max_replay_jobs`` jobs (:class:`~kvwire.publisher.PublisherConfig`),
+  served round robin; when all are taken, a job that has made no progress the
+  longest is cut off to admit the new request;
+- a job that cannot send for ``replay_stall_s`` (its client stopped reading) is cut off.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 
 import zmq
 
+from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror, SnapshotCursor
 from kvwire.wire import (
-    Dialect,
     ReplayRequest,
     WireError,
     pack_seq,
@@ -94,28 +95,24 @@ class ReplayServer:
         topic: bytes,
         *,
         end_topic: bytes,
-        max_batches: int,
+        config: PublisherConfig,
         mirror: Mirror | None,
         sync_mirror: Callable[[], object] = lambda: None,
         rank: int,
-        dialect: Dialect,
         note_error: Callable[[str, str], None],
-        max_jobs: int = 64,
-        stall_s: float = 2.0,
-        snapshot_chunk_blocks: int = 4096,
     ) -> None:
         self.router = router
         self.buffer = buffer
         self.topic = topic
         self.end_topic = end_topic
-        self.max_batches = max_batches
+        self.max_batches = config.replay_batches
         self.mirror = mirror
         self.sync_mirror = sync_mirror
         self.rank = rank
-        self.dialect: Dialect = dialect
-        self.max_jobs = max_jobs
-        self.stall_s = stall_s
-        self.snapshot_chunk_blocks = snapshot_chunk_blocks
+        self.dialect = config.dialect
+        self.max_jobs = config.max_replay_jobs
+        self.stall_s = config.replay_stall_s
+        self.snapshot_chunk_blocks = config.snapshot_chunk_blocks
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()

@@ -4,7 +4,10 @@ The server binds ephemeral ports by default and prints its endpoints on one
 ready line; :class:`EngineProcess` waits for that line (with a deadline),
 copies everything else the server prints to a log file, and builds the
 :class:`~kvwire.subscriber.EngineSource` a router follows it with. No port is
-chosen, or guessed, ahead of time.
+chosen, or guessed, ahead of time. The publishers' settings travel as
+:attr:`EngineConfig.publisher <kvwire.reference.serve.EngineConfig>`, turned into
+the server's flags by :meth:`EngineConfig.argv` and back into the same
+:class:`~kvwire.publisher.PublisherConfig` by the server.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@
 
 Each rank has its own :class:`PagedKVCache`, :class:`EventCollector` and
 :class:`EventPublisher` bound at ``port + rank`` (replay at ``replay_port +
-rank``), like vLLM's data-parallel ranks. Port 0 (the default) gives every
+rank``), like vLLM's data-parallel ranks. Every field of the publishers'
+:class:`PublisherConfig` has a flag of its name (``--buffer-steps``,
+``--heartbeat-s none``, ``--no-snapshot``...); an absent flag leaves the
+field's default. Port 0 (the default) gives every
 rank and the control socket an ephemeral port; once bound, the server prints
 one line, :data:`READY_PREFIX` and the :class:`EngineEndpoints` as JSON, and
 answers :class:`Endpoints` with the same. One engine thread runs everything:
@@ -34,12 +37,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import zmq
 
 from kvwire.publisher.collector import EventCollector
+from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.publisher import EventPublisher
 from kvwire.reference.control import (
     MAX_DRIVE_RATE,
@@ -73,6 +77,8 @@ from kvwire.reference.control import (
 from kvwire.reference.paged_cache import CacheFullError, PagedKVCache
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
 from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
+from kvwire.settings import convert_strings, describe
+from kvwire.wire import validate_endpoints
 
 __all__ = ["READY_PREFIX", "EngineConfig", "EngineServer", "main"]
 
@@ -87,7 +93,7 @@ class EngineConfig:
     """Everything an engine server is started with.
 
     Port 0 binds an ephemeral port (for every rank); ``replay_port=None``
-    serves no replay.
+    serves no replay. ``publisher``: every rank's publisher settings.
     """
 
     ranks: int = 1
@@ -97,10 +103,7 @@ class EngineConfig:
     control_port: int = 0
     num_blocks: int = 256
     block_size: int = 16
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
+    publisher: PublisherConfig = field(default_factory=PublisherConfig)
     device: str | None = None
     hash_seed: int = 0
     control_keys: ServerKeys | None = None
@@ -130,11 +133,8 @@ class EngineConfig:
             "--control-port", str(self.control_port),
             "--num-blocks", str(self.num_blocks),
             "--block-size", str(self.block_size),
-            "--buffer-steps", str(self.buffer_steps),
-            "--hwm", str(self.hwm),
-            "--max-queue-size", str(self.max_queue_size),
-            "--topic", self.topic,
             "--hash-seed", str(self.hash_seed),
+            *_publisher_argv(self.publisher),
         ]  # fmt: skip
         if self.device is not None:
             flags += ["--device", self.device]
@@ -162,19 +162,11 @@ class EngineServer:
         self.config = config
         self._ctx = context or zmq.Context.instance()
         self.ranks: list[_Rank] = []
+        live = config.endpoint(config.port)
         replay = None if config.replay_port is None else config.endpoint(config.replay_port)
+        validate_endpoints(live, replay, config.ranks)  # every rank's ports, before any binds
         for r in range(config.ranks):
-            publisher = EventPublisher(
-                config.endpoint(config.port),
-                replay,
-                rank=r,
-                buffer_steps=config.buffer_steps,
-                hwm=config.hwm,
-                max_queue_size=config.max_queue_size,
-                topic=config.topic,
-                ranks_per_host=config.ranks,
-                context=self._ctx,
-            )
+            publisher = EventPublisher(live, replay, config.publisher, rank=r, context=self._ctx)
             collector = EventCollector(publisher, config.block_size)
             cache = PagedKVCache(
                 config.num_blocks,
@@ -256,7 +248,7 @@ class EngineServer:
             publisher = self._rank(command.rank).publisher
             publisher.max_queue_size = command.max_queue_size
             if command.coalesce_s is not None:
-                publisher.coalesce_s = command.coalesce_s
+                publisher.send_coalesce_s = command.coalesce_s
             return Ok()
         if isinstance(command, Drive):
             self.drive(command.rate, seed=command.seed, hold=command.hold)
@@ -413,10 +405,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
     p.add_argument("--control-port", type=int, default=0, help="control ROUTER port; 0: ephemeral")
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--buffer-steps", type=int, default=10_000)
-    p.add_argument("--hwm", type=int, default=100_000, help="PUB send high-water mark")
-    p.add_argument("--max-queue-size", type=int, default=100_000)
-    p.add_argument("--topic", default="")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     p.add_argument("--hash-seed", type=int, default=0)
     p.add_argument("--drive-rate", type=float, default=0.0, help="self-driven requests per second")
@@ -427,6 +415,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
                    help="the control endpoint's CURVE secret key file (kvwire keygen)")
     p.add_argument("--control-allow-dir", type=Path, default=None,
                    help="directory of the public keys of clients allowed to control the engine")
+    _add_publisher_flags(p)
     args = p.parse_args(argv)
     config = EngineConfig(
         ranks=args.ranks,
@@ -436,15 +425,64 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
         control_port=args.control_port,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
-        buffer_steps=args.buffer_steps,
-        hwm=args.hwm,
-        max_queue_size=args.max_queue_size,
-        topic=args.topic,
+        publisher=_publisher_config(p, args),
         device=args.device,
         hash_seed=args.hash_seed,
         control_keys=_control_keys(p, args),
     )
     return config, args
+
+
+_PUBLISHER_FIELDS = msgspec.structs.fields(PublisherConfig)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_publisher_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`PublisherConfig` field; absent, the field keeps its default."""
+    group = p.add_argument_group("every rank's publisher (kvwire.publisher.PublisherConfig)")
+    for f in _PUBLISHER_FIELDS:
+        if f.type is bool:
+            group.add_argument(
+                _flag(f.name), action=argparse.BooleanOptionalAction, default=None,
+                help=f"default: {'on' if f.default else 'off'}",
+            )  # fmt: skip
+        else:
+            group.add_argument(
+                _flag(f.name), default=None, metavar="VALUE",
+                help=f"{describe(f.type, 'none')}; default: "
+                + ("none" if f.default is None else repr(f.default)),
+            )  # fmt: skip
+
+
+def _publisher_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> PublisherConfig:
+    given: dict[str, object] = {}
+    for f in _PUBLISHER_FIELDS:
+        value = getattr(args, f.name)
+        if value is None:
+            continue
+        none = type(None) in get_args(f.type) and str(value).lower() == "none"
+        given[f.name] = None if none else value
+    try:
+        return convert_strings(PublisherConfig, given, _flag, "none")
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _publisher_argv(config: PublisherConfig) -> list[str]:
+    """The flags that give ``config`` (its fields that differ from the defaults)."""
+    flags: list[str] = []
+    for f in _PUBLISHER_FIELDS:
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        if f.type is bool:
+            flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+        else:
+            flags += [_flag(f.name), "none" if value is None else str(value)]
+    return flags
 
 
 def _control_keys(p: argparse.ArgumentParser, args: argparse.Namespace) -> ServerKeys | None:

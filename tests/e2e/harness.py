@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.prefix_index import PrefixIndex
+from kvwire.publisher import PublisherConfig
 from kvwire.reference.control import ControlClient, ControlError
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
@@ -42,8 +43,8 @@ class EngineSpec:
     worker_id: str
     ranks: int = 2
     num_blocks: int = 96
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
+    buffer_steps: int = PublisherConfig().buffer_steps
+    hwm: int = PublisherConfig().hwm
     drive_rate: float = 60.0
     drive_seed: int = 0
     drive_hold: int = 3
@@ -58,8 +59,7 @@ class EngineSpec:
             control_port=control_port,
             num_blocks=self.num_blocks,
             block_size=BLOCK_SIZE,
-            buffer_steps=self.buffer_steps,
-            hwm=self.hwm,
+            publisher=PublisherConfig(buffer_steps=self.buffer_steps, hwm=self.hwm),
             device="cpu",
         )
 

@@ -200,8 +200,8 @@ def test_router_proxy_routes_by_cache_then_by_load(ipc_dir: str) -> None:
     backend_a, backend_b = FakeBackend("A"), FakeBackend("B")
     publishers = [
         EventPublisher(a_ev, a_rp, rank=0),
-        EventPublisher(b_ev, b_rp, rank=0, ranks_per_host=2),
-        EventPublisher(b_ev, b_rp, rank=1, ranks_per_host=2),
+        EventPublisher(b_ev, b_rp, rank=0),
+        EventPublisher(b_ev, b_rp, rank=1),
     ]
     proxy = None
     try:

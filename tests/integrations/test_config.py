@@ -2,81 +2,276 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import types
 from pathlib import Path
+from typing import Any
 
+import msgspec
+import msgspec.inspect as mi
 import pytest
 
-from kvwire.integrations.config import IntegrationConfig, bind_address
+from kvwire.integrations.config import IntegrationConfig, RelayConfig, bind_address, plugin_enabled
+from kvwire.publisher import PublisherConfig
+from kvwire.security import ServerKeys, generate_keypair
 
 from .engines import EngineUnavailable, fetch_wheel
+
+Engine = types.SimpleNamespace
+
+
+class Recording(dict[str, str]):
+    """An environment that remembers which variables were looked at."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
 
 
 def test_defaults_are_inert_and_loopback() -> None:
     config = IntegrationConfig.from_env({})
     assert config == IntegrationConfig()
-    assert not config.enabled and not config.expose
-    assert config.endpoint == "tcp://127.0.0.1:5557"
-    options = config.publisher_options(500)
-    assert options["max_replay_batches"] == 500
-    assert options.get("epoch", False) is False and options.get("heartbeat") is None
-    assert options.get("snapshot", False) is False and options.get("server_keys") is None
+    assert not config.enabled and not config.expose and config.server_keys() is None
+    assert RelayConfig.from_env({}).endpoint == "tcp://127.0.0.1:5557"
+    engine = config.publisher_config(buffer_steps=500, hwm=7, max_queue_size=9, topic="kv")
+    # The engine's settings as given; kvwire's additions off, so the wire is the engine's.
+    assert engine == PublisherConfig(
+        buffer_steps=500, hwm=7, max_queue_size=9, topic="kv", epoch=False, heartbeat_s=None,
+        snapshot=False,
+    )  # fmt: skip
+    assert engine.replay_batches == 500  # the whole buffer, as the engines answer
+    # Nothing given: the publisher's own defaults, not copies of them.
+    relay = RelayConfig().publisher_config()
+    default = PublisherConfig()
+    assert (relay.buffer_steps, relay.hwm, relay.max_queue_size, relay.send_coalesce_s) == (
+        default.buffer_steps, default.hwm, default.max_queue_size, default.send_coalesce_s,
+    )  # fmt: skip
+
+
+PLUGIN_VARIABLES = {
+    "KVWIRE_PUBLISHER": "1", "KVWIRE_EXPOSE": "true", "KVWIRE_COALESCE_MS": "0",
+    "KVWIRE_EPOCH": "1", "KVWIRE_HEARTBEAT_S": "0.5", "KVWIRE_MAX_REPLAY_BATCHES": "7",
+}  # fmt: skip
+RELAY_VARIABLES = {
+    "KVWIRE_ENDPOINT": "tcp://10.0.0.1:6000", "KVWIRE_REPLAY_ENDPOINT": "tcp://10.0.0.1:6100",
+    "KVWIRE_BLOCK_SIZE": "64", "KVWIRE_BUFFER_STEPS": "9", "KVWIRE_MAX_QUEUE_SIZE": "11",
+    "KVWIRE_HWM": "13", "KVWIRE_TOPIC": "kv",
+}  # fmt: skip
 
 
 def test_every_variable_is_read() -> None:
-    config = IntegrationConfig.from_env({
-        "KVWIRE_PUBLISHER": "1", "KVWIRE_EXPOSE": "true", "KVWIRE_COALESCE_MS": "0",
-        "KVWIRE_EPOCH": "1", "KVWIRE_HEARTBEAT_S": "0.5",
-        "KVWIRE_MAX_REPLAY_BATCHES": "7", "KVWIRE_ENDPOINT": "tcp://10.0.0.1:6000",
-        "KVWIRE_REPLAY_ENDPOINT": "tcp://10.0.0.1:6100", "KVWIRE_BLOCK_SIZE": "64",
-        "KVWIRE_BUFFER_STEPS": "9", "KVWIRE_MAX_QUEUE_SIZE": "11", "KVWIRE_HWM": "13",
-        "KVWIRE_TOPIC": "kv",
-    })  # fmt: skip
-    assert config == IntegrationConfig(
+    plugin = IntegrationConfig(
+        enabled=True, expose=True, coalesce_ms=0, max_replay_batches=7, epoch=True, heartbeat_s=0.5
+    )
+    assert IntegrationConfig.from_env(PLUGIN_VARIABLES) == plugin
+    assert plugin.publisher_config(buffer_steps=500) == PublisherConfig(
+        buffer_steps=500, send_coalesce_s=0.0, max_replay_batches=7, epoch=True, heartbeat_s=0.5,
+        snapshot=False,
+    )  # fmt: skip
+    relay = RelayConfig.from_env({**PLUGIN_VARIABLES, **RELAY_VARIABLES})
+    assert relay == RelayConfig(
         enabled=True, expose=True, coalesce_ms=0, max_replay_batches=7, epoch=True, heartbeat_s=0.5,
-        endpoint="tcp://10.0.0.1:6000",
-        replay_endpoint="tcp://10.0.0.1:6100", block_size=64, buffer_steps=9, max_queue_size=11,
-        hwm=13, topic="kv",
+        endpoint="tcp://10.0.0.1:6000", replay_endpoint="tcp://10.0.0.1:6100", block_size=64,
+        buffer_steps=9, max_queue_size=11, hwm=13, topic="kv",
+    )  # fmt: skip
+    assert relay.publisher_config() == PublisherConfig(
+        buffer_steps=9, max_queue_size=11, hwm=13, topic="kv", send_coalesce_s=0.0,
+        max_replay_batches=7, epoch=True, heartbeat_s=0.5, snapshot=False,
     )  # fmt: skip
 
-    assert config.publisher_options(500) == {
-        "coalesce_s": 0.0, "max_replay_batches": 7, "epoch": True, "heartbeat": 0.5, "snapshot": False,
-        "server_keys": None,
-    }  # fmt: skip
-    assert IntegrationConfig().publisher_options(9) == {
-        "coalesce_s": 0.002, "max_replay_batches": 9, "epoch": False, "heartbeat": None,
-        "snapshot": False, "server_keys": None,
-    }  # fmt: skip
+
+def _range(cls: type[msgspec.Struct], name: str) -> Any:
+    """A field's type with its constraints, ``None`` left out."""
+    field = next(f for f in msgspec.structs.fields(cls) if f.name == name)
+    info = mi.type_info(field.type)
+    if isinstance(info, mi.UnionType):
+        (info,) = [t for t in info.types if not isinstance(t, mi.NoneType)]
+    return info
 
 
-@pytest.mark.parametrize("value", ["0", "yes please", "2"])
-def test_only_a_clear_yes_enables(value: str) -> None:
-    assert not IntegrationConfig.from_env({"KVWIRE_PUBLISHER": value}).enabled
+def test_the_variables_ranges_are_the_publishers() -> None:
+    """A variable that sets a PublisherConfig field is checked by that field's own range."""
+    for name in ("buffer_steps", "max_queue_size", "hwm", "max_replay_batches", "heartbeat_s"):
+        assert _range(RelayConfig, name) == _range(PublisherConfig, name), name
+    coalesce_ms, coalesce_s = _range(IntegrationConfig, "coalesce_ms"), _range(PublisherConfig, "send_coalesce_s")
+    assert (coalesce_ms.ge, coalesce_ms.le) == (coalesce_s.ge * 1000, coalesce_s.le * 1000)
+
+
+def test_relay_variables_are_read_by_the_relay_only() -> None:
+    env = Recording({**PLUGIN_VARIABLES, "KVWIRE_BLOCK_SIZE": "abc", "KVWIRE_HWM": "-1"})
+    IntegrationConfig.from_env(env)
+    assert env.read == set(PLUGIN_VARIABLES) | {"KVWIRE_SECRET_KEY", "KVWIRE_ALLOW_DIR"}
+    with pytest.raises(ValueError, match=r"KVWIRE_BLOCK_SIZE|KVWIRE_HWM"):
+        RelayConfig.from_env(env)
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("TRUE", True),
+                                           ("0", False), ("false", False), ("", False)])  # fmt: skip
+def test_the_switch_is_one_or_zero(value: str, on: bool) -> None:
+    assert plugin_enabled("vLLM", {"KVWIRE_PUBLISHER": value}) is on
+    assert IntegrationConfig.from_env({"KVWIRE_PUBLISHER": value}).enabled is on
+
+
+@pytest.mark.parametrize("value", ["2", "yes please", "on"])
+def test_a_switch_neither_on_nor_off_is_refused_and_leaves_a_plugin_off(
+    value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError, match=f"KVWIRE_PUBLISHER='{value}' is refused: expected a boolean"):
+        IntegrationConfig.from_env({"KVWIRE_PUBLISHER": value})
+    with caplog.at_level(logging.ERROR, logger="kvwire"):
+        assert plugin_enabled("vLLM", {"KVWIRE_PUBLISHER": value}) is False
+    assert f"vLLM plugin stays off: KVWIRE_PUBLISHER='{value}' is refused" in caplog.text
+
+
+def test_an_off_switch_reads_nothing_else() -> None:
+    env = Recording({"KVWIRE_HEARTBEAT_S": "1e-7", "KVWIRE_SECRET_KEY": "/nowhere"})
+    assert plugin_enabled("vLLM", env) is False
+    assert env.read == {"KVWIRE_PUBLISHER"}
 
 
 @pytest.mark.parametrize(
-    ("name", "value", "fragment"),
+    ("reader", "name", "value", "allowed"),
     [
-        ("KVWIRE_COALESCE_MS", "two", "is not an integer"),
-        ("KVWIRE_COALESCE_MS", "-1", "must be >= 0"),
-        ("KVWIRE_HEARTBEAT_S", "nan", "positive number of seconds"),
-        ("KVWIRE_HEARTBEAT_S", "often", "not a number of seconds"),
-        ("KVWIRE_SECRET_KEY", "/x.key_secret", "go together"),
-        ("KVWIRE_BLOCK_SIZE", "0", "must be >= 1"),
-        ("KVWIRE_MAX_REPLAY_BATCHES", "0", "must be >= 1"),
+        (IntegrationConfig, "KVWIRE_HEARTBEAT_S", "1e-7", "a number from 0.001 to 3600, or unset"),
+        (IntegrationConfig, "KVWIRE_HEARTBEAT_S", "nan", "a number from 0.001 to 3600"),
+        (IntegrationConfig, "KVWIRE_HEARTBEAT_S", "often", "a number from 0.001 to 3600"),
+        (IntegrationConfig, "KVWIRE_COALESCE_MS", str(10**15), "an integer from 0 to 60000"),
+        (IntegrationConfig, "KVWIRE_COALESCE_MS", "two", "an integer from 0 to 60000"),
+        (IntegrationConfig, "KVWIRE_COALESCE_MS", "-1", "an integer from 0 to 60000"),
+        (IntegrationConfig, "KVWIRE_MAX_REPLAY_BATCHES", "0", "an integer >= 1, or unset"),
+        (IntegrationConfig, "KVWIRE_EPOCH", "2", "a boolean (1, 0, true or false)"),
+        (RelayConfig, "KVWIRE_BLOCK_SIZE", "abc", "an integer >= 1"),
+        (RelayConfig, "KVWIRE_BLOCK_SIZE", "0", "an integer >= 1"),
+        (RelayConfig, "KVWIRE_HWM", "-1", "an integer from 1 to 2147483647, or unset"),
+        (RelayConfig, "KVWIRE_BUFFER_STEPS", "1.5", "an integer >= 1, or unset"),
     ],
 )
-def test_a_bad_value_is_named(name: str, value: str, fragment: str) -> None:
-    with pytest.raises(ValueError, match=fragment) as info:
-        IntegrationConfig.from_env({name: value})
-    assert name in str(info.value)
+def test_a_bad_value_is_refused_naming_variable_value_and_range(
+    reader: type[IntegrationConfig], name: str, value: str, allowed: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        reader.from_env({"KVWIRE_PUBLISHER": "1", name: value})
+    assert str(info.value).startswith(f"{name}={value!r} is refused: expected {allowed}")
+
+
+def test_keys_go_together_and_a_missing_file_is_named(tmp_path: Path) -> None:
+    for env in ({"KVWIRE_SECRET_KEY": "/x.key_secret"}, {"KVWIRE_ALLOW_DIR": str(tmp_path)}):
+        with pytest.raises(ValueError, match="KVWIRE_SECRET_KEY and KVWIRE_ALLOW_DIR go together"):
+            IntegrationConfig.from_env(env)
+    missing = str(tmp_path / "gone.key_secret")
+    with pytest.raises(ValueError, match=f"KVWIRE_SECRET_KEY='{missing}'.*cannot read key file"):
+        IntegrationConfig.from_env({"KVWIRE_SECRET_KEY": missing, "KVWIRE_ALLOW_DIR": str(tmp_path)})
 
 
 def test_curve_keys_from_the_environment(tmp_path: Path) -> None:
-    from kvwire.security import ServerKeys, generate_keypair
-
     _, secret = generate_keypair(tmp_path, "engine")
     config = IntegrationConfig.from_env({"KVWIRE_SECRET_KEY": str(secret), "KVWIRE_ALLOW_DIR": str(tmp_path)})
-    assert config.server_keys == ServerKeys(secret, tmp_path)
+    assert config.server_keys() == ServerKeys(secret, tmp_path)
+
+
+# --- the plugins, through the engines' own loaders ------------------------------------
+
+POISON = [
+    {"KVWIRE_HEARTBEAT_S": "1e-7"},
+    {"KVWIRE_COALESCE_MS": str(10**15)},
+    {"KVWIRE_BLOCK_SIZE": "abc", "KVWIRE_HWM": "-1"},
+    {"KVWIRE_SECRET_KEY": "/x.key_secret"},
+    {"KVWIRE_SECRET_KEY": "/nowhere/x.key_secret", "KVWIRE_ALLOW_DIR": "/nowhere"},
+    {"KVWIRE_EPOCH": "maybe", "KVWIRE_EXPOSE": "2", "KVWIRE_MAX_REPLAY_BATCHES": "0"},
+]
+
+
+def _environment(monkeypatch: pytest.MonkeyPatch, switch: str | None, env: dict[str, str]) -> None:
+    if switch is None:
+        monkeypatch.delenv("KVWIRE_PUBLISHER", raising=False)
+    else:
+        monkeypatch.setenv("KVWIRE_PUBLISHER", switch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+@pytest.mark.parametrize("switch", [None, "0", "false", "2", "yes"])
+@pytest.mark.parametrize("env", POISON)
+def test_an_off_plugin_never_stops_vllm(
+    vllm: Engine, monkeypatch: pytest.MonkeyPatch, switch: str | None, env: dict[str, str]
+) -> None:
+    """vLLM 0.33 runs general plugins without a guard: whatever the other variables say,
+    a plugin that is off returns, and vLLM keeps its own publisher."""
+    _environment(monkeypatch, switch, env)
+    vllm.plugins.load_general_plugins()
+    assert vllm.kv_events.EventPublisherFactory._registry == vllm.pristine
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+@pytest.mark.parametrize("switch", [None, "0", "2"])
+@pytest.mark.parametrize("env", POISON)
+def test_an_off_plugin_never_fails_in_sglang(
+    sglang: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    switch: str | None, env: dict[str, str],
+) -> None:  # fmt: skip
+    _environment(monkeypatch, switch, env)
+    with caplog.at_level(logging.ERROR):
+        sglang.plugins.load_plugins()
+    assert "Failed to execute general plugin" not in caplog.text
+    registry = sglang.kv_events.EventPublisherFactory._registry
+    assert set(registry) == set(sglang.pristine) | {"kvwire"}
+    assert registry["zmq"] is sglang.pristine["zmq"]
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"KVWIRE_HEARTBEAT_S": "1e-7"}, "KVWIRE_HEARTBEAT_S='1e-7' is refused"),
+        ({"KVWIRE_COALESCE_MS": str(10**15)}, "KVWIRE_COALESCE_MS='1000000000000000' is refused"),
+        ({"KVWIRE_SECRET_KEY": "/x.key_secret"}, "KVWIRE_SECRET_KEY and KVWIRE_ALLOW_DIR go together"),
+        ({"KVWIRE_SECRET_KEY": "/nowhere/x.key_secret", "KVWIRE_ALLOW_DIR": "/nowhere"},
+         "KVWIRE_SECRET_KEY='/nowhere/x.key_secret'"),
+    ],
+)  # fmt: skip
+def test_an_on_plugin_with_a_bad_setting_stops_vllm_naming_it(
+    vllm: Engine, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    """The operator asked for kvwire: an engine that starts without it would look healthy and
+    publish nothing a router can use, so vLLM stops at start-up with the variable named."""
+    _environment(monkeypatch, "1", env)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        vllm.plugins.load_general_plugins()
+    assert vllm.kv_events.EventPublisherFactory._registry == vllm.pristine
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_an_on_plugin_ignores_the_relay_variables(vllm: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    _environment(monkeypatch, "1", {"KVWIRE_BLOCK_SIZE": "abc", "KVWIRE_HWM": "-1"})
+    vllm.plugins.load_general_plugins()
+    registry = vllm.kv_events.EventPublisherFactory._registry
+    assert registry["zmq"] is registry["kvwire"]
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_an_on_plugin_with_a_bad_setting_is_refused_in_sglang(
+    sglang: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang logs a failing plugin and goes on with its own publisher: the error names the variable."""
+    _environment(monkeypatch, "1", {"KVWIRE_HEARTBEAT_S": "1e-7"})
+    with caplog.at_level(logging.ERROR):
+        sglang.plugins.load_plugins()
+    assert "KVWIRE_HEARTBEAT_S='1e-7' is refused" in caplog.text
+    assert sglang.kv_events.EventPublisherFactory._registry == sglang.pristine
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.integrations.config import IntegrationConfig
+from kvwire.integrations.config import RelayConfig
 from kvwire.integrations.tensorrt_llm import (
     Clear,
     Lost,
@@ -170,7 +170,7 @@ def wait_exact(sub: Subscriber, index: PrefixIndex, relay: TrtllmEventRelay, sta
 
 def test_relay_publishes_per_rank_and_a_router_ends_exact(zctx: zmq.Context[Any]) -> None:
     llm = FakeLLM()
-    config = IntegrationConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    config = RelayConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
     relay = TrtllmEventRelay(llm, block_size=BS, ranks=2, poll_timeout_s=0.05, config=config).start()
     try:
         eps = relay.bound_endpoints()
@@ -232,7 +232,7 @@ def test_relay_keeps_polling_through_errors() -> None:
             return super().get_kv_cache_events(timeout)
 
     llm = Flaky()
-    config = IntegrationConfig(endpoint="tcp://127.0.0.1:*")
+    config = RelayConfig(endpoint="tcp://127.0.0.1:*")
     relay = TrtllmEventRelay(llm, block_size=BS, poll_timeout_s=0.02, config=config).start()
     try:
         llm.queue.put([stored(0, None, [block(1, [1] * BS)])])

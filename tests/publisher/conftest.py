@@ -1,27 +1,20 @@
-"""Helpers for publisher tests: endpoints, waiting with deadlines, a warmed-up SUB."""
+"""Helpers for publisher tests: endpoints, a warmed-up SUB (and the suite's one wait helper)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from kvwire.publisher import EventPublisher
 from kvwire.wire import AllBlocksCleared, KVEventBatch, parse_live
+from tests.waiting import wait_for
+
+__all__ = ["EPHEMERAL", "PING", "connect_sub", "recv_live", "wait_for"]
 
 EPHEMERAL = "tcp://127.0.0.1:*"
 """Bind address for test publishers on tcp: an ephemeral port, reported as ``bound_endpoint``."""
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; fail the test at the deadline."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 PING = KVEventBatch(0.0, [AllBlocksCleared()], 0)

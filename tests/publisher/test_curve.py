@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvwire import security
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.security import ClientKeys, ServerKeys, secure_client
 from kvwire.wire import (
     BlockStored,
@@ -90,7 +90,10 @@ def test_only_allow_listed_clients_read_or_replay(
 ) -> None:
     server_keys = ServerKeys(curve_keys["server_secret"], curve_keys["allow"])
     with EventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_keys=server_keys, heartbeat=None
+        "tcp://127.0.0.1:*",
+        "tcp://127.0.0.1:*",
+        PublisherConfig(heartbeat_s=None),
+        server_keys=server_keys,
     ) as pub:
         live, rep = pub.bound_endpoint, pub.bound_replay_endpoint or ""
         alice = sub(ctx, live, client(curve_keys, "alice"))
@@ -126,7 +129,10 @@ def test_rotating_the_allow_list_admits_a_new_client_without_a_restart(
 ) -> None:
     server_keys = ServerKeys(curve_keys["server_secret"], curve_keys["allow"])
     with EventPublisher(
-        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", server_keys=server_keys, heartbeat=None
+        "tcp://127.0.0.1:*",
+        "tcp://127.0.0.1:*",
+        PublisherConfig(heartbeat_s=None),
+        server_keys=server_keys,
     ) as pub:
         rep = pub.bound_replay_endpoint or ""
         pub.publish(batch(0))

@@ -7,7 +7,7 @@ from typing import Any
 
 import zmq
 
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.wire import (
     END_SEQ,
     BlockRemoved,
@@ -39,8 +39,14 @@ def test_every_topic_frame_carries_the_instances_epoch(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with (
-        EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", topic="kv", heartbeat=0.25) as a,
-        EventPublisher(f"ipc://{ipc_dir}/q", topic="kv", heartbeat=None) as b,
+        EventPublisher(
+            f"ipc://{ipc_dir}/p",
+            f"ipc://{ipc_dir}/r",
+            PublisherConfig(topic="kv", heartbeat_s=0.25),
+        ) as a,
+        EventPublisher(
+            f"ipc://{ipc_dir}/q", config=PublisherConfig(topic="kv", heartbeat_s=None)
+        ) as b,
     ):
         assert a.epoch is not None and b.epoch is not None
         assert a.epoch != b.epoch  # one random id per instance
@@ -69,8 +75,9 @@ def test_every_topic_frame_carries_the_instances_epoch(
 
 def test_without_epoch_frames_are_the_engines(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", topic="kv", epoch=False, heartbeat=None,
-        snapshot=False,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(topic="kv", epoch=False, heartbeat_s=None, snapshot=False),
     ) as pub:  # fmt: skip
         assert pub.epoch is None
         sub, first = connect_sub(zctx, pub)
@@ -91,8 +98,9 @@ def test_a_dropped_final_batch_is_a_visible_gap_within_one_heartbeat(
     """Issue 11 case 1, from the publisher's side."""
     beat = 0.3
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", max_queue_size=1, coalesce_s=0.3,
-        heartbeat=beat,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(max_queue_size=1, send_coalesce_s=0.3, heartbeat_s=beat),
     ) as pub:  # fmt: skip
         sub, _ = connect_sub(zctx, pub)
         assert pub.publish(store(1))
@@ -121,8 +129,8 @@ def test_a_dropped_final_batch_is_a_visible_gap_within_one_heartbeat(
 
 def test_no_heartbeat_when_switched_off(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with (
-        EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None) as off,
-        EventPublisher(f"ipc://{ipc_dir}/q", heartbeat=0.05) as on,
+        EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)) as off,
+        EventPublisher(f"ipc://{ipc_dir}/q", config=PublisherConfig(heartbeat_s=0.05)) as on,
     ):
         sub_off, _ = connect_sub(zctx, off)
         sub_on, _ = connect_sub(zctx, on)

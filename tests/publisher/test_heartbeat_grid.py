@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.wire import KVEventBatch, decode_batch
 
 from .conftest import connect_sub, recv_live, wait_for
@@ -21,8 +21,8 @@ def test_idle_publishers_heartbeat_together_on_the_grid(
 ) -> None:
     beat = 0.25
     with (
-        EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=beat) as a,
-        EventPublisher(f"ipc://{ipc_dir}/q", heartbeat=beat) as b,
+        EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=beat)) as a,
+        EventPublisher(f"ipc://{ipc_dir}/q", config=PublisherConfig(heartbeat_s=beat)) as b,
     ):
         subs = [connect_sub(zctx, pub)[0] for pub in (a, b)]
         phases = []
@@ -43,7 +43,9 @@ def test_idle_publishers_heartbeat_together_on_the_grid(
 
 def test_a_publisher_sending_often_does_not_heartbeat(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     beat = 0.5
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=beat, coalesce_s=0) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=beat, send_coalesce_s=0)
+    ) as pub:
         connect_sub(zctx, pub)
         before = pub.stats().heartbeats
         end = time.monotonic() + 4 * beat

@@ -17,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher
+from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher, PublisherConfig
 from kvwire.publisher._sender import Sender
 from kvwire.wire import KVEventBatch, decode_batch
 
@@ -147,7 +147,9 @@ def test_records_only_python_encodes(record: tuple[Any, ...]) -> None:
 def test_a_steady_stream_of_list_batches_never_takes_the_gil(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)  # its pings are KVEventBatch: Python encodes them
         before = pub.stats()
         col = EventCollector(pub, BS)
@@ -184,7 +186,9 @@ def test_replayed_payloads_are_the_live_ones(ipc_dir: str, zctx: zmq.Context[Any
     from kvwire.wire import ReplayEnd, parse_replay_reply, replay_request_frames
 
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, buffer_steps=50
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(heartbeat_s=None, buffer_steps=50),
     ) as pub:
         sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
@@ -217,8 +221,7 @@ def test_heartbeats_are_pythons_empty_batch_byte_for_byte(
     from kvwire.wire import encode_batch
 
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", heartbeat=0.05, rank=5, dialect=dialect,  # type: ignore[arg-type]
-        ranks_per_host=8,
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=0.05, dialect=dialect), rank=5
     ) as pub:  # fmt: skip
         sub, first = connect_sub(zctx, pub)
         beat = recv_live(sub)  # nothing else is published: a heartbeat
@@ -301,7 +304,8 @@ def test_the_native_collectors_bytes_are_collected_batch_encode(
     dialects = ("map", "array")
     pubs = [
         EventPublisher(
-            f"ipc://{ipc_dir}/{d}", heartbeat=None, snapshot=False, dialect=d  # type: ignore[arg-type]
+            f"ipc://{ipc_dir}/{d}",
+            config=PublisherConfig(heartbeat_s=None, snapshot=False, dialect=d),
         ).start()
         for d in dialects
     ]
@@ -355,7 +359,9 @@ def test_what_the_native_collector_leaves_to_python_has_the_same_bytes(
 ) -> None:
     """Array captures, extra_keys and int subclasses travel as C records too; the sender
     builds their CollectedBatch with the GIL. A value no 64-bit int is a counted gap."""
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)
         before = pub.stats()
         ref = Keep()
@@ -383,7 +389,10 @@ def test_what_the_native_collector_leaves_to_python_has_the_same_bytes(
 
 
 def test_the_native_collector_drops_on_a_full_queue_as_publish_does(ipc_dir: str) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, max_queue_size=2)
+    pub = EventPublisher(
+        f"ipc://{ipc_dir}/p",
+        config=PublisherConfig(heartbeat_s=None, snapshot=False, max_queue_size=2),
+    )
     col = EventCollector(pub, BS)  # never started: batches stay queued
     flushed = []
     for i in range(3):
@@ -399,7 +408,9 @@ def test_the_native_collector_drops_on_a_full_queue_as_publish_does(ipc_dir: str
 
 
 def test_a_replaced_publish_sees_every_batch() -> None:
-    pub = EventPublisher("ipc:///tmp/kvwire-unused", heartbeat=None, snapshot=False)
+    pub = EventPublisher(
+        "ipc:///tmp/kvwire-unused", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    )
     seen: list[Any] = []
     pub.publish = lambda b: seen.append(b) or True  # type: ignore[method-assign,assignment,func-returns-value]
     col = EventCollector(pub, BS)
@@ -439,7 +450,8 @@ def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
             tracemalloc.stop()
 
     pub = EventPublisher(
-        f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, max_queue_size=2 * n
+        f"ipc://{ipc_dir}/p",
+        config=PublisherConfig(heartbeat_s=None, snapshot=False, max_queue_size=2 * n),
     )  # never started: every batch stays queued
     try:
         native_growth = grown(EventCollector(pub, BS))

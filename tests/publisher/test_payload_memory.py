@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher
+from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher, PublisherConfig
 from kvwire.wire import decode_batch
 
 from .conftest import connect_sub, recv_live
@@ -41,7 +41,8 @@ def test_held_payloads_keep_their_bytes_while_slabs_are_reused(
     released and their slabs reused, the held bytes stay those sent."""
     rng = random.Random(1)
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, buffer_steps=8
+        f"ipc://{ipc_dir}/p",
+        config=PublisherConfig(heartbeat_s=None, snapshot=False, buffer_steps=8),
     ) as pub:
         sub, first = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
@@ -64,7 +65,9 @@ def test_held_payloads_keep_their_bytes_while_slabs_are_reused(
 
 def test_a_payload_outlives_its_publisher(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     rng = random.Random(2)
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False).start()
+    pub = EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ).start()
     sub, first = connect_sub(zctx, pub)
     col = EventCollector(pub, BS)
     publish(col, rng, 64)
@@ -82,7 +85,8 @@ def test_a_steady_stream_maps_no_new_slabs(ipc_dir: str, zctx: zmq.Context[Any])
     reused slab: neither pool maps another."""
     rng = random.Random(3)
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False, buffer_steps=50
+        f"ipc://{ipc_dir}/p",
+        config=PublisherConfig(heartbeat_s=None, snapshot=False, buffer_steps=50),
     ) as pub:
         sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
@@ -104,7 +108,9 @@ def test_a_payload_too_large_for_a_slab_is_sent_and_replayed(
 ) -> None:
     """Payloads beyond a quarter slab are allocated on their own: sent and kept alike."""
     rng = random.Random(4)
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ) as pub:
         sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
         before = pub._sender.slabs()[0]
@@ -128,7 +134,9 @@ def test_token_ids_at_every_width_boundary_are_msgspecs_bytes(
     edges = sorted({v for k in range(33) for v in (2**k - 1, 2**k, 2**k + 1) if v < 2**32})
     tokens = edges + [0] * (-len(edges) % BS)
     hashes = list(range(1, len(tokens) // BS + 1))
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ) as pub:
         sub, _ = connect_sub(zctx, pub)
         col = EventCollector(pub, BS)
         col.stored(hashes, None, tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sys
 import threading
 import time
@@ -13,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher
+from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher, PublisherConfig
 from kvwire.security import is_loopback
 from kvwire.wire import (
     END_SEQ,
@@ -78,7 +79,9 @@ def test_live_frames_and_consecutive_seqs(
     kind: str, coalesce: float, ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     live, _ = endpoints(kind, ipc_dir)
-    with EventPublisher(live, topic="kv", coalesce_s=coalesce, heartbeat=None) as pub:
+    with EventPublisher(
+        live, config=PublisherConfig(topic="kv", send_coalesce_s=coalesce, heartbeat_s=None)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)
         sent = [batch(i) for i in range(50)]
         for b in sent:
@@ -95,7 +98,9 @@ def test_live_frames_and_consecutive_seqs(
 
 
 def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", topic="kv-events", heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(topic="kv-events", heartbeat_s=None)
+    ) as pub:
         sub, _ = connect_sub(zctx, pub, topic=b"kv")
         other: zmq.Socket[bytes] = zctx.socket(zmq.SUB)
         other.setsockopt(zmq.SUBSCRIBE, b"other")
@@ -106,7 +111,9 @@ def test_topic_prefix_filtering(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
 
 
 def test_missing_rank_is_filled_and_array_dialect(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", rank=3, dialect="array", heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(dialect="array", heartbeat_s=None), rank=3
+    ) as pub:
         assert pub.bound_endpoint == f"ipc://{ipc_dir}/p_dp3"
         sub, _ = connect_sub(zctx, pub)
         pub.publish(batch(7, rank=None))
@@ -122,11 +129,11 @@ def test_rank_offsets_tcp_ports() -> None:
     meanwhile, so a refused bind takes new bases, a few times at most.
     """
     for _ in range(20):
-        with EventPublisher(EPHEMERAL, EPHEMERAL, heartbeat=None) as rank0:
+        with EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig(heartbeat_s=None)) as rank0:
             base, replay = rank0.bound_endpoint, rank0.bound_replay_endpoint
             assert replay is not None
             try:
-                pub = EventPublisher(base, replay, rank=2, ranks_per_host=4, heartbeat=None)
+                pub = EventPublisher(base, replay, PublisherConfig(heartbeat_s=None), rank=2)
                 pub.start()
             except EndpointError:  # the two bases less than four ports apart
                 continue
@@ -166,11 +173,66 @@ def test_bad_endpoints_and_settings_are_rejected() -> None:
     with pytest.raises(EndpointError, match="65535"):
         EventPublisher("tcp://127.0.0.1:65535", rank=1)
     with pytest.raises(ValueError, match="max_queue_size"):
-        EventPublisher(max_queue_size=0)
+        EventPublisher(config=PublisherConfig(max_queue_size=0))
     with pytest.raises(ValueError, match="dialect"):
-        EventPublisher(dialect="json")  # type: ignore[arg-type]
+        EventPublisher(config=PublisherConfig(dialect="json"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="coalesce_s"):
-        EventPublisher(coalesce_s=-1)
+        EventPublisher(config=PublisherConfig(send_coalesce_s=-1))
+
+
+BAD_SETTINGS = [
+    ("max_queue_size", 0, "an integer >= 1"),
+    ("hwm", 2**31, "an integer from 1 to 2147483647"),
+    ("send_coalesce_s", -0.001, "a number from 0 to 60"),
+    ("send_coalesce_s", 10**15, "a number from 0 to 60"),
+    ("topic", 5, "a string"),
+    ("dialect", "json", "one of 'array', 'map'"),
+    ("buffer_steps", 0, "an integer >= 1"),
+    ("max_replay_batches", 0, "an integer >= 1, or None"),
+    ("max_replay_jobs", -1, "an integer >= 1"),
+    ("replay_stall_s", 0, "a number > 0"),
+    ("epoch", 1, "a boolean"),
+    ("heartbeat_s", 1e-7, "a number from 0.001 to 3600, or None"),
+    ("heartbeat_s", float("nan"), "a number from 0.001 to 3600, or None"),
+    ("snapshot", "yes", "a boolean"),
+    ("snapshot_chunk_blocks", 0, "an integer >= 1"),
+    ("mirror_backlog", 0, "an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(("field", "bad", "allowed"), BAD_SETTINGS)
+def test_a_bad_setting_is_refused_however_the_config_is_made(
+    field: str, bad: object, allowed: str
+) -> None:
+    """One rule per setting: the annotation's range, applied when built and when read."""
+    message = f"PublisherConfig.{field}={bad!r} is refused: expected {allowed}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PublisherConfig(**{field: bad})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        msgspec.structs.replace(PublisherConfig(), **{field: bad})
+    with pytest.raises(msgspec.ValidationError, match=re.escape(f"at `$.{field}`")):
+        msgspec.convert({field: bad}, PublisherConfig)
+
+
+def test_every_setting_has_a_range_checked_and_old_names_are_refused() -> None:
+    assert {field for field, _, _ in BAD_SETTINGS} == set(PublisherConfig.__struct_fields__)
+    config = msgspec.json.decode(b'{"heartbeat_s": null, "send_coalesce_s": 0}', type=PublisherConfig)
+    assert config == PublisherConfig(heartbeat_s=None, send_coalesce_s=0)
+    for old in ("heartbeat", "coalesce_s", "clock"):
+        with pytest.raises(msgspec.ValidationError, match=f"unknown field `{old}`"):
+            msgspec.convert({old: 1}, PublisherConfig)
+
+
+def test_a_running_publisher_keeps_its_config_in_range(ipc_dir: str) -> None:
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None))
+    pub.max_queue_size = 5
+    pub.send_coalesce_s = 0.25
+    assert pub.config == PublisherConfig(heartbeat_s=None, max_queue_size=5, send_coalesce_s=0.25)
+    for name, bad in (("max_queue_size", 0), ("send_coalesce_s", 61.0)):
+        with pytest.raises(ValueError, match=f"PublisherConfig.{name}="):
+            setattr(pub, name, bad)
+    assert (pub.max_queue_size, pub.send_coalesce_s) == (5, 0.25)  # unchanged
+    pub.close()
 
 
 def test_bind_failure_raises_from_start(zctx: zmq.Context[Any]) -> None:
@@ -206,7 +268,7 @@ def replay_via_dealer(
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     live, replay = endpoints(kind, ipc_dir)
-    with EventPublisher(live, replay, topic="t", heartbeat=None) as pub:
+    with EventPublisher(live, replay, PublisherConfig(topic="t", heartbeat_s=None)) as pub:
         sent = {pub.last_seq + 1 + i: batch(i) for i in range(20)}
         for b in sent.values():
             pub.publish(b)
@@ -224,7 +286,9 @@ def test_replay_from_dealer(kind: str, ipc_dir: str, zctx: zmq.Context[Any]) -> 
 
 
 def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", PublisherConfig(heartbeat_s=None)
+    ) as pub:
         for i in range(5):
             pub.publish(batch(i))
         wait_for(lambda: pub.stats().published == 5, what="batches sent")
@@ -239,8 +303,9 @@ def test_replay_from_req_socket(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
 
 def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=8, max_replay_batches=3,
-        heartbeat=None,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=8, max_replay_batches=3, heartbeat_s=None),
     ) as pub:  # fmt: skip
         for i in range(12):
             pub.publish(batch(i))
@@ -257,7 +322,9 @@ def test_replay_cap_and_buffer_limit(ipc_dir: str, zctx: zmq.Context[Any]) -> No
 def test_malformed_replay_requests_are_counted_and_ignored(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", PublisherConfig(heartbeat_s=None)
+    ) as pub:
         pub.publish(batch(0))
         wait_for(lambda: pub.stats().published == 1, what="the batch in the replay ring")
         dealer: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
@@ -278,8 +345,9 @@ def test_malformed_replay_requests_are_counted_and_ignored(
 def test_replay_does_not_starve_live(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     n = 5_000
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=2 * n, max_replay_batches=2 * n,
-        heartbeat=None,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=2 * n, max_replay_batches=2 * n, heartbeat_s=None),
     ) as pub:  # fmt: skip
         sub, first = connect_sub(zctx, pub)
         for i in range(n):
@@ -311,7 +379,9 @@ def test_queue_full_drops_are_counted_leave_gaps_and_never_block(
 ) -> None:
     gate = threading.Event()
     started = threading.Event()
-    with EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=4, heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(max_queue_size=4, heartbeat_s=None)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)
         assert pub.publish(BlockingBatch(gate, started))  # seq first: the sender takes it
         assert started.wait(5)
@@ -339,11 +409,13 @@ def test_queue_bound_and_coalescing_changed_on_a_running_publisher(
 ) -> None:
     """An operator's change reaches the sender thread: a bound of one and a 0.3 s wait
     after each wake-up make the second of two batches in a row find the first queued."""
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, coalesce_s=0) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, send_coalesce_s=0)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)
         pub.max_queue_size = 1
-        pub.coalesce_s = 0.3
-        assert (pub.max_queue_size, pub.coalesce_s) == (1, 0.3)
+        pub.send_coalesce_s = 0.3
+        assert (pub.max_queue_size, pub.send_coalesce_s) == (1, 0.3)
         wait_for(lambda: pub.queue_depth == 0, what="an idle sender")
         t0 = time.monotonic()
         assert pub.publish(batch(1))
@@ -351,19 +423,21 @@ def test_queue_bound_and_coalescing_changed_on_a_running_publisher(
         assert pub.stats().dropped_queue_full == 1
         assert recv_live(sub).seq == first
         assert time.monotonic() - t0 >= 0.25  # sent after the new wait, not at once
-        pub.coalesce_s = 0
+        pub.send_coalesce_s = 0
         pub.max_queue_size = 100
         assert pub.publish(batch(3))
         assert recv_live(sub).seq == first + 2  # seq first + 1 is the visible gap
         with pytest.raises(ValueError, match="coalesce_s"):
-            pub.coalesce_s = -1
+            pub.send_coalesce_s = -1
 
 
 def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     big = KVEventBatch(0.0, [BlockStored(list(range(256)), None, list(range(4096)), 16)], 0)
-    with EventPublisher(f"ipc://{ipc_dir}/p", hwm=10, heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(hwm=10, heartbeat_s=None)
+    ) as pub:
         sub, first = connect_sub(zctx, pub, RCVHWM=10, RCVBUF=4096)
         worst = 0.0
         for _ in range(3000):  # the subscriber reads nothing meanwhile
@@ -383,17 +457,30 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
         assert len(seqs) < 3001
 
 
-def test_encode_errors_are_counted_and_leave_a_gap(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None) as pub:
+def test_encode_errors_are_counted_and_leave_a_gap(
+    ipc_dir: str, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    logs = caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher")
+    with logs, EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)) as pub:
         sub, first = connect_sub(zctx, pub)
-        pub.publish(FailingBatch())
+        for _ in range(3):
+            pub.publish(FailingBatch())
         pub.publish(batch(1))
-        assert recv_live(sub).seq == first + 1
-        assert pub.stats().dropped_encode_error == 1
+        assert recv_live(sub).seq == first + 3
+        assert pub.stats().dropped_encode_error == 3
+    # The first is logged at once, the repeats in one line (at the latest on close).
+    lines = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
+    assert lines == [
+        "rank 0: a batch could not be encoded: cannot encode this",
+        "a batch could not be encoded: cannot encode this "
+        "(2 times since the last report, from 1: rank 0)",
+    ]
 
 
 def test_skip_leaves_a_gap_that_replay_cannot_fill(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=0.2) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", PublisherConfig(heartbeat_s=0.2)
+    ) as pub:
         sub, _ = connect_sub(zctx, pub)
         assert pub.publish(batch(1))
         assert pub.skip()
@@ -420,7 +507,9 @@ def test_skip_leaves_a_gap_that_replay_cannot_fill(ipc_dir: str, zctx: zmq.Conte
 
 
 def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", buffer_steps=5, heartbeat=None)
+    pub = EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(buffer_steps=5, heartbeat_s=None)
+    )
     pub.start()
     sub, first = connect_sub(zctx, pub)
     for i in range(200):
@@ -439,7 +528,7 @@ def test_close_flushes_then_refuses(ipc_dir: str, zctx: zmq.Context[Any]) -> Non
 def test_close_is_bounded_when_the_sender_is_stuck(ipc_dir: str) -> None:
     gate = threading.Event()
     started = threading.Event()
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None).start()
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)).start()
     pub.publish(BlockingBatch(gate, started))
     assert started.wait(5)
     pub.publish(batch(1))
@@ -461,7 +550,7 @@ def test_unstarted_publisher_close_and_context_manager(ipc_dir: str) -> None:
 
 
 def test_max_queue_size_can_change_at_run_time(ipc_dir: str) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=10)
+    pub = EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(max_queue_size=10))
     pub.max_queue_size = 2
     assert [pub.publish(batch(i)) for i in range(3)] == [True, True, False]
     with pytest.raises(ValueError):
@@ -495,7 +584,10 @@ def test_publish_from_several_threads_keeps_seq_order(ipc_dir: str, zctx: zmq.Co
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible
     try:
-        pub = EventPublisher(f"ipc://{ipc_dir}/p", max_queue_size=n * threads, heartbeat=None)
+        pub = EventPublisher(
+            f"ipc://{ipc_dir}/p",
+            config=PublisherConfig(max_queue_size=n * threads, heartbeat_s=None),
+        )
         item = batch(1)
         go = threading.Event()
 
@@ -522,7 +614,9 @@ def test_several_threads_on_the_wire_and_in_the_replay_buffer(
 ) -> None:
     n, threads = 5_000, 3
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=n * threads + 100, heartbeat=None
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=n * threads + 100, heartbeat_s=None),
     ) as pub:
         sub, first = connect_sub(zctx, pub)
         workers = [
@@ -543,7 +637,9 @@ def test_several_threads_on_the_wire_and_in_the_replay_buffer(
 def test_ephemeral_ports_for_every_rank(zctx: zmq.Context[Any]) -> None:
     assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
     pubs = [
-        EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", rank=r, heartbeat=None).start()
+        EventPublisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", PublisherConfig(heartbeat_s=None), rank=r
+        ).start()
         for r in range(4)
     ]
     try:

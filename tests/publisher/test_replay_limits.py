@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.wire import (
     BlockStored,
     KVEventBatch,
@@ -64,8 +64,9 @@ def test_never_reading_clients_share_the_buffer_and_cannot_starve_a_subscriber(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
-        max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=0.5,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=N_BATCHES, max_replay_batches=N_BATCHES, heartbeat_s=None, replay_stall_s=0.5),
     ) as pub:  # fmt: skip
         for i in range(N_BATCHES):
             pub.publish(big_batch(i))
@@ -100,8 +101,9 @@ def test_a_full_house_of_stalled_jobs_admits_a_new_client(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
-        max_replay_batches=N_BATCHES, heartbeat=None, max_replay_jobs=4, replay_stall_s=30,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=N_BATCHES, max_replay_batches=N_BATCHES, heartbeat_s=None, max_replay_jobs=4, replay_stall_s=30),
     ) as pub:  # fmt: skip
         for i in range(N_BATCHES):
             pub.publish(big_batch(i))
@@ -124,7 +126,7 @@ def test_a_full_house_of_stalled_jobs_admits_a_new_client(
 def test_every_socket_bound_beyond_loopback_warns(caplog: pytest.LogCaptureFixture) -> None:
     with (
         caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher"),
-        EventPublisher("tcp://*:*", "tcp://*:*", heartbeat=None),
+        EventPublisher("tcp://*:*", "tcp://*:*", PublisherConfig(heartbeat_s=None)),
     ):
         pass
     messages = [r.getMessage() for r in caplog.records]
@@ -133,7 +135,7 @@ def test_every_socket_bound_beyond_loopback_warns(caplog: pytest.LogCaptureFixtu
     caplog.clear()
     with (
         caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher"),
-        EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", heartbeat=None),
+        EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", PublisherConfig(heartbeat_s=None)),
     ):
         pass
     assert not caplog.records
@@ -142,7 +144,9 @@ def test_every_socket_bound_beyond_loopback_warns(caplog: pytest.LogCaptureFixtu
 def test_oversized_replay_requests_are_refused_by_the_socket(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", PublisherConfig(heartbeat_s=None)
+    ) as pub:
         pub.publish(big_batch(0))
         wait_for(lambda: pub.stats().published == 1, what="sent")
         junk: zmq.Socket[bytes] = zctx.socket(zmq.DEALER)
@@ -154,8 +158,9 @@ def test_oversized_replay_requests_are_refused_by_the_socket(
 
 def test_a_clients_new_request_replaces_its_old_job(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
-        max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=30,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=N_BATCHES, max_replay_batches=N_BATCHES, heartbeat_s=None, replay_stall_s=30),
     ) as pub:  # fmt: skip
         for i in range(N_BATCHES):
             pub.publish(big_batch(i))
@@ -190,8 +195,9 @@ def thread_cpu_s(native_id: int) -> float:
 
 def test_stalled_clients_do_not_keep_the_replay_thread_busy(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", buffer_steps=N_BATCHES,
-        max_replay_batches=N_BATCHES, heartbeat=None, replay_stall_s=60,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(buffer_steps=N_BATCHES, max_replay_batches=N_BATCHES, heartbeat_s=None, replay_stall_s=60),
     ) as pub:  # fmt: skip
         for i in range(N_BATCHES):
             pub.publish(big_batch(i))

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.publisher import EventCollector, EventPublisher, PublisherConfig
 
 from .conftest import connect_sub, recv_live, wait_for
 
@@ -29,9 +29,11 @@ def publish(col: EventCollector, i: int) -> None:
 def test_a_burst_of_a_chunk_is_sent_before_the_coalescing_delay(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    with EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False) as pub:
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ) as pub:
         sub, first = connect_sub(zctx, pub)
-        pub.coalesce_s = 30.0
+        pub.send_coalesce_s = 30.0
         col = EventCollector(pub, BS)
         publish(col, 0)  # the sender now naps until 30 s after this one
         wait_for(lambda: pub._sender.stats()["queue_depth"] == 1, what="one queued")
@@ -43,9 +45,11 @@ def test_a_burst_of_a_chunk_is_sent_before_the_coalescing_delay(
 
 
 def test_close_ends_the_nap_and_sends_what_waits(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
-    pub = EventPublisher(f"ipc://{ipc_dir}/p", heartbeat=None, snapshot=False).start()
+    pub = EventPublisher(
+        f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
+    ).start()
     sub, first = connect_sub(zctx, pub)
-    pub.coalesce_s = 30.0
+    pub.send_coalesce_s = 30.0
     col = EventCollector(pub, BS)
     for i in range(10):
         publish(col, i)

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from kvwire.prefix_index import PrefixIndex
-from kvwire.publisher import EventCollector, EventPublisher
+from kvwire.publisher import EventCollector, EventPublisher, PublisherConfig
 from kvwire.publisher.mirror import Mirror
 from kvwire.wire import (
     AllBlocksCleared,
@@ -244,7 +244,9 @@ def test_snapshot_over_the_replay_socket_rebuilds_the_index(
     rng = random.Random(7)
     live = PrefixIndex(block_size=16)
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, snapshot_chunk_blocks=64
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(heartbeat_s=None, snapshot_chunk_blocks=64),
     ) as pub:
         sub, first = connect_sub(zctx, pub)
         collector = EventCollector(pub, block_size=16)
@@ -295,8 +297,9 @@ def test_a_batch_dropped_on_a_full_queue_is_still_in_the_snapshot(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, max_queue_size=1,
-        coalesce_s=0.2,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(heartbeat_s=None, max_queue_size=1, send_coalesce_s=0.2),
     ) as pub:  # fmt: skip
         sub, _ = connect_sub(zctx, pub)  # its pings overflow the queue of one
         wait_for(lambda: pub.queue_depth == 0, what="pings sent")
@@ -324,8 +327,9 @@ def test_snapshot_is_refused_after_a_drop_it_never_learnt_until_a_clear(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     with EventPublisher(
-        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", heartbeat=None, max_queue_size=1,
-        coalesce_s=0.2, mirror_backlog=1,
+        f"ipc://{ipc_dir}/p",
+        f"ipc://{ipc_dir}/r",
+        PublisherConfig(heartbeat_s=None, max_queue_size=1, send_coalesce_s=0.2, mirror_backlog=1),
     ) as pub:  # fmt: skip
         sub, _ = connect_sub(zctx, pub)  # its pings overflow the queue of one
         wait_for(lambda: pub.queue_depth == 0, what="pings sent")

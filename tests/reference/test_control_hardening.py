@@ -208,7 +208,7 @@ def test_curve_only_the_allow_list_may_command(keys: dict[str, Any]) -> None:
         assert running.alive()
         with ControlClient(running.endpoint, timeout=5, keys=keys["operator"]) as client:
             assert client.stats().ranks[0].publisher["queue_depth"] == 0
-            assert running.server.ranks[0].publisher.max_queue_size == CONFIG.max_queue_size
+            assert running.server.ranks[0].publisher.max_queue_size == CONFIG.publisher.max_queue_size
         # Rotation: a key added to the directory is let in, without a restart.
         shutil.copy(keys["stranger_public"], keys["allow"])
         assert_serving(running.endpoint, keys=keys["stranger"])

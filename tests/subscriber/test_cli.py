@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.cli import _source, _watch, build_parser, main
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.wire import BlockStored, KVEventBatch
 from tests.subscriber.helpers import EPHEMERAL, Engine, ipc_endpoints
 
@@ -94,7 +94,8 @@ def test_watch_once_shows_every_rank(ranks_given: str, capsys: pytest.CaptureFix
             ep, rep = EPHEMERAL, EPHEMERAL
         # heartbeats too rare to add a seq during the test
         pubs = [
-            stack.enter_context(EventPublisher(ep, rep, rank=r, heartbeat=60)) for r in range(2)
+            stack.enter_context(EventPublisher(ep, rep, PublisherConfig(heartbeat_s=60), rank=r))
+            for r in range(2)
         ]
         engines[0].publish(pubs[0], 6)
         engines[1].publish(pubs[1], 9)

@@ -19,7 +19,7 @@ import pytest
 import zmq.asyncio
 
 from kvwire.prefix_index import PrefixIndex
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import (
     Applied,
     BlockSetSink,
@@ -62,8 +62,8 @@ def endpoints(transport: str, ranks: int) -> Iterator[tuple[str, str]]:
 @contextlib.contextmanager
 def publishers(ep: str, rep: str | None, ranks: int, **kw: Any) -> Iterator[list[EventPublisher]]:
     # The engines' wire: no epoch, heartbeat or snapshot (these tests count seqs exactly).
-    kw = {"epoch": False, "heartbeat": None, "snapshot": False, **kw}
-    pubs = [EventPublisher(ep, rep, rank=r, **kw).start() for r in range(ranks)]
+    config = PublisherConfig(**{"epoch": False, "heartbeat_s": None, "snapshot": False, **kw})
+    pubs = [EventPublisher(ep, rep, config, rank=r).start() for r in range(ranks)]
     try:
         yield pubs
     finally:

@@ -21,7 +21,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import (
     Action,
     Apply,
@@ -327,7 +327,7 @@ class RecordingSink:
 
 
 def test_a_sink_gets_every_batch_and_no_heartbeat_while_the_rank_follows_them() -> None:
-    pub = EventPublisher(EPHEMERAL, EPHEMERAL, rank=0, heartbeat=0.05).start()
+    pub = EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig(heartbeat_s=0.05), rank=0).start()
     sink = RecordingSink()
     engine = Engine(seed=5)
     source = EngineSource.from_rank_endpoints(

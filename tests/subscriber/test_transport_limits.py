@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire.publisher import EventPublisher
+from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.security import ClientKeys, ServerKeys, generate_keypair, release_context, secure_server
 from kvwire.subscriber import BlockSetSink, EngineSource, RankState, Subscriber
 from kvwire.subscriber import transport as transport_module
@@ -64,8 +64,8 @@ def test_an_oversized_payload_never_gets_in_and_the_rank_recovers(
     """
     kw = {} if limit is None else {"max_message_size": limit}
     # The engines' wire (no heartbeat, no snapshot): nothing repairs the loss but a clear.
-    engines_wire = {"epoch": False, "heartbeat": None, "snapshot": False}
-    with EventPublisher(EPHEMERAL, EPHEMERAL, buffer_steps=64, **engines_wire) as pub:
+    engines_wire = PublisherConfig(buffer_steps=64, epoch=False, heartbeat_s=None, snapshot=False)
+    with EventPublisher(EPHEMERAL, EPHEMERAL, engines_wire) as pub:
         engine = Engine(seed=21)
         sink = BlockSetSink()
         with Subscriber([bound_source("w", [pub])], sink, config=FAST, **kw) as sub:
