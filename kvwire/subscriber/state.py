@@ -167,8 +167,8 @@ class RankCounters(msgspec.Struct, kw_only=True):
     late: int = 0
     """Live batches that arrived after their seq was given up on."""
     old_life: int = 0
-    """Live messages of a publisher life already left behind (an epoch the stream
-    moved on from), dropped: a half-open connection or a proxy delivering late."""
+    """Live messages of a publisher life the replay socket showed was left behind,
+    dropped: a half-open connection or a proxy delivering late."""
     stale_replies: int = 0
     """Replay frames answering a request that was since abandoned."""
     held_overflows: int = 0

@@ -340,7 +340,7 @@ class RankStream:
         self._check = _CHECK if payloads else None
         self._check_limits = (lim.max_events, lim.max_blocks, lim.max_block_size, lim.max_tokens)
         # The publisher life followed: its topic and epoch (None: it sends none), and the
-        # epochs of the lives it left behind.
+        # epochs of lives the replay socket showed were left behind.
         self._topic: bytes | None = None
         self._epoch: bytes | None = None
         self._epoch_info = Epoch(b"")
@@ -625,11 +625,17 @@ class RankStream:
 
     # --- publisher lives ----------------------------------------------------------
 
-    def _adopt(self, topic: bytes, epoch: bytes | None) -> None:
-        """Follow the life that sends ``topic`` (epoch ``epoch``); the position is the caller's."""
+    def _adopt(self, topic: bytes, epoch: bytes | None, *, retire: bool = False) -> None:
+        """Follow the life that sends ``topic`` (epoch ``epoch``); the position is the caller's.
+
+        ``retire``: the replay socket, which reaches the process bound now, showed
+        the new epoch, so the old life's live messages still on their way are
+        dropped. An epoch change seen live retires nothing: a late message of a
+        life never followed would read as a change, and only a reply can tell.
+        """
         self._topic = topic
         if epoch is not None and epoch != self._epoch:
-            if self._epoch is not None and self._epoch not in self._retired:
+            if retire and self._epoch is not None and self._epoch not in self._retired:
                 self._retired.append(self._epoch)
             if epoch in self._retired:
                 self._retired.remove(epoch)  # the replay socket says it is current after all
@@ -637,20 +643,26 @@ class RankStream:
             self._epoch_info = parse_epoch(epoch)
 
     def _restart(
-        self, why: str, known_horizon: int, life: tuple[bytes, bytes] | None, *, ask: bool = True
+        self,
+        why: str,
+        known_horizon: int,
+        life: tuple[bytes, bytes] | None,
+        *,
+        ask: bool = True,
+        retire: bool = False,
     ) -> None:
         """The publisher restarted: its engine's cache is empty, follow its new stream.
 
-        ``life``: the new life's topic and epoch, where it shows them. The
-        position starts over with it. ``ask=False``: the reply being read
-        already is the new life's history.
+        ``life``: the new life's topic and epoch, where it shows them (``retire``:
+        see :meth:`_adopt`). The position starts over with it. ``ask=False``: the
+        reply being read already is the new life's history.
         """
         self.counters.restarts += 1
         self._out.append(ClearRank(why))
         self._clean = True
         self._reason = why
         if life is not None:
-            self._adopt(*life)
+            self._adopt(*life, retire=retire)
         self._seq.new_life(known_horizon)
         self._exact = True
         self._req.recovered()
@@ -673,7 +685,8 @@ class RankStream:
         if topic != self._topic:
             epoch = split_topic(topic)[1]
             if epoch is not None and epoch in self._retired:
-                # A life already left behind (a half-open connection, a proxy between).
+                # A life the replay socket showed was left behind (a half-open
+                # connection, a proxy between).
                 c.old_life += 1
                 return
             if epoch is not None and self._epoch is not None and epoch != self._epoch:
@@ -799,6 +812,7 @@ class RankStream:
                         f"replay socket answers for epoch {epoch!r}, not {self._epoch!r}",
                         0,
                         (topic, epoch),
+                        retire=True,
                     )
                     return
                 if self._epoch is None:
@@ -852,9 +866,10 @@ class RankStream:
                 None,
             )
             return
-        if first and r.anchored and not same_epoch:
+        if first and r.anchored:
             # The anchor is gone from the buffer: whether this is still the
-            # publisher whose batches were applied cannot be told.
+            # publisher whose batches were applied cannot be told (under the same
+            # epoch too: a publisher whose epoch is configured restarts under it).
             self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
         t.see(seq)
         if seq < t.expected:

@@ -39,14 +39,20 @@ def test_a_restart_seen_in_a_replay_reply_retires_the_old_lifes_topic() -> None:
     assert r.s.state is RankState.SYNCED and r.blocks == {200, 201}
 
 
-def test_a_restart_seen_live_retires_the_old_lifes_topic_too() -> None:
+def test_without_replay_a_late_message_of_the_old_life_is_a_restart_never_a_mix() -> None:
+    """Seen live, an epoch change retires nothing (only a reply shows which life is current):
+    the old life's late batch is a restart back to it, then the new life's next one is too."""
     a, b = epoch(1), epoch(2)
     r = Rank(StreamConfig(replay=False))
     r.run(r.s.connected(0.0))
     r.live(a, 0, store(0, 100), 0.1)
     r.live(b, 0, store(0, 200), 0.2)
+    assert r.blocks == {200} and r.s.state is RankState.SYNCED
     r.live(a, 1, store(1, 101), 0.3)
-    assert r.blocks == {200} and r.s.counters.restarts == 1 and r.s.counters.old_life == 1
+    assert r.blocks == {101} and r.s.state is RankState.PARTIAL  # 0 of "life A" was not seen
+    r.live(b, 1, store(1, 201), 0.4)
+    assert r.blocks == {201} and r.s.state is RankState.PARTIAL
+    assert r.s.counters.restarts == 3 and r.s.counters.old_life == 0
 
 
 def _run_for(h: Harness, seconds: float, step: float = 0.001) -> None:
