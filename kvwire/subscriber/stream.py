@@ -85,7 +85,7 @@ What each phase is, and why it moves:
 Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
 live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
 disconnect. An internal error (a bug) clears the rank and moves it to
-AWAIT_LIVE (or DISCONNECTED) from anywhere.
+AWAIT_LIVE (RESET) from any connected phase.
 
 Rules
 -----
@@ -100,13 +100,29 @@ Rules
   or a reply is a restart, deterministically. Without an epoch, a live seq
   that goes back, or a replayed anchor (the last batch applied) that differs
   byte for byte, is the guess. Under an unchanged epoch neither is a restart:
-  a seq that goes back is a broken stream (cleared, followed).
+  a seq that goes back is a broken stream (cleared, followed). A restart
+  moves the epoch, its topic and the position together. Once a reply showed
+  a new epoch (the replay socket reaches the process bound now), live
+  messages of the old one still on their way are dropped (``old_life``); a
+  change seen only live retires nothing, as a late message of a life never
+  followed reads the same, and is a restart back (the replay settles it).
+- An anchored replay (after a reconnect, an idle probe) proves continuity only
+  by showing the anchor byte for byte: one whose anchor is gone from the
+  buffer leaves the rank PARTIAL under any epoch (a publisher whose epoch is
+  configured, not drawn, restarts under it).
 - An empty or useless replay never proves anything: a reply with no batch at
   or after what was asked, although a later seq was seen, leaves the rank
   PARTIAL (cleared, following live), never SYNCED at a seq the live stream
   has already passed. (A publisher without epoch whose anchored reply came
   back empty is first asked for its whole buffer: a buffer always holds the
   latest batch, so batches that all lie below the anchor prove a restart.)
+- A snapshot proves the publisher's next seq when it was served: a seq seen
+  at or above it before the snapshot was asked is not this publisher's any
+  more (a restart under the same epoch), and the horizon comes down to what
+  the snapshot proves. Every snapshot counts toward the backoff
+  (``backoff_initial`` doubling, ``snapshot_retries``) until the rank is
+  SYNCED again, applied or not: a recovery that does not end in sequence
+  never loops at the speed of the network.
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
   sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
   silence for 2.5 intervals asks for a fresh connection (once a silence), for
@@ -140,6 +156,9 @@ Not detectable: a publisher without epoch and without replay endpoint that
 restarted while the subscriber missed its first batches and whose new seqs
 happen to continue the old ones looks like the old one (its next batch is
 applied on top of the old view). An epoch or a replay endpoint detects it.
+Nor is a late live message of an old life whose topic equals the new one's
+(no epoch, or the same epoch) that arrives exactly at the next seq: it reads
+as the next batch.
 """
 
 from __future__ import annotations
