@@ -475,7 +475,7 @@ class RankStream:
         t = self._seq
         if self._fast and seq == t.expected and topic == self._topic:
             # The common case: the next batch, nothing pending, view exact.
-            action: Apply | ApplyPayload | None = None
+            action: Apply | ApplyPayload
             try:
                 check = self._check
                 facts = None if check is None else check(payload, *self._check_limits)
@@ -488,7 +488,7 @@ class RankStream:
                     action = Apply(seq, batch)
             except Exception:  # counted on the slow path
                 pass
-            if action is not None:
+            else:
                 c = self.counters
                 c.batches += 1
                 c.events += n
