@@ -296,17 +296,20 @@ def event_table(rows: str) -> dict[Phase, dict[Event, Phase]]:
 
 
 EVENTS: dict[Phase, dict[Event, Phase]] = event_table(_EVENT_TABLE)
-"""Where each event moves each phase it may happen in: the module docstring's table.
-Like h11's ``EVENT_TRIGGERED_TRANSITIONS``; :meth:`RankStream._move` is the only
-writer of a stream's phase and reads only this."""
+"""Where each event moves each phase it may happen in: the table of the module's
+docstring (a test keeps the two equal). Like h11's ``EVENT_TRIGGERED_TRANSITIONS``;
+``RankStream._move`` is the only writer of a stream's phase, and reads only this."""
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     p: frozenset(moves.values()) for p, moves in EVENTS.items()
 }
 """Which phase may follow which (derived from :data:`EVENTS`)."""
 
-_ASK = {Phase.STARTING: Event.ASK_START, Phase.REPLAYING: Event.ASK_GAP}
-_ASK[Phase.PROBING] = Event.ASK_PROBE
+_ASK = {
+    Phase.STARTING: Event.ASK_START,
+    Phase.REPLAYING: Event.ASK_GAP,
+    Phase.PROBING: Event.ASK_PROBE,
+}  # the event that asking a replay of each kind is
 _SYNCED_PHASES = frozenset({Phase.FOLLOWING, Phase.PROBING})
 _IDLE_PHASES = frozenset({Phase.FOLLOWING, Phase.STALE, Phase.AWAIT_LIVE})  # probes are made
 
