@@ -470,10 +470,13 @@ class RankStream:
     def live(self, frames: Sequence[Frame], now: float) -> list[Action]:
         """A message from the SUB socket: ``[topic, seq, payload]``."""
         self._last_live_at = now
-        if len(frames) != 3 or len(frames[1]) != 8:
+        try:
+            topic, seq_frame, payload = frames
+        except ValueError:
+            seq_frame = b""
+        if len(seq_frame) != 8:
             self.counters.decode_errors += 1  # no seq to go by: the next batch shows the hole
             return []
-        topic, seq_frame, payload = frames
         seq = int.from_bytes(seq_frame, "big")
         t = self._seq
         if self._fast and seq == t.expected and topic == self._topic:
@@ -495,7 +498,7 @@ class RankStream:
                 c = self.counters
                 c.batches += 1
                 c.events += n
-                if r is not None and r != self.rank and self.rank is not None:
+                if r != self.rank and r is not None and self.rank is not None:
                     c.rank_mismatches += 1
                 if t.window:
                     t.window.clear()
