@@ -157,8 +157,8 @@ restarted while the subscriber missed its first batches and whose new seqs
 happen to continue the old ones looks like the old one (its next batch is
 applied on top of the old view). An epoch or a replay endpoint detects it.
 Nor is a late live message of an old life whose topic equals the new one's
-(no epoch, or the same epoch) that arrives exactly at the next seq: it reads
-as the next batch.
+(no epoch, or the same epoch): at the next seq it reads as the next batch, and
+above it as a batch to wait for, followed once a replay gives up on the hole.
 """
 
 from __future__ import annotations

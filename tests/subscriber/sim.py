@@ -459,8 +459,12 @@ class Harness:
         connection, a proxy in between): the one at the stream's next seq if that
         life sent one, its last otherwise.
 
-        Only where the new life has a new epoch: without one an old life's batch
-        at the next seq cannot be told from the new life's (``docs/wire.md``).
+        Only where the new life has a new epoch. Under the same topic (no epoch,
+        or a restart that kept its epoch) an old life's live batch reads as the
+        new life's batch at that seq, and the stream follows live once a replay
+        gives up (the module docstring of ``kvwire.subscriber.stream``, "Not
+        detectable"); a horizon above the publisher's next seq comes from
+        ``restart(same_epoch=True)`` instead.
         """
         old = self.pub.old_sent
         if not self.up or not old or self.pub.old_topic == self.pub.topic:
