@@ -155,6 +155,11 @@ class Requests:
             self.active = None
             self.fresh = True
 
+    def drop(self) -> None:
+        """Forget whatever was asked (a bug met an input): the next request goes fresh."""
+        self.active = None
+        self.fresh = True
+
     def answered(self) -> None:
         """The request out was answered in full: nothing more of it can come."""
         self.active = None

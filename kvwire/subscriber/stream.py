@@ -1374,8 +1374,7 @@ class RankStream:
     def _internal_error(self, exc: Exception) -> None:
         """A bug met an input: keep what was queued, clear, and start over from live."""
         self.counters.internal_errors += 1
-        self._req.active = None
-        self._req.fresh = True
+        self._req.drop()
         self._seq.forget_ahead()
         self._seq.forget_anchor()
         if self._phase is not Phase.DISCONNECTED:
