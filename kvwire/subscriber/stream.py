@@ -10,7 +10,7 @@ Phases
 ------
 
 A stream is always in exactly one :class:`Phase`, and only an :class:`Event`
-moves it: :data:`EVENTS` (the table below, read from this docstring) says
+moves it: :data:`EVENTS` (the table below; a test keeps the two equal) says
 where each event leads and from which phases it may happen; a move outside it
 is a bug, counted in ``internal_errors``. Besides the phase the stream keeps
 its position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
