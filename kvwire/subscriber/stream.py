@@ -707,47 +707,12 @@ class RankStream:
         t = self._seq
         if self._phase is Phase.DISCONNECTED:
             self._on_connect()  # the data beat the connection event
-        if topic != self._topic:
-            epoch = split_topic(topic)[1]
-            if epoch is not None and epoch in self._retired:
-                # A life the replay socket showed was left behind (a half-open
-                # connection, a proxy between).
-                c.old_life += 1
-                return
-            if epoch is not None and self._epoch is not None and epoch != self._epoch:
-                self._restart(
-                    f"publisher epoch changed from {self._epoch!r} to {epoch!r}",
-                    0,
-                    (topic, epoch),
-                )
-            else:
-                self._adopt(topic, epoch)
+        if topic != self._topic and not self._live_topic(topic):
+            return
         batch = self._judge(payload)
-
         if seq < t.expected:
-            if batch is None:
+            if batch is None or self._behind(seq, payload):
                 return  # a bad frame never decides a restart
-            if seq <= t.last_live:
-                self._restart_or_break(seq, f"live seq went back from {t.last_live} to {seq}")
-            else:
-                window = t.window
-                while window and window[0][0] < seq:
-                    window.popleft()
-                if window and window[0][0] == seq:
-                    _, digest = window.popleft()
-                    if digest == _payload_hash(payload):
-                        c.duplicates += 1
-                        t.last_live = seq
-                        self._resume_following()
-                        return
-                    self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
-                elif t.is_lost(seq):
-                    c.late += 1
-                    t.last_live = seq
-                    self._resume_following()
-                    return
-                else:
-                    self._restart_or_break(seq, f"live seq {seq} below expected {t.expected}")
         elif seq - t.horizon > self.config.max_seq_jump:
             if batch is None:
                 return
@@ -775,6 +740,47 @@ class RankStream:
             elif len(t.held) > self.config.max_held or t.held.nbytes > self.config.max_held_bytes:
                 self._held_overflow()
         self._ensure_request()
+
+    def _live_topic(self, topic: bytes) -> bool:
+        """A live message on a topic other than the followed one: False, it is dropped."""
+        epoch = split_topic(topic)[1]
+        if epoch is not None and epoch in self._retired:
+            # A life the replay socket showed was left behind (a half-open
+            # connection, a proxy between).
+            self.counters.old_life += 1
+            return False
+        if epoch is not None and self._epoch is not None and epoch != self._epoch:
+            why = f"publisher epoch changed from {self._epoch!r} to {epoch!r}"
+            self._restart(why, 0, (topic, epoch))
+        else:
+            self._adopt(topic, epoch)
+        return True
+
+    def _behind(self, seq: int, payload: Frame) -> bool:
+        """A good live batch below the expected seq: True when that is all it was (the
+        live copy of a replayed batch, or a late one); False when it restarted or broke
+        the stream, which goes on from it."""
+        t = self._seq
+        if seq <= t.last_live:
+            self._restart_or_break(seq, f"live seq went back from {t.last_live} to {seq}")
+            return False
+        window = t.window
+        while window and window[0][0] < seq:
+            window.popleft()
+        if window and window[0][0] == seq:
+            _, digest = window.popleft()
+            if digest != _payload_hash(payload):
+                self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
+                return False
+            self.counters.duplicates += 1
+        elif t.is_lost(seq):
+            self.counters.late += 1
+        else:
+            self._restart_or_break(seq, f"live seq {seq} below expected {t.expected}")
+            return False
+        t.last_live = seq
+        self._resume_following()
+        return True
 
     def _resume_following(self) -> None:
         """A live batch shows where the stream is: waiting for one, or silence, ends."""
@@ -858,44 +864,12 @@ class RankStream:
     def _replay_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
         if seq < r.start:
             return  # not what was asked; a correct publisher never sends it
-        t = self._seq
-        first, r.first = r.first, False
-        if first and r.identify >= 0:
-            if seq >= r.identify:
-                # Not what a restart shows, nor what the same publisher would.
-                self._req.abandon()
-                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
-                self._go_on(self._reason, Phase.STARTING)
-                return
-            self._restart(
-                f"replay from {r.identify} came back empty and the buffer ends below it: "
-                "publisher restarted",
-                0,
-                None,
-                ask=False,
-            )
-            r.identify = -1
-            r.horizon_at_send = 0
         if seq > r.last_seq:
             r.last_seq = seq
-        if first and r.anchored and seq == r.start:
-            if bytes(payload) == bytes(r.anchor_payload or b""):
-                r.verified = True
-                return  # same publisher: the stream goes on
-            if same_epoch:
-                self._lose_view(f"replayed batch {seq} differs from the one applied")
-                return
-            self._restart(
-                f"replayed batch {seq} differs from the one applied: publisher restarted",
-                seq + 1,
-                None,
-            )
+        first, r.first = r.first, False
+        if first and not self._first_item(r, seq, payload, same_epoch):
             return
-        if first and r.anchored:
-            # The anchor is gone from the buffer: whether this is still the
-            # publisher whose batches were applied cannot be told (under the same
-            # epoch too: a publisher whose epoch is configured restarts under it).
-            self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
+        t = self._seq
         t.see(seq)
         if seq < t.expected:
             return
@@ -931,6 +905,45 @@ class RankStream:
         if held is not None:
             del t.held[seq]
         self._apply(seq, batch, payload, replayed=True)
+
+    def _first_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> bool:
+        """What the first item a reply has at or above what was asked proves; False
+        when that is all it was for (the anchor, or the end of this reply's use)."""
+        if r.identify >= 0:
+            if seq >= r.identify:
+                # Not what a restart shows, nor what the same publisher would.
+                self._req.abandon()
+                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
+                self._go_on(self._reason, Phase.STARTING)
+                return False
+            self._restart(
+                f"replay from {r.identify} came back empty and the buffer ends below it: "
+                "publisher restarted",
+                0,
+                None,
+                ask=False,
+            )
+            r.identify = -1
+            r.horizon_at_send = 0
+        if not r.anchored:
+            return True
+        if seq == r.start:
+            if bytes(payload) == bytes(r.anchor_payload or b""):
+                r.verified = True  # same publisher: the stream goes on
+            elif same_epoch:
+                self._lose_view(f"replayed batch {seq} differs from the one applied")
+            else:
+                self._restart(
+                    f"replayed batch {seq} differs from the one applied: publisher restarted",
+                    seq + 1,
+                    None,
+                )
+            return False
+        # The anchor is gone from the buffer: whether this is still the publisher
+        # whose batches were applied cannot be told (under the same epoch too: a
+        # publisher whose epoch is configured restarts under it).
+        self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
+        return True
 
     def _replay_end(self, r: Replay) -> None:
         c = self.counters
