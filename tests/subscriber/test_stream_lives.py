@@ -14,7 +14,13 @@ import itertools
 import pytest
 
 from kvwire.subscriber import RankState, RequestReplay, RequestSnapshot, StreamConfig
-from kvwire.wire import replay_end_frames, replay_item_frames, snapshot_end_frames
+from kvwire.wire import (
+    epoch_topic,
+    format_epoch,
+    replay_end_frames,
+    replay_item_frames,
+    snapshot_end_frames,
+)
 from tests.subscriber.sim import Harness, PublisherKind
 from tests.subscriber.test_stream_faults import CFG, Rank, chunk, epoch, first_contact, store
 
@@ -126,3 +132,29 @@ def test_every_recovery_that_does_not_end_following_counts_toward_the_backoff() 
     spacing = [b - a for a, b in itertools.pairwise(asked)]
     assert 0.1 <= spacing[0] < 0.12 and 0.2 <= spacing[1] < 0.22, spacing
     assert r.s.state is RankState.PARTIAL
+
+
+def test_a_retired_life_the_replay_socket_shows_again_is_followed_again() -> None:
+    """Retiring is the replay socket's word, and it may take it back: a reply from a
+    process still bound under life A (a proxy that reached B first) makes A current."""
+    a, b = epoch(1), epoch(2)
+    r = Rank()
+    first_contact(r, a)
+    r.live(a, 0, store(0, 100), 0.1)
+    r.live(a, 2, store(2, 102), 0.2)
+    r.reply(replay_item_frames(b, 0, store(0, 200)), 0.3)  # A retired
+    r.reply(replay_end_frames(b), 0.4)  # B's history: empty
+    r.live(a, 3, store(3, 103), 0.5)
+    assert r.s.counters.old_life == 1 and r.blocks == set()
+    r.run(r.s.disconnected(0.6))
+    r.run(r.s.connected(0.7))
+    # A after all (its replay socket names the topic its own way): a restart back.
+    a_reply = epoch_topic(b"kv-replay", format_epoch(1, heartbeat_s=None, snapshot=False))
+    r.reply(replay_item_frames(a_reply, 0, store(0, 100)), 0.8)
+    assert r.s.counters.restarts == 2
+    for seq in range(4):
+        r.reply(replay_item_frames(a_reply, seq, store(seq, 100 + seq)), 0.9)
+    r.reply(replay_end_frames(a_reply), 0.9)
+    r.live(a, 4, store(4, 104), 1.0)  # A's live topic: followed, not dropped
+    assert r.s.state is RankState.SYNCED and r.blocks == {100, 101, 102, 103, 104}
+    assert r.s.counters.old_life == 1
