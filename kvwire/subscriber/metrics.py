@@ -48,6 +48,7 @@ _COUNTER_HELP = {
     "rank_mismatches": "Batches whose envelope names another rank",
     "duplicates": "Live copies of batches already replayed",
     "late": "Live batches that arrived after being given up on",
+    "old_life": "Live messages of a publisher life left behind, dropped",
     "stale_replies": "Replay frames of abandoned requests",
     "held_overflows": "Times the held-batch buffer overflowed",
     "sink_errors": "Times the sink raised",

@@ -166,6 +166,9 @@ class RankCounters(msgspec.Struct, kw_only=True):
     """Live copies of batches already applied from a replay."""
     late: int = 0
     """Live batches that arrived after their seq was given up on."""
+    old_life: int = 0
+    """Live messages of a publisher life the replay socket showed was left behind,
+    dropped: a half-open connection or a proxy delivering late."""
     stale_replies: int = 0
     """Replay frames answering a request that was since abandoned."""
     held_overflows: int = 0

@@ -9,29 +9,52 @@ testable with plain lists of frames. The wire is ``docs/wire.md``.
 Phases
 ------
 
-A stream is always in exactly one :class:`Phase`; what may follow what is
-:data:`TRANSITIONS`, checked on every move (a move outside it is a bug,
-counted in ``internal_errors``). Whether the view is *exact* (nothing lost
-since it was last known whole) is kept beside the phase; the
-:class:`~kvwire.subscriber.RankState` a router reads is derived from both:
-STALE in phase STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING,
-else SYNCING. A probe proves nothing until it ends: in PROBING the rank reads
-what it read when the probe began (SYNCED, STALE, or SYNCING when waiting for
-a live batch), until a live batch shows where the stream is.
+A stream is always in exactly one :class:`Phase`, and only an :class:`Event`
+moves it: :data:`EVENTS` (the table below; a test keeps the two equal) says
+where each event leads and from which phases it may happen; a move outside it
+is a bug, counted in ``internal_errors``. Besides the phase the stream keeps
+its position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
+(:class:`~kvwire.subscriber.requests.Requests`), the publisher life it follows
+(epoch and topic, changed together with the position), and whether the view
+is *exact* (nothing lost since it was last known whole). The
+:class:`~kvwire.subscriber.RankState` a router reads is derived: STALE in phase
+STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING, else SYNCING. A
+probe proves nothing until it ends: in PROBING the rank reads what it read when
+the probe began (SYNCED, STALE, or SYNCING when waiting for a live batch),
+until a live batch shows where the stream is.
 
-============  ==============================================================
-phase         may move to (every phase may also move to DISCONNECTED)
-============  ==============================================================
-DISCONNECTED  STARTING AWAIT_LIVE
-AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
-STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
-REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
-PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
-SNAPSHOTTING  FOLLOWING STARTING REPLAYING
-BACKOFF       FOLLOWING STARTING REPLAYING
-FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
-STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
-============  ==============================================================
+============  ============  =====================================================
+event         moves to      from
+============  ============  =====================================================
+CONNECT       STARTING      DISCONNECTED
+CONNECT_LIVE  AWAIT_LIVE    DISCONNECTED
+ASK_START     STARTING      AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+ASK_GAP       REPLAYING     STARTING REPLAYING PROBING SNAPSHOTTING BACKOFF
+                            FOLLOWING STALE
+ASK_PROBE     PROBING       AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING STALE
+ASK_SNAPSHOT  SNAPSHOTTING  AWAIT_LIVE PROBING FOLLOWING STALE
+RETRY_LATER   BACKOFF       STARTING REPLAYING
+FOLLOW        FOLLOWING     AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+WAIT_LIVE     AWAIT_LIVE    STARTING
+GO_STALE      STALE         AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING
+RESET         AWAIT_LIVE    AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+DISCONNECT    DISCONNECTED  DISCONNECTED AWAIT_LIVE STARTING REPLAYING PROBING
+                            SNAPSHOTTING BACKOFF FOLLOWING STALE
+============  ============  =====================================================
+
+What each event is: CONNECT, CONNECT_LIVE: the SUB socket connected, with and
+without a replay endpoint. ASK_START: a replay that must prove continuity
+before any live batch applies (a reconnect, a restart seen, its retry).
+ASK_GAP: a replay of a hole, live batches after it held. ASK_PROBE: a replay
+asked while idle. ASK_SNAPSHOT: a snapshot, the view being lost. RETRY_LATER:
+a replay failed and is asked again at a set time. FOLLOW: in sequence with
+nothing asked (a reply settled it, a live batch showed the position, a loss was
+given up on, the stream broke). WAIT_LIVE: only the next live batch can show
+the position. GO_STALE: nothing proves the view current. RESET: a bug met an
+input; the rank was cleared. DISCONNECT: the SUB socket lost its connection.
 
 What each phase is, and why it moves:
 
@@ -62,7 +85,7 @@ What each phase is, and why it moves:
 Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
 live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
 disconnect. An internal error (a bug) clears the rank and moves it to
-AWAIT_LIVE (or DISCONNECTED) from anywhere.
+AWAIT_LIVE (RESET) from any connected phase.
 
 Rules
 -----
@@ -77,13 +100,29 @@ Rules
   or a reply is a restart, deterministically. Without an epoch, a live seq
   that goes back, or a replayed anchor (the last batch applied) that differs
   byte for byte, is the guess. Under an unchanged epoch neither is a restart:
-  a seq that goes back is a broken stream (cleared, followed).
+  a seq that goes back is a broken stream (cleared, followed). A restart
+  moves the epoch, its topic and the position together. Once a reply showed
+  a new epoch (the replay socket reaches the process bound now), live
+  messages of the old one still on their way are dropped (``old_life``); a
+  change seen only live retires nothing, as a late message of a life never
+  followed reads the same, and is a restart back (the replay settles it).
+- An anchored replay (after a reconnect, an idle probe) proves continuity only
+  by showing the anchor byte for byte: one whose anchor is gone from the
+  buffer leaves the rank PARTIAL under any epoch (a publisher whose epoch is
+  configured, not drawn, restarts under it).
 - An empty or useless replay never proves anything: a reply with no batch at
   or after what was asked, although a later seq was seen, leaves the rank
   PARTIAL (cleared, following live), never SYNCED at a seq the live stream
   has already passed. (A publisher without epoch whose anchored reply came
   back empty is first asked for its whole buffer: a buffer always holds the
   latest batch, so batches that all lie below the anchor prove a restart.)
+- A snapshot proves the publisher's next seq when it was served: a seq seen
+  at or above it before the snapshot was asked is not this publisher's any
+  more (a restart under the same epoch), and the horizon comes down to what
+  the snapshot proves. Every snapshot counts toward the backoff
+  (``backoff_initial`` doubling, ``snapshot_retries``) until the rank is
+  SYNCED again, applied or not: a recovery that does not end in sequence
+  never loops at the speed of the network.
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
   sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
   silence for 2.5 intervals asks for a fresh connection (once a silence), for
@@ -117,6 +156,9 @@ Not detectable: a publisher without epoch and without replay endpoint that
 restarted while the subscriber missed its first batches and whose new seqs
 happen to continue the old ones looks like the old one (its next batch is
 applied on top of the old view). An epoch or a replay endpoint detects it.
+Nor is a late live message of an old life whose topic equals the new one's
+(no epoch, or the same epoch): at the next seq it reads as the next batch, and
+above it as a batch to wait for, followed once a replay gives up on the hole.
 """
 
 from __future__ import annotations
@@ -126,7 +168,6 @@ import enum
 from collections.abc import Callable, Sequence
 
 import msgspec
-from sortedcontainers import SortedDict
 
 from kvwire.subscriber.actions import (
     Action,
@@ -134,10 +175,10 @@ from kvwire.subscriber.actions import (
     ApplyPayload,
     ClearRank,
     Reconnect,
-    RequestReplay,
-    RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.requests import Replay, Requests, Snapshot
+from kvwire.subscriber.seq import SeqTracker
 from kvwire.subscriber.state import LossPolicy, RankCounters, RankState, RankStatus, StreamConfig
 from kvwire.wire import (
     AllBlocksCleared,
@@ -155,7 +196,7 @@ from kvwire.wire import (
 )
 from kvwire.wire.heartbeat import MAX_SILENCE
 
-__all__ = ["TRANSITIONS", "Phase", "RankStream"]
+__all__ = ["EVENTS", "TRANSITIONS", "Event", "Phase", "RankStream"]
 
 Frame = bytes | bytearray | memoryview
 Facts = tuple[int, int | None, bool]
@@ -174,8 +215,8 @@ def _native_check() -> Callable[[Frame, int, int, int, int], Facts | None] | Non
 
 _CHECK = _native_check()
 
-_LOST_RANGES_KEPT = 64
 _KVWIRE_EPOCH = b"kvw1."
+_RETIRED_EPOCHS = 8  # publisher lives left behind whose late live messages are dropped
 # Silence (in heartbeat intervals) after which a fresh connection is tried (once a
 # silence), and after which the rank is STALE: one and two intervals past the longest
 # a healthy heartbeating publisher is silent (kvwire.wire.heartbeat).
@@ -197,30 +238,78 @@ class Phase(enum.Enum):
     STALE = "stale"
 
 
-def _transitions(table: str) -> dict[Phase, frozenset[Phase]]:
-    """The module's table, read: one row per phase, then the phases it may move to."""
-    out: dict[Phase, frozenset[Phase]] = {}
-    for row in table.strip().splitlines():
-        name, *targets = row.split()
-        out[Phase[name]] = frozenset(Phase[t] for t in [*targets, "DISCONNECTED"])
+class Event(enum.Enum):
+    """What moves a stream from one phase to another; see the module's table."""
+
+    CONNECT = "connect"
+    CONNECT_LIVE = "connect_live"
+    ASK_START = "ask_start"
+    ASK_GAP = "ask_gap"
+    ASK_PROBE = "ask_probe"
+    ASK_SNAPSHOT = "ask_snapshot"
+    RETRY_LATER = "retry_later"
+    FOLLOW = "follow"
+    WAIT_LIVE = "wait_live"
+    GO_STALE = "go_stale"
+    RESET = "reset"
+    DISCONNECT = "disconnect"
+
+
+_EVENT_TABLE = """
+CONNECT       STARTING      DISCONNECTED
+CONNECT_LIVE  AWAIT_LIVE    DISCONNECTED
+ASK_START     STARTING      AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+ASK_GAP       REPLAYING     STARTING REPLAYING PROBING SNAPSHOTTING BACKOFF
+                            FOLLOWING STALE
+ASK_PROBE     PROBING       AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING STALE
+ASK_SNAPSHOT  SNAPSHOTTING  AWAIT_LIVE PROBING FOLLOWING STALE
+RETRY_LATER   BACKOFF       STARTING REPLAYING
+FOLLOW        FOLLOWING     AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+WAIT_LIVE     AWAIT_LIVE    STARTING
+GO_STALE      STALE         AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING
+RESET         AWAIT_LIVE    AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
+                            BACKOFF FOLLOWING STALE
+DISCONNECT    DISCONNECTED  DISCONNECTED AWAIT_LIVE STARTING REPLAYING PROBING
+                            SNAPSHOTTING BACKOFF FOLLOWING STALE
+"""
+
+
+def event_table(rows: str) -> dict[Phase, dict[Event, Phase]]:
+    """The event table's rows (as in the module's docstring), read: phase -> event -> phase.
+
+    A row names an event, the phase it moves to, then the phases it may
+    happen in; a row that starts with a blank continues the one above.
+    """
+    out: dict[Phase, dict[Event, Phase]] = {p: {} for p in Phase}
+    event = to = None
+    for row in rows.strip("\n").splitlines():
+        words = row.split()
+        if not row.startswith(" "):
+            event, to, words = Event[words[0]], Phase[words[1]], words[2:]
+        if event is None or to is None:
+            raise ValueError(f"a continuation row without a row above: {row!r}")
+        for name in words:
+            out[Phase[name]][event] = to
     return out
 
 
-TRANSITIONS: dict[Phase, frozenset[Phase]] = _transitions(
-    """
-    DISCONNECTED  STARTING AWAIT_LIVE
-    AWAIT_LIVE    FOLLOWING STARTING PROBING SNAPSHOTTING STALE
-    STARTING      FOLLOWING STARTING REPLAYING PROBING BACKOFF AWAIT_LIVE STALE
-    REPLAYING     FOLLOWING STARTING REPLAYING PROBING BACKOFF STALE
-    PROBING       FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
-    SNAPSHOTTING  FOLLOWING STARTING REPLAYING
-    BACKOFF       FOLLOWING STARTING REPLAYING
-    FOLLOWING     FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING STALE
-    STALE         FOLLOWING STARTING REPLAYING PROBING SNAPSHOTTING
-    """
-)
-"""Which phase may follow which: the table of the module's docstring."""
+EVENTS: dict[Phase, dict[Event, Phase]] = event_table(_EVENT_TABLE)
+"""Where each event moves each phase it may happen in: the table of the module's
+docstring (a test keeps the two equal). Like h11's ``EVENT_TRIGGERED_TRANSITIONS``;
+``RankStream._move`` is the only writer of a stream's phase, and reads only this."""
 
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    p: frozenset(moves.values()) for p, moves in EVENTS.items()
+}
+"""Which phase may follow which (derived from :data:`EVENTS`)."""
+
+_ASK = {
+    Phase.STARTING: Event.ASK_START,
+    Phase.REPLAYING: Event.ASK_GAP,
+    Phase.PROBING: Event.ASK_PROBE,
+}  # the event that asking a replay of each kind is
 _SYNCED_PHASES = frozenset({Phase.FOLLOWING, Phase.PROBING})
 _IDLE_PHASES = frozenset({Phase.FOLLOWING, Phase.STALE, Phase.AWAIT_LIVE})  # probes are made
 
@@ -241,101 +330,6 @@ def _rank_of(judged: Judged) -> int | None:
 
 def _payload_hash(payload: Frame) -> int:
     return hash(bytes(payload))
-
-
-class _Replay:
-    """One outstanding replay request."""
-
-    __slots__ = (
-        "anchor_payload",
-        "anchored",
-        "claim",
-        "deadline",
-        "first",
-        "hard_deadline",
-        "horizon_at_send",
-        "identify",
-        "kind",
-        "last_seq",
-        "progressed",
-        "start",
-        "token",
-        "undecodable",
-        "verified",
-    )
-
-    def __init__(
-        self,
-        token: int,
-        kind: Phase,
-        start: int,
-        anchor_payload: Frame | None,
-        now: float,
-        config: StreamConfig,
-        horizon: int,
-    ) -> None:
-        self.token = token
-        self.kind = kind
-        self.start = start
-        self.anchored = anchor_payload is not None
-        self.anchor_payload = anchor_payload
-        self.hard_deadline = now + config.replay_deadline
-        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
-        self.horizon_at_send = horizon
-        self.first = True  # no item at or above start seen yet
-        self.progressed = False  # applied at least one batch
-        self.verified = False  # the anchor matched
-        self.last_seq = -1  # the highest seq in the reply so far
-        self.undecodable = -1  # a seq whose buffered copy does not decode
-        self.claim = RankState.SYNCED  # what an exact rank reads while this probe is out
-        self.identify = -1  # asking the whole buffer after an empty reply from this anchor
-
-
-class _Snapshot:
-    """One outstanding snapshot request and the chunks read so far."""
-
-    __slots__ = ("chunks", "deadline", "hard_deadline", "kind", "next_seq", "token")
-
-    def __init__(self, token: int, now: float, config: StreamConfig) -> None:
-        self.token = token
-        self.kind = Phase.SNAPSHOTTING
-        self.hard_deadline = now + config.snapshot_deadline
-        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
-        self.next_seq = -1
-        self.chunks: list[tuple[Judged, Frame]] = []
-
-
-class _Held(SortedDict):  # type: ignore[misc]
-    """Batches held while a gap is filled, by seq, with their payload bytes counted."""
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        super().__init__()
-
-    def __setitem__(self, seq: int, value: tuple[Judged, Frame]) -> None:
-        old = self.get(seq)
-        if old is not None:
-            self.nbytes -= len(old[1])
-        super().__setitem__(seq, value)
-        self.nbytes += len(value[1])
-
-    def __delitem__(self, seq: int) -> None:
-        self.nbytes -= len(self[seq][1])
-        super().__delitem__(seq)
-
-    def popitem(self, index: int = -1) -> tuple[int, tuple[Judged, Frame]]:
-        item: tuple[int, tuple[Judged, Frame]] = super().popitem(index)
-        self.nbytes -= len(item[1][1])
-        return item
-
-    def pop(self, seq: int, *default: object) -> object:
-        if seq in self:
-            self.nbytes -= len(self[seq][1])
-        return super().pop(seq, *default)
-
-    def clear(self) -> None:
-        super().clear()
-        self.nbytes = 0
 
 
 class RankStream:
@@ -359,39 +353,25 @@ class RankStream:
         self._out: list[Action] = []
         self._now = 0.0
         self._phase = Phase.DISCONNECTED
-        self._resume = Phase.REPLAYING  # what BACKOFF asks again
-        self._retry_at = 0.0  # when BACKOFF asks again
+        self._seq = SeqTracker(self.config.dedup_window)
+        self._req = Requests(Phase.REPLAYING)
         self._exact = True  # nothing lost since the view was last whole
         self._clean = True  # nothing applied since the last clear
         self._ever_connected = False
-        self._expected = 0
-        self._held = _Held()  # seq -> (batch, payload)
         self._limits = lim = self.config.decode_limits
         self._check = _CHECK if payloads else None
         self._check_limits = (lim.max_events, lim.max_blocks, lim.max_block_size, lim.max_tokens)
-        self._horizon = 0  # one past the highest seq known to exist
-        self._last_live = -1
+        # The publisher life followed: its topic and epoch (None: it sends none), and the
+        # epochs of lives the replay socket showed were left behind.
         self._topic: bytes | None = None
         self._epoch: bytes | None = None
         self._epoch_info = Epoch(b"")
-        self._anchor_seq = -1
-        self._anchor_payload: Frame = b""
-        self._window: collections.deque[tuple[int, int]] = collections.deque(
-            maxlen=self.config.dedup_window
-        )
-        self._lost: collections.deque[tuple[int, int]] = collections.deque(maxlen=_LOST_RANGES_KEPT)
-        self._active: _Replay | _Snapshot | None = None
-        self._dirty = False  # an abandoned request may still be answered
-        self._token = 0
-        self._retries = 0
-        self._snapshot_failures = 0  # since the view was last whole, or the last connect
-        self._snapshot_after = 0.0  # no snapshot is asked before (a failed one's backoff)
+        self._retired: collections.deque[bytes] = collections.deque(maxlen=_RETIRED_EPOCHS)
         self._last_live_at = 0.0
         self._reconnected_after = -1.0  # the silence (by its start) a reconnect was asked for
-        self._last_probe_at = 0.0
         self._state = RankState.SYNCING
         self._reason = "waiting for first contact"
-        self._fast = False
+        self._fast = False  # SYNCED, in sequence, nothing held: live() may take its fast path
         self._due: float | None = None  # next_deadline() as of the last slow input
 
     # --- reading ----------------------------------------------------------------
@@ -413,12 +393,12 @@ class RankStream:
     @property
     def expected_seq(self) -> int:
         """The next seq to apply."""
-        return self._expected
+        return self._seq.expected
 
     @property
     def held(self) -> int:
         """Later batches held while a gap is filled."""
-        return len(self._held)
+        return len(self._seq.held)
 
     @property
     def is_connected(self) -> bool:
@@ -427,7 +407,7 @@ class RankStream:
     @property
     def replay_pending(self) -> bool:
         """A replay (a probe included) or snapshot is out, or one is due after a backoff."""
-        return self._active is not None or self._phase is Phase.BACKOFF
+        return self._req.active is not None or self._phase is Phase.BACKOFF
 
     @property
     def epoch(self) -> Epoch | None:
@@ -446,8 +426,8 @@ class RankStream:
             state=self._state,
             reason=self._reason,
             connected=self.is_connected,
-            expected_seq=self._expected,
-            held=len(self._held),
+            expected_seq=self._seq.expected,
+            held=len(self._seq.held),
             replay_pending=self.replay_pending,
             counters=msgspec.structs.replace(self.counters),
         )
@@ -461,7 +441,7 @@ class RankStream:
         timer per rank. None in any other case.
         """
         hb = self._epoch_info.heartbeat_s
-        if not self._fast or self._active is not None or hb is None:
+        if not self._fast or self._req.active is not None or hb is None:
             return None
         if self._reconnected_after == self._last_live_at:
             return self._last_live_at + _STALE_HEARTBEATS * hb
@@ -472,9 +452,10 @@ class RankStream:
         due = self.silence_deadline()
         if due is not None:
             return due
-        due = self._active.deadline if self._active is not None else None
+        active = self._req.active
+        due = active.deadline if active is not None else None
         for t in (
-            self._retry_at if self._phase is Phase.BACKOFF else None,
+            self._req.retry_at if self._phase is Phase.BACKOFF else None,
             self._probe_due_at(),
             self._stale_due_at(),
             self._snapshot_due_at(),
@@ -489,14 +470,18 @@ class RankStream:
     def live(self, frames: Sequence[Frame], now: float) -> list[Action]:
         """A message from the SUB socket: ``[topic, seq, payload]``."""
         self._last_live_at = now
-        if len(frames) != 3 or len(frames[1]) != 8:
+        try:
+            topic, seq_frame, payload = frames
+        except ValueError:
+            seq_frame = b""
+        if len(seq_frame) != 8:
             self.counters.decode_errors += 1  # no seq to go by: the next batch shows the hole
             return []
-        topic, seq_frame, payload = frames
         seq = int.from_bytes(seq_frame, "big")
-        if self._fast and seq == self._expected and topic == self._topic:
+        t = self._seq
+        if self._fast and seq == t.expected and topic == self._topic:
             # The common case: the next batch, nothing pending, view exact.
-            action: Apply | ApplyPayload | None = None
+            action: Apply | ApplyPayload
             try:
                 check = self._check
                 facts = None if check is None else check(payload, *self._check_limits)
@@ -509,19 +494,17 @@ class RankStream:
                     action = Apply(seq, batch)
             except Exception:  # counted on the slow path
                 pass
-            if action is not None:
+            else:
                 c = self.counters
                 c.batches += 1
                 c.events += n
-                if r is not None and r != self.rank and self.rank is not None:
+                if r != self.rank and r is not None and self.rank is not None:
                     c.rank_mismatches += 1
-                if self._window:
-                    self._window.clear()
+                if t.window:
+                    t.window.clear()
                 self._clean = False
-                self._last_live = seq
-                self._anchor_seq = seq
-                self._anchor_payload = payload
-                self._expected = self._horizon = seq + 1
+                t.last_live = seq
+                t.advance(seq, payload)
                 return [action]
         self._begin(now)
         try:
@@ -542,7 +525,7 @@ class RankStream:
         topic, rank = self._topic, self.rank
         if not self._fast or topic is None or (rank is not None and rank < 0):
             return None
-        return topic, self._expected, -1 if rank is None else rank
+        return topic, self._seq.expected, -1 if rank is None else rank
 
     def beats(self, count: int, payload: bytes, now: float) -> None:
         """``count`` heartbeats matching :meth:`beat_key` arrived, the last one ``payload``.
@@ -553,15 +536,15 @@ class RankStream:
         """
         if count < 1 or not self._fast:
             raise ValueError("beats() takes the heartbeats beat_key() allowed, just read")
-        seq = self._expected + count - 1
+        t = self._seq
+        seq = t.expected + count - 1
         self._last_live_at = now
         self.counters.batches += count
-        if self._window:
-            self._window.clear()
+        if t.window:
+            t.window.clear()
         self._clean = False
-        self._last_live = self._anchor_seq = seq
-        self._anchor_payload = payload
-        self._expected = self._horizon = seq + 1
+        t.last_live = seq
+        t.advance(seq, payload)
 
     def replay_reply(self, frames: Sequence[Frame], token: int, now: float) -> list[Action]:
         """A message read from the replay socket, with the token of its request."""
@@ -586,8 +569,8 @@ class RankStream:
         """The SUB socket lost its connection: batches sent meanwhile are lost."""
         self._begin(now)
         if self._phase is not Phase.DISCONNECTED:
-            self._abandon()
-            self._phase = Phase.DISCONNECTED  # allowed from every phase
+            self._req.abandon()
+            self._move(Event.DISCONNECT)
             self._reason = "disconnected from the publisher"
         return self._finish()
 
@@ -620,10 +603,12 @@ class RankStream:
 
     # --- phases -------------------------------------------------------------------
 
-    def _enter(self, phase: Phase) -> None:
-        if phase not in TRANSITIONS[self._phase]:
-            raise AssertionError(f"no transition {self._phase.name} -> {phase.name}")
-        self._phase = phase
+    def _move(self, event: Event) -> None:
+        """The only writer of the phase: where :data:`EVENTS` says ``event`` leads."""
+        to = EVENTS[self._phase].get(event)
+        if to is None:
+            raise AssertionError(f"no event {event.name} in phase {self._phase.name}")
+        self._phase = to
 
     def _holding(self) -> bool:
         """Whether a live batch at the expected seq must wait (continuity unproven)."""
@@ -631,18 +616,18 @@ class RankStream:
         return (
             p is Phase.STARTING
             or p is Phase.SNAPSHOTTING
-            or (p is Phase.BACKOFF and self._resume is Phase.STARTING)
+            or (p is Phase.BACKOFF and self._req.resume is Phase.STARTING)
         )
 
     def _settle(self) -> None:
         """Nothing is asked any more: FOLLOWING, or STALE where the tail is unproven."""
         if self._tail_unproven():
             self._go_stale(
-                f"idle since batch {self._expected - 1}: this publisher does not heartbeat, "
+                f"idle since batch {self._seq.expected - 1}: this publisher does not heartbeat, "
                 "and a batch it dropped after that one would leave no trace"
             )
         else:
-            self._enter(Phase.FOLLOWING)
+            self._move(Event.FOLLOW)
 
     def _tail_unproven(self) -> bool:
         idle = self.config.idle_probe if self.config.idle_probe is not None else 1.0
@@ -660,106 +645,165 @@ class RankStream:
     def _go_stale(self, why: str) -> None:
         if self._phase is not Phase.STALE:
             self.counters.stale += 1
-        self._enter(Phase.STALE)
+        self._move(Event.GO_STALE)
         self._reason = why
+
+    # --- publisher lives ----------------------------------------------------------
+
+    def _adopt(self, topic: bytes, epoch: bytes | None, *, retire: bool = False) -> None:
+        """Follow the life that sends ``topic`` (epoch ``epoch``); the position is the caller's.
+
+        ``retire``: the replay socket, which reaches the process bound now, showed
+        the new epoch, so the old life's live messages still on their way are
+        dropped. An epoch change seen live retires nothing: a late message of a
+        life never followed would read as a change, and only a reply can tell.
+        """
+        self._topic = topic
+        if epoch is not None and epoch != self._epoch:
+            if retire and self._epoch is not None and self._epoch not in self._retired:
+                self._retired.append(self._epoch)
+            if epoch in self._retired:
+                self._retired.remove(epoch)  # the replay socket says it is current after all
+            self._epoch = epoch
+            self._epoch_info = parse_epoch(epoch)
+
+    def _restart(
+        self,
+        why: str,
+        known_horizon: int,
+        life: tuple[bytes, bytes] | None,
+        *,
+        ask: bool = True,
+        retire: bool = False,
+    ) -> None:
+        """The publisher restarted: its engine's cache is empty, follow its new stream.
+
+        ``life``: the new life's topic and epoch, where it shows them (``retire``:
+        see :meth:`_adopt`). The position starts over with it. ``ask=False``: the
+        reply being read already is the new life's history.
+        """
+        self.counters.restarts += 1
+        self._out.append(ClearRank(why))
+        self._clean = True
+        self._reason = why
+        if life is not None:
+            self._adopt(*life, retire=retire)
+        self._seq.new_life(known_horizon)
+        self._exact = True
+        self._req.recovered()
+        self._req.retries = 0
+        if not ask:
+            return
+        self._req.abandon()
+        if self.config.replay:
+            self._ask_replay(Phase.STARTING, anchored=False)  # the new life's history
+        else:
+            self._move(Event.FOLLOW)
 
     # --- live ---------------------------------------------------------------------
 
     def _on_live(self, topic: bytes, seq: int, payload: Frame) -> None:
         c = self.counters
+        t = self._seq
         if self._phase is Phase.DISCONNECTED:
             self._on_connect()  # the data beat the connection event
-        if topic != self._topic:
-            epoch = split_topic(topic)[1]
-            if epoch is not None and self._epoch is not None and epoch != self._epoch:
-                self._restart(
-                    f"publisher epoch changed from {self._epoch!r} to {epoch!r}", 0, epoch
-                )
-            elif epoch is not None:
-                self._set_epoch(epoch)
-            self._topic = topic
+        if topic != self._topic and not self._live_topic(topic):
+            return
         batch = self._judge(payload)
-
-        if seq < self._expected:
-            if batch is None:
+        if seq < t.expected:
+            if batch is None or self._behind(seq, payload):
                 return  # a bad frame never decides a restart
-            if seq <= self._last_live:
-                self._restart_or_break(seq, f"live seq went back from {self._last_live} to {seq}")
-            else:
-                window = self._window
-                while window and window[0][0] < seq:
-                    window.popleft()
-                if window and window[0][0] == seq:
-                    _, digest = window.popleft()
-                    if digest == _payload_hash(payload):
-                        c.duplicates += 1
-                        self._last_live = seq
-                        self._resume_following()
-                        return
-                    self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
-                elif any(lo <= seq < hi for lo, hi in self._lost):
-                    c.late += 1
-                    self._last_live = seq
-                    self._resume_following()
-                    return
-                else:
-                    self._restart_or_break(seq, f"live seq {seq} below expected {self._expected}")
-        elif seq - self._horizon > self.config.max_seq_jump:
+        elif seq - t.horizon > self.config.max_seq_jump:
             if batch is None:
                 return
-            self._break(seq, f"live seq jumped from {self._horizon - 1} to {seq}")
+            self._break(seq, f"live seq jumped from {t.horizon - 1} to {seq}")
 
         # From here seq >= expected, in the current (possibly just restarted) stream.
-        if seq > self._horizon:
+        if seq > t.horizon:
             c.gaps += 1
-        self._last_live = seq  # even a bad payload had its place in the ordered stream
-        if seq + 1 > self._horizon:
-            self._horizon = seq + 1
+        t.last_live = seq  # even a bad payload had its place in the ordered stream
+        t.see(seq)
         self._resume_following()
-        window = self._window
+        window = t.window
         while window and window[0][0] <= seq:
             window.popleft()
         if batch is None:
             if not self.config.replay:
                 self._skip_to(seq + 1, f"batch {seq} undecodable and no replay endpoint")
-        elif seq == self._expected and not self._holding():
+        elif seq == t.expected and not self._holding():
             self._apply(seq, batch, payload, replayed=False)
             self._drain()
         else:
-            self._held[seq] = (batch, payload)
+            t.held[seq] = (batch, payload)
             if not self.config.replay:
-                self._skip_to(seq, f"batches {self._expected}..{seq - 1} lost, no replay endpoint")
-            elif (
-                len(self._held) > self.config.max_held
-                or self._held.nbytes > self.config.max_held_bytes
-            ):
+                self._skip_to(seq, f"batches {t.expected}..{seq - 1} lost, no replay endpoint")
+            elif len(t.held) > self.config.max_held or t.held.nbytes > self.config.max_held_bytes:
                 self._held_overflow()
         self._ensure_request()
+
+    def _live_topic(self, topic: bytes) -> bool:
+        """A live message on a topic other than the followed one: False, it is dropped."""
+        epoch = split_topic(topic)[1]
+        if epoch is not None and epoch in self._retired:
+            # A life the replay socket showed was left behind (a half-open
+            # connection, a proxy between).
+            self.counters.old_life += 1
+            return False
+        if epoch is not None and self._epoch is not None and epoch != self._epoch:
+            why = f"publisher epoch changed from {self._epoch!r} to {epoch!r}"
+            self._restart(why, 0, (topic, epoch))
+        else:
+            self._adopt(topic, epoch)
+        return True
+
+    def _behind(self, seq: int, payload: Frame) -> bool:
+        """A good live batch below the expected seq: True when that is all it was (the
+        live copy of a replayed batch, or a late one); False when it restarted or broke
+        the stream, which goes on from it."""
+        t = self._seq
+        if seq <= t.last_live:
+            self._restart_or_break(seq, f"live seq went back from {t.last_live} to {seq}")
+            return False
+        window = t.window
+        while window and window[0][0] < seq:
+            window.popleft()
+        if window and window[0][0] == seq:
+            _, digest = window.popleft()
+            if digest != _payload_hash(payload):
+                self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
+                return False
+            self.counters.duplicates += 1
+        elif t.is_lost(seq):
+            self.counters.late += 1
+        else:
+            self._restart_or_break(seq, f"live seq {seq} below expected {t.expected}")
+            return False
+        t.last_live = seq
+        self._resume_following()
+        return True
 
     def _resume_following(self) -> None:
         """A live batch shows where the stream is: waiting for one, or silence, ends."""
         if self._phase is Phase.AWAIT_LIVE or self._phase is Phase.STALE:
-            self._enter(Phase.FOLLOWING)
-        elif isinstance(self._active, _Replay):
-            self._active.claim = RankState.SYNCED  # a probe of a stale rank
+            self._move(Event.FOLLOW)
+        elif isinstance(self._req.active, Replay):
+            self._req.active.claim = RankState.SYNCED  # a probe of a stale rank
 
     def _held_overflow(self) -> None:
         self.counters.held_overflows += 1
         why = (
-            f"held buffer full ({self.config.max_held} batches, "
-            f"{self.config.max_held_bytes} bytes)"
+            f"held buffer full ({self.config.max_held} batches, {self.config.max_held_bytes} bytes)"
         )
-        active = self._active
-        if isinstance(active, _Snapshot):
+        if isinstance(self._req.active, Snapshot):
             self._snapshot_failed(why)
         elif self._holding():
             # Still unverified after a (re)connect: as good as a failed replay.
-            self._abandon()
+            self._req.abandon()
             self._give_up(why, Phase.STARTING)
         else:
-            self._abandon()
-            self._enter(Phase.FOLLOWING)
-            self._skip_to(self._held.peekitem(0)[0], why)
+            self._req.abandon()
+            self._move(Event.FOLLOW)
+            self._skip_to(self._seq.lowest_held(), why)
 
     def _restart_or_break(self, seq: int, why: str) -> None:
         if self._epoch is None:
@@ -770,21 +814,16 @@ class RankStream:
     def _break(self, seq: int, why: str) -> None:
         """A seq no restart explains: clear, then follow the stream from ``seq``."""
         self.counters.seq_jumps += 1
-        self._abandon()
-        self._held.clear()
-        self._window.clear()
-        self._lost.clear()
-        self._expected = self._horizon = seq
-        self._anchor_seq = -1
-        self._anchor_payload = b""
-        self._enter(Phase.FOLLOWING)
+        self._req.abandon()
+        self._seq.jump(seq)
+        self._move(Event.FOLLOW)
         self._lose_view(why)
 
     # --- replies ------------------------------------------------------------------
 
     def _on_reply(self, frames: Sequence[Frame], token: int) -> None:
         c = self.counters
-        r = self._active
+        r = self._req.active
         if r is None or token != r.token:
             c.stale_replies += 1
             return
@@ -803,15 +842,16 @@ class RankStream:
                     self._restart(
                         f"replay socket answers for epoch {epoch!r}, not {self._epoch!r}",
                         0,
-                        epoch,
+                        (topic, epoch),
+                        retire=True,
                     )
                     return
                 if self._epoch is None:
                     # Adopted, but what was applied before came without one: unproven.
-                    self._set_epoch(epoch)
+                    self._adopt(topic, epoch)
                 else:
                     same_epoch = True
-        if isinstance(r, _Snapshot):
+        if isinstance(r, Snapshot):
             self._snapshot_reply(r, msg)
         elif isinstance(msg, ReplayItem):
             self._replay_item(r, msg.seq, msg.payload, same_epoch)
@@ -821,64 +861,33 @@ class RankStream:
             c.decode_errors += 1
         self._ensure_request()
 
-    def _replay_item(self, r: _Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
+    def _replay_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
         if seq < r.start:
             return  # not what was asked; a correct publisher never sends it
-        first, r.first = r.first, False
-        if first and r.identify >= 0:
-            if seq >= r.identify:
-                # Not what a restart shows, nor what the same publisher would.
-                self._abandon()
-                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
-                self._go_on(self._reason, Phase.STARTING)
-                return
-            self._restart(
-                f"replay from {r.identify} came back empty and the buffer ends below it: "
-                "publisher restarted",
-                0,
-                None,
-                ask=False,
-            )
-            r.identify = -1
-            r.horizon_at_send = 0
         if seq > r.last_seq:
             r.last_seq = seq
-        if first and r.anchored and seq == r.start:
-            if bytes(payload) == bytes(r.anchor_payload or b""):
-                r.verified = True
-                return  # same publisher: the stream goes on
-            if same_epoch:
-                self._lose_view(f"replayed batch {seq} differs from the one applied")
-                return
-            self._restart(
-                f"replayed batch {seq} differs from the one applied: publisher restarted",
-                seq + 1,
-                None,
-            )
+        first, r.first = r.first, False
+        if first and not self._first_item(r, seq, payload, same_epoch):
             return
-        if first and r.anchored and not same_epoch:
-            # The anchor is gone from the buffer: whether this is still the
-            # publisher whose batches were applied cannot be told.
-            self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
-        if seq + 1 > self._horizon:
-            self._horizon = seq + 1
-        if seq < self._expected:
+        t = self._seq
+        t.see(seq)
+        if seq < t.expected:
             return
-        if seq > self._expected:
-            if first or r.undecodable == self._expected:
+        if seq > t.expected:
+            if first or r.undecodable == t.expected:
                 # The publisher's buffer does not hold what we need: it is gone.
                 self._skip_to(
                     seq,
-                    f"replay has no batch {self._expected}..{seq - 1} (not buffered)",
+                    f"replay has no batch {t.expected}..{seq - 1} (not buffered)",
                     drain=False,
                 )
             else:
                 # A hole inside a reply may be the replay socket dropping frames
                 # (high-water mark): ask again from exactly what is missing.
-                self._abandon()
+                self._req.abandon()
                 self._ask_replay(Phase.REPLAYING, anchored=False)
                 return
-        held = self._held.get(seq)
+        held = t.held.get(seq)
         if held is not None and bytes(held[1]) != bytes(payload):
             if same_epoch:
                 self._lose_view(f"replayed batch {seq} differs from its live copy")
@@ -894,12 +903,53 @@ class RankStream:
             return
         r.progressed = True
         if held is not None:
-            del self._held[seq]
+            del t.held[seq]
         self._apply(seq, batch, payload, replayed=True)
 
-    def _replay_end(self, r: _Replay) -> None:
+    def _first_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> bool:
+        """What the first item a reply has at or above what was asked proves; False
+        when that is all it was for (the anchor, or the end of this reply's use)."""
+        if r.identify >= 0:
+            if seq >= r.identify:
+                # Not what a restart shows, nor what the same publisher would.
+                self._req.abandon()
+                self._lose_view(f"replay from {r.identify} came back empty, yet {seq} exists")
+                self._go_on(self._reason, Phase.STARTING)
+                return False
+            self._restart(
+                f"replay from {r.identify} came back empty and the buffer ends below it: "
+                "publisher restarted",
+                0,
+                None,
+                ask=False,
+            )
+            r.identify = -1
+            r.horizon_at_send = 0
+        if not r.anchored:
+            return True
+        if seq == r.start:
+            if bytes(payload) == bytes(r.anchor_payload or b""):
+                r.verified = True  # same publisher: the stream goes on
+            elif same_epoch:
+                self._lose_view(f"replayed batch {seq} differs from the one applied")
+            else:
+                self._restart(
+                    f"replayed batch {seq} differs from the one applied: publisher restarted",
+                    seq + 1,
+                    None,
+                )
+            return False
+        # The anchor is gone from the buffer: whether this is still the publisher
+        # whose batches were applied cannot be told (under the same epoch too: a
+        # publisher whose epoch is configured restarts under it).
+        self._lose_view(f"replay from {r.start} no longer holds the last batch applied")
+        return True
+
+    def _replay_end(self, r: Replay) -> None:
         c = self.counters
-        self._active = None
+        t = self._seq
+        req = self._req
+        req.answered()
         kind = r.kind
         if r.first and r.horizon_at_send > r.start:
             # Batch horizon-1 >= start was seen, yet the reply holds nothing from
@@ -914,36 +964,36 @@ class RankStream:
                 # A buffer always holds the publisher's latest batch: if it holds
                 # any, below our anchor, the publisher restarted. Ask for all of it.
                 self._ask_replay(Phase.STARTING, anchored=False, start=0)
-                assert isinstance(self._active, _Replay)
-                self._active.identify = r.start
+                assert isinstance(req.active, Replay)
+                req.active.identify = r.start
                 self._reason = f"{why}: asking for the whole buffer"
                 return
             c.replays_failed += 1
-            self._retries = 0
+            req.retries = 0
             self._lose_view(why)
             self._go_on(why, kind)
             return
-        if self._expected < self._horizon:
-            if r.undecodable == self._expected:
-                target = self._held.peekitem(0)[0] if self._held else self._horizon
-                self._enter(Phase.FOLLOWING)
-                self._skip_to(target, f"buffered batch {self._expected} does not decode")
+        if t.gap:
+            if r.undecodable == t.expected:
+                target = t.lowest_held()
+                self._move(Event.FOLLOW)
+                self._skip_to(target, f"buffered batch {t.expected} does not decode")
                 return
             if r.progressed:
-                self._retries = 0
+                req.retries = 0
                 self._ask_replay(Phase.REPLAYING, anchored=None)
                 return
             if r.verified:
                 # Only the anchor fitted in the reply (a small per-request cap).
                 self._ask_replay(Phase.REPLAYING, anchored=False)
                 return
-            if self._horizon > r.horizon_at_send and self._retries < self.config.replay_retries:
-                self._retries += 1  # the gap grew after the request went out: ask at once
+            if t.horizon > r.horizon_at_send and req.retries < self.config.replay_retries:
+                req.retries += 1  # the gap grew after the request went out: ask at once
                 self._ask_replay(kind if kind is not Phase.PROBING else Phase.REPLAYING, None)
                 return
-            self._retry_or_give_up(f"replay from {r.start} stopped before {self._expected}", kind)
+            self._retry_or_give_up(f"replay from {r.start} stopped before {t.expected}", kind)
             return
-        self._retries = 0
+        req.retries = 0
         if kind is Phase.PROBING:
             if r.progressed:
                 c.gaps += 1  # the lost tail of an idle stream, now filled
@@ -953,7 +1003,7 @@ class RankStream:
         if r.progressed:
             # A per-request cap may have cut the reply short: look for more.
             self._ask_replay(Phase.PROBING, anchored=None)
-        elif r.verified and r.start < r.last_seq < self._expected:
+        elif r.verified and r.start < r.last_seq < t.expected:
             # The cap ran out on batches already given up on: ask past them.
             self._ask_replay(Phase.PROBING, anchored=False)
         else:
@@ -961,21 +1011,18 @@ class RankStream:
 
     def _retry_or_give_up(self, why: str, kind: Phase) -> None:
         cfg = self.config
-        self._retries += 1
-        if self._retries <= cfg.replay_retries:
-            delay = min(cfg.backoff_max, cfg.backoff_initial * 2 ** (self._retries - 1))
-            self._retry_at = self._now + delay
-            self._resume = Phase.STARTING if kind is Phase.STARTING else Phase.REPLAYING
-            self._enter(Phase.BACKOFF)
-            self._reason = f"{why}; retry {self._retries} of {cfg.replay_retries}"
+        resume = Phase.STARTING if kind is Phase.STARTING else Phase.REPLAYING
+        if self._req.backoff(self._now, cfg, resume):
+            self._move(Event.RETRY_LATER)
+            self._reason = f"{why}; retry {self._req.retries} of {cfg.replay_retries}"
             return
         self._give_up(f"{why}; gave up after {cfg.replay_retries} retries", kind)
 
     def _give_up(self, why: str, kind: Phase) -> None:
         """The replay failed for good: lose what it was to fill, then go on."""
         self.counters.replays_failed += 1
-        self._retries = 0
-        if kind is Phase.STARTING and self._anchor_seq >= 0:
+        self._req.retries = 0
+        if kind is Phase.STARTING and self._seq.anchor_seq >= 0:
             # After a reconnect: whether the publisher restarted cannot be told.
             self._lose_view(f"{why}; the publisher may have restarted")
         self._go_on(why, kind)
@@ -983,20 +1030,20 @@ class RankStream:
     def _go_on(self, why: str, kind: Phase) -> None:
         """After a failed replay: follow live from the first batch still held, or
         wait for the next one when a start replay could not show the position."""
-        if self._expected < self._horizon:
-            self._enter(Phase.FOLLOWING)
-            self._skip_to(self._held.peekitem(0)[0] if self._held else self._horizon, why)
+        if self._seq.gap:
+            self._move(Event.FOLLOW)
+            self._skip_to(self._seq.lowest_held(), why)
         elif kind is Phase.STARTING:
-            self._enter(Phase.AWAIT_LIVE)
+            self._move(Event.WAIT_LIVE)
             self._reason = f"{why}; waiting for the next live batch"
         else:
-            self._enter(Phase.FOLLOWING)
+            self._move(Event.FOLLOW)
 
     # --- snapshots ----------------------------------------------------------------
 
     def _snapshot_reply(
         self,
-        r: _Snapshot,
+        r: Snapshot,
         msg: ReplayItem | ReplayEnd | SnapshotChunk | SnapshotEnd | SnapshotRefused,
     ) -> None:
         if isinstance(msg, SnapshotChunk):
@@ -1028,9 +1075,10 @@ class RankStream:
         else:
             self.counters.decode_errors += 1
 
-    def _apply_snapshot(self, r: _Snapshot, next_seq: int) -> None:
+    def _apply_snapshot(self, r: Snapshot, next_seq: int) -> None:
         c = self.counters
-        self._active = None
+        self._req.answered()
+        self._req.snapshot_ended(self._now, self.config)
         c.snapshots_applied += 1
         why = f"snapshot as of seq {next_seq}"
         self._out.append(ClearRank(why))
@@ -1039,56 +1087,34 @@ class RankStream:
             self._out.append(self._apply_action(next_seq - 1, batch, payload))
             c.events += _events(batch)
             self._clean = False
-        held = self._held
-        for seq in list(held.irange(None, next_seq - 1)):
-            del held[seq]
-        self._expected = next_seq
-        if next_seq > self._horizon:
-            self._horizon = next_seq
-        self._anchor_seq = -1
-        self._anchor_payload = b""
-        self._window.clear()
-        self._lost.clear()
-        # Live copies of batches the snapshot covers may still be on their way.
-        self._lost.append((0, next_seq))
+        self._seq.rebase(next_seq, r.horizon_at_send)
         self._exact = True
-        self._snapshot_failures = 0
         self._reason = f"{why}: exact again, replaying what followed"
         # Whatever was published while the snapshot was served: from the buffer.
         self._ask_replay(Phase.REPLAYING, anchored=False)
-
-    def _snapshot_allowed(self) -> bool:
-        return (
-            self._snapshot_failures <= self.config.snapshot_retries
-            and self._now >= self._snapshot_after
-        )
 
     def _snapshot_due_at(self) -> float | None:
         """When a failed snapshot is asked again (only where nothing else is asked)."""
         if (
             self._exact
             or self._phase not in _IDLE_PHASES
-            or self._snapshot_failures > self.config.snapshot_retries
+            or self._req.recoveries > self.config.snapshot_retries
             or not self._epoch_info.snapshot
             or not self.config.snapshot
             or not self.config.replay
         ):
             return None
-        return self._snapshot_after
+        return self._req.recovery_after
 
     def _snapshot_failed(self, why: str) -> None:
         self.counters.snapshots_failed += 1
-        cfg = self.config
-        self._snapshot_failures += 1
-        delay = cfg.backoff_initial * 2 ** (self._snapshot_failures - 1)
-        self._snapshot_after = self._now + min(cfg.backoff_max, delay)
-        self._abandon()
-        self._enter(Phase.FOLLOWING)
+        self._req.abandon()
+        self._req.snapshot_ended(self._now, self.config)
+        self._move(Event.FOLLOW)
         why = f"snapshot failed: {why}"
         self._reason = why
         # Live batches were held meanwhile: go on from the first of them.
-        target = self._held.peekitem(0)[0] if self._held else self._horizon
-        self._skip_to(target, why)
+        self._skip_to(self._seq.lowest_held(), why)
         if self._exact:
             self._lose_view(why)
 
@@ -1096,11 +1122,12 @@ class RankStream:
 
     def _on_tick(self) -> None:
         now = self._now
-        r = self._active
+        req = self._req
+        r = req.active
         if r is not None and now >= r.deadline:
             self._timed_out(r)
-        if self._phase is Phase.BACKOFF and now >= self._retry_at:
-            self._ask_replay(self._resume, anchored=None)
+        if self._phase is Phase.BACKOFF and now >= req.retry_at:
+            self._ask_replay(req.resume, anchored=None)
         due = self._probe_due_at()
         if due is not None and now >= due:
             self._ask_replay(Phase.PROBING, anchored=None)
@@ -1121,11 +1148,11 @@ class RankStream:
             )
         self._ensure_request()
 
-    def _timed_out(self, r: _Replay | _Snapshot) -> None:
+    def _timed_out(self, r: Replay | Snapshot) -> None:
         self.counters.replay_timeouts += 1
         overall = self._now >= r.hard_deadline
-        self._abandon()
-        if isinstance(r, _Snapshot):
+        self._req.abandon()
+        if isinstance(r, Snapshot):
             self._snapshot_failed("overall deadline passed" if overall else "timed out")
         elif r.kind is Phase.PROBING:
             self._settle()
@@ -1143,10 +1170,10 @@ class RankStream:
             or not self.config.replay
             or self._epoch_info.heartbeat_s is not None
             or self._phase not in _IDLE_PHASES
-            or self._expected < self._horizon
+            or self._seq.gap
         ):
             return None
-        return max(self._last_live_at, self._last_probe_at) + idle
+        return max(self._last_live_at, self._req.last_probe_at) + idle
 
     def _reconnect_due_at(self) -> float | None:
         """When a heartbeating publisher's silence asks for a fresh connection (once a silence)."""
@@ -1177,47 +1204,38 @@ class RankStream:
 
         An unanchored request starts at the expected seq, or ``start``.
         """
+        t = self._seq
         if anchored is None:
-            anchored = self._anchor_seq >= 0
+            anchored = t.anchor_seq >= 0
         if start is None or anchored:
-            start = self._anchor_seq if anchored else self._expected
-        self._token += 1
-        self._active = _Replay(
-            self._token,
+            start = t.anchor_seq if anchored else t.expected
+        req = self._req
+        r, action = req.replay(
             kind,
             start,
-            self._anchor_payload if anchored else None,
+            t.anchor_payload if anchored else None,
             self._now,
             self.config,
-            self._horizon,
+            t.horizon,
         )
-        self._out.append(RequestReplay(start, self._token, self._dirty))
-        self._dirty = False
+        self._out.append(action)
         if kind is Phase.PROBING:
             # A probe proves nothing before it ends: the rank reads what it did.
             if self._phase is Phase.STALE:
-                self._active.claim = RankState.STALE
+                r.claim = RankState.STALE
             elif self._phase is Phase.AWAIT_LIVE:
-                self._active.claim = RankState.SYNCING
-            self._last_probe_at = self._now
+                r.claim = RankState.SYNCING
+            req.last_probe_at = self._now
             self.counters.probes += 1
         else:
             self.counters.replays_requested += 1
-        self._enter(kind)
+        self._move(_ASK[kind])
 
     def _ask_snapshot(self) -> None:
-        self._token += 1
-        self._active = _Snapshot(self._token, self._now, self.config)
-        self._out.append(RequestSnapshot(self._token, self._dirty))
-        self._dirty = False
+        self._out.append(self._req.snapshot(self._now, self.config, self._seq.horizon))
         self.counters.snapshots_requested += 1
-        self._enter(Phase.SNAPSHOTTING)
+        self._move(Event.ASK_SNAPSHOT)
         self._reason = f"{self._reason}; asking for a snapshot"
-
-    def _abandon(self) -> None:
-        if self._active is not None:
-            self._active = None
-            self._dirty = True
 
     def _ensure_request(self) -> None:
         """After each input: ask what the stream needs, if nothing is out."""
@@ -1226,25 +1244,28 @@ class RankStream:
         phase = self._phase
         if phase is Phase.DISCONNECTED or phase is Phase.BACKOFF:
             return
-        active = self._active
-        if active is not None and active.kind is not Phase.PROBING:
+        req = self._req
+        active = req.active
+        if active is not None and (
+            isinstance(active, Snapshot) or active.kind is not Phase.PROBING
+        ):
             return
         if (
             not self._exact
             and self.config.snapshot
             and self._epoch_info.snapshot
-            and self._snapshot_allowed()
+            and req.snapshot_allowed(self._now, self.config)
         ):
-            self._abandon()
+            req.abandon()
             self._ask_snapshot()
-        elif self._expected < self._horizon:
+        elif self._seq.gap:
             if active is not None:  # the probe out covers the gap too
                 active.kind = Phase.REPLAYING
-                self._enter(Phase.REPLAYING)
+                self._move(Event.ASK_GAP)
             else:
                 self._ask_replay(Phase.REPLAYING, anchored=None)
 
-    # --- applying, losing, restarting --------------------------------------------------
+    # --- applying, losing ------------------------------------------------------------
 
     def _judge(self, payload: Frame) -> Judged | None:
         """What the stream reads of a payload, or None (counted) if it does not decode."""
@@ -1268,10 +1289,6 @@ class RankStream:
             return ApplyPayload(seq, payload)
         return Apply(seq, judged)  # type: ignore[arg-type]
 
-    def _set_epoch(self, epoch: bytes) -> None:
-        self._epoch = epoch
-        self._epoch_info = parse_epoch(epoch)
-
     def _apply(self, seq: int, batch: Judged, payload: Frame, replayed: bool) -> None:
         self._out.append(self._apply_action(seq, batch, payload))
         self._clean = False
@@ -1281,28 +1298,26 @@ class RankStream:
         r = _rank_of(batch)
         if r is not None and r != self.rank and self.rank is not None:
             c.rank_mismatches += 1
+        t = self._seq
         if replayed:
             c.replayed += 1
-            if seq > self._last_live:
-                self._window.append((seq, _payload_hash(payload)))
-        self._anchor_seq = seq
-        self._anchor_payload = payload
-        self._expected = seq + 1
-        if seq + 1 > self._horizon:
-            self._horizon = seq + 1
+            if seq > t.last_live:
+                t.window.append((seq, _payload_hash(payload)))
+        t.advance(seq, payload)
         if not self._exact and _has_clear(batch):
             self._exact = True
-            self._snapshot_failures = 0
+            self._req.recovered()
             self._reason = f"AllBlocksCleared at seq {seq}: the view is exact again"
 
     def _drain(self) -> None:
-        held = self._held
+        t = self._seq
+        held = t.held
         while held and not self._holding():
             seq = held.peekitem(0)[0]
-            if seq > self._expected:
+            if seq > t.expected:
                 return
             batch, payload = held.popitem(0)[1]
-            if seq == self._expected:
+            if seq == t.expected:
                 self._apply(seq, batch, payload, replayed=False)
 
     def _skip_to(self, target: int, why: str, *, drain: bool = True) -> None:
@@ -1312,19 +1327,12 @@ class RankStream:
         replay that showed the publisher no longer has what is below it: held
         live copies there cannot be confirmed and are dropped with the rest.
         """
-        start = self._expected
-        if target > start:
-            held = self._held
-            for seq in list(held.irange(start, target - 1)):
-                del held[seq]
-            if target - start > self.config.max_seq_jump:
+        skipped = self._seq.skip_to(target)
+        if skipped:
+            if skipped > self.config.max_seq_jump:
                 self.counters.seq_jumps += 1  # not a count of anything real
             else:
-                self.counters.seqs_lost += target - start
-            self._lost.append((start, target))
-            self._expected = target
-            if target > self._horizon:
-                self._horizon = target
+                self.counters.seqs_lost += skipped
             self._lose_view(why)
         if drain:
             self._drain()
@@ -1342,43 +1350,12 @@ class RankStream:
                 self.counters.resyncs += 1
             self._reason = f"{why}: kept what was applied"
 
-    def _restart(
-        self, why: str, known_horizon: int, epoch: bytes | None, *, ask: bool = True
-    ) -> None:
-        """The publisher restarted: its engine's cache is empty, follow its new stream.
-
-        ``ask=False``: the reply being read already is the new life's history.
-        """
-        self.counters.restarts += 1
-        self._out.append(ClearRank(why))
-        self._clean = True
-        self._reason = why
-        self._expected = 0
-        self._held.clear()
-        self._horizon = known_horizon
-        self._last_live = -1
-        self._anchor_seq = -1
-        self._anchor_payload = b""
-        self._window.clear()
-        self._lost.clear()
-        self._exact = True
-        self._snapshot_failures = 0
-        if epoch is not None:
-            self._set_epoch(epoch)
-        self._retries = 0
-        if not ask:
-            return
-        self._abandon()
-        if self.config.replay:
-            self._ask_replay(Phase.STARTING, anchored=False)  # the new life's history
-        else:
-            self._enter(Phase.FOLLOWING)
-
     def _on_connect(self) -> None:
         now = self._now
         self._last_live_at = now
-        self._last_probe_at = now
-        self._snapshot_failures = 0
+        req = self._req
+        req.last_probe_at = now
+        req.recovered()
         first = not self._ever_connected
         self._ever_connected = True
         if not first:
@@ -1387,10 +1364,10 @@ class RankStream:
             # What the old connection showed (held batches, seqs seen) comes back
             # with the replay if the publisher is the same, and must not be used
             # if it is not.
-            self._held.clear()
-            self._horizon = self._expected
-            self._abandon()
-            self._retries = 0
+            self._seq.forget_ahead()
+            req.abandon()
+            req.retries = 0
+            self._move(Event.CONNECT)
             self._ask_replay(Phase.STARTING, anchored=None)
             self._reason = (
                 "first contact: replaying the publisher's history"
@@ -1398,7 +1375,7 @@ class RankStream:
                 else "reconnected: checking what the outage lost"
             )
         else:
-            self._enter(Phase.AWAIT_LIVE)
+            self._move(Event.CONNECT_LIVE)
             self._reason = (
                 "first contact: waiting for the first batch"
                 if first
@@ -1410,14 +1387,11 @@ class RankStream:
     def _internal_error(self, exc: Exception) -> None:
         """A bug met an input: keep what was queued, clear, and start over from live."""
         self.counters.internal_errors += 1
-        self._active = None
-        self._dirty = True
-        self._held.clear()
-        self._horizon = self._expected
-        self._anchor_seq = -1
-        self._anchor_payload = b""
-        connected = self._phase is not Phase.DISCONNECTED
-        self._phase = Phase.AWAIT_LIVE if connected else Phase.DISCONNECTED
+        self._req.drop()
+        self._seq.forget_ahead()
+        self._seq.forget_anchor()
+        if self._phase is not Phase.DISCONNECTED:
+            self._move(Event.RESET)
         self._lose_view(f"internal error {type(exc).__name__}: {exc}")
 
     def _begin(self, now: float) -> None:
@@ -1427,8 +1401,8 @@ class RankStream:
     def _finish(self) -> list[Action]:
         out = self._out
         phase = self._phase
-        active = self._active
-        claim = active.claim if isinstance(active, _Replay) else RankState.SYNCED
+        active = self._req.active
+        claim = active.claim if isinstance(active, Replay) else RankState.SYNCED
         if phase is Phase.STALE or (phase is Phase.PROBING and claim is RankState.STALE):
             new = RankState.STALE
         elif not self._exact:
@@ -1441,12 +1415,14 @@ class RankStream:
             old, self._state = self._state, new
             if new is RankState.SYNCED:
                 self._reason = "in sequence"
+                self._req.recovered()
             out.append(StateChanged(old, new, self._reason))
+        t = self._seq
         self._fast = (
             new is RankState.SYNCED
             and phase in _SYNCED_PHASES
-            and not self._held
-            and self._horizon <= self._expected
+            and not t.held
+            and t.horizon <= t.expected
         )
         self._due = self.next_deadline()
         return out

@@ -106,10 +106,13 @@ class SimPublisher:
         # show an old life that restarted silently).
         self.lives = [(self.batches, self.truth_after)]
         self.dropped = False  # this life dropped a batch after reserving its seq
+        self.sent: dict[int, bytes] = {}  # this life's live frames' payloads, by seq
+        self.old_sent: dict[int, bytes] = {}  # the previous life's, and its topic:
         self.last_sent = 0.0
         self.last_was_batch = False
         self.topic = TOPIC
         self._new_epoch()
+        self.old_topic = self.topic
         self.wall_offset = self.rng.uniform(0.0, 1e6)  # the wall clock, against sim time
 
     def _new_epoch(self) -> None:
@@ -164,6 +167,7 @@ class SimPublisher:
         if broken:
             payload = b"\xc1" + payload[1:]
         self.batches[seq] = batch
+        self.sent[seq] = payload
         self.truth_after[seq] = frozenset(self.truth)
         self.seq += 1
         self.last_sent = now
@@ -183,7 +187,10 @@ class SimPublisher:
             self.last_sent, hb, now, now + self.wall_offset, self.last_was_batch
         )
 
-    def restart(self, now: float) -> None:
+    def restart(self, now: float, same_epoch: bool = False) -> None:
+        """A new life: seq 0, empty cache and buffer, a new epoch unless ``same_epoch``
+        (a publisher whose epoch is configured, not drawn: the epoch no longer tells)."""
+        self.old_topic, self.old_sent, self.sent = self.topic, self.sent, {}
         self.incarnation += 1
         self.seq = 0
         self.buffer.clear()
@@ -194,7 +201,8 @@ class SimPublisher:
         self.dropped = False
         self.last_sent = now
         self.last_was_batch = False
-        self._new_epoch()
+        if not same_epoch:
+            self._new_epoch()
 
     def serve(self, start: int) -> list[list[bytes]]:
         items = [(s, p) for s, p in self.buffer if s >= start]
@@ -436,14 +444,35 @@ class Harness:
             self.up = True
             self.pipe.append(("connected", []))
 
-    def restart(self) -> None:
+    def restart(self, same_epoch: bool = False) -> None:
         self.disconnect()
-        self.pub.restart(self.now)
-        if not self.config.replay and not self.pub.kind.epoch:
-            # Without replay and without epoch a restart can only be seen in its
-            # first batch (a documented blind spot): deliver that one.
+        same_epoch = same_epoch and self.pub.kind.epoch
+        self.pub.restart(self.now, same_epoch)
+        if not self.config.replay and (same_epoch or not self.pub.kind.epoch):
+            # Without replay and without a new epoch a restart can only be seen in
+            # its first batch (a documented blind spot): deliver that one.
             self.connect()
             self.publish("store", "deliver")
+
+    def old_life(self) -> None:
+        """A live message of the publisher's previous life arrives now (a half-open
+        connection, a proxy in between): the one at the stream's next seq if that
+        life sent one, its last otherwise.
+
+        Only where the new life has a new epoch. Under the same topic (no epoch,
+        or a restart that kept its epoch) an old life's live batch reads as the
+        new life's batch at that seq, and the stream follows live once a replay
+        gives up (the module docstring of ``kvwire.subscriber.stream``, "Not
+        detectable"); a horizon above the publisher's next seq comes from
+        ``restart(same_epoch=True)`` instead.
+        """
+        old = self.pub.old_sent
+        if not self.up or not old or self.pub.old_topic == self.pub.topic:
+            return
+        seq = self.stream.expected_seq
+        if seq not in old:
+            seq = max(old)
+        self.pipe.append(("live", [self.pub.old_topic, pack_seq(seq), old[seq]]))
 
     def run(self, op: tuple[object, ...]) -> None:
         name = op[0]
@@ -473,6 +502,10 @@ class Harness:
             self.connect()
         elif name == "restart":
             self.restart()
+        elif name == "restart_same_epoch":
+            self.restart(same_epoch=True)
+        elif name == "old_life":
+            self.old_life()
         else:
             raise AssertionError(f"unknown op {op!r}")
 

@@ -24,7 +24,7 @@ from kvwire.subscriber import (
     StreamConfig,
 )
 from kvwire.subscriber import stream as stream_module
-from kvwire.subscriber.stream import TRANSITIONS, Phase
+from kvwire.subscriber.stream import EVENTS, TRANSITIONS, Event, Phase, event_table
 from kvwire.wire import (
     BlockRemoved,
     BlockStored,
@@ -124,16 +124,25 @@ def first_contact(r: Rank, topic: bytes, now: float = 0.0) -> None:
 # --- the phase table ---------------------------------------------------------------------
 
 
-def test_the_documented_phase_table_is_the_one_enforced() -> None:
-    doc = stream_module.__doc__ or ""
-    rules = [i for i, line in enumerate(doc.splitlines()) if line.startswith("============")]
-    rows = doc.splitlines()[rules[1] + 1 : rules[2]]
-    documented = {
-        Phase[name]: {Phase[t] for t in targets} | {Phase.DISCONNECTED}
-        for name, *targets in (row.split() for row in rows)
-    }
-    assert documented == TRANSITIONS
-    assert set(TRANSITIONS) == set(Phase)
+def test_the_documented_event_table_is_the_one_enforced() -> None:
+    doc = (stream_module.__doc__ or "").splitlines()
+    rules = [i for i, line in enumerate(doc) if line.startswith("============")]
+    documented = "\n".join(doc[rules[1] + 1 : rules[2]])
+    assert event_table(documented) == EVENTS
+    assert set(EVENTS) == set(Phase)
+    assert {e for moves in EVENTS.values() for e in moves} == set(Event)
+    # Every event leads to one phase, wherever it happens; DISCONNECT from anywhere.
+    for event in Event:
+        assert len({moves[event] for moves in EVENTS.values() if event in moves}) == 1
+    assert all(Phase.DISCONNECTED in TRANSITIONS[p] for p in Phase)
+
+
+def test_the_phase_is_written_only_by_the_event_table() -> None:
+    import inspect
+
+    source = inspect.getsource(stream_module)
+    assert source.count("self._phase = ") == 2  # the start, and RankStream._move
+    assert source.count("self._phase = to") == 1
 
 
 def test_every_phase_is_reached_by_the_model() -> None:

@@ -49,6 +49,8 @@ def ops(replay: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
         st.just(("connect",)),
         st.just(("connect",)),
         st.just(("restart",)),
+        st.just(("restart_same_epoch",)),
+        st.just(("old_life",)),
         st.just(("early_data",)),
     ]
     if replay:
@@ -119,6 +121,7 @@ _LONG_OPS = (
     ["publish"] * 3
     + ["deliver_live"] * 2
     + ["tick", "disconnect", "connect", "connect", "restart", "early_data"]
+    + ["restart_same_epoch", "old_life"]
 )
 _REPLAY_OPS = ["serve", "serve", "deliver_replies", "deliver_replies"]
 _REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply", "drop_chunk"]

@@ -10,6 +10,7 @@ that way ends every input in the very state of a twin fed message by message.
 
 from __future__ import annotations
 
+import collections
 import random
 import struct
 import time
@@ -166,18 +167,20 @@ def test_beat_key_only_while_in_sequence_and_beats_refuses_otherwise() -> None:
 # --- the model: counted heartbeats against a twin reading each one ---------------------
 
 
+def _comparable(value: Any) -> Any:
+    """A stream's part as plain values (held batches, requests and trackers by their fields)."""
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, collections.deque):
+        return list(value)
+    if hasattr(value, "__slots__") and not hasattr(value, "__struct_fields__"):
+        return (type(value), [_comparable(getattr(value, s)) for s in value.__slots__])
+    return value
+
+
 def _state(stream: RankStream) -> dict[str, Any]:
-    """Everything a stream holds, comparable (requests by their fields)."""
-    out: dict[str, Any] = {}
-    for name, value in vars(stream).items():
-        if name in ("plain", "_out"):
-            continue
-        if name in ("_held", "_window", "_lost"):
-            value = list(value.items()) if name == "_held" else list(value)
-        elif hasattr(value, "__slots__") and not hasattr(value, "__struct_fields__"):
-            value = (type(value), [getattr(value, s) for s in value.__slots__])
-        out[name] = value
-    return out
+    """Everything a stream holds, comparable."""
+    return {n: _comparable(v) for n, v in vars(stream).items() if n not in ("plain", "_out")}
 
 
 class TwinStream(RankStream):
