@@ -3,11 +3,9 @@
 ``Subscriber(sources, sink, config=SubscriberConfig(...))``. A struct, so that
 a router reading its settings from a file or the environment builds it with
 ``msgspec.convert`` and gets the same checks as a caller constructing it.
-The names mean what they mean on the publisher's side: ``hwm`` is the
-ZeroMQ high-water mark of this side's socket (the SUB's receive queue, as
-the publisher's is its PUB's send queue), ``coalesce_s`` how long a batch
-may wait on this side so that batches arriving close together are handled
-in one round.
+A name shared with the publisher's settings means the same there: ``hwm`` is
+the ZeroMQ high-water mark of this side's socket (the SUB's receive queue, as
+the publisher's is its PUB's send queue).
 """
 
 from __future__ import annotations
@@ -40,10 +38,6 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Idle probes of all ranks together, per second: each rank's
     ``stream.idle_probe`` interval is stretched to ``ranks / probe_rate`` when that
     is longer, so probing a large fleet at rest costs a bounded amount."""
-    coalesce_s: float = 0.002
-    """How long a batch may wait before it is read, so that batches of many ranks
-    arriving close together are read in one round (0: at once). What keeps a
-    large, lightly loaded fleet cheap."""
     backlog: int = 10_000
     """Items the async iterator (a Subscriber without a sink) holds before reading
     stops; the publishers' high-water marks then turn the excess into gaps."""
@@ -54,5 +48,3 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.probe_rate > 0:
             raise ValueError(f"probe_rate must be > 0, got {self.probe_rate}")
-        if not 0 <= self.coalesce_s <= 1:
-            raise ValueError(f"coalesce_s must be in [0, 1], got {self.coalesce_s}")

@@ -264,7 +264,7 @@ class Subscriber:
             ctx = zmq.Context()
             ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
         delivery = self._delivery
-        reactor = Reactor(loop, self._config.coalesce_s, self._after_round)
+        reactor = Reactor(loop, self._after_round)
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
         delivery.on_resume(self._resume)
         reactor.every(DEFAULT_INTERVAL_S, self._log.flush)
