@@ -8,7 +8,9 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
+import re
 import select
 import selectors
 import signal
@@ -137,8 +139,11 @@ def test_a_prefix_index_sink_gets_payload_bytes_and_ends_exact() -> None:
         assert (index.as_batch, index.as_bytes) == (0, 80)
 
 
-def _hide_the_linux_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on a platform without them: no epoll, no /proc/self/maps, no native receive."""
+def _hide_the_linux_paths(
+    monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
+) -> None:
+    """As on a platform without them: no epoll, no /proc/self/maps, no native receive;
+    ``selector`` is the platform's default (one that nests, like kqueue, or not)."""
     real_open = builtins.open
 
     def without_maps(file: Any, *args: Any, **kw: Any) -> Any:
@@ -147,17 +152,24 @@ def _hide_the_linux_paths(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_open(file, *args, **kw)
 
     monkeypatch.delattr(select, "epoll", raising=False)
-    monkeypatch.setattr(selectors, "DefaultSelector", selectors.SelectSelector)
+    monkeypatch.setattr(selectors, "DefaultSelector", selector)
     monkeypatch.setattr(builtins, "open", without_maps)
     monkeypatch.setitem(sys.modules, "kvwire.subscriber._recv", None)  # import fails
     libzmq_path.cache_clear()
     receive.load.cache_clear()
 
 
+@pytest.mark.parametrize(
+    "selector",
+    # EpollSelector keeps its own reference to epoll: it stands for a selector that
+    # nests (kqueue on BSD and macOS); SelectSelector for one that does not.
+    [selectors.EpollSelector, selectors.SelectSelector],
+    ids=["nesting-selector", "select"],
+)
 def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_exactly(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
 ) -> None:
-    """The portable path: a select() loop and pyzmq's reads follow kvwire publishers exactly.
+    """The portable path: another selector and pyzmq's reads follow kvwire publishers exactly.
 
     The publishers (in this process, with their native senders) start first; then
     the three are hidden, and the subscriber runs on a loop without epoll through
@@ -169,7 +181,7 @@ def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_e
         engines = [Engine(seed=60 + r, rank=r) for r in range(2)]
         for engine, pub in zip(engines, pubs, strict=True):
             engine.publish(pub, 10)  # replayed on first contact
-        _hide_the_linux_paths(monkeypatch)
+        _hide_the_linux_paths(monkeypatch, selector)
         try:
             with pytest.raises(RuntimeError, match="/proc/self/maps"):
                 libzmq_path()
@@ -202,16 +214,51 @@ def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_e
                         assert st.counters.seqs_lost == st.counters.decode_errors == 0, st
                 return index
 
-            def select_loop() -> asyncio.AbstractEventLoop:
-                return asyncio.SelectorEventLoop(selectors.SelectSelector())
+            def loop() -> asyncio.AbstractEventLoop:
+                return asyncio.SelectorEventLoop(selector())
 
-            with asyncio.Runner(loop_factory=select_loop) as runner:
+            with asyncio.Runner(loop_factory=loop) as runner:
                 index = runner.run(follow())
         finally:
             libzmq_path.cache_clear()
             receive.load.cache_clear()
         for r, engine in enumerate(engines):
             assert index.blocks("w", r) == engine.truth
+
+
+def test_a_fleet_going_away_is_one_line_and_a_summary(caplog: pytest.LogCaptureFixture) -> None:
+    """Every rank losing its publisher at once logs its first rank, then one summary."""
+    ranks = 8
+    with publishers(EPHEMERAL, EPHEMERAL, ranks) as pubs:
+        for r, pub in enumerate(pubs):
+            Engine(seed=70 + r, rank=r).publish(pub, 2)
+        with (
+            caplog.at_level(logging.INFO, "kvwire.subscriber"),
+            Subscriber([bound_source("w", pubs)], BlockSetSink(), config=FAST) as sub,
+        ):
+            wait_for(
+                lambda: all(settled(sub.status(), "w", r, 2) for r in range(ranks)),
+                10,
+                "every rank",
+            )
+            for pub in pubs:
+                pub.close(timeout=1.0)
+            wait_for(
+                lambda: not any(st.connected for st in sub.status()),
+                10,
+                "every rank to see its publisher go",
+            )
+        # The subscriber has stopped: what it held is summarised.
+    messages = [r.getMessage() for r in caplog.records]
+    gone = [m for m in messages if "disconnected from the publisher" in m]
+
+    def ranks_in(line: str) -> int:
+        m = re.search(r"\((once|\d+ times) since the last report", line)
+        return 1 if m is None or m[1] == "once" else int(m[1].split()[0])
+
+    assert 1 <= len(gone) <= 2, gone  # the first at once (unless one was logged just before)
+    assert sum(ranks_in(line) for line in gone) == ranks, gone
+    assert f"from {ranks - len(gone) + 1}: worker w rank" in gone[-1], gone
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
