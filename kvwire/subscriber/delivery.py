@@ -41,6 +41,7 @@ class Delivery:
         if self._space is not None:
             self._space.set()
         self._deferred: dict[RankLink, None] = {}  # ranks waiting for the iterator's reader
+        self._pause: Callable[[], None] | None = None
         self._resume: Callable[[list[RankLink]], None] | None = None
         self.to_flush: dict[RankLink, None] = {}  # ranks whose batches a flush would apply
 
@@ -109,16 +110,21 @@ class Delivery:
     def defer(self, link: RankLink) -> None:
         self._deferred[link] = None
 
-    def on_resume(self, resume: Callable[[list[RankLink]], None]) -> None:
-        """Who reads on from the deferred ranks once the reader catches up."""
-        self._resume = resume
+    def on_backpressure(
+        self, pause: Callable[[], None], resume: Callable[[list[RankLink]], None]
+    ) -> None:
+        """Who stops reading when the iterator's reader falls behind, and reads on from
+        the deferred ranks once it catches up."""
+        self._pause, self._resume = pause, resume
 
     def _put(self, item: SinkItem) -> None:
         queue, space = self._queue, self._space
         assert queue is not None and space is not None
         queue.put_nowait(item)
-        if queue.qsize() >= self._backlog:
+        if queue.qsize() >= self._backlog and space.is_set():
             space.clear()  # reading stops until the reader catches up
+            if self._pause is not None:
+                self._pause()
 
     def end(self) -> None:
         """No more items: the iterator ends once it has given the queued ones."""
@@ -135,7 +141,7 @@ class Delivery:
                 return
             if not space.is_set() and queue.qsize() <= self._backlog // 2:
                 space.set()
-                if self._deferred and self._resume is not None:
+                if self._resume is not None:
                     deferred, self._deferred = list(self._deferred), {}
                     self._resume(deferred)
             yield item  # type: ignore[misc]

@@ -109,6 +109,7 @@ class Reactor:
         self._epoll: Any = None  # Linux: the sockets' set
         self._gate: Any = None  # Linux: a set holding only that one, the loop's reader
         self._paused = False  # the gate holds the sockets' set with no events
+        self._held = False  # not listening: the output cannot take more
         self._nest: selectors.BaseSelector | None = None  # BSD, macOS: a nested kqueue
         if hasattr(select, "epoll"):
             self._epoll = select.epoll()
@@ -165,10 +166,41 @@ class Reactor:
             return
         self._mark(link, monitor)
 
-    def again(self, link: Link) -> None:
-        """Read ``link`` in the loop's next round although its sockets will not signal
-        (more is queued than one burst, or the iterator's reader caught up)."""
-        self._mark(link, False)
+    def again(self, link: Link, monitor: bool = False) -> None:
+        """Read ``link`` (``monitor``: its monitor too) in the loop's next round although
+        its sockets will not signal (more is queued than one burst, or the iterator's
+        reader caught up)."""
+        self._mark(link, monitor)
+
+    def hold(self) -> None:
+        """Stop listening until :meth:`release`: the output cannot take more now.
+
+        Nested sets are level-triggered: unread sockets would wake the loop at once
+        again. (Where each socket is the loop's reader, a signal taken is not given
+        again, so nothing needs holding; the ranks read meanwhile defer themselves.)
+        """
+        if self._held:
+            return
+        self._held = True
+        if self._gate is not None:
+            self._switch(False)
+        elif self._nest is not None:
+            self._loop.remove_reader(self._nest.fileno())  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        if not self._held or not self._running:
+            return
+        self._held = False
+        if self._gate is not None:
+            self._switch(True)
+        elif self._nest is not None:
+            self._loop.add_reader(self._nest.fileno(), self._read)  # type: ignore[attr-defined]
+
+    def _switch(self, on: bool) -> None:
+        """Turn the sockets' set on or off in the gate (Linux)."""
+        if on == self._paused:
+            self._gate.modify(self._epoll.fileno(), select.EPOLLIN if on else 0)
+            self._paused = not on
 
     def _mark(self, link: Link, monitor: bool) -> None:
         marked = self._marked
@@ -222,16 +254,14 @@ class Reactor:
     def _pace(self, busy: bool) -> None:
         """While rounds find something, read every :data:`PACE_S` on a timer with the
         sockets' set switched off in the gate; after a round that finds nothing, listen."""
-        gate, fd = self._gate, self._epoll.fileno()
+        if self._held:
+            return  # switched off until released
         if busy:
-            if not self._paused:
-                gate.modify(fd, 0)
-                self._paused = True
+            self._switch(False)
             if self._round is None:
                 self._round = self._loop.call_later(PACE_S, self._paced)
-        elif self._paused:
-            gate.modify(fd, select.EPOLLIN)
-            self._paused = False
+        else:
+            self._switch(True)
 
     # --- time ----------------------------------------------------------------------------
 

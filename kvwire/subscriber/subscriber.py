@@ -259,14 +259,22 @@ class Subscriber:
         self._stop_event = asyncio.Event()
         if self._stop_requested:
             self._stop_event.set()
+        try:
+            reactor = Reactor(loop, self._after_round)
+        except NotImplementedError:  # a loop without add_reader (Windows' proactor)
+            with self._lock:
+                self._running, self._finished = False, True
+            raise RuntimeError(
+                "the Subscriber needs an event loop with add_reader (a selector loop; on "
+                "Windows set asyncio.WindowsSelectorEventLoopPolicy, or use start())"
+            ) from None
         ctx = self._given_ctx
         if ctx is None:
             ctx = zmq.Context()
             ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
         delivery = self._delivery
-        reactor = Reactor(loop, self._after_round)
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
-        delivery.on_resume(self._resume)
+        delivery.on_backpressure(reactor.hold, self._resume)
         reactor.every(DEFAULT_INTERVAL_S, self._log.flush)
         try:
             check_sockets(ctx, self._total_ranks(), self._config.max_replays)
@@ -297,12 +305,14 @@ class Subscriber:
         env.contacts.more()
 
     def _resume(self, links: list[RankLink]) -> None:
-        """The iterator's reader caught up: read on from the ranks that waited."""
+        """The iterator's reader caught up: read on from the ranks that waited (their
+        monitors too: a signal taken before the wait is not given again)."""
         env = self._env
         if env is not None and self._running:
+            env.reactor.release()
             for link in links:
                 if not link.closed:
-                    env.reactor.again(link)
+                    env.reactor.again(link, monitor=True)
 
     def _request_stop(self) -> None:
         self._stop_requested = True

@@ -549,6 +549,35 @@ async def _async_iterator_and_clean_shutdown() -> None:
     _assert_nothing_left(threads_before, fds_before)
 
 
+def test_a_slow_iterator_reader_pauses_reading_and_loses_nothing() -> None:
+    """Past ``backlog`` queued items reading stops; once the reader catches up it goes on."""
+    asyncio.run(_slow_iterator_reader())
+
+
+async def _slow_iterator_reader() -> None:
+    total = 3000
+    with publishers(EPHEMERAL, EPHEMERAL, 1) as (pub,):
+        engine = Engine(seed=12)
+        async with Subscriber([bound_source("w", [pub])], config=fast(backlog=8)) as sub:
+            await await_for(lambda: rank_status(sub.status(), "w", 0).connected, 10, "connection")
+            engine.publish(pub, total)
+            seqs: list[int] = []
+            held = BlockSetSink()
+            async for item in sub:
+                assert isinstance(item, Applied), item
+                seqs.append(item.seq)
+                held.apply(item.worker_id, item.rank, item.batch)
+                if len(seqs) == 1:
+                    # Stay behind until the publisher has sent everything.
+                    await await_for(lambda: pub.queue_depth == 0, 10, "every batch sent")
+                if len(seqs) == total:
+                    break
+            assert seqs == list(range(total))
+            assert held.blocks("w", 0) == engine.truth
+            st = rank_status(sub.status(), "w", 0)
+            assert st.state is RankState.SYNCED and st.counters.seqs_lost == 0, st
+
+
 def _assert_nothing_left(threads_before: set[threading.Thread], fds_before: int) -> None:
     """No thread and no descriptor beyond those there before, within a deadline.
 
