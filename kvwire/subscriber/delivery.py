@@ -33,13 +33,12 @@ class Delivery:
         self.payload_sink = sink if isinstance(sink, PayloadSink) else None
         self.sink_flush: Callable[[], Any] | None = getattr(sink, "flush", None)
         self._backlog = backlog
-        # (asyncio.Queue and Event bind to the running loop on first use.)
+        # (an asyncio.Queue binds to the running loop on first use)
         self._queue: asyncio.Queue[SinkItem | object] | None = (
             asyncio.Queue() if sink is None else None
         )
-        self._space: asyncio.Event | None = asyncio.Event() if sink is None else None
-        if self._space is not None:
-            self._space.set()
+        self.paused = False
+        """Whether the iterator's reader is behind: links defer their reading."""
         self._deferred: dict[RankLink, None] = {}  # ranks waiting for the iterator's reader
         self._pause: Callable[[], None] | None = None
         self._resume: Callable[[list[RankLink]], None] | None = None
@@ -101,12 +100,6 @@ class Delivery:
 
     # --- the iterator --------------------------------------------------------------------
 
-    @property
-    def paused(self) -> bool:
-        """Whether the iterator's reader is behind: links defer their reading."""
-        space = self._space
-        return space is not None and not space.is_set()
-
     def defer(self, link: RankLink) -> None:
         self._deferred[link] = None
 
@@ -118,11 +111,11 @@ class Delivery:
         self._pause, self._resume = pause, resume
 
     def _put(self, item: SinkItem) -> None:
-        queue, space = self._queue, self._space
-        assert queue is not None and space is not None
+        queue = self._queue
+        assert queue is not None
         queue.put_nowait(item)
-        if queue.qsize() >= self._backlog and space.is_set():
-            space.clear()  # reading stops until the reader catches up
+        if queue.qsize() >= self._backlog and not self.paused:
+            self.paused = True  # reading stops until the reader catches up
             if self._pause is not None:
                 self._pause()
 
@@ -132,15 +125,15 @@ class Delivery:
             self._queue.put_nowait(_END)
 
     async def items(self) -> AsyncIterator[SinkItem]:
-        queue, space = self._queue, self._space
-        assert queue is not None and space is not None
+        queue = self._queue
+        assert queue is not None
         while True:
             item = await queue.get()
             if item is _END:
                 queue.put_nowait(_END)  # for any other reader
                 return
-            if not space.is_set() and queue.qsize() <= self._backlog // 2:
-                space.set()
+            if self.paused and queue.qsize() <= self._backlog // 2:
+                self.paused = False
                 if self._resume is not None:
                     deferred, self._deferred = list(self._deferred), {}
                     self._resume(deferred)
