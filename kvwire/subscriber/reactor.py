@@ -6,7 +6,7 @@ and which deadlines are due, all on the loop it runs on (``add_reader`` and
 
 **Readiness.** Every socket's ZeroMQ file descriptor is watched, and the
 ranks whose sockets signalled are read in *rounds*: a round reads every such
-rank (:meth:`Link.service`, which reads each socket to the end so that it
+rank (:meth:`RankLink.service <kvwire.subscriber.link.RankLink.service>`, which reads each socket to the end so that it
 signals again on the next arrival), then calls ``after_round`` (a buffering
 sink's flush). Whatever is ready when the loop wakes is read in one round, so
 the batches of a fleet arriving together cost one wake-up. A rank with more
@@ -25,9 +25,8 @@ wake-ups (one every 2 ms rather than one per batch) with no blocking call in
 the loop. (Taking the set out of the loop's selector and adding it back would
 do the same, but adding an epoll set to another makes the kernel walk every
 descriptor in it: about 170 us at 1,024 ranks, twice the subscriber's CPU in
-all.) On BSD and macOS the kqueue set is the loop's reader, unpaced. Where
-nothing nests (``poll``, ``select``: the portable path) each descriptor is the
-loop's own reader, whose callback processes the socket's commands
+all.) Elsewhere (the portable path, whatever selector the loop has) each
+descriptor is the loop's own reader, whose callback processes the socket's commands
 (``ZMQ_EVENTS``, after which its descriptor is quiet until the socket has been
 read to the end) and marks the rank for the round.
 
@@ -46,14 +45,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
-import selectors
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
-__all__ = ["MAX_TIMER_S", "PACE_S", "Link", "Reactor"]
+if TYPE_CHECKING:
+    from kvwire.subscriber.link import RankLink as Link
+
+__all__ = ["MAX_TIMER_S", "PACE_S", "Reactor"]
 
 MAX_TIMER_S = 5.0
 """A rank's deadline is re-read at least this often."""
@@ -64,32 +65,6 @@ PACE_S = 0.002
 
 _POLLIN = zmq.POLLIN
 _EVENTS = zmq.EVENTS
-
-
-class Link(Protocol):
-    """What the reactor needs of a rank: a way to read it, its deadlines, its timer."""
-
-    closed: bool
-    timer: asyncio.TimerHandle | None
-    timer_at: float | None
-
-    def service(self, monitor: bool) -> bool:
-        """Read what the rank's sockets hold (``monitor``: its monitor signalled);
-        whether more is queued than one burst."""
-
-    def on_timer(self, now: float) -> None:
-        """A deadline of the rank may have passed."""
-
-    def deadline(self, now: float) -> float | None:
-        """The rank's next deadline (``None``: none)."""
-
-    def silence(self) -> tuple[float, float] | None:
-        """(when the silence falls due, the heartbeat interval) if the rank's only
-        deadline is a silence that live messages move (it can then be swept instead
-        of timed), else ``None``."""
-
-    def silence_deadline(self) -> float | None:
-        """When the rank's silence falls due (``None``: it is no longer only silent)."""
 
 
 class Reactor:
@@ -110,19 +85,11 @@ class Reactor:
         self._gate: Any = None  # Linux: a set holding only that one, the loop's reader
         self._paused = False  # the gate holds the sockets' set with no events
         self._held = False  # not listening: the output cannot take more
-        self._nest: selectors.BaseSelector | None = None  # BSD, macOS: a nested kqueue
-        if hasattr(select, "epoll"):
+        if hasattr(select, "epoll"):  # elsewhere each socket is the loop's own reader
             self._epoll = select.epoll()
             self._gate = select.epoll()
             self._gate.register(self._epoll.fileno(), select.EPOLLIN)
             loop.add_reader(self._gate.fileno(), self._read)
-        else:
-            selector = selectors.DefaultSelector()
-            if hasattr(selector, "fileno"):
-                self._nest = selector
-                loop.add_reader(selector.fileno(), self._read)
-            else:
-                selector.close()  # each socket is the loop's own reader
         self._marked: dict[Link, bool] = {}  # rank -> whether its monitor signalled
         self._round: asyncio.Handle | None = None  # a round due without a signal
         self._round_soon = False  # ... in the loop's next iteration (not paced)
@@ -140,8 +107,6 @@ class Reactor:
         fd = cast(int, sock.getsockopt(zmq.FD))
         if self._epoll is not None:
             self._epoll.register(fd, select.EPOLLIN)
-        elif self._nest is not None:
-            self._nest.register(fd, selectors.EVENT_READ)
         else:
             self._loop.add_reader(fd, self._signalled, sock, link, monitor)
         self._watched[fd] = (link, monitor)
@@ -153,9 +118,6 @@ class Reactor:
         if self._epoll is not None:
             with contextlib.suppress(OSError):
                 self._epoll.unregister(fd)
-        elif self._nest is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._nest.unregister(fd)
         else:
             self._loop.remove_reader(fd)
 
@@ -175,7 +137,7 @@ class Reactor:
     def hold(self) -> None:
         """Stop listening until :meth:`release`: the output cannot take more now.
 
-        Nested sets are level-triggered: unread sockets would wake the loop at once
+        The sockets' set is level-triggered: unread sockets would wake the loop at once
         again. (Where each socket is the loop's reader, a signal taken is not given
         again, so nothing needs holding; the ranks read meanwhile defer themselves.)
         """
@@ -184,8 +146,6 @@ class Reactor:
         self._held = True
         if self._gate is not None:
             self._switch(False)
-        elif self._nest is not None:
-            self._loop.remove_reader(self._nest.fileno())  # type: ignore[attr-defined]
 
     def release(self) -> None:
         if not self._held or not self._running:
@@ -193,8 +153,6 @@ class Reactor:
         self._held = False
         if self._gate is not None:
             self._switch(True)
-        elif self._nest is not None:
-            self._loop.add_reader(self._nest.fileno(), self._read)  # type: ignore[attr-defined]
 
     def _switch(self, on: bool) -> None:
         """Turn the sockets' set on or off in the gate (Linux)."""
@@ -225,14 +183,9 @@ class Reactor:
             self._round = None
         self._round_soon = False
         marked, self._marked = self._marked, {}
-        if self._epoll is not None:
-            ready = [fd for fd, _ in self._epoll.poll(0)]
-        elif self._nest is not None:
-            ready = [key.fd for key, _ in self._nest.select(0)]
-        else:
-            ready = []  # the loop's readers marked them
+        ready = self._epoll.poll(0) if self._epoll is not None else ()  # (or readers marked)
         watched = self._watched
-        for fd in ready:
+        for fd, _ in ready:
             entry = watched.get(fd)
             if entry is not None:
                 link, monitor = entry
@@ -372,9 +325,6 @@ class Reactor:
             self._loop.remove_reader(self._gate.fileno())
             self._gate.close()
             self._epoll.close()
-        elif self._nest is not None:
-            self._loop.remove_reader(self._nest.fileno())  # type: ignore[attr-defined]
-            self._nest.close()
         for handle in (self._round, self._sweep_handle, *self._ticks):
             if handle is not None:
                 handle.cancel()

@@ -143,7 +143,7 @@ def _hide_the_linux_paths(
     monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
 ) -> None:
     """As on a platform without them: no epoll, no /proc/self/maps, no native receive;
-    ``selector`` is the platform's default (one that nests, like kqueue, or not)."""
+    ``selector`` is the platform's default, the one its event loops use."""
     real_open = builtins.open
 
     def without_maps(file: Any, *args: Any, **kw: Any) -> Any:
@@ -161,10 +161,10 @@ def _hide_the_linux_paths(
 
 @pytest.mark.parametrize(
     "selector",
-    # EpollSelector keeps its own reference to epoll: it stands for a selector that
-    # nests (kqueue on BSD and macOS); SelectSelector for one that does not.
+    # The loop's selector: EpollSelector keeps its own reference to epoll and stands
+    # for kqueue (BSD, macOS), SelectSelector for the rest.
     [selectors.EpollSelector, selectors.SelectSelector],
-    ids=["nesting-selector", "select"],
+    ids=["kqueue-like-loop", "select-loop"],
 )
 def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_exactly(
     monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
