@@ -97,7 +97,6 @@ class Reactor:
         self._sweep_s = MAX_TIMER_S
         self._sweep_at = 0.0
         self._sweep_handle: asyncio.TimerHandle | None = None
-        self._ticks: list[asyncio.TimerHandle] = []
 
     # --- readiness -----------------------------------------------------------------------
 
@@ -306,16 +305,6 @@ class Reactor:
             del self._swept[link]
             self.schedule(link, now)
 
-    def every(self, interval: float, callback: Callable[[], Any]) -> None:
-        """Call ``callback`` every ``interval`` seconds while the reactor runs."""
-
-        def tick() -> None:
-            callback()
-            self._ticks[index] = self._loop.call_later(interval, tick)
-
-        index = len(self._ticks)
-        self._ticks.append(self._loop.call_later(interval, tick))
-
     def close(self) -> None:
         """Stop every reader and timer (the links close their own sockets)."""
         for fd in list(self._watched):
@@ -325,10 +314,9 @@ class Reactor:
             self._loop.remove_reader(self._gate.fileno())
             self._gate.close()
             self._epoll.close()
-        for handle in (self._round, self._sweep_handle, *self._ticks):
+        for handle in (self._round, self._sweep_handle):
             if handle is not None:
                 handle.cancel()
-        self._ticks.clear()
         self._round = self._sweep_handle = None
         self._marked.clear()
         self._swept.clear()

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvwire.ratelog import DEFAULT_INTERVAL_S, RateLimitedLog
+from kvwire.ratelog import RateLimitedLog
 from kvwire.subscriber import receive
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
@@ -275,7 +275,6 @@ class Subscriber:
         delivery = self._delivery
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
         delivery.on_backpressure(reactor.hold, self._resume)
-        reactor.every(DEFAULT_INTERVAL_S, self._log.flush)
         try:
             check_sockets(ctx, self._total_ranks(), self._config.max_replays)
             for source in self.sources:
@@ -298,11 +297,13 @@ class Subscriber:
             self._thread_ready.set()
 
     def _after_round(self) -> None:
-        """After a round of reading or a timer: flush a buffering sink, admit waiting ranks."""
+        """After a round of reading or a timer: flush a buffering sink, admit waiting
+        ranks, log what the rate limit held once its interval has passed."""
         env = self._env
         assert env is not None
         env.delivery.flush()
         env.contacts.more()
+        self._log.flush()
 
     def _resume(self, links: list[RankLink]) -> None:
         """The iterator's reader caught up: read on from the ranks that waited (their
