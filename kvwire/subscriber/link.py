@@ -218,11 +218,11 @@ class RankLink:
                 "replay-socket", f"replay socket not opened ({exc}): waiting for one to close"
             )
             return False
+        self.dealer = dealer  # from here on, closing it gives its slot back
         # Bounded: a reply flows as fast as it is read (the publisher waits on a full
         # pipe), and a hostile replay socket cannot queue more than this in the router.
         dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
         dealer.connect(self.endpoints.replay_endpoint)
-        self.dealer = dealer
         self.dealer_fd = self.env.reactor.watch(dealer, self)
         return True
 
