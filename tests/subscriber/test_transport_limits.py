@@ -19,7 +19,9 @@ from kvwire.subscriber import (
     EngineSource,
     RankState,
     ResourceLimitError,
+    StreamConfig,
     Subscriber,
+    SubscriberConfig,
 )
 from kvwire.subscriber import resources as resources_module
 from kvwire.wire import (
@@ -349,3 +351,28 @@ def test_curve_a_key_added_to_the_allow_list_gets_in_without_a_restart(tmp_path:
             assert sink.blocks("w", 0) == engine.engine.truth
     finally:
         engine.close()
+
+
+# --- settings -------------------------------------------------------------------------
+
+
+def test_subscriber_config_is_built_and_checked_the_same_from_data_or_code() -> None:
+    """msgspec.convert (settings read from a file or the environment) gives the same struct
+    and the same refusals as the constructor; the stream's settings nest as ``stream``."""
+    cfg = msgspec.convert(
+        {"hwm": 5, "max_replays": 2, "stream": {"replay_timeout": 0.25, "idle_probe": None}},
+        SubscriberConfig,
+    )
+    assert cfg == SubscriberConfig(
+        hwm=5, max_replays=2, stream=StreamConfig(replay_timeout=0.25, idle_probe=None)
+    )
+    assert SubscriberConfig().stream == StreamConfig()
+    for bad, field in (({"hwm": 0}, "hwm"), ({"probe_rate": 0.0}, "probe_rate")):
+        with pytest.raises(ValueError, match=field):
+            SubscriberConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(msgspec.ValidationError, match=field):
+            msgspec.convert(bad, SubscriberConfig)
+    with pytest.raises(msgspec.ValidationError, match="replay_timeout"):
+        msgspec.convert({"stream": {"replay_timeout": 0}}, SubscriberConfig)
+    with pytest.raises(TypeError, match="SubscriberConfig"):
+        Subscriber([], BlockSetSink(), config=StreamConfig())  # type: ignore[arg-type]
