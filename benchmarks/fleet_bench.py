@@ -57,6 +57,7 @@ from kvwire.subscriber import (  # noqa: E402
     EngineSource,
     RankState,
     Subscriber,
+    SubscriberConfig,
 )
 from kvwire.wire import (  # noqa: E402
     BlockRemoved,
@@ -67,7 +68,7 @@ from kvwire.wire import (  # noqa: E402
 from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S, TRAILING_GAP  # noqa: E402
 
 MASK = (1 << 64) - 1
-PROBE_RATE = 16.0  # the Subscriber's default probe_rate
+PROBE_RATE = SubscriberConfig().probe_rate
 
 
 # --- engines (child processes) --------------------------------------------------------

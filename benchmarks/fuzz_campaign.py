@@ -525,7 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvwire.prefix_index import PrefixIndex
-    from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
+    from kvwire.subscriber import (
+        EngineSource,
+        RankState,
+        StreamConfig,
+        Subscriber,
+        SubscriberConfig,
+    )
 
     spawn = mp.get_context("spawn")
     engine_end, engine_conn = spawn.Pipe()
@@ -553,7 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     peak = rss0
     failures: list[str] = []
     t0 = time.monotonic()
-    config = None if args.max_held is None else StreamConfig(max_held=args.max_held)
+    config = (
+        None
+        if args.max_held is None
+        else SubscriberConfig(stream=StreamConfig(max_held=args.max_held))
+    )
     sub = Subscriber(sources, index, config=config).start()
     attacker = spawn.Process(target=replay_attacker,
                              args=(attacker_end, legit_replay, args.replay_requests, args.seed + 3))  # fmt: skip

@@ -47,6 +47,7 @@ from kvwire.subscriber import (
     RankStream,
     StreamConfig,
     Subscriber,
+    SubscriberConfig,
 )
 from kvwire.wire import (
     BlockStored,
@@ -245,7 +246,7 @@ def transport_rates(
         "bytes": BytesIndex,
     }
     sink = sinks[sink_kind]()
-    cfg = StreamConfig(replay=False, idle_probe=None)
+    cfg = SubscriberConfig(stream=StreamConfig(replay=False, idle_probe=None))
     sources = [EngineSource(f"r{i}", ep) for i, ep in enumerate(endpoints)]
     rates, cpu_rates, sent_rates = [], [], []
     sub = Subscriber(sources, sink, config=cfg).start()

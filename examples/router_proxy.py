@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 
 from kvwire.prefix_index import Decision, KvRouter, Load, PrefixIndex
-from kvwire.subscriber import EngineSource, StreamConfig, Subscriber
+from kvwire.subscriber import EngineSource, Subscriber, SubscriberConfig
 
 __all__ = ["Backend", "RouterProxy", "main", "parse_engine", "prompt_tokens"]
 
@@ -105,7 +105,7 @@ class RouterProxy:
         listen: tuple[str, int] = ("127.0.0.1", 8000),
         block_size: int = 16,
         *,
-        config: StreamConfig | None = None,
+        config: SubscriberConfig | None = None,
         timeout: float = 600.0,
     ) -> None:
         self.urls = {b.source.worker_id: b.url for b in backends}

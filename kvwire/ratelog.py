@@ -22,10 +22,11 @@ _NAMED_SUBJECTS = 4
 
 
 class _Pending:
-    __slots__ = ("count", "message", "subjects")
+    __slots__ = ("count", "level", "message", "subjects")
 
     def __init__(self) -> None:
         self.count = 0
+        self.level = logging.WARNING
         self.message = ""
         self.subjects: dict[str, None] = {}  # insertion-ordered set
 
@@ -78,6 +79,7 @@ class RateLimitedLog:
             pending = self._pending[kind] = _Pending()
         pending.count += 1
         pending.message = message
+        pending.level = level
         if subject is not None:
             pending.subjects[subject] = None
 
@@ -91,7 +93,7 @@ class RateLimitedLog:
                 continue
             pending = self._pending.pop(kind)
             self._last[kind] = now
-            self._logger.warning("%s%s", pending.message, self._suffix(pending))
+            self._logger.log(pending.level, "%s%s", pending.message, self._suffix(pending))
 
     @property
     def held(self) -> int:

@@ -1,8 +1,10 @@
 """The router side: follow every rank of every engine, in order, or say what is missing.
 
 :class:`RankStream` is the sans-I/O core (one per engine rank);
-:class:`Subscriber` is the ZeroMQ transport around it, feeding an
-:class:`EventSink` (or an async iterator of :data:`SinkItem`).
+:class:`Subscriber` follows every rank over ZeroMQ (one
+:class:`~kvwire.subscriber.link.RankLink` per rank, read and timed by one
+:class:`~kvwire.subscriber.reactor.Reactor`), feeding an :class:`EventSink`
+(or an async iterator of :data:`SinkItem`); :class:`SubscriberConfig` tunes it.
 """
 
 from kvwire.subscriber.actions import (
@@ -15,6 +17,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.sink import (
     Applied,
     BlockSetSink,
@@ -32,7 +35,7 @@ from kvwire.subscriber.state import (
     StreamConfig,
 )
 from kvwire.subscriber.stream import RankStream
-from kvwire.subscriber.transport import ResourceLimitError, Subscriber
+from kvwire.subscriber.subscriber import ResourceLimitError, Subscriber
 
 __all__ = [
     "Action",
@@ -59,4 +62,5 @@ __all__ = [
     "StateChanged",
     "StreamConfig",
     "Subscriber",
+    "SubscriberConfig",
 ]

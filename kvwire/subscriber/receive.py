@@ -11,7 +11,9 @@ size limit (``ZMQ_MAXMSGSIZE``) stays libzmq's to enforce.
 The native drain (``_recv.c``) calls libzmq directly, one C call for all the
 messages instead of pyzmq's call per frame and an exception at the end; it
 needs the shared libzmq pyzmq loaded (:func:`kvwire._native.libzmq_path`).
-Where that cannot be found, the same contract is kept in Python.
+Where that cannot be found (no ``/proc/self/maps``, a static libzmq, the
+extension not built), the same contract is kept in Python; :func:`load` says
+which a subscriber gets.
 
 :func:`drain_beats` is :func:`drain` for a live SUB socket whose stream is in
 sequence (:meth:`RankStream.beat_key`): the heartbeats at the head of the
@@ -24,16 +26,16 @@ pyzmq fallback counts none: every heartbeat then takes the general path.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from types import ModuleType
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import zmq
 
 from kvwire._native import libzmq_path
 
-__all__ = ["NATIVE", "drain", "drain_beats"]
+__all__ = ["NATIVE", "PORTABLE", "Receive", "drain", "drain_beats", "load"]
 
 log = logging.getLogger("kvwire.subscriber")
 
@@ -64,24 +66,36 @@ def _drain_beats_py(
     return 0, None, _drain_py(sock, cap, 3)
 
 
-def _native() -> ModuleType | None:
+class Receive(NamedTuple):
+    """The drains a subscriber reads with: native where they can be, else pyzmq's."""
+
+    drain: Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]]
+    drain_beats: Callable[[zmq.Socket[Any], int, bytes, int, int], Beats]
+    native: bool
+
+
+PORTABLE = Receive(_drain_py, _drain_beats_py, False)
+"""The pyzmq drains: wherever pyzmq runs."""
+
+
+@functools.cache
+def load() -> Receive:
+    """The native drains if ``_recv`` is built and finds pyzmq's libzmq, else :data:`PORTABLE`.
+
+    Resolved once a process (``load.cache_clear()`` resolves it again).
+    """
     try:
         from kvwire.subscriber import _recv
 
         _recv.load(libzmq_path())
     except (ImportError, RuntimeError) as exc:
         log.info("native receive drain unavailable (%s): reading through pyzmq", exc)
-        return None
-    return _recv
+        return PORTABLE
+    return Receive(_recv.drain, _recv.drain_beats, True)
 
 
-_NATIVE = _native()
-NATIVE = _NATIVE is not None
+NATIVE = load().native
 """Whether :func:`drain` and :func:`drain_beats` are the native ones."""
 
-drain: Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]] = (
-    _NATIVE.drain if _NATIVE is not None else _drain_py
-)
-drain_beats: Callable[[zmq.Socket[Any], int, bytes, int, int], Beats] = (
-    _NATIVE.drain_beats if _NATIVE is not None else _drain_beats_py
-)
+drain = load().drain
+drain_beats = load().drain_beats

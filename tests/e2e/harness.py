@@ -26,7 +26,7 @@ from kvwire.publisher import PublisherConfig
 from kvwire.reference.control import ControlClient, ControlError
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
-from kvwire.subscriber import EngineSource, RankState, StreamConfig, Subscriber
+from kvwire.subscriber import EngineSource, RankState, Subscriber, SubscriberConfig
 from tests.waiting import wait_for as wait_for  # the scenarios wait through it
 
 from .faultproxy import FaultProxy
@@ -223,7 +223,7 @@ class Router:
     """The router under test: a subscriber feeding a prefix index, on its own thread."""
 
     engines: list[Engine]
-    config: StreamConfig = field(default_factory=StreamConfig)
+    config: SubscriberConfig = field(default_factory=SubscriberConfig)
     index: PrefixIndex = field(init=False)
     subscriber: Subscriber = field(init=False)
 

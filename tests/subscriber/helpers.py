@@ -1,30 +1,42 @@
-"""Helpers for socket tests: endpoints, an engine model, polling with deadlines."""
+"""Helpers for socket tests: endpoints, an engine model, settings, rank status."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvwire.publisher import EventPublisher
-from kvwire.subscriber import EngineSource, RankState, RankStatus, StreamConfig
+from kvwire.subscriber import EngineSource, RankState, RankStatus, StreamConfig, SubscriberConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
 # Small timeouts so fault tests converge fast; still far above loopback latency.
-FAST = StreamConfig(
-    replay_timeout=0.5,
-    replay_retries=2,
-    backoff_initial=0.05,
-    backoff_max=0.2,
-    idle_probe=0.3,
+FAST = SubscriberConfig(
+    stream=StreamConfig(
+        replay_timeout=0.5,
+        replay_retries=2,
+        backoff_initial=0.05,
+        backoff_max=0.2,
+        idle_probe=0.3,
+    )
 )
+
+
+def fast(**kw: Any) -> SubscriberConfig:
+    """:data:`FAST` with the subscriber settings ``kw`` changed."""
+    return msgspec.structs.replace(FAST, **kw)
+
+
+def streams(config: StreamConfig) -> SubscriberConfig:
+    """The default subscriber settings with every rank's stream tuned as ``config``."""
+    return SubscriberConfig(stream=config)
 
 
 EPHEMERAL = "tcp://127.0.0.1:*"
@@ -106,23 +118,6 @@ class Engine:
     def publish(self, pub: EventPublisher, n: int, **kw: Any) -> None:
         for _ in range(n):
             assert pub.publish(self.batch(**kw)), "the publisher queue overflowed"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``predicate`` until it holds or ``timeout`` s pass (then fail, saying what)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
-async def await_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def rank_status(statuses: list[RankStatus], worker: str, rank: int) -> RankStatus:

@@ -14,8 +14,8 @@ from tests.subscriber.helpers import (
     Engine,
     bound_source,
     settled,
-    wait_until,
 )
+from tests.waiting import wait_for
 
 
 def test_metrics_follow_prometheus_conventions_and_report_every_rank() -> None:
@@ -28,7 +28,7 @@ def test_metrics_follow_prometheus_conventions_and_report_every_rank() -> None:
         source = bound_source("w", [p0, p1])
         with Subscriber([source], BlockSetSink(), config=FAST) as sub:
             register_metrics(sub, registry)
-            wait_until(lambda: settled(sub.status(), "w", 0, 4), 10, "batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 4), 10, "batches")
             text = prometheus_client.generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for field in RankCounters.__struct_fields__:

@@ -18,10 +18,11 @@ from kvwire.subscriber import (
     EngineSource,
     StreamConfig,
     Subscriber,
+    SubscriberConfig,
     receive,
 )
 from kvwire.wire import BlockStored, KVEventBatch, encode_batch, pack_seq
-from tests.subscriber.helpers import wait_until
+from tests.waiting import wait_for
 
 Drain = Callable[[zmq.Socket[Any], int, int], list[tuple[bytes, ...]]]
 
@@ -171,7 +172,7 @@ def _join(sub: Subscriber, pub: zmq.Socket[bytes], payload: Callable[[int], byte
         pub.send_multipart([b"", pack_seq(seq), payload(seq)])
         seq += 1
         time.sleep(0.01)
-    wait_until(lambda: sub.status()[0].expected_seq == seq, 5, "the joining batches")
+    wait_for(lambda: sub.status()[0].expected_seq == seq, 5, "the joining batches")
     return seq
 
 
@@ -181,7 +182,7 @@ def test_a_live_message_of_too_many_frames_is_counted_and_skipped_the_rank_stays
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     sink = BlockSetSink()
-    cfg = StreamConfig(replay=False, idle_probe=None)
+    cfg = SubscriberConfig(stream=StreamConfig(replay=False, idle_probe=None))
 
     def batch(h: int) -> bytes:
         return encode_batch(KVEventBatch(0.0, [BlockStored([h], None, [1, 2], 2)], 0))
@@ -193,7 +194,7 @@ def test_a_live_message_of_too_many_frames_is_counted_and_skipped_the_rank_stays
             expected = set(sink.blocks("w", 0)) | {seq + 1}
             pub.send_multipart([b"", pack_seq(seq), b"junk", b"more", b"frames"])
             pub.send_multipart([b"", pack_seq(seq), batch(seq + 1)])  # the same seq, intact
-            wait_until(lambda: sink.blocks("w", 0) == expected, 10, "the intact batch")
+            wait_for(lambda: sink.blocks("w", 0) == expected, 10, "the intact batch")
             (after,) = sub.status()
             assert after.counters.decode_errors == 1
             assert after.state is before.state and after.expected_seq == seq + 1
@@ -212,7 +213,7 @@ def test_many_random_messages_through_a_subscriber_arrive_whole() -> None:
     pub.setsockopt(zmq.SNDHWM, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     sink = BlockSetSink()
-    cfg = StreamConfig(replay=False, idle_probe=None)
+    cfg = SubscriberConfig(stream=StreamConfig(replay=False, idle_probe=None))
     try:
         with Subscriber([EngineSource("w", f"tcp://127.0.0.1:{port}")], sink, config=cfg) as sub:
             seq = _join(sub, pub, lambda seq: encode_batch(KVEventBatch(0.0, [], 0)))
@@ -226,7 +227,7 @@ def test_many_random_messages_through_a_subscriber_arrive_whole() -> None:
                 )
                 pub.send_multipart([b"", pack_seq(seq), encode_batch(KVEventBatch(0.0, [ev], 0))])
                 seq += 1
-            wait_until(lambda: sink.blocks("w", 0) == truth, 20, "every batch")
+            wait_for(lambda: sink.blocks("w", 0) == truth, 20, "every batch")
             (st_,) = sub.status()
             assert st_.expected_seq == seq and st_.counters.decode_errors == 0
             assert st_.counters.batches - before.counters.batches == 3000

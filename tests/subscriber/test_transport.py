@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import errno
 import functools
 import json
+import logging
 import os
+import re
+import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -18,6 +24,7 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from kvwire._native import libzmq_path
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import (
@@ -28,19 +35,21 @@ from kvwire.subscriber import (
     RankState,
     StreamConfig,
     Subscriber,
+    receive,
 )
 from kvwire.wire import EndpointError, KVEventBatch
 from tests.subscriber.helpers import (
     EPHEMERAL,
     FAST,
     Engine,
-    await_until,
     bound_source,
+    fast,
     ipc_endpoints,
     rank_status,
     settled,
-    wait_until,
+    streams,
 )
+from tests.waiting import await_for, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +109,7 @@ class CountingIndex(PrefixIndex):
         super().apply(worker_id, rank, batch)
 
     def apply_payload(self, worker_id: str, rank: int, payload: Any, limits: Any = None) -> None:
-        assert limits is FAST.decode_limits, "the stream's own limits"
+        assert limits is FAST.stream.decode_limits, "the stream's own limits"
         self.as_bytes += 1
         self._in_payload = True
         try:
@@ -118,7 +127,7 @@ def test_a_prefix_index_sink_gets_payload_bytes_and_ends_exact() -> None:
         with Subscriber([bound_source("w", pubs)], index, config=FAST) as sub:
             for engine, pub in zip(engines, pubs, strict=True):
                 engine.publish(pub, 30)
-            wait_until(
+            wait_for(
                 lambda: all(settled(sub.status(), "w", r, 40) for r in range(2)),
                 10,
                 "both ranks to apply 40 batches",
@@ -128,6 +137,128 @@ def test_a_prefix_index_sink_gets_payload_bytes_and_ends_exact() -> None:
                 assert index.blocks("w", r) == engine.truth
         # Every batch as bytes: replayed and live, none decoded on the way.
         assert (index.as_batch, index.as_bytes) == (0, 80)
+
+
+def _hide_the_linux_paths(
+    monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
+) -> None:
+    """As on a platform without them: no epoll, no /proc/self/maps, no native receive;
+    ``selector`` is the platform's default, the one its event loops use."""
+    real_open = builtins.open
+
+    def without_maps(file: Any, *args: Any, **kw: Any) -> Any:
+        if file == "/proc/self/maps":
+            raise FileNotFoundError(errno.ENOENT, "hidden by the test", file)
+        return real_open(file, *args, **kw)
+
+    monkeypatch.delattr(select, "epoll", raising=False)
+    monkeypatch.setattr(selectors, "DefaultSelector", selector)
+    monkeypatch.setattr(builtins, "open", without_maps)
+    monkeypatch.setitem(sys.modules, "kvwire.subscriber._recv", None)  # import fails
+    libzmq_path.cache_clear()
+    receive.load.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "selector",
+    # The loop's selector: EpollSelector keeps its own reference to epoll and stands
+    # for kqueue (BSD, macOS), SelectSelector for the rest.
+    [selectors.EpollSelector, selectors.SelectSelector],
+    ids=["kqueue-like-loop", "select-loop"],
+)
+def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_exactly(
+    monkeypatch: pytest.MonkeyPatch, selector: type[selectors.BaseSelector]
+) -> None:
+    """The portable path: another selector and pyzmq's reads follow kvwire publishers exactly.
+
+    The publishers (in this process, with their native senders) start first; then
+    the three are hidden, and the subscriber runs on a loop without epoll through
+    pyzmq's receive, across history replayed at first contact, live batches,
+    heartbeats and a clear, to an index equal to every engine's truth.
+    """
+    kw = {"epoch": True, "heartbeat": 0.2, "snapshot": True}
+    with publishers(EPHEMERAL, EPHEMERAL, 2, **kw) as pubs:
+        engines = [Engine(seed=60 + r, rank=r) for r in range(2)]
+        for engine, pub in zip(engines, pubs, strict=True):
+            engine.publish(pub, 10)  # replayed on first contact
+        _hide_the_linux_paths(monkeypatch, selector)
+        try:
+            with pytest.raises(RuntimeError, match="/proc/self/maps"):
+                libzmq_path()
+            assert receive.load() is receive.PORTABLE
+
+            async def follow() -> PrefixIndex:
+                loop = asyncio.get_running_loop()
+                assert isinstance(loop, asyncio.SelectorEventLoop)
+                index = PrefixIndex(4)
+                async with Subscriber([bound_source("w", pubs)], index, config=FAST) as sub:
+                    for engine, pub in zip(engines, pubs, strict=True):
+                        engine.publish(pub, 20)
+                    engines[0].publish(pubs[0], 1, clear=True)
+                    engines[0].publish(pubs[0], 5)
+                    await await_for(
+                        lambda: all(
+                            sub.rank_state("w", r) is RankState.SYNCED
+                            and index.blocks("w", r) == engine.truth
+                            for r, engine in enumerate(engines)
+                        ),
+                        20,
+                        "both ranks to apply every batch",
+                    )
+                    # Heartbeats (each on the next seq) go on meanwhile: read, in sequence.
+                    await await_for(
+                        lambda: all(s.expected_seq > 40 for s in sub.status()), 10, "heartbeats"
+                    )
+                    for st in sub.status():
+                        assert st.state is RankState.SYNCED, st
+                        assert st.counters.seqs_lost == st.counters.decode_errors == 0, st
+                return index
+
+            def loop() -> asyncio.AbstractEventLoop:
+                return asyncio.SelectorEventLoop(selector())
+
+            with asyncio.Runner(loop_factory=loop) as runner:
+                index = runner.run(follow())
+        finally:
+            libzmq_path.cache_clear()
+            receive.load.cache_clear()
+        for r, engine in enumerate(engines):
+            assert index.blocks("w", r) == engine.truth
+
+
+def test_a_fleet_going_away_is_one_line_and_a_summary(caplog: pytest.LogCaptureFixture) -> None:
+    """Every rank losing its publisher at once logs its first rank, then one summary."""
+    ranks = 8
+    with publishers(EPHEMERAL, EPHEMERAL, ranks) as pubs:
+        for r, pub in enumerate(pubs):
+            Engine(seed=70 + r, rank=r).publish(pub, 2)
+        with (
+            caplog.at_level(logging.INFO, "kvwire.subscriber"),
+            Subscriber([bound_source("w", pubs)], BlockSetSink(), config=FAST) as sub,
+        ):
+            wait_for(
+                lambda: all(settled(sub.status(), "w", r, 2) for r in range(ranks)),
+                10,
+                "every rank",
+            )
+            for pub in pubs:
+                pub.close(timeout=1.0)
+            wait_for(
+                lambda: not any(st.connected for st in sub.status()),
+                10,
+                "every rank to see its publisher go",
+            )
+        # The subscriber has stopped: what it held is summarised.
+    messages = [r.getMessage() for r in caplog.records]
+    gone = [m for m in messages if "disconnected from the publisher" in m]
+
+    def ranks_in(line: str) -> int:
+        m = re.search(r"\((once|\d+ times) since the last report", line)
+        return 1 if m is None or m[1] == "once" else int(m[1].split()[0])
+
+    assert 1 <= len(gone) <= 2, gone  # the first at once (unless one was logged just before)
+    assert sum(ranks_in(line) for line in gone) == ranks, gone
+    assert f"from {ranks - len(gone) + 1}: worker w rank" in gone[-1], gone
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
@@ -143,7 +274,7 @@ def test_several_ranks_late_join_and_follow_exactly(transport: str) -> None:
         with Subscriber([source], sink, config=FAST) as sub:
             for engine, pub in zip(engines, pubs, strict=True):
                 engine.publish(pub, 30)
-            wait_until(
+            wait_for(
                 lambda: all(settled(sub.status(), "w", r, 50) for r in range(ranks)),
                 10,
                 "every rank to apply 50 batches",
@@ -167,17 +298,17 @@ def test_paused_reader_with_tiny_high_water_marks_is_repaired_by_replay(transpor
     with endpoints(transport, 1) as (ep, rep), publishers(ep, rep, 1, hwm=2) as (pub,):
         engine = Engine(seed=3)
         sink = GatedSink()
-        with Subscriber([bound_source("w", [pub])], sink, config=FAST, rcvhwm=2) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=fast(hwm=2)) as sub:
             engine.publish(pub, 5)
-            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
             sink.open.clear()
             engine.publish(pub, 1)
             assert sink.blocked.wait(5), "the reader never stalled"
             engine.publish(pub, STALL_BATCHES[transport], blocks=64)
-            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            wait_for(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
             sink.open.set()
             last = pub.last_seq + 1
-            wait_until(lambda: settled(sub.status(), "w", 0, last), 20, "the gap to be repaired")
+            wait_for(lambda: settled(sub.status(), "w", 0, last), 20, "the gap to be repaired")
             st = rank_status(sub.status(), "w", 0)
             # The stall lost live batches (a gap, or a heartbeat timeout while the
             # full queue stopped reading: a reconnect); the replay brought them.
@@ -191,17 +322,17 @@ def test_replay_buffer_too_small_leaves_partial_without_stale_blocks() -> None:
     with ipc_endpoints() as (ep, rep), publishers(ep, rep, 1, hwm=2, buffer_steps=8) as (pub,):
         engine = Engine(seed=4)
         sink = GatedSink()
-        with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST, rcvhwm=2) as sub:
+        with Subscriber([EngineSource("w", ep, rep)], sink, config=fast(hwm=2)) as sub:
             engine.publish(pub, 5)
-            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 5), 10, "first batches")
             sink.open.clear()
             engine.publish(pub, 1)
             assert sink.blocked.wait(5)
             engine.publish(pub, STALL_BATCHES["ipc"], blocks=64)
-            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            wait_for(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
             sink.open.set()
             last = pub.last_seq + 1
-            wait_until(lambda: settled(sub.status(), "w", 0, last), 20, "the loss to be handled")
+            wait_for(lambda: settled(sub.status(), "w", 0, last), 20, "the loss to be handled")
             st = rank_status(sub.status(), "w", 0)
             assert st.state is RankState.PARTIAL, st
             assert st.counters.seqs_lost > 0 and st.counters.resyncs >= 1
@@ -211,7 +342,7 @@ def test_replay_buffer_too_small_leaves_partial_without_stale_blocks() -> None:
             engine.publish(pub, 1, clear=True)
             engine.publish(pub, 3)
             last = pub.last_seq + 1
-            wait_until(lambda: settled(sub.status(), "w", 0, last), 10, "the clear")
+            wait_for(lambda: settled(sub.status(), "w", 0, last), 10, "the clear")
             assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
             assert sink.blocks("w", 0) == engine.truth
 
@@ -220,21 +351,21 @@ def test_without_a_replay_endpoint_a_gap_is_partial_at_once() -> None:
     with ipc_endpoints() as (ep, _), publishers(ep, None, 1, hwm=2) as (pub,):
         engine = Engine(seed=5)
         sink = GatedSink()
-        with Subscriber([EngineSource("w", ep)], sink, config=FAST, rcvhwm=2) as sub:
+        with Subscriber([EngineSource("w", ep)], sink, config=fast(hwm=2)) as sub:
             # Batches sent before the subscription reaches the publisher are lost
             # and nothing can replay them; an AllBlocksCleared makes the view exact.
             for _ in range(50):
                 engine.publish(pub, 1, clear=True)
                 with contextlib.suppress(AssertionError):
                     nxt = pub.last_seq + 1
-                    wait_until(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a clear")
+                    wait_for(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a clear")
                     break
             assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
             sink.open.clear()
             engine.publish(pub, 1)
             assert sink.blocked.wait(5)
             engine.publish(pub, STALL_BATCHES["ipc"], blocks=64)
-            wait_until(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
+            wait_for(lambda: pub.queue_depth == 0, 10, "the publisher to send everything")
             sink.open.set()
             # The tiny high-water mark may drop batches sent while the reader
             # catches up: send until one gets through.
@@ -242,10 +373,10 @@ def test_without_a_replay_endpoint_a_gap_is_partial_at_once() -> None:
                 engine.publish(pub, 1)
                 with contextlib.suppress(AssertionError):
                     nxt = pub.last_seq + 1
-                    wait_until(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a batch")
+                    wait_for(functools.partial(_settled, sub, "w", 0, nxt), 0.2, "a batch")
                     break
             last = pub.last_seq + 1
-            wait_until(lambda: settled(sub.status(), "w", 0, last), 10, "the last batch")
+            wait_for(lambda: settled(sub.status(), "w", 0, last), 10, "the last batch")
             st = rank_status(sub.status(), "w", 0)
             assert st.state is RankState.PARTIAL
             assert st.counters.replays_requested == 0 and st.counters.seqs_lost > 0
@@ -302,12 +433,12 @@ def test_publisher_killed_and_restarted_is_followed_from_its_new_stream(new_coun
     proc, truth, (ep, rep) = _spawn(EPHEMERAL, EPHEMERAL, life=0, count=30)
     try:  # the new life binds the ports the first one bound
         with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
-            wait_until(lambda: settled(sub.status(), "w", 0, 30), 10, "the first life")
+            wait_for(lambda: settled(sub.status(), "w", 0, 30), 10, "the first life")
             assert sink.blocks("w", 0) == truth
             _kill(proc)
             proc, truth, bound = _spawn(ep, rep, life=1, count=new_count)
             assert bound == (ep, rep)
-            wait_until(
+            wait_for(
                 lambda: (
                     rank_status(sub.status(), "w", 0).counters.restarts >= 1
                     and settled(sub.status(), "w", 0, new_count)
@@ -329,9 +460,9 @@ def test_sources_added_and_removed_at_run_time() -> None:
         e2.publish(p2, 6)
         sink = BlockSetSink()
         with Subscriber([bound_source("a", [p1])], sink, config=FAST) as sub:
-            wait_until(lambda: settled(sub.status(), "a", 0, 4), 10, "worker a")
+            wait_for(lambda: settled(sub.status(), "a", 0, 4), 10, "worker a")
             sub.add_source(bound_source("b", [p2]))
-            wait_until(lambda: settled(sub.status(), "b", 0, 6), 10, "worker b")
+            wait_for(lambda: settled(sub.status(), "b", 0, 6), 10, "worker b")
             assert sink.blocks("b", 0) == e2.truth
             with pytest.raises(ValueError):
                 sub.add_source(bound_source("b", [p1]))
@@ -339,7 +470,7 @@ def test_sources_added_and_removed_at_run_time() -> None:
             assert sink.blocks("a", 0) == frozenset(), "removal must clear downstream"
             assert [s.worker_id for s in sub.status()] == ["b"]
             e2.publish(p2, 2)
-            wait_until(lambda: settled(sub.status(), "b", 0, 8), 10, "worker b goes on")
+            wait_for(lambda: settled(sub.status(), "b", 0, 8), 10, "worker b goes on")
             assert sink.blocks("b", 0) == e2.truth
             with pytest.raises(KeyError):
                 sub.remove_source("a")
@@ -360,12 +491,12 @@ def test_a_failing_sink_is_counted_and_the_rank_cleared_not_fatal() -> None:
         sink = Flaky()
         with Subscriber([bound_source("w", [pub])], sink, config=FAST) as sub:
             engine.publish(pub, 5)
-            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 5), 10, "batches")
             st = rank_status(sub.status(), "w", 0)
             assert st.counters.sink_errors == 1 and st.state is RankState.PARTIAL
             assert sink.blocks("w", 0) <= engine.truth
             engine.publish(pub, 1, clear=True)
-            wait_until(lambda: settled(sub.status(), "w", 0, 6), 10, "the clear")
+            wait_for(lambda: settled(sub.status(), "w", 0, 6), 10, "the clear")
             assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
             assert sink.blocks("w", 0) == engine.truth
 
@@ -376,7 +507,7 @@ def test_envelope_rank_mismatch_is_counted() -> None:
         sink = BlockSetSink()
         with Subscriber([bound_source("w", pubs)], sink, config=FAST) as sub:
             wrong.publish(pubs[1], 3)
-            wait_until(lambda: settled(sub.status(), "w", 1, 3), 10, "batches")
+            wait_for(lambda: settled(sub.status(), "w", 1, 3), 10, "batches")
             assert rank_status(sub.status(), "w", 1).counters.rank_mismatches == 3
             assert sink.blocks("w", 1) == wrong.truth  # the endpoint decides the rank
 
@@ -402,7 +533,7 @@ async def _async_iterator_and_clean_shutdown() -> None:
                         return
 
             reader = asyncio.create_task(consume())
-            await await_until(lambda: settled(sub.status(), "w", 0, 7), 10, "history")
+            await await_for(lambda: settled(sub.status(), "w", 0, 7), 10, "history")
             engine.publish(pub, 3)
             await asyncio.wait_for(reader, 10)
         assert [i.seq for i in items if isinstance(i, Applied)] == list(range(10))
@@ -418,13 +549,42 @@ async def _async_iterator_and_clean_shutdown() -> None:
     _assert_nothing_left(threads_before, fds_before)
 
 
+def test_a_slow_iterator_reader_pauses_reading_and_loses_nothing() -> None:
+    """Past ``backlog`` queued items reading stops; once the reader catches up it goes on."""
+    asyncio.run(_slow_iterator_reader())
+
+
+async def _slow_iterator_reader() -> None:
+    total = 3000
+    with publishers(EPHEMERAL, EPHEMERAL, 1) as (pub,):
+        engine = Engine(seed=12)
+        async with Subscriber([bound_source("w", [pub])], config=fast(backlog=8)) as sub:
+            await await_for(lambda: rank_status(sub.status(), "w", 0).connected, 10, "connection")
+            engine.publish(pub, total)
+            seqs: list[int] = []
+            held = BlockSetSink()
+            async for item in sub:
+                assert isinstance(item, Applied), item
+                seqs.append(item.seq)
+                held.apply(item.worker_id, item.rank, item.batch)
+                if len(seqs) == 1:
+                    # Stay behind until the publisher has sent everything.
+                    await await_for(lambda: pub.queue_depth == 0, 10, "every batch sent")
+                if len(seqs) == total:
+                    break
+            assert seqs == list(range(total))
+            assert held.blocks("w", 0) == engine.truth
+            st = rank_status(sub.status(), "w", 0)
+            assert st.state is RankState.SYNCED and st.counters.seqs_lost == 0, st
+
+
 def _assert_nothing_left(threads_before: set[threading.Thread], fds_before: int) -> None:
     """No thread and no descriptor beyond those there before, within a deadline.
 
     libzmq's reaper closes a socket's descriptors just after ``close()`` returns,
     so a loaded machine may need a moment; a real leak never ends.
     """
-    wait_until(
+    wait_for(
         lambda: set(threading.enumerate()) <= threads_before
         and len(os.listdir("/proc/self/fd")) <= fds_before + 2,
         5,
@@ -439,7 +599,7 @@ def test_background_thread_stops_in_bounded_time_leaving_nothing() -> None:
         sink = BlockSetSink()
         sub = Subscriber([bound_source("w", pubs)], sink, config=FAST).start()
         Engine(seed=12).publish(pubs[0], 2)
-        wait_until(lambda: settled(sub.status(), "w", 0, 2), 10, "batches")
+        wait_for(lambda: settled(sub.status(), "w", 0, 2), 10, "batches")
         sub.stop(timeout=2.0)
         with pytest.raises(RuntimeError):
             asyncio.run(sub.run())  # a subscriber runs once
@@ -475,12 +635,12 @@ def test_stream_config_replay_flag_follows_the_source() -> None:
     """A source without a replay endpoint never sends a replay request."""
     with publishers(EPHEMERAL, None, 1) as (pub,):
         sink = BlockSetSink()
-        cfg = StreamConfig(replay=True, idle_probe=0.05)
+        cfg = streams(StreamConfig(replay=True, idle_probe=0.05))
         with Subscriber([bound_source("w", [pub])], sink, config=cfg) as sub:
             Engine(seed=13).publish(pub, 0)
-            wait_until(lambda: rank_status(sub.status(), "w", 0).connected, 5, "connection")
+            wait_for(lambda: rank_status(sub.status(), "w", 0).connected, 5, "connection")
             Engine(seed=13).publish(pub, 2)
-            wait_until(lambda: settled(sub.status(), "w", 0, 2), 5, "batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 2), 5, "batches")
             c = rank_status(sub.status(), "w", 0).counters
             assert c.replays_requested == 0 and c.probes == 0
 
@@ -509,7 +669,7 @@ def test_a_buffering_sink_is_flushed_once_the_socket_is_drained() -> None:
         sink = FlushingSink()
         with Subscriber([EngineSource("w", ep, rep)], sink, config=FAST) as sub:
             engine.publish(pub, 20)
-            wait_until(lambda: settled(sub.status(), "w", 0, 20), 10, "the batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 20), 10, "the batches")
             # Without a query ever calling flush(), the subscriber applied them.
-            wait_until(lambda: sink.blocks("w", 0) == engine.truth, 10, "the sink to be flushed")
+            wait_for(lambda: sink.blocks("w", 0) == engine.truth, 10, "the sink to be flushed")
             assert sink.flushes > 0 and not sink.pending

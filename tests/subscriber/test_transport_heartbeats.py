@@ -31,6 +31,7 @@ from kvwire.subscriber import (
     RankStream,
     StreamConfig,
     Subscriber,
+    SubscriberConfig,
     receive,
 )
 from kvwire.wire import (
@@ -42,9 +43,10 @@ from kvwire.wire import (
     format_epoch,
     pack_seq,
 )
-from tests.subscriber.helpers import EPHEMERAL, Engine, inproc_pair, wait_until
+from tests.subscriber.helpers import EPHEMERAL, Engine, inproc_pair
 from tests.subscriber.sim import Harness, PublisherKind
 from tests.subscriber.test_stream_model import MODEL, PUBLISHERS, config, ops
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not receive.NATIVE, reason="libzmq not reachable")
 
@@ -337,22 +339,22 @@ def test_a_sink_gets_every_batch_and_no_heartbeat_while_the_rank_follows_them() 
         "w", [(pub.bound_endpoint, pub.bound_replay_endpoint)]
     )
     try:
-        with Subscriber([source], sink, config=StreamConfig(replay_timeout=0.5)) as sub:
-            wait_until(lambda: sub.rank_state("w", 0) is RankState.SYNCED, 10, "SYNCED")
+        with Subscriber([source], sink, config=SubscriberConfig(stream=StreamConfig(replay_timeout=0.5))) as sub:
+            wait_for(lambda: sub.rank_state("w", 0) is RankState.SYNCED, 10, "SYNCED")
             before = sub.status()[0].counters
             mark = len(sink.applied)
             sent = [engine.batch() for _ in range(5)]
             for batch in sent:
                 assert pub.publish(batch)
             last = pub.last_seq
-            wait_until(
+            wait_for(
                 lambda: sub.status()[0].expected_seq > last + 20, 10, "twenty heartbeats followed"
             )
             sent += [engine.batch() for _ in range(3)]
             for batch in sent[5:]:
                 assert pub.publish(batch)
             last = pub.last_seq
-            wait_until(lambda: sub.status()[0].expected_seq > last, 10, "the last batch")
+            wait_for(lambda: sub.status()[0].expected_seq > last, 10, "the last batch")
             st = sub.status()[0]
             assert st.state is RankState.SYNCED
             # Every seq was taken, the heartbeats counted; the sink got the batches, and an
@@ -404,10 +406,10 @@ def test_a_swept_rank_that_falls_silent_is_reconnected_and_stale_on_time_then_fo
             beat_until(synced, "SYNCED", clear=True)
             beat_until(lambda: sub.status()[0].expected_seq >= seq - 1 > 20, "a run of beats")
             last = send()
-            wait_until(lambda: sub.status()[0].expected_seq == seq, 5, "the last heartbeat")
-            wait_until(lambda: sub.status()[0].counters.silent_reconnects == 1, 5, "a reconnect")
+            wait_for(lambda: sub.status()[0].expected_seq == seq, 5, "the last heartbeat")
+            wait_for(lambda: sub.status()[0].counters.silent_reconnects == 1, 5, "a reconnect")
             reconnected = time.monotonic() - last
-            wait_until(lambda: sub.rank_state("w", 0) is RankState.STALE, 5, "STALE")
+            wait_for(lambda: sub.rank_state("w", 0) is RankState.STALE, 5, "STALE")
             stale = time.monotonic() - last
             assert 2.5 * hb <= reconnected < 2.5 * hb + 2.0
             assert 3.5 * hb <= stale < 4.5 * hb + 2.0  # counted from the reconnect at worst

@@ -14,9 +14,16 @@ import zmq
 
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.security import ClientKeys, ServerKeys, generate_keypair, release_context, secure_server
-from kvwire.subscriber import BlockSetSink, EngineSource, RankState, Subscriber
-from kvwire.subscriber import transport as transport_module
-from kvwire.subscriber.transport import ResourceLimitError
+from kvwire.subscriber import (
+    BlockSetSink,
+    EngineSource,
+    RankState,
+    ResourceLimitError,
+    StreamConfig,
+    Subscriber,
+    SubscriberConfig,
+)
+from kvwire.subscriber import resources as resources_module
 from kvwire.wire import (
     ReplayRequest,
     WireError,
@@ -31,10 +38,11 @@ from tests.subscriber.helpers import (
     FAST,
     Engine,
     bound_source,
+    fast,
     rank_status,
     settled,
-    wait_until,
 )
+from tests.waiting import wait_for
 
 HUGE = 200 * 1024 * 1024
 
@@ -68,12 +76,12 @@ def test_an_oversized_payload_never_gets_in_and_the_rank_recovers(
     with EventPublisher(EPHEMERAL, EPHEMERAL, engines_wire) as pub:
         engine = Engine(seed=21)
         sink = BlockSetSink()
-        with Subscriber([bound_source("w", [pub])], sink, config=FAST, **kw) as sub:
+        with Subscriber([bound_source("w", [pub])], sink, config=fast(**kw)) as sub:
             engine.publish(pub, 5)
-            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "the first batches")
+            wait_for(lambda: settled(sub.status(), "w", 0, 5), 10, "the first batches")
             assert pub.publish(Junk(size))  # seq 5
             engine.publish(pub, 3)
-            wait_until(
+            wait_for(
                 lambda: rank_status(sub.status(), "w", 0).state is RankState.PARTIAL,
                 20,
                 "the loss to be seen",
@@ -81,7 +89,7 @@ def test_an_oversized_payload_never_gets_in_and_the_rank_recovers(
             assert sink.blocks("w", 0) <= engine.truth
             engine.publish(pub, 1, clear=True)
             engine.publish(pub, 2)
-            wait_until(lambda: settled(sub.status(), "w", 0, 12), 20, "the clear")
+            wait_for(lambda: settled(sub.status(), "w", 0, 12), 20, "the clear")
             st = rank_status(sub.status(), "w", 0)
             # Had the junk been read, it would be a decode error: it never was.
             assert st.counters.decode_errors == 0, st.counters
@@ -93,7 +101,7 @@ def test_an_oversized_payload_never_gets_in_and_the_rank_recovers(
 
 
 def test_too_low_an_open_file_hard_limit_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_module.resource, "getrlimit", lambda _: (1024, 1024))
+    monkeypatch.setattr(resources_module.resource, "getrlimit", lambda _: (1024, 1024))
     big = EngineSource("w", "tcp://127.0.0.1:20000", "tcp://127.0.0.1:25000", ranks=4096)
     with pytest.raises(ResourceLimitError, match=r"4096 ranks .*RLIMIT_NOFILE.*ulimit"):
         Subscriber([big], BlockSetSink())
@@ -105,9 +113,9 @@ def test_too_low_an_open_file_hard_limit_is_a_clear_error(monkeypatch: pytest.Mo
 
 def test_the_soft_limit_is_raised_to_what_the_ranks_need(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, tuple[int, int]]] = []
-    monkeypatch.setattr(transport_module.resource, "getrlimit", lambda _: (1024, 65536))
+    monkeypatch.setattr(resources_module.resource, "getrlimit", lambda _: (1024, 65536))
     monkeypatch.setattr(
-        transport_module.resource, "setrlimit", lambda which, limits: calls.append((which, limits))
+        resources_module.resource, "setrlimit", lambda which, limits: calls.append((which, limits))
     )
     big = EngineSource("w", "tcp://127.0.0.1:20000", "tcp://127.0.0.1:25000", ranks=4096)
     Subscriber([big], BlockSetSink())
@@ -135,9 +143,10 @@ def test_a_rank_at_rest_holds_one_connection_and_no_replay_socket() -> None:
             Engine(seed=30 + r, rank=r).publish(pub, 3)
         before = len(os.listdir("/proc/self/fd"))
         sink = BlockSetSink()
-        quiet = msgspec.structs.replace(FAST, idle_probe=None)  # no probe opens a socket
+        # No probe opens a socket.
+        quiet = fast(stream=msgspec.structs.replace(FAST.stream, idle_probe=None))
         with Subscriber([bound_source("w", pubs)], sink, config=quiet) as sub:
-            wait_until(
+            wait_for(
                 lambda: all(settled(sub.status(), "w", r, 3) for r in range(ranks)),
                 10,
                 "every rank",
@@ -145,7 +154,7 @@ def test_a_rank_at_rest_holds_one_connection_and_no_replay_socket() -> None:
             assert all(sub.rank_state("w", r) is RankState.SYNCED for r in range(ranks))
             assert sub.rank_state("w", ranks) is None and sub.rank_state("x", 0) is None
             # Replay sockets close once their replies are in; the publisher closes its end.
-            wait_until(
+            wait_for(
                 lambda: len(os.listdir("/proc/self/fd")) - before <= 5 * ranks + 12,
                 10,
                 "replay sockets to close",
@@ -266,9 +275,9 @@ def test_curve_an_allowed_key_follows_the_engine_exactly(
     sink = BlockSetSink()
     source = EngineSource("w", engine.endpoint, engine.replay_endpoint, keys=allowed)
     with Subscriber([source], sink, config=FAST) as sub:
-        wait_until(lambda: rank_status(sub.status(), "w", 0).connected, 10, "the handshake")
+        wait_for(lambda: rank_status(sub.status(), "w", 0).connected, 10, "the handshake")
         engine.publish(10)
-        wait_until(lambda: settled(sub.status(), "w", 0, 20), 10, "every batch")
+        wait_for(lambda: settled(sub.status(), "w", 0, 20), 10, "every batch")
         st = rank_status(sub.status(), "w", 0)
         assert st.state is RankState.SYNCED and st.counters.replayed >= 10, st
         assert sink.blocks("w", 0) == engine.engine.truth
@@ -286,7 +295,7 @@ def test_curve_without_an_allowed_key_nothing_is_received(
     with Subscriber([source], sink, config=FAST) as sub:
         # Several connection attempts, each refused, with batches sent meanwhile.
         for attempts in (1, 2, 3):
-            wait_until(lambda n=attempts: engine.refusals() >= n, 10, "a refused handshake")
+            wait_for(lambda n=attempts: engine.refusals() >= n, 10, "a refused handshake")
             engine.publish(2)
         st = rank_status(sub.status(), "w", 0)
         assert not st.connected and st.counters.batches == 0, st
@@ -303,10 +312,10 @@ def test_one_replay_socket_at_a_time_still_brings_every_rank_in() -> None:
             engine.publish(pub, 4)  # history: each first contact must replay it
         sink = BlockSetSink()
         source = bound_source("w", pubs)
-        with Subscriber([source], sink, config=FAST, max_replays=1) as sub:
+        with Subscriber([source], sink, config=fast(max_replays=1)) as sub:
             for engine, pub in zip(engines, pubs, strict=True):
                 engine.publish(pub, 2)
-            wait_until(
+            wait_for(
                 lambda: all(settled(sub.status(), "w", r, 6) for r in range(ranks)),
                 20,
                 "every rank",
@@ -333,12 +342,37 @@ def test_curve_a_key_added_to_the_allow_list_gets_in_without_a_restart(tmp_path:
         client = ClientKeys(keys / "server.key", client_secret)
         source = EngineSource("w", engine.endpoint, engine.replay_endpoint, keys=client)
         with Subscriber([source], sink, config=FAST) as sub:
-            wait_until(lambda: engine.refusals() >= 2, 10, "refused handshakes")
+            wait_for(lambda: engine.refusals() >= 2, 10, "refused handshakes")
             assert rank_status(sub.status(), "w", 0).counters.batches == 0
             (allow / "client.key").write_bytes(client_public.read_bytes())
             engine.publish(2)
-            wait_until(lambda: settled(sub.status(), "w", 0, 5), 10, "the rank to get in")
+            wait_for(lambda: settled(sub.status(), "w", 0, 5), 10, "the rank to get in")
             assert rank_status(sub.status(), "w", 0).state is RankState.SYNCED
             assert sink.blocks("w", 0) == engine.engine.truth
     finally:
         engine.close()
+
+
+# --- settings -------------------------------------------------------------------------
+
+
+def test_subscriber_config_is_built_and_checked_the_same_from_data_or_code() -> None:
+    """msgspec.convert (settings read from a file or the environment) gives the same struct
+    and the same refusals as the constructor; the stream's settings nest as ``stream``."""
+    cfg = msgspec.convert(
+        {"hwm": 5, "max_replays": 2, "stream": {"replay_timeout": 0.25, "idle_probe": None}},
+        SubscriberConfig,
+    )
+    assert cfg == SubscriberConfig(
+        hwm=5, max_replays=2, stream=StreamConfig(replay_timeout=0.25, idle_probe=None)
+    )
+    assert SubscriberConfig().stream == StreamConfig()
+    for bad, field in (({"hwm": 0}, "hwm"), ({"probe_rate": 0.0}, "probe_rate")):
+        with pytest.raises(ValueError, match=field):
+            SubscriberConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(msgspec.ValidationError, match=field):
+            msgspec.convert(bad, SubscriberConfig)
+    with pytest.raises(msgspec.ValidationError, match="replay_timeout"):
+        msgspec.convert({"stream": {"replay_timeout": 0}}, SubscriberConfig)
+    with pytest.raises(TypeError, match="SubscriberConfig"):
+        Subscriber([], BlockSetSink(), config=StreamConfig())  # type: ignore[arg-type]

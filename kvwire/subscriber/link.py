@@ -1,0 +1,519 @@
+"""One rank's link: its sockets, its :class:`RankStream`, and the stream's actions carried out.
+
+A rank has a SUB socket for live batches and its monitor (connection events);
+a replay DEALER exists only while a replay or snapshot request is out, and is
+closed once the stream has nothing pending, so a rank at rest holds three
+sockets (one TCP connection). The :class:`~kvwire.subscriber.reactor.Reactor`
+says when to read (:meth:`RankLink.service`) and when a deadline may have
+passed (:meth:`RankLink.on_timer`); the link reads its sockets in one order,
+always: connection events first (draining the SUB before a disconnect, so the
+old connection's batches come before it), then live batches, then replay
+replies. That order is what RankStream relies on: a replay reply is never read
+before a disconnect that came before it, and a connection event comes before
+the live batches and replies that follow it.
+
+A ready socket is read to the end in one call (:mod:`kvwire.subscriber.receive`,
+native where it can be), and the heartbeats at the head of a SUB in sequence
+are only counted there (:func:`~kvwire.subscriber.receive.Receive.drain_beats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvwire.ratelog import RateLimitedLog
+from kvwire.security import secure_client
+from kvwire.subscriber.actions import (
+    Action,
+    Apply,
+    ApplyPayload,
+    ClearRank,
+    Reconnect,
+    RequestReplay,
+    RequestSnapshot,
+    StateChanged,
+)
+from kvwire.subscriber.config import SubscriberConfig
+from kvwire.subscriber.delivery import Delivery
+from kvwire.subscriber.reactor import Reactor
+from kvwire.subscriber.receive import Receive
+from kvwire.subscriber.slots import CONTACT_S, FirstContacts, ReplaySlots
+from kvwire.subscriber.source import EngineSource, RankEndpoints
+from kvwire.subscriber.state import RankState
+from kvwire.subscriber.stream import RankStream
+from kvwire.wire import replay_request_frames, snapshot_request_frames
+
+__all__ = ["LinkEnv", "RankLink"]
+
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+BURST = 256
+"""Live messages read from one rank before the others get a turn."""
+_LIVE_FRAMES = 3  # [topic, seq, payload]; a longer message is read as () and counted
+_REPLY_FRAMES = 6  # the longest replay reply (a snapshot chunk)
+_MONITOR_FRAMES = 2  # [event and value, endpoint]
+_DRAIN_BEFORE_DISCONNECT = 1_000_000
+_REPLAY_HWM = 1024  # replay reply messages queued unread per rank
+_RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
+_RECONNECT_MAX_S = 1.0
+
+
+class LinkEnv:
+    """What every link of one subscriber shares: settings, context, reactor, output, bounds."""
+
+    __slots__ = ("config", "contacts", "ctx", "delivery", "log", "reactor", "receive", "replays")
+
+    def __init__(
+        self,
+        config: SubscriberConfig,
+        ctx: zmq.Context[Any],
+        reactor: Reactor,
+        delivery: Delivery,
+        receive: Receive,
+        log: RateLimitedLog,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.reactor = reactor
+        self.delivery = delivery
+        self.receive = receive
+        self.log = log
+        self.replays = ReplaySlots(config.max_replays)
+        self.contacts = FirstContacts(config.max_replays)
+
+
+class RankLink:
+    """One rank of one source: its stream, its sockets and its timer; see the module."""
+
+    __slots__ = (
+        "closed",
+        "connecting_since",
+        "dealer",
+        "dealer_fd",
+        "dealer_token",
+        "endpoints",
+        "env",
+        "keys",
+        "monitor",
+        "monitor_fd",
+        "queued",
+        "rank",
+        "reconnect_at",
+        "reconnect_delay",
+        "stream",
+        "sub",
+        "sub_fd",
+        "subject",
+        "timer",
+        "timer_at",
+        "topic",
+        "worker_id",
+    )
+
+    def __init__(
+        self, source: EngineSource, endpoints: RankEndpoints, stream: RankStream, env: LinkEnv
+    ) -> None:
+        self.worker_id = source.worker_id
+        self.keys = source.keys
+        self.topic = source.topic.encode()
+        self.rank = endpoints.rank
+        self.endpoints = endpoints
+        self.stream = stream
+        self.env = env
+        self.subject = f"worker {self.worker_id} rank {self.rank}"
+        self.sub: zmq.Socket[bytes] | None = None
+        self.sub_fd = -1
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.monitor_fd = -1
+        self.dealer: zmq.Socket[bytes] | None = None
+        self.dealer_fd = -1
+        self.dealer_token = 0
+        self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at: float | None = None
+        self.closed = False
+        self.connecting_since: float | None = None  # holds a first-contact slot
+        self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
+        self.reconnect_delay = 0.0  # grows while connections fail before their handshake
+
+    def note(self, kind: str, message: str, exc_info: Any = None) -> None:
+        """A problem of this rank, logged at most once an interval per kind for all ranks."""
+        self.env.log.note(kind, message, self.subject, exc_info=exc_info)
+
+    # --- sockets -------------------------------------------------------------------------
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Socket(self.env.ctx, kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.env.config.max_message_size)
+        sock.setsockopt(zmq.RECONNECT_IVL, int(_RECONNECT_MIN_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(_RECONNECT_MAX_S * 1000))
+        if self.keys is not None:
+            try:
+                secure_client(sock, self.keys)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+        return sock
+
+    def connect(self) -> bool:
+        """Open the SUB and its monitor and connect; False when they cannot open yet."""
+        try:
+            self._open_sub()
+        except Exception as exc:  # out of files: the caller tries again later
+            self._close_sub()
+            self.note("not-connected", f"not connected yet: {exc}")
+            return False
+        return True
+
+    def _open_sub(self) -> None:
+        sub = self._socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.env.config.hwm)
+        sub.setsockopt(zmq.TCP_KEEPALIVE, 1)  # how a dead publisher is noticed
+        sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
+        sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
+        sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self.sub = sub
+        monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+        self.monitor = monitor
+        # A fresh inproc pipe does not signal its first message: one read (of nothing,
+        # before the SUB connects) makes it signal from then on.
+        self.env.receive.drain(monitor, 1, _MONITOR_FRAMES)
+        sub.connect(self.endpoints.endpoint)
+        reactor = self.env.reactor
+        self.monitor_fd = reactor.watch(monitor, self, monitor=True)
+        self.sub_fd = reactor.watch(sub, self)
+
+    def _close_sub(self) -> None:
+        reactor = self.env.reactor
+        for fd in (self.sub_fd, self.monitor_fd):
+            if fd >= 0:
+                reactor.unwatch(fd)
+        self.sub_fd = self.monitor_fd = -1
+        if self.sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sub.disable_monitor()
+        for sock in (self.monitor, self.sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self.sub = self.monitor = None
+
+    def _open_dealer(self) -> bool:
+        replays = self.env.replays
+        if not replays.take():
+            return False
+        assert self.endpoints.replay_endpoint is not None
+        try:
+            dealer = self._socket(zmq.DEALER)
+        except Exception as exc:  # out of sockets or files: wait for one to close
+            replays.refused()
+            self.note(
+                "replay-socket", f"replay socket not opened ({exc}): waiting for one to close"
+            )
+            return False
+        self.dealer = dealer  # from here on, closing it gives its slot back
+        # Bounded: a reply flows as fast as it is read (the publisher waits on a full
+        # pipe), and a hostile replay socket cannot queue more than this in the router.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
+        dealer.connect(self.endpoints.replay_endpoint)
+        self.dealer_fd = self.env.reactor.watch(dealer, self)
+        return True
+
+    def _close_dealer(self) -> None:
+        dealer = self.dealer
+        if dealer is None:
+            return
+        self.dealer = None
+        self.env.reactor.unwatch(self.dealer_fd)
+        self.dealer_fd = -1
+        dealer.close(linger=0)
+        self.env.replays.release()
+
+    def _release_dealer(self) -> None:
+        """Close the replay socket once the stream waits for no reply."""
+        if self.dealer is not None and not self.stream.replay_pending:
+            self._close_dealer()
+
+    def close(self) -> None:
+        """Close every socket; the rank is done."""
+        self.closed = True
+        self.env.reactor.forget(self)
+        self.env.delivery.forget(self)
+        self.queued = None
+        self.env.contacts.done(self)
+        self._close_dealer()
+        self._close_sub()
+
+    def _reconnect(self) -> None:
+        self.reconnect_at = None
+        sub = self.sub
+        if sub is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sub.disconnect(self.endpoints.endpoint)
+        sub.connect(self.endpoints.endpoint)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def service(self, monitor: bool) -> bool:
+        """Everything the sockets hold, in order: connection events, live, replies.
+
+        ``monitor``: its monitor signalled. Otherwise the monitor is not read: it was
+        read to the end before, so nothing waits there unless it signals (an event
+        arriving meanwhile is read in the next round, before the fresh connection it
+        announces can deliver: libzmq reconnects 100 ms after a disconnect at the
+        earliest). Returns whether more live messages may be queued than one burst
+        (the socket will not signal them again).
+        """
+        delivery = self.env.delivery
+        if delivery.paused:
+            delivery.defer(self)  # read on when the iterator's reader catches up
+            return False
+        burst = 0
+        try:
+            if monitor and self.monitor is not None:
+                self._on_monitor()
+            if self.sub is not None:
+                burst = self._drain_live(BURST)
+            if self.dealer is not None:
+                self._drain_replay()
+                self.schedule()
+        except Exception:
+            # A bug, not bad input (RankStream never raises on input): keep going.
+            self.note("loop-error", "subscriber loop error", exc_info=True)
+        return burst >= BURST and not self.closed
+
+    def _on_monitor(self) -> None:
+        monitor = self.monitor
+        assert monitor is not None
+        drain = self.env.receive.drain
+        # Read to the end: the monitor signals again only once it has been found empty.
+        events: list[tuple[bytes, ...]] = []
+        while len(batch := drain(monitor, BURST, _MONITOR_FRAMES)) == BURST:
+            events += batch
+        events += batch
+        for msg in events:
+            if self.monitor is not monitor:
+                return  # the rank was removed by what it delivered
+            if len(msg) != _MONITOR_FRAMES:
+                continue  # not libzmq's: nothing to go by
+            event = parse_monitor_message(list(msg))["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.reconnect_delay = 0.0
+                self.reconnect_at = None
+                self.carry_out(self.stream.connected(time.monotonic()))
+            elif event == zmq.EVENT_DISCONNECTED:
+                # The old connection's batches belong before the disconnect.
+                if self.sub is not None:
+                    self._drain_live(_DRAIN_BEFORE_DISCONNECT)
+                self.carry_out(self.stream.disconnected(time.monotonic()))
+                # libzmq does not reconnect after a protocol error (a message over
+                # max_message_size, a refused handshake): connect again ourselves, at
+                # once after a connection that worked, then backing off.
+                delay = self.reconnect_delay
+                self.reconnect_delay = min(_RECONNECT_MAX_S, max(_RECONNECT_MIN_S, 2 * delay))
+                self.reconnect_at = time.monotonic() + delay
+                if delay == 0:
+                    self._reconnect()
+            else:
+                continue
+            self.schedule()
+
+    def _drain_live(self, budget: int) -> int:
+        """Read up to ``budget`` live messages into the stream; how many were read.
+
+        With a sink, the heartbeats in sequence at the head of the socket are
+        counted by the drain and taken by the stream in one call (they change
+        nothing a sink holds); everything else goes through ``live``.
+        """
+        sub = self.sub
+        assert sub is not None
+        stream = self.stream
+        live = stream.live
+        env = self.env
+        receive = env.receive
+        drain, drain_beats = receive.drain, receive.drain_beats
+        delivery = env.delivery
+        sink = delivery.sink
+        payload_sink = delivery.payload_sink
+        limits = stream.config.decode_limits
+        worker_id, rank = self.worker_id, self.rank
+        clock = time.monotonic
+        n = 0
+        while n < budget:
+            chunk = min(BURST, budget - n)
+            key = stream.beat_key() if sink is not None else None
+            if key is None:
+                beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
+            else:
+                beats, last, messages = drain_beats(sub, chunk, *key)
+            if not beats and not messages:
+                break
+            now = clock()
+            if last is not None:
+                stream.beats(beats, last, now)
+                n += beats
+            for frames in messages:
+                n += 1
+                actions = live(frames, now)
+                kind = type(actions[0]) if len(actions) == 1 and sink is not None else None
+                if kind is ApplyPayload:
+                    assert payload_sink is not None  # only a PayloadSink's streams make them
+                    try:
+                        payload_sink.apply_payload(worker_id, rank, actions[0].payload, limits)  # type: ignore[union-attr]
+                    except Exception as exc:
+                        self.sink_failed(exc)
+                elif kind is Apply:
+                    assert sink is not None
+                    try:
+                        sink.apply(worker_id, rank, actions[0].batch)  # type: ignore[union-attr]
+                    except Exception as exc:
+                        self.sink_failed(exc)
+                elif actions:
+                    self.carry_out(actions)
+                if self.sub is not sub:
+                    return n  # the rank was removed by what it delivered
+            if messages and delivery.sink_flush is not None:
+                delivery.to_flush[self] = None
+            if beats + len(messages) < chunk:
+                break  # the socket is empty
+        return n
+
+    def _drain_replay(self) -> None:
+        applied = False
+        dealer = self.dealer
+        drain = self.env.receive.drain
+        while dealer is not None and self.dealer is dealer:
+            messages = drain(dealer, BURST, _REPLY_FRAMES)
+            for frames in messages:
+                actions = self.stream.replay_reply(frames, self.dealer_token, time.monotonic())
+                applied = applied or bool(actions)
+                self.carry_out(actions)
+                if self.dealer is not dealer:
+                    break  # a fresh replay socket replaced this one: read it on its own signal
+            if len(messages) < BURST:
+                break
+        if not self.closed:
+            self._release_dealer()
+            delivery = self.env.delivery
+            if applied and delivery.sink_flush is not None:
+                delivery.to_flush[self] = None
+
+    # --- time ----------------------------------------------------------------------------
+
+    def schedule(self) -> None:
+        """The rank's deadlines may have changed: tell the reactor."""
+        self.env.reactor.schedule(self)
+
+    def deadline(self, now: float) -> float | None:
+        deadline = self.stream.next_deadline()
+        at = self.reconnect_at
+        if at is not None and (deadline is None or at < deadline):
+            return at
+        return deadline
+
+    def silence(self) -> tuple[float, float] | None:
+        if self.reconnect_at is not None or self.connecting_since is not None:
+            return None
+        stream = self.stream
+        quiet = stream.silence_deadline()
+        if quiet is None:
+            return None
+        epoch = stream.epoch
+        assert epoch is not None and epoch.heartbeat_s is not None
+        return quiet, epoch.heartbeat_s
+
+    def silence_deadline(self) -> float | None:
+        return self.stream.silence_deadline()
+
+    def on_timer(self, now: float) -> None:
+        if self.connecting_since is not None and now - self.connecting_since > CONTACT_S:
+            self.env.contacts.done(self)  # its publisher may be down: others go on meanwhile
+        if self.reconnect_at is not None and now >= self.reconnect_at:
+            self._reconnect()
+        try:
+            actions = self.stream.tick(now)
+            if actions:
+                self.carry_out(actions)
+            if not self.closed:
+                self._release_dealer()
+        except Exception:
+            self.note("timer-error", "subscriber timer error", exc_info=True)
+
+    # --- carrying out actions --------------------------------------------------------------
+
+    def carry_out(self, actions: list[Action]) -> None:
+        """Do what the stream asked, in order."""
+        timed = False  # anything but an Apply may have moved the rank's deadline
+        delivery = self.env.delivery
+        for action in actions:
+            kind = type(action)
+            if kind is Apply:
+                delivery.apply(self, action)  # type: ignore[arg-type]
+                continue
+            if kind is ApplyPayload:
+                delivery.apply_payload(self, action)  # type: ignore[arg-type]
+                continue
+            timed = True
+            if kind is ClearRank:
+                delivery.clear(self, action.reason)  # type: ignore[union-attr]
+            elif kind is RequestReplay:
+                assert isinstance(action, RequestReplay)
+                frames = replay_request_frames(action.start_seq)
+                self._send_request(frames, action.token, action.fresh)
+            elif kind is RequestSnapshot:
+                assert isinstance(action, RequestSnapshot)
+                self._send_request(snapshot_request_frames(), action.token, action.fresh)
+            elif kind is Reconnect:
+                self._reconnect()
+            elif kind is StateChanged:
+                assert isinstance(action, StateChanged)
+                if self.connecting_since is not None and action.new is not RankState.SYNCING:
+                    self.env.contacts.done(self)
+                self.env.log.note(
+                    f"state {action.old.value} -> {action.new.value}",
+                    f"{action.old.value} -> {action.new.value} ({action.reason})",
+                    self.subject,
+                    level=logging.INFO,
+                )
+        if timed:
+            self.schedule()
+
+    def sink_failed(self, exc: Exception) -> None:
+        """The sink raised on this rank's batch: the stream decides what the view is worth."""
+        self.note("sink-apply", f"sink.apply raised {exc!r}", exc_info=exc)
+        self.carry_out(self.stream.sink_failed(time.monotonic(), repr(exc)))
+
+    def _send_request(self, frames: list[bytes], token: int, fresh: bool) -> None:
+        """Send a replay or snapshot request; ``fresh`` needs a new socket (no late replies)."""
+        self.dealer_token = token
+        if fresh or self.dealer is None:
+            self._close_dealer()
+            if not self._open_dealer():
+                # Wait for a replay socket to close (at the cap, or out of files).
+                if self.queued is None:
+                    self.env.replays.wait(self)
+                self.queued = (frames, token)
+                return
+            self.queued = None
+        dealer = self.dealer
+        assert dealer is not None
+        try:
+            dealer.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the request times out and is retried
+            self.note("replay-not-sent", f"replay request not sent: {exc}")
+
+    def send_queued(self) -> None:
+        """A replay socket is free: send the request that waited for one."""
+        request, self.queued = self.queued, None
+        if request is None or self.closed or self.dealer is not None:
+            return
+        frames, token = request
+        self._send_request(frames, token, fresh=False)

@@ -1,0 +1,407 @@
+"""The :class:`Subscriber`: follow every rank of every source, feed an ordered stream to a sink.
+
+A thin facade. It keeps the sources and their links (:mod:`kvwire.subscriber.link`,
+one per rank), runs them on the asyncio loop it is given (or one of its own on
+a background thread) through one :class:`~kvwire.subscriber.reactor.Reactor`,
+and says where each rank stands. It runs wherever pyzmq runs: on any event loop
+with ``add_reader`` (any selector loop: epoll, kqueue, poll, select), with the
+native receive drain where it is built and finds pyzmq's libzmq and pyzmq's own
+reads elsewhere (:func:`kvwire.subscriber.receive.load`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterable
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvwire.ratelog import RateLimitedLog
+from kvwire.subscriber import receive
+from kvwire.subscriber.config import SubscriberConfig
+from kvwire.subscriber.delivery import Delivery
+from kvwire.subscriber.link import LinkEnv, RankLink
+from kvwire.subscriber.reactor import Reactor
+from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
+from kvwire.subscriber.sink import EventSink, SinkItem
+from kvwire.subscriber.source import EngineSource
+from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
+from kvwire.subscriber.stream import RankStream
+
+__all__ = ["ResourceLimitError", "Subscriber"]
+
+log = logging.getLogger("kvwire.subscriber")
+
+
+class Subscriber:
+    """Follows every rank of every source and feeds an ordered stream to a sink.
+
+    ``sink`` gets ``apply(worker_id, rank, batch)`` for each batch in
+    publisher order and ``clear(worker_id, rank)`` when a rank's state must
+    go (publisher restart, unrecoverable loss, source removed); a
+    :class:`PayloadSink` (such as ``PrefixIndex``) gets
+    ``apply_payload(worker_id, rank, payload, limits)`` instead for each batch
+    whose bytes its stream vouched ``decode_batch`` accepts. Without a
+    sink, iterate the subscriber (``async for item in sub``) for the same
+    items as :class:`Applied` / :class:`Cleared`.
+
+    Run it with ``await sub.run()``, ``async with sub:``, or ``sub.start()``
+    / ``sub.stop()`` on a background thread. ``config`` tunes it
+    (:class:`SubscriberConfig`); ``context``, a ZeroMQ context to open the
+    sockets in (by default one of its own, allowing every socket ZeroMQ can).
+
+    Scale: one process follows thousands of ranks. At start (and in
+    :meth:`add_source`) the process's open-file soft limit is raised to what
+    the ranks need (about four descriptors per rank), and a clear
+    :class:`ResourceLimitError` says so when the hard limit (or a given
+    context's socket limit) is too low.
+
+    Dead publishers are noticed through TCP keepalive, and heartbeating
+    publishers by their silence. Problems are logged at most once per kind and
+    interval, however many ranks see them: a fleet going away is one line and
+    a summary, not one per rank.
+    """
+
+    def __init__(
+        self,
+        sources: Iterable[EngineSource] = (),
+        sink: EventSink | None = None,
+        *,
+        config: SubscriberConfig | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self._config = config = config if config is not None else SubscriberConfig()
+        if not isinstance(config, SubscriberConfig):
+            raise TypeError(f"config must be a SubscriberConfig, got {type(config).__name__}")
+        self._delivery = Delivery(sink, config.backlog)
+        self._log = RateLimitedLog(log)
+        self._given_ctx = context
+        self._env: LinkEnv | None = None
+        self._sources: dict[str, EngineSource] = {}
+        self._links: dict[str, list[RankLink]] = {}
+        self._by_rank: dict[tuple[str, int], RankLink] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_requested = False
+        self._running = False
+        self._finished = False
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_ready = threading.Event()
+        self._thread_error: BaseException | None = None
+        self._lock = threading.Lock()
+        for source in sources:
+            self._check_new(source)
+            self._sources[source.worker_id] = source
+        ensure_capacity(self._total_ranks(), config.max_replays)
+        if context is not None:
+            check_sockets(context, self._total_ranks(), config.max_replays)
+
+    @property
+    def config(self) -> SubscriberConfig:
+        return self._config
+
+    # --- sources ----------------------------------------------------------------------
+
+    @property
+    def sources(self) -> list[EngineSource]:
+        with self._lock:
+            return list(self._sources.values())
+
+    def _check_new(self, source: EngineSource) -> None:
+        if not isinstance(source, EngineSource):
+            raise TypeError(f"expected an EngineSource, got {type(source).__name__}")
+        if source.worker_id in self._sources:
+            raise ValueError(f"a source for worker {source.worker_id!r} is already added")
+
+    def _total_ranks(self) -> int:
+        return sum(s.ranks for s in self._sources.values())
+
+    def add_source(self, source: EngineSource) -> None:
+        """Start following ``source``; safe from any thread, before or during a run.
+
+        Raises :class:`ResourceLimitError` when the process cannot open the
+        sockets the new total of ranks needs.
+        """
+        max_replays = self._config.max_replays
+        with self._lock:
+            self._check_new(source)
+            ensure_capacity(self._total_ranks() + source.ranks, max_replays)
+            ctx = self._env.ctx if self._env is not None else self._given_ctx
+            if ctx is not None:
+                check_sockets(ctx, self._total_ranks() + source.ranks, max_replays)
+            self._sources[source.worker_id] = source
+            loop = self._loop if self._running else None
+        if loop is not None:
+            if _in_loop(loop):
+                self._open_source(source)
+            else:
+                loop.call_soon_threadsafe(self._open_source, source)
+
+    def remove_source(self, worker_id: str, timeout: float = 5.0) -> None:
+        """Stop following a worker and clear its ranks downstream.
+
+        From the subscriber's own event loop use :meth:`aremove_source`
+        instead (this one only schedules the removal there).
+        """
+        with self._lock:
+            if worker_id not in self._sources:
+                raise KeyError(f"no source for worker {worker_id!r}")
+            del self._sources[worker_id]
+            loop = self._loop if self._running else None
+        if loop is None:
+            return
+        if _in_loop(loop):
+            loop.call_soon(self._close_source, worker_id, True)
+            return
+        future = asyncio.run_coroutine_threadsafe(self._aclose_source(worker_id), loop)
+        future.result(timeout)
+
+    async def aremove_source(self, worker_id: str) -> None:
+        """:meth:`remove_source` for coroutines on the subscriber's loop."""
+        with self._lock:
+            if worker_id not in self._sources:
+                raise KeyError(f"no source for worker {worker_id!r}")
+            del self._sources[worker_id]
+            running = self._running
+        if running:
+            self._close_source(worker_id, True)
+
+    async def _aclose_source(self, worker_id: str) -> None:
+        self._close_source(worker_id, True)
+
+    def _rank_config(self, source: EngineSource) -> StreamConfig:
+        """The source's stream settings: replay as available, probes within the rate budget."""
+        cfg = self._config.stream
+        idle = cfg.idle_probe
+        if idle is not None:
+            idle = max(idle, self._total_ranks() / self._config.probe_rate)
+        return msgspec.structs.replace(
+            cfg, replay=source.replay_endpoint is not None, idle_probe=idle
+        )
+
+    def _open_source(self, source: EngineSource) -> None:
+        with self._lock:
+            if not self._running or source.worker_id in self._links:
+                return
+            if self._sources.get(source.worker_id) is not source:
+                return  # removed before the loop got to it
+        env = self._env
+        assert env is not None
+        check_sockets(env.ctx, self._total_ranks(), self._config.max_replays)
+        config = self._rank_config(source)
+        payloads = self._delivery.payload_sink is not None
+        links = [
+            RankLink(source, endpoints, RankStream(endpoints.rank, config, payloads=payloads), env)
+            for endpoints in source.rank_endpoints()
+        ]
+        with self._lock:
+            self._links[source.worker_id] = links
+            for link in links:
+                self._by_rank[(link.worker_id, link.rank)] = link
+        env.contacts.add(links)
+
+    def _close_source(self, worker_id: str, clear: bool) -> None:
+        with self._lock:
+            links = self._links.pop(worker_id, [])
+            for link in links:
+                self._by_rank.pop((link.worker_id, link.rank), None)
+        for link in links:
+            link.close()
+            if clear:
+                self._delivery.clear(link, "source removed")
+
+    # --- status -----------------------------------------------------------------------
+
+    def status(self) -> list[RankStatus]:
+        """Every rank's state, position and counters (a snapshot; any thread)."""
+        with self._lock:
+            links = [link for links in self._links.values() for link in links]
+        return sorted(
+            (
+                link.stream.status(
+                    link.worker_id,
+                    link.rank,
+                    link.endpoints.endpoint,
+                    link.endpoints.replay_endpoint,
+                )
+                for link in links
+            ),
+            key=lambda s: (s.worker_id, s.rank),
+        )
+
+    def rank_state(self, worker_id: str, rank: int) -> RankState | None:
+        """The rank's state now, or None if it is not followed (yet); cheap, any thread."""
+        link = self._by_rank.get((worker_id, rank))
+        return None if link is None else link.stream.state
+
+    # --- running ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow every source until :meth:`stop` / :meth:`aclose` (or cancellation).
+
+        Needs a loop with ``add_reader`` (every selector loop; on Windows,
+        ``asyncio.WindowsSelectorEventLoopPolicy``): :meth:`start` makes one.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._running or self._finished:
+                raise RuntimeError("a Subscriber runs once")
+            self._running = True
+            self._loop = loop
+        self._stop_event = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        try:
+            reactor = Reactor(loop, self._after_round)
+        except NotImplementedError:  # a loop without add_reader (Windows' proactor)
+            with self._lock:
+                self._running, self._finished = False, True
+            raise RuntimeError(
+                "the Subscriber needs an event loop with add_reader (a selector loop; on "
+                "Windows set asyncio.WindowsSelectorEventLoopPolicy, or use start())"
+            ) from None
+        ctx = self._given_ctx
+        if ctx is None:
+            ctx = zmq.Context()
+            ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
+        delivery = self._delivery
+        self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
+        delivery.on_backpressure(reactor.hold, self._resume)
+        try:
+            check_sockets(ctx, self._total_ranks(), self._config.max_replays)
+            for source in self.sources:
+                self._open_source(source)
+            self._thread_ready.set()
+            await self._stop_event.wait()
+        finally:
+            with self._lock:
+                self._running = False
+                self._finished = True
+                workers = list(self._links)
+            env.contacts.running = False
+            for worker_id in workers:
+                self._close_source(worker_id, False)
+            reactor.close()
+            self._log.flush(force=True)
+            if self._given_ctx is None:
+                ctx.destroy(linger=0)
+            delivery.end()
+            self._thread_ready.set()
+
+    def _after_round(self) -> None:
+        """After a round of reading or a timer: flush a buffering sink, admit waiting
+        ranks, log what the rate limit held once its interval has passed."""
+        env = self._env
+        assert env is not None
+        env.delivery.flush()
+        env.contacts.more()
+        self._log.flush()
+
+    def _resume(self, links: list[RankLink]) -> None:
+        """The iterator's reader caught up: read on from the ranks that waited (their
+        monitors too: a signal taken before the wait is not given again)."""
+        env = self._env
+        if env is not None and self._running:
+            env.reactor.release()
+            for link in links:
+                if not link.closed:
+                    env.reactor.again(link, monitor=True)
+
+    def _request_stop(self) -> None:
+        self._stop_requested = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def aclose(self) -> None:
+        """Stop and wait until every socket is closed."""
+        self._request_stop()
+        task = self._task
+        if task is not None:
+            self._task = None
+            await task
+
+    async def __aenter__(self) -> Subscriber:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+        await asyncio.sleep(0)  # let run() open the sockets
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def start(self, timeout: float = 5.0) -> Subscriber:
+        """Run on a background thread (with its own event loop); needs a sink."""
+        if self._delivery.sink is None:
+            raise ValueError("a background-thread Subscriber needs a sink")
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._thread = threading.Thread(
+            target=self._thread_main, name="kvwire-subscriber", daemon=True
+        )
+        self._thread.start()
+        if not self._thread_ready.wait(timeout):
+            raise TimeoutError("the subscriber thread did not start in time")
+        if self._thread_error is not None:
+            raise RuntimeError("the subscriber thread failed") from self._thread_error
+        return self
+
+    def _thread_main(self) -> None:
+        # A selector loop everywhere (Windows' default proactor has no add_reader).
+        factory = asyncio.SelectorEventLoop if sys.platform == "win32" else None
+        try:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(self.run())
+        except BaseException as exc:
+            self._thread_error = exc
+            log.exception("subscriber thread failed")
+            self._thread_ready.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop from any thread; with ``start()`` also joins the thread (bounded)."""
+        self._stop_requested = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._request_stop)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"the subscriber thread did not stop within {timeout} s")
+
+    def __enter__(self) -> Subscriber:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # --- iterator output ----------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[SinkItem]:
+        if self._delivery.sink is None:
+            return self._delivery.items()
+        raise TypeError("this Subscriber delivers to its sink, not to an iterator")
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
