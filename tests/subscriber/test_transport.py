@@ -176,7 +176,7 @@ def test_without_epoll_proc_maps_or_the_native_receive_a_publisher_is_followed_e
     pyzmq's receive, across history replayed at first contact, live batches,
     heartbeats and a clear, to an index equal to every engine's truth.
     """
-    kw = {"epoch": True, "heartbeat": 0.2, "snapshot": True}
+    kw = {"epoch": True, "heartbeat_s": 0.2, "snapshot": True}
     with publishers(EPHEMERAL, EPHEMERAL, 2, **kw) as pubs:
         engines = [Engine(seed=60 + r, rank=r) for r in range(2)]
         for engine, pub in zip(engines, pubs, strict=True):
