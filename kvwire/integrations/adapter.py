@@ -8,7 +8,7 @@ them without the GIL; a batch it cannot write byte for byte (bytes hashes,
 extra keys, a class it does not know...) is encoded by the engine's msgspec
 encoder on the sender thread. Either way the bytes on the wire, live and
 replayed, are the engine's. What kvwire adds: ``publish()`` never blocks the scheduler, a
-bounded replay, loopback unless asked, and its counters.
+bounded replay, loopback unless asked or keyed, and its counters.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from kvwire.integrations.config import IntegrationConfig, bind_address
+from kvwire.integrations.config import IntegrationConfig, bind_addresses
 from kvwire.publisher import EventPublisher
 from kvwire.publisher._sender import EngineFormat, EnginePublish
 from kvwire.wire import Dialect
@@ -137,14 +137,7 @@ class EngineEventPublisher:
         if ignored:
             log.info("kvwire publisher ignores %s settings %s", self.engine, sorted(ignored))
         self.rank = rank
-        pub = bind_address(endpoint, config)
-        replay = None if replay_endpoint is None else bind_address(replay_endpoint, config)
-        if (pub, replay) != (endpoint, replay_endpoint) and not config.expose:
-            log.warning(
-                "kvwire binds %s (replay %s) for the configured %s (replay %s): KV events "
-                "carry prompt token ids; set KVWIRE_EXPOSE=1 to bind as configured",
-                pub, replay, endpoint, replay_endpoint,
-            )  # fmt: skip
+        pub, replay = bind_addresses(endpoint, replay_endpoint, config)
         self.publisher = EventPublisher(
             pub,
             replay,

@@ -15,7 +15,8 @@ variable                       default    meaning
                                           logged as an error and the plugins stay off.
 ``KVWIRE_EXPOSE``              unset      ``1``: bind wildcard hosts (``tcp://*:5557``) as
                                           configured, with a warning. Unset: bind loopback
-                                          instead (events carry prompt token ids).
+                                          instead (events carry prompt token ids), unless
+                                          CURVE keys are set (below).
 ``KVWIRE_COALESCE_MS``         ``2``      the publisher's ``send_coalesce_s`` in ms: how long
                                           the sender holds a batch so that batches published
                                           meanwhile share its send round (0: send at once;
@@ -35,6 +36,9 @@ variable                       default    meaning
                                           (``kvwire keygen``); with ``KVWIRE_ALLOW_DIR``, only
                                           clients whose public key is in that directory read
                                           the events (add or remove files to rotate keys).
+                                          Keys imply reach: a wildcard host is bound as
+                                          configured, the keys deciding who reads, and the
+                                          log says so.
 ``KVWIRE_ALLOW_DIR``           unset      the directory of allowed client public keys.
 =============================  =========  ==================================================
 
@@ -86,7 +90,9 @@ from kvwire.publisher.publisher import DEFAULT_ENDPOINT
 from kvwire.security import ServerKeys
 from kvwire.settings import read_env
 
-__all__ = ["IntegrationConfig", "RelayConfig", "bind_address", "plugin_enabled"]
+__all__ = [
+    "IntegrationConfig", "RelayConfig", "bind_address", "bind_addresses", "plugin_enabled",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +142,13 @@ class IntegrationConfig(_Switch, frozen=True, kw_only=True, rename=_variable):
         config = read_env(cls, os.environ if env is None else env)
         config.server_keys()
         return config
+
+    @property
+    def keyed(self) -> bool:
+        """Whether CURVE keys guard the publisher's sockets (``KVWIRE_SECRET_KEY``, which
+        comes with ``KVWIRE_ALLOW_DIR``): then the keys, not the bind address, decide
+        who reads, and a wildcard host is bound as configured."""
+        return self.secret_key is not None
 
     def server_keys(self) -> ServerKeys | None:
         """The publisher's CURVE keys, loaded from ``KVWIRE_SECRET_KEY`` and
@@ -221,17 +234,64 @@ def plugin_enabled(engine: str, env: Mapping[str, str] | None = None) -> bool:
         return False
 
 
+def _host_port(endpoint: str) -> tuple[str, str] | None:
+    """A tcp endpoint's host and port (``None`` for ipc, inproc and the rest)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    return host, port
+
+
+def _wildcard(endpoint: str) -> bool:
+    """Whether ``endpoint`` binds every interface (``*``, ``0.0.0.0``, ``::``)."""
+    parts = _host_port(endpoint)
+    return parts is not None and parts[0] in _WILDCARDS
+
+
 def bind_address(endpoint: str, config: IntegrationConfig) -> str:
     """Where kvwire binds an engine's configured endpoint.
 
-    A wildcard host becomes loopback unless ``KVWIRE_EXPOSE=1``; tcp port 0
-    (the engines' "any port") becomes ``*``.
+    A wildcard host becomes loopback unless ``KVWIRE_EXPOSE=1`` or CURVE keys
+    guard the socket (:attr:`IntegrationConfig.keyed`: the keys decide who
+    reads); tcp port 0 (the engines' "any port") becomes ``*``.
     """
-    if not endpoint.startswith("tcp://"):
+    parts = _host_port(endpoint)
+    if parts is None:
         return endpoint
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host, port = parts
     if port == "0":
         port = "*"
-    if not config.expose:
+    if not (config.expose or config.keyed):
         host = _WILDCARDS.get(host, host)
     return f"tcp://{host}:{port}"
+
+
+def bind_addresses(
+    endpoint: str, replay_endpoint: str | None, config: IntegrationConfig
+) -> tuple[str, str | None]:
+    """:func:`bind_address` of an engine's live and replay endpoints, and the log line
+    that says why when a wildcard is narrowed or kept.
+
+    Narrowed to loopback: a warning naming ``KVWIRE_EXPOSE``. Kept because
+    keys are set: one line naming the endpoints and that CURVE keys guard them
+    (the publisher still warns, per socket, that it is reachable beyond this host).
+    """
+    pub = bind_address(endpoint, config)
+    replay = None if replay_endpoint is None else bind_address(replay_endpoint, config)
+    given = [e for e in (endpoint, replay_endpoint) if e is not None]
+    if not any(_wildcard(e) for e in given):
+        return pub, replay
+    if config.keyed:
+        log.info(
+            "kvwire binds %s (replay %s) as configured: CURVE keys (KVWIRE_SECRET_KEY) guard "
+            "it, only clients whose public key is in KVWIRE_ALLOW_DIR=%s read the events",
+            pub, replay, config.allow_dir,
+        )  # fmt: skip
+    elif not config.expose:
+        log.warning(
+            "kvwire binds %s (replay %s) for the configured %s (replay %s): KV events "
+            "carry prompt token ids; set KVWIRE_EXPOSE=1 to bind as configured, or give "
+            "CURVE keys (KVWIRE_SECRET_KEY, KVWIRE_ALLOW_DIR)",
+            pub, replay, endpoint, replay_endpoint,
+        )  # fmt: skip
+    return pub, replay

@@ -12,7 +12,13 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from kvwire.integrations.config import IntegrationConfig, RelayConfig, bind_address, plugin_enabled
+from kvwire.integrations.config import (
+    IntegrationConfig,
+    RelayConfig,
+    bind_address,
+    bind_addresses,
+    plugin_enabled,
+)
 from kvwire.publisher import PublisherConfig
 from kvwire.security import ServerKeys, generate_keypair
 
@@ -274,21 +280,106 @@ def test_an_on_plugin_with_a_bad_setting_is_refused_in_sglang(
     assert sglang.kv_events.EventPublisherFactory._registry == sglang.pristine
 
 
+KEYED = {"secret_key": "/keys/engine.key_secret", "allow_dir": "/keys/clients"}
+
+
 @pytest.mark.parametrize(
-    ("endpoint", "expose", "bound"),
+    ("endpoint", "expose", "keyed", "bound"),
     [
-        ("tcp://*:5557", False, "tcp://127.0.0.1:5557"),
-        ("tcp://0.0.0.0:5557", False, "tcp://127.0.0.1:5557"),
-        ("tcp://[::]:5557", False, "tcp://[::1]:5557"),
-        ("tcp://*:0", False, "tcp://127.0.0.1:*"),
-        ("tcp://*:5557", True, "tcp://*:5557"),
-        ("tcp://*:0", True, "tcp://*:*"),
-        ("tcp://10.1.2.3:5557", False, "tcp://10.1.2.3:5557"),
-        ("ipc:///tmp/kv", False, "ipc:///tmp/kv"),
+        ("tcp://*:5557", False, False, "tcp://127.0.0.1:5557"),
+        ("tcp://0.0.0.0:5557", False, False, "tcp://127.0.0.1:5557"),
+        ("tcp://[::]:5557", False, False, "tcp://[::1]:5557"),
+        ("tcp://*:0", False, False, "tcp://127.0.0.1:*"),
+        ("tcp://*:5557", True, False, "tcp://*:5557"),
+        ("tcp://*:0", True, False, "tcp://*:*"),
+        ("tcp://10.1.2.3:5557", False, False, "tcp://10.1.2.3:5557"),
+        ("ipc:///tmp/kv", False, False, "ipc:///tmp/kv"),
+        # Keys imply reach: the keys decide who reads, so the wildcard stays.
+        ("tcp://*:5557", False, True, "tcp://*:5557"),
+        ("tcp://0.0.0.0:5557", False, True, "tcp://0.0.0.0:5557"),
+        ("tcp://[::]:5557", False, True, "tcp://[::]:5557"),
+        ("tcp://*:0", False, True, "tcp://*:*"),
+        ("tcp://*:5557", True, True, "tcp://*:5557"),
+        ("tcp://127.0.0.1:5557", False, True, "tcp://127.0.0.1:5557"),
     ],
 )
-def test_bind_address(endpoint: str, expose: bool, bound: str) -> None:
-    assert bind_address(endpoint, IntegrationConfig(expose=expose)) == bound
+def test_bind_address(endpoint: str, expose: bool, keyed: bool, bound: str) -> None:
+    config = IntegrationConfig(expose=expose, **(KEYED if keyed else {}))
+    assert config.keyed is keyed
+    assert bind_address(endpoint, config) == bound
+
+
+@pytest.mark.parametrize(
+    ("env", "bound", "said", "unsaid"),
+    [
+        # No keys: loopback, and a warning naming both ways to bind as configured.
+        ({}, ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+         (logging.WARNING, "for the configured tcp://*:5557 (replay tcp://*:5558)"), "CURVE keys (KVWIRE_SECRET_KEY) guard"),
+        # KVWIRE_EXPOSE=1 without keys: as configured; the publisher warns per socket (below).
+        ({"expose": True}, ("tcp://*:5557", "tcp://*:5558"), None, "KVWIRE_EXPOSE=1"),
+        # Keys: as configured, one line naming the endpoints and the keys guarding them.
+        (KEYED, ("tcp://*:5557", "tcp://*:5558"),
+         (logging.INFO, "kvwire binds tcp://*:5557 (replay tcp://*:5558) as configured: CURVE keys "
+                        "(KVWIRE_SECRET_KEY) guard it, only clients whose public key is in "
+                        "KVWIRE_ALLOW_DIR=/keys/clients read the events"), "KVWIRE_EXPOSE=1"),
+        ({**KEYED, "expose": True}, ("tcp://*:5557", "tcp://*:5558"),
+         (logging.INFO, "as configured: CURVE keys (KVWIRE_SECRET_KEY) guard it"), "KVWIRE_EXPOSE=1"),
+    ],
+)  # fmt: skip
+def test_bind_addresses_say_why_a_wildcard_is_narrowed_or_kept(
+    caplog: pytest.LogCaptureFixture,
+    env: dict[str, Any],
+    bound: tuple[str, str],
+    said: tuple[int, str] | None,
+    unsaid: str,
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="kvwire"):
+        assert bind_addresses("tcp://*:5557", "tcp://*:5558", IntegrationConfig(**env)) == bound
+    records = [(r.levelno, r.getMessage()) for r in caplog.records]
+    if said is None:
+        assert records == []
+    else:
+        assert len(records) == 1 and records[0][0] == said[0] and said[1] in records[0][1]
+    assert unsaid not in caplog.text
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_no_wildcard_no_line(caplog: pytest.LogCaptureFixture, keyed: bool) -> None:
+    """Nothing was narrowed or kept, so nothing to explain (the publisher still warns for a
+    wide concrete host)."""
+    config = IntegrationConfig(**(KEYED if keyed else {}))
+    with caplog.at_level(logging.DEBUG, logger="kvwire"):
+        assert bind_addresses("tcp://127.0.0.1:0", None, config) == ("tcp://127.0.0.1:*", None)
+        assert bind_addresses("ipc:///tmp/kv", "ipc:///tmp/r", config) == ("ipc:///tmp/kv", "ipc:///tmp/r")
+    assert caplog.records == []
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_keys_let_vllm_bind_its_wildcard_and_the_log_says_keyed(
+    vllm: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """vLLM's own ``tcp://*`` through the plugin, with CURVE keys: bound on every interface,
+    the keys on both sockets, and the log naming the endpoint and the keys guarding it."""
+    _, secret = generate_keypair(tmp_path / "engine", "engine")
+    allow = tmp_path / "clients"
+    generate_keypair(allow, "router")
+    _environment(monkeypatch, "1", {"KVWIRE_SECRET_KEY": str(secret), "KVWIRE_ALLOW_DIR": str(allow)})
+    vllm.plugins.load_general_plugins()
+    kv_config = vllm.config.KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+    )
+    with caplog.at_level(logging.INFO, logger="kvwire"):
+        ours = vllm.kv_events.EventPublisherFactory.create(kv_config, 0)
+    try:
+        assert ours.publisher.bound_endpoint.startswith("tcp://0.0.0.0:")
+        assert ours.publisher.bound_replay_endpoint.startswith("tcp://0.0.0.0:")
+        assert ours.publisher.server_keys == ServerKeys(secret, allow)
+        keyed = [r for r in caplog.records if "CURVE keys (KVWIRE_SECRET_KEY) guard it" in r.getMessage()]
+        assert len(keyed) == 1 and "tcp://*:*" in keyed[0].getMessage()
+        assert caplog.text.count("(CURVE keys required to connect)") == 2  # PUB and replay
+        assert "KVWIRE_EXPOSE=1" not in caplog.text and "WITHOUT authentication" not in caplog.text
+    finally:
+        ours.shutdown()
 
 
 def test_a_failed_wheel_download_names_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
