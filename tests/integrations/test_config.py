@@ -354,16 +354,33 @@ def test_no_wildcard_no_line(caplog: pytest.LogCaptureFixture, keyed: bool) -> N
     assert caplog.records == []
 
 
-@pytest.mark.usefixtures("kvwire_entry_points")
-def test_keys_let_vllm_bind_its_wildcard_and_the_log_says_keyed(
-    vllm: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
-) -> None:
-    """vLLM's own ``tcp://*`` through the plugin, with CURVE keys: bound on every interface,
-    the keys on both sockets, and the log naming the endpoint and the keys guarding it."""
+def _keyed_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ServerKeys:
+    """``KVWIRE_PUBLISHER=1`` with an engine key and an allow-list of one router key."""
     _, secret = generate_keypair(tmp_path / "engine", "engine")
     allow = tmp_path / "clients"
     generate_keypair(allow, "router")
     _environment(monkeypatch, "1", {"KVWIRE_SECRET_KEY": str(secret), "KVWIRE_ALLOW_DIR": str(allow)})
+    return ServerKeys(secret, allow)
+
+
+def _assert_keyed_wildcard(ours: Any, keys: ServerKeys, caplog: pytest.LogCaptureFixture) -> None:
+    """Bound on every interface, the keys on both sockets, and the log naming the
+    endpoint and the keys guarding it (and no loopback or keyless warning)."""
+    assert ours.publisher.bound_endpoint.startswith("tcp://0.0.0.0:")
+    assert ours.publisher.bound_replay_endpoint.startswith("tcp://0.0.0.0:")
+    assert ours.publisher.server_keys == keys
+    keyed = [r for r in caplog.records if "CURVE keys (KVWIRE_SECRET_KEY) guard it" in r.getMessage()]
+    assert len(keyed) == 1 and "kvwire binds tcp://*:* (replay tcp://*:*)" in keyed[0].getMessage()
+    assert caplog.text.count("(CURVE keys required to connect)") == 2  # PUB and replay
+    assert "KVWIRE_EXPOSE=1" not in caplog.text and "WITHOUT authentication" not in caplog.text
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_keys_let_vllm_bind_its_wildcard_and_the_log_says_keyed(
+    vllm: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """vLLM's own ``tcp://*`` through the plugin, with CURVE keys: bound as configured."""
+    keys = _keyed_environment(monkeypatch, tmp_path)
     vllm.plugins.load_general_plugins()
     kv_config = vllm.config.KVEventsConfig(
         enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
@@ -371,13 +388,23 @@ def test_keys_let_vllm_bind_its_wildcard_and_the_log_says_keyed(
     with caplog.at_level(logging.INFO, logger="kvwire"):
         ours = vllm.kv_events.EventPublisherFactory.create(kv_config, 0)
     try:
-        assert ours.publisher.bound_endpoint.startswith("tcp://0.0.0.0:")
-        assert ours.publisher.bound_replay_endpoint.startswith("tcp://0.0.0.0:")
-        assert ours.publisher.server_keys == ServerKeys(secret, allow)
-        keyed = [r for r in caplog.records if "CURVE keys (KVWIRE_SECRET_KEY) guard it" in r.getMessage()]
-        assert len(keyed) == 1 and "tcp://*:*" in keyed[0].getMessage()
-        assert caplog.text.count("(CURVE keys required to connect)") == 2  # PUB and replay
-        assert "KVWIRE_EXPOSE=1" not in caplog.text and "WITHOUT authentication" not in caplog.text
+        _assert_keyed_wildcard(ours, keys, caplog)
+    finally:
+        ours.shutdown()
+
+
+@pytest.mark.usefixtures("kvwire_entry_points")
+def test_keys_let_sglang_bind_its_wildcard_and_the_log_says_keyed(
+    sglang: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """SGLang's ``tcp://*`` through its plugin, with CURVE keys: bound as configured."""
+    keys = _keyed_environment(monkeypatch, tmp_path)
+    sglang.plugins.load_plugins()
+    kv_config = '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
+    with caplog.at_level(logging.INFO, logger="kvwire"):
+        ours = sglang.kv_events.EventPublisherFactory.create(kv_config, 0)
+    try:
+        _assert_keyed_wildcard(ours, keys, caplog)
     finally:
         ours.shutdown()
 
