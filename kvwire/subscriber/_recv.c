@@ -260,9 +260,11 @@ static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* --- check_batch: what the stream reads of a batch ------------------------- */
 /*
  * The one native reader (kvwire/_native/scan.h) over the payload, hashes
- * checked, not kept: a payload it reads is one decode_batch accepts; anything
- * else is answered None and the stream decodes it the general way, which
- * accepts or refuses it. */
+ * checked, not kept: a payload it reads is one decode_batch accepts. One
+ * with what would key a block differently (a lora name, extra keys,
+ * lookahead tokens, a salt: no sink's native apply reads those) or that it
+ * does not read is answered None, and the stream decodes it the general way,
+ * which accepts or refuses it. */
 
 static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
@@ -283,6 +285,8 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
     int rc = kvs_batch(&s, &r);
     PyBuffer_Release(&view);
     Py_ssize_t m = s.ev_len;
+    for (Py_ssize_t k = 0; rc == 0 && k < m; k++)
+        if (s.ev[k].lora_len >= 0 || (s.ev[k].extras & (X_EXTRA | X_LOOKAHEAD | X_SALT))) rc = FALL;
     kvs_free(&s);
     if (rc < 0) return PyErr_NoMemory();
     if (rc) Py_RETURN_NONE;

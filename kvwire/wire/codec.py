@@ -11,7 +11,7 @@ structs, with hashes normalised to unsigned 64-bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
@@ -319,52 +319,63 @@ def _map_len(raw: bytes | memoryview) -> int | None:
     return None
 
 
-def _decode_map(raw: bytes | memoryview, what: str) -> dict[str, Any]:
-    """A packed map with string keys, each given once (else :class:`WireError`)."""
-    value = _generic_decoder.decode(raw)
-    if any(type(k) is not str for k in value):
-        raise WireError(f"{what} has a key that is not a string")
-    if len(value) != _map_len(raw):
-        raise WireError(f"{what} gives a key twice")
-    return cast(dict[str, Any], value)
-
-
 def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
     packed = memoryview(raw)
-    if _map_len(packed) is not None:
-        fields = _decode_map(packed, f"event {index}")
-        kind = fields.pop("type", None)
+    n = _map_len(packed)
+    named: dict[str, msgspec.Raw]
+    if n is not None:
+        try:
+            named = _map_values.decode(packed)
+        except msgspec.ValidationError:
+            raise WireError(f"event {index} has a key that is not a string") from None
+        if len(named) != n:
+            raise WireError(f"event {index} gives a key twice")
+        kind = _generic_decoder.decode(named.pop("type")) if "type" in named else None
     else:
-        value = _generic_decoder.decode(packed)
-        if not isinstance(value, list) or not value:
-            raise WireError(f"event {index} is neither a map nor a tagged array: {value!r:.80}")
-        kind = value[0]
-        values = value[1:]
+        try:
+            values = _raw_items.decode(packed)
+        except msgspec.ValidationError:
+            value = _generic_decoder.decode(packed)
+            raise WireError(f"event {index} is neither a map nor a tagged array: {value!r:.80}") from None
+        if not values:
+            raise WireError(f"event {index} is an empty array, not a tagged event")
+        kind = _generic_decoder.decode(values[0])
         names = _POSITIONAL.get(kind, ()) if isinstance(kind, str) else ()
-        fields = dict(zip(names, values, strict=False))
-        if isinstance(fields.get("lora_name"), dict):
-            # Old SGLang: a metadata map (cache_salt) where lora_name now is.
-            fields["cache_salt"] = fields.pop("lora_name").get("cache_salt")
+        named = dict(zip(names, values[1:], strict=False))
     cls = _EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"event {index} has unknown type {kind!r:.80}")
+    known = cls.__struct_fields__
+    # Unknown fields are skipped unread, as msgspec's typed decoding skips them.
+    fields = {k: _generic_decoder.decode(v) for k, v in named.items() if k in known and k != "token_ids"}
     try:
-        if cls is BlockStored:
+        if cls is not AllBlocksCleared:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
-            if "parent_block_hash" in fields and fields["parent_block_hash"] is not None:
-                fields["parent_block_hash"] = normalise_hash(fields["parent_block_hash"])
-            known = _ListBlockStored.__struct_fields__
-            e = msgspec.convert({k: v for k, v in fields.items() if k in known}, _ListBlockStored)
-            return BlockStored(*msgspec.structs.astuple(e))
-        if cls is BlockRemoved:
-            fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
-        known = cls.__struct_fields__
-        fields = {k: v for k, v in fields.items() if k in known}
-        return msgspec.convert(fields, cls)
+        if cls is not BlockStored:
+            return msgspec.convert(fields, cls)
+        if n is None and isinstance(fields.get("lora_name"), dict):
+            # Old SGLang: a metadata map (cache_salt) where lora_name now is.
+            fields["cache_salt"] = fields.pop("lora_name").get("cache_salt")
+        if fields.get("parent_block_hash") is not None:
+            fields["parent_block_hash"] = normalise_hash(fields["parent_block_hash"])
+        tokens = None
+        if "token_ids" in named:
+            tokens = _token_ids(named["token_ids"])
+            fields["token_ids"] = []
+        e = msgspec.convert(fields, _ListBlockStored)
+        _set(e, "token_ids", tokens)
+        return BlockStored(*msgspec.structs.astuple(e))
     except WireError as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
     except msgspec.ValidationError as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
+
+
+def _token_ids(raw: msgspec.Raw) -> TokenIds:
+    """Packed token ids, each checked to be an int, kept as they came."""
+    tokens = TokenIds(raw)
+    tokens.tolist()  # WireError for anything but an array of ints
+    return tokens
 
 
 def _as_list(fields: dict[str, Any], name: str) -> list[Any]:
@@ -437,12 +448,18 @@ def decode_batch(
     missing required field, a key given twice, a token id that is not an
     integer among them. One answer for any payload: the typed fast path
     (msgspec) is taken only for a payload the native reader
-    (``kvwire/_native/scan.h``) vouches for, which is every rule checked;
-    any other goes the general way, where Python checks each. Token ids stay
+    (``kvwire/_native/scan.h``) vouches for, which checks every rule; any
+    other goes the general way, where Python checks each. Token ids stay
     packed until first read (:class:`TokenIds`).
     """
+    batch = _decode_typed(payload, limits)
+    return _decode_generic(payload, limits) if batch is None else batch
+
+
+def _decode_typed(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch | None:
+    """The typed fast path, for a payload the native reader vouches for; else ``None``."""
     if _scan.check(payload, limits) is None:
-        return _decode_generic(payload, limits)
+        return None
     try:
         if _ARRAY_HEAD[memoryview(payload)[0]]:
             batch = _fast_decoder.decode(payload)
@@ -450,8 +467,7 @@ def decode_batch(
             m = _fast_map_decoder.decode(payload)
             batch = KVEventBatch(m.ts, m.events, m.data_parallel_rank)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        # Tagged-array events, which only the general path builds.
-        return _decode_generic(payload, limits)
+        return None  # tagged-array events, which only the general path builds
     # Fix-ups in place, on events no one else has seen yet (every bound was
     # checked by the native reader): wrap the packed token ids, and mask
     # signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.

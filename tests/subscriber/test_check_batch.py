@@ -220,15 +220,13 @@ def test_every_limit_of_decode_batch_is_checked(limits: DecodeLimits, refused: b
 
 def test_forms_it_does_not_read_are_left_to_decode_batch() -> None:
     args = limits_args(DEFAULT_LIMITS)
-    # A lora name is read (the index leaves such a store to the general way).
+    # Well formed, read only by decode_batch: a lora name, bytes hashes, an int timestamp.
     lora = encode_batch(KVEventBatch(0.0, [store(lora_name="adapter")], None))
-    assert check_batch(lora, *args) == (1, None, False)
-    # Well formed, read only by decode_batch: bytes hashes, an int timestamp.
     raw_hashes = msgspec.msgpack.encode(
         [0.0, [{"type": "BlockRemoved", "block_hashes": [b"\x01" * 8]}], None]
     )
     int_ts = msgspec.msgpack.encode([0, [], None])
-    for payload in (raw_hashes, int_ts):
+    for payload in (lora, raw_hashes, int_ts):
         decode_batch(payload)
         assert check_batch(payload, *args) is None
     # Malformed: trailing bytes, a second tag, block size 0, not bytes at all.
