@@ -6,8 +6,15 @@ import msgspec
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher._mirror import Core
-from kvwire.wire import DEFAULT_LIMITS, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvwire.wire import _scan
+from kvwire.wire import (
+    DEFAULT_LIMITS,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    _scan,
+    decode_batch,
+    encode_batch,
+)
 
 
 def test_its_field_table_is_the_event_structs_fields() -> None:
