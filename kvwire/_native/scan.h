@@ -86,9 +86,10 @@ static inline int field_of(int kind, const char *s, Py_ssize_t n, int guess) {
 /* --- the flat view ------------------------------------------------------------ */
 
 /* Rarer fields given (not nil), a bit each, for consumers that do not take them. */
-enum { X_EXTRA = 1, X_LOOKAHEAD = 2, X_SALT = 4, X_OTHER = 8 /* locality, ownership, session_id */ };
+enum { X_EXTRA = 1, X_LOOKAHEAD = 2, X_SALT = 4, X_OTHER = 8 /* locality, ownership, session_id */,
+       X_LORA = 16 /* a lora_name */ };
 
-typedef struct {
+typedef struct KvEv {
     int kind;                 /* EV_* */
     int has_parent, has_group, group_neg;
     unsigned extras;          /* X_* */
@@ -108,22 +109,21 @@ typedef struct {
 } KvLimits;
 
 typedef struct KvScan KvScan;
-/* A token reader: the token_ids array at r read (its ids checked to be ints,
- * at most lim.max_tokens), ev->tok/tok_len/ntok set; 0, FALL or -1. */
-typedef int (*KvTokens)(KvScan *s, Rd *r, KvEv *ev);
 
 struct KvScan {
     KvLimits lim;
     int keep_hashes; /* 0: hashes checked, not kept */
-    KvTokens tokens; /* NULL: kvs_tokens */
+    int keep_events; /* 0: events checked and counted (ev_len), not kept */
     void *ctx;       /* the consumer's, for its token reader */
     uint64_t *h;     /* the hashes of the events read (raw allocator) */
     Py_ssize_t h_len, h_cap;
     KvEv *ev; /* the events read (raw allocator) */
     Py_ssize_t ev_len, ev_cap;
-    /* the last batch read: its rank (has_rank 0: nil or absent), whether it clears */
+    /* the last batch read: its rank (has_rank 0: nil or absent), whether it
+     * clears, its events' X_* bits together */
     uint64_t rank;
     int has_rank, rank_neg, cleared;
+    unsigned extras;
 };
 
 /* The bytes an int takes by its head byte c (0: not an int), as rd_int reads it. */
@@ -207,8 +207,17 @@ static inline int kvs_skip_any(Rd *r) {
     return rd_skip(r);
 }
 
+/* A token reader: the token_ids array at r read (its ids checked to be ints,
+ * at most lim.max_tokens), ev->tok/tok_len/ntok set; 0, FALL or -1. An
+ * extension with one of its own (the index makes its block sums as it
+ * reads) defines KVS_TOKENS as its name before including this header, and
+ * the function after it; the call is direct, so it inlines. */
+#ifndef KVS_TOKENS
+#define KVS_TOKENS kvs_tokens
+#endif
+
 /* The one field switch: field f's value into ev. */
-static inline int kvs_field(KvScan *s, Rd *r, int f, KvEv *ev) {
+static inline __attribute__((always_inline)) int kvs_field(KvScan *s, Rd *r, int f, KvEv *ev) {
     uint64_t v;
     int neg, has;
     const char *str;
@@ -226,7 +235,7 @@ static inline int kvs_field(KvScan *s, Rd *r, int f, KvEv *ev) {
         case F_PARENT:
             return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
         case F_TOKENS:
-            return s->tokens ? s->tokens(s, r, ev) : kvs_tokens(s, r, ev);
+            return KVS_TOKENS(s, r, ev);
         case F_BS:
             if (rd_int(r, &v, &neg) || neg || v < 1 || v > (uint64_t)s->lim.max_bs) return FALL;
             ev->block_size = (Py_ssize_t)v;
@@ -239,7 +248,9 @@ static inline int kvs_field(KvScan *s, Rd *r, int f, KvEv *ev) {
         case F_MEDIUM:
             return rd_opt_str(r, &ev->medium, &ev->medium_len);
         case F_LORA_NAME:
-            return rd_opt_str(r, &ev->lora, &ev->lora_len);
+            if (rd_opt_str(r, &ev->lora, &ev->lora_len)) return FALL;
+            if (ev->lora_len >= 0) ev->extras |= X_LORA;
+            return 0;
         case F_GROUP:
             return rd_opt_int(r, &ev->group, &ev->group_neg, &ev->has_group);
         case F_LOOKAHEAD:
@@ -271,7 +282,7 @@ static inline int kvs_field(KvScan *s, Rd *r, int f, KvEv *ev) {
 #define KVS_UNKNOWN 8
 
 /* One event, a map (its "type" key first) or a tagged array, into ev. */
-static inline int kvs_event(KvScan *s, Rd *r, KvEv *ev) {
+static inline __attribute__((always_inline)) int kvs_event(KvScan *s, Rd *r, KvEv *ev) {
     Py_ssize_t n, len;
     const char *tag, *key;
     if (r->i >= r->n) return FALL;
@@ -282,12 +293,19 @@ static inline int kvs_event(KvScan *s, Rd *r, KvEv *ev) {
     if (rd_str(r, &tag, &len)) return FALL;
     int kind = event_kind(tag, len);
     if (kind < 0) return FALL;
-    memset(ev, 0, sizeof *ev);
+    /* field by field: a memset of the struct is a slow `rep stos` here */
     ev->kind = kind;
+    ev->has_parent = ev->has_group = ev->group_neg = 0;
+    ev->extras = 0;
+    ev->parent = ev->group = 0;
+    ev->n = ev->block_size = ev->tok_len = ev->ntok = 0;
+    ev->tok = NULL;
+    ev->lora = NULL;
     ev->medium = "GPU";
     ev->medium_len = 3;
     ev->lora_len = -1;
     ev->hoff = ev->aux = -1;
+    ev->tier = ev->ok = ev->other = 0;
     unsigned seen = 1u << F_TYPE;
     int f = -1, nu = 0;
     /* keys that are none of the kind's fields, kept to see one given twice */
@@ -336,13 +354,16 @@ static inline int kvs_event(KvScan *s, Rd *r, KvEv *ev) {
 /* The events array: appended to s->ev. */
 static inline int kvs_events(KvScan *s, Rd *r) {
     Py_ssize_t m;
+    KvEv one;
     if (RD_ARRAY(r, &m) || m > s->lim.max_events) return FALL;
-    if (kvw_grow((void **)&s->ev, &s->ev_cap, s->ev_len + m, sizeof(KvEv)) < 0) return -1;
+    if (s->keep_events && kvw_grow((void **)&s->ev, &s->ev_cap, s->ev_len + m, sizeof(KvEv)) < 0)
+        return -1;
     for (Py_ssize_t k = 0; k < m; k++) {
-        KvEv *ev = &s->ev[s->ev_len];
+        KvEv *ev = s->keep_events ? &s->ev[s->ev_len] : &one;
         int rc = kvs_event(s, r, ev);
         if (rc) return rc;
         if (ev->kind == EV_CLEARED) s->cleared = 1;
+        s->extras |= ev->extras;
         s->ev_len++;
     }
     return 0;
@@ -365,6 +386,7 @@ static inline int kvs_batch(KvScan *s, Rd *r) {
     Py_ssize_t ev_len = s->ev_len, h_len = s->h_len, n;
     int rc = FALL;
     s->has_rank = s->rank_neg = s->cleared = 0;
+    s->extras = 0;
     s->rank = 0;
     if (r->i < r->n && is_map_head(r->p[r->i])) {
         /* {"ts", "events", "data_parallel_rank"?}, in any order */

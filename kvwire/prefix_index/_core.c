@@ -21,6 +21,12 @@
 #include <sys/mman.h>
 #endif
 
+#include "../_native/msgpack_read.h"
+/* The index reads token ids straight into block sums (rd_token_sums, below). */
+struct KvScan;
+struct KvEv;
+static int rd_token_sums(struct KvScan *s, Rd *r, struct KvEv *ev);
+#define KVS_TOKENS rd_token_sums
 #include "../_native/scan.h"
 
 typedef uint64_t u64;
@@ -2423,7 +2429,7 @@ static int rd_token_sums(KvScan *s, Rd *r, KvEv *ev) {
  * name, extra keys, lookahead tokens, a salt: the general way keys those). */
 static int index_event(PCtx *cx, PEv *ev) {
     if (ev->kind == EV_CLEARED) return 0;
-    if (ev->lora_len >= 0 || (ev->extras & (X_EXTRA | X_LOOKAHEAD | X_SALT))) return FALL;
+    if (ev->extras & (X_LORA | X_EXTRA | X_LOOKAHEAD | X_SALT)) return FALL;
     ev->tier = 0; /* tier_of(None): GPU */
     if (ev->medium_len >= 0) {
         int rc = medium_tier(cx, ev->medium, ev->medium_len, &ev->tier);
@@ -2540,8 +2546,7 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     PCtx cx = {.self = self, .chain = self->chain, .groups = self->groups, .tiers = self->tier_of,
                .none_ok = self->none_ok, .index_max_bs = self->index_max_bs};
     self->scan.lim = self->lim;
-    self->scan.keep_hashes = 1;
-    self->scan.tokens = rd_token_sums;
+    self->scan.keep_hashes = self->scan.keep_events = 1;
     self->scan.ctx = &cx;
     const u64 root = self->root;
     Py_buffer pv;

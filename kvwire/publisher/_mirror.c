@@ -633,12 +633,12 @@ static KvLimits LIMITS;
 static int rd_batch(Core *self, Rd *r) {
     KvScan *s = &self->scan;
     s->lim = LIMITS;
-    s->keep_hashes = 1;
+    s->keep_hashes = s->keep_events = 1;
     Py_ssize_t before = s->ev_len, h_before = s->h_len;
     int rc = kvs_batch(s, r);
     if (rc) return rc;
     for (Py_ssize_t k = before; k < s->ev_len; k++)
-        if (s->ev[k].kind == EV_CLEARED || s->ev[k].extras) {
+        if (s->ev[k].kind == EV_CLEARED || (s->ev[k].extras & ~X_LORA)) {
             s->ev_len = before;
             s->h_len = h_before;
             return FALL;

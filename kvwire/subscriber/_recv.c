@@ -285,8 +285,7 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
     int rc = kvs_batch(&s, &r);
     PyBuffer_Release(&view);
     Py_ssize_t m = s.ev_len;
-    for (Py_ssize_t k = 0; rc == 0 && k < m; k++)
-        if (s.ev[k].lora_len >= 0 || (s.ev[k].extras & (X_EXTRA | X_LOOKAHEAD | X_SALT))) rc = FALL;
+    if (rc == 0 && (s.extras & (X_LORA | X_EXTRA | X_LOOKAHEAD | X_SALT))) rc = FALL;
     kvs_free(&s);
     if (rc < 0) return PyErr_NoMemory();
     if (rc) Py_RETURN_NONE;

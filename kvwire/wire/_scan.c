@@ -53,7 +53,7 @@ static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "view(payload, limits) takes 2 arguments");
         return NULL;
     }
-    KvScan s = {.keep_hashes = 1};
+    KvScan s = {.keep_hashes = 1, .keep_events = 1};
     int rc = scan(args[0], args[1], &s);
     if (rc) {
         kvs_free(&s);

@@ -52,6 +52,7 @@ def test_the_view_is_what_decode_batch_reads() -> None:
     view = _scan.view(encode_batch(batch), DEFAULT_LIMITS)
     assert view is not None
     (k1, h1, p1, t1, bs1, m1, l1, g1, x1), (k2, h2, _, t2, _, m2, _, g2, x2) = view
-    assert (k1, h1, p1, bs1, m1, l1, g1, x1) == ("BlockStored", [2**64 - 1, 5], 7, 2, "CPU", "a", -1, 0)
+    # extras: 16, a lora name given
+    assert (k1, h1, p1, bs1, m1, l1, g1, x1) == ("BlockStored", [2**64 - 1, 5], 7, 2, "CPU", "a", -1, 16)
     assert t1 is not None and msgspec.msgpack.decode(t1) == [1, 2, 3, 4]
     assert (k2, h2, t2, m2, g2, x2) == ("BlockRemoved", [9], None, None, None, 0)
