@@ -331,10 +331,10 @@ def payloads(seed: int) -> Iterator[bytes]:
     while True:
         base = rnd.choice(bases) if rnd.random() < 0.5 else generated(rnd)
         value = restyle(rnd, base)
-        for _ in range(rnd.choice((0, 0, 1, 1, 2, 3))):
+        for _ in range(rnd.choice((0, 0, 0, 1, 1, 2, 3))):
             value = mutate_value(rnd, value)
         payload = _pack(value)
-        for _ in range(rnd.choice((0, 0, 0, 1, 1, 2))):
+        for _ in range(rnd.choice((0, 0, 0, 0, 0, 1, 2))):
             payload = mutate_bytes(rnd, payload)
         yield payload
 
