@@ -80,14 +80,6 @@ static inline int rd_nil(Rd *r) {
     return 0;
 }
 
-/* n ints into out[0..n) (their signs not kept). */
-static inline int rd_ints(Rd *r, uint64_t *out, Py_ssize_t n) {
-    int neg;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (rd_int(r, &out[k], &neg)) return FALL;
-    return 0;
-}
-
 /* nil (*has 0, *v untouched) or an int (*has 1). */
 static inline int rd_opt_int(Rd *r, uint64_t *v, int *neg, int *has) {
     *has = !rd_nil(r);

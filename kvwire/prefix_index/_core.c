@@ -2312,16 +2312,16 @@ static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t 
 /* The fused apply: one batch payload's msgpack straight into the tables.    */
 /*
  * What kvwire.wire.decode_batch followed by PrefixIndex.apply does, without
- * a Python object per event or block, for the batches engines send: events
- * all maps (decode_batch's typed path) or all tagged arrays (its generic
- * path), int hashes, no lora_name, extra keys, cache salt or lookahead tokens,
- * scalar values in the fields nobody reads. A first pass reads and checks the
- * whole payload (hashes and block sums into scratch); a second applies it.
- * Anything outside that subset, well formed or not, changes nothing and is
- * answered None: the caller decodes it the general way, which applies it or
- * raises WireError exactly as before. So the subset read here only has to be
- * a part of what decode_batch accepts, read the way it reads it (the reader
- * and its FALL, the event field table: kvwire/_native/msgpack_read.h). */
+ * a Python object per event or block, for the batches engines send. A first
+ * pass is the one native reader (kvwire/_native/scan.h: the payload checked
+ * against the DecodeLimits, its events' flat view, hashes into its scratch),
+ * its token reader making the block sums as it goes; then each event's tier
+ * and group are resolved, and a store with a lora_name, extra keys, a salt or
+ * lookahead tokens (keyed differently) declined. A second pass applies it.
+ * Anything the reader does not take, well formed or not, changes nothing and
+ * is answered False: the caller decodes it the general way, which applies it
+ * or raises WireError (tests/wire/differential.py holds the paths side by
+ * side). */
 
 /* The scanner's event (kvwire/_native/scan.h), with the index's notes:
  * tier, ok (its group counts), other (a store of another, valid block size),

@@ -7,7 +7,8 @@
  * Chain is one BlockStored event: its hashes inline (8 bytes each), its token
  * ids as the packed msgpack bytes they came in.
  *
- * apply_payload / apply_feed read batch payloads straight into the maps (no
+ * apply_payload / apply_feed read batch payloads (through the one native
+ * reader, kvwire/_native/scan.h) straight into the maps (no
  * Python object per block): a first pass reads and checks a whole payload
  * using no Python API (for a large feed it runs without the GIL), a second
  * applies it. A payload outside the subset read here changes nothing and is

@@ -1,11 +1,12 @@
 """msgpack encoding and decoding of :class:`KVEventBatch` in every dialect.
 
-Decoding takes a typed fast path (one C-level pass of msgspec) for a payload
-the native reader (``kvwire/_native/scan.h``, the one every native consumer
-uses) vouches for, and a generic decode plus an explicit conversion, every
-rule checked in Python, for the rest: positional (array) events, ``bytes``
-hashes, old SGLang's metadata map, anything malformed. Both end in the same
-structs, with hashes normalised to unsigned 64-bit.
+Decoding takes a typed fast path (one C-level pass of msgspec, map or
+positional events) for a payload the native reader (``kvwire/_native/scan.h``,
+the one every native consumer uses) vouches for, and a generic decode plus an
+explicit conversion, every rule checked in Python, for the rest: ``bytes``
+hashes, old SGLang's metadata map, non-ASCII strings, anything malformed.
+Both end in the same structs, with hashes normalised to unsigned 64-bit and
+token ids packed as received (:class:`TokenIds`).
 """
 
 from __future__ import annotations
@@ -268,8 +269,29 @@ class _MapBatch(msgspec.Struct, frozen=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# The positional dialect, typed: each event a tagged array of its fields in
+# declaration order (trailing ones omitted take their defaults).
+class _ArrayStored(BlockStored, tag="BlockStored", array_like=True, frozen=True, gc=False):
+    pass
+
+
+class _ArrayRemoved(BlockRemoved, tag="BlockRemoved", array_like=True, frozen=True, gc=False):
+    pass
+
+
+class _ArrayCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True, frozen=True):
+    pass
+
+
+class _ArrayEventsBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
 _fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _fast_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
+_fast_array_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
 _set = msgspec.structs.force_setattr
 # msgpack type bytes that start an array: fixarray, array16, array32.
 _ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
@@ -462,12 +484,15 @@ def _decode_typed(payload: bytes | bytearray | memoryview, limits: DecodeLimits)
         return None
     try:
         if _ARRAY_HEAD[memoryview(payload)[0]]:
-            batch = _fast_decoder.decode(payload)
+            try:
+                batch = _fast_decoder.decode(payload)
+            except msgspec.ValidationError:
+                batch = _from_arrays(_fast_array_decoder.decode(payload))
         else:
             m = _fast_map_decoder.decode(payload)
             batch = KVEventBatch(m.ts, m.events, m.data_parallel_rank)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return None  # tagged-array events, which only the general path builds
+        return None  # a form only the general path reads (events of both forms, old SGLang's)
     # Fix-ups in place, on events no one else has seen yet (every bound was
     # checked by the native reader): wrap the packed token ids, and mask
     # signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
@@ -484,6 +509,20 @@ def _decode_typed(payload: bytes | bytearray | memoryview, limits: DecodeLimits)
         if hashes and min(hashes) < 0:
             _set(e, "block_hashes", [h & U64_MASK for h in hashes])
     return batch
+
+
+def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
+    """The positional dialect's batch as the event structs."""
+    events: list[KVEvent] = []
+    for e in b.events:
+        kind = type(e)
+        if kind is _ArrayStored:
+            events.append(BlockStored(*_astuple(e)))
+        elif kind is _ArrayRemoved:
+            events.append(BlockRemoved(*_astuple(e)))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(b.ts, events, b.data_parallel_rank)
 
 
 def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:

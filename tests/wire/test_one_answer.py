@@ -150,3 +150,18 @@ def test_stores_with_no_blocks_mirror_natively() -> None:
     assert core.apply_payload(payload) is True
     assert core.chains() == [] and core.count() == 0
     assert decode_batch(payload).events == [BlockStored([], None, [], 1)]
+
+
+def test_an_unknown_field_is_skipped_unread_by_every_path() -> None:
+    """Its value is never decoded (as msgspec skips unknown fields): invalid UTF-8 there is no error."""
+    bad_utf8 = b"\xa2\xff\xfe"
+    event = bytearray(map_event(STORE))
+    event[0] += 1
+    payload = batch_of(bytes(event) + enc("future_field") + bad_utf8)
+    want = [BlockStored([1, 2], None, [1, 2, 3, 4], 2)]
+    assert decode_batch(payload).events == _decode_generic(payload, DEFAULT_LIMITS).events == want
+    idx = PrefixIndex(2)
+    idx.apply_payload("w", 0, payload)
+    assert idx.blocks("w", 0) == {1, 2}
+    with pytest.raises(WireError):  # a field that is read: refused
+        decode_batch(batch_of(map_event([*STORE, ("medium", "x")]).replace(b"\xa1x", bad_utf8)))
