@@ -126,17 +126,13 @@ struct KvScan {
     unsigned extras;
 };
 
-/* The bytes an int takes by its head byte c (0: not an int), as rd_int reads it. */
-static inline Py_ssize_t int_width(unsigned char c) {
-    if (c <= 0x7f || c >= 0xe0) return 1;
-    switch (c) {
-        case 0xcc: case 0xd0: return 2;
-        case 0xcd: case 0xd1: return 3;
-        case 0xce: case 0xd2: return 5;
-        case 0xcf: case 0xd3: return 9;
-        default: return 0;
-    }
-}
+/* The bytes an int takes by its head byte (0: not an int), as rd_int reads it. */
+static const unsigned char KVS_INT_WIDTH[256] = {
+    [0x00 ... 0x7f] = 1, [0xcc] = 2, [0xcd] = 3, [0xce] = 5, [0xcf] = 9,
+    [0xd0] = 2, [0xd1] = 3, [0xd2] = 5, [0xd3] = 9, [0xe0 ... 0xff] = 1,
+};
+
+static inline Py_ssize_t int_width(unsigned char c) { return KVS_INT_WIDTH[c]; }
 
 /* An array of at most max ints, skipped; *start its first byte, *count its ids. */
 static inline int kvs_skip_ints(Rd *r, Py_ssize_t max, Py_ssize_t *count) {
