@@ -218,6 +218,13 @@ static inline __attribute__((always_inline)) int kvs_field(KvScan *s, Rd *r, int
     int neg, has;
     const char *str;
     Py_ssize_t n;
+    /* The usual optional field: nil, what the event holds unless given (a
+     * medium's nil is None, not the default "GPU"); a second tag never gets
+     * here (kvs_event refuses it first). */
+    if ((f > F_BS || f == F_UNKNOWN) && f != F_MEDIUM && r->i < r->n && r->p[r->i] == 0xc0) {
+        r->i++;
+        return 0;
+    }
     switch (f) {
         case F_HASHES:
             if (!s->keep_hashes) return kvs_skip_ints(r, s->lim.max_blocks, &ev->n);
