@@ -6,10 +6,23 @@
 
 #include "../_native/scan.h"
 
+/* The DecodeLimits last given (a frozen struct, held so its id is not
+ * reused) and its bounds: read once, not on every small payload. */
+static PyObject *last_limits;
+static KvLimits last_lim;
+static int last_bad;
+
 /* Read payload with limits into s; 0, FALL (with no exception) or -1. */
 static int scan(PyObject *payload, PyObject *limits, KvScan *s) {
-    int rc = kvs_limits_of(limits, &s->lim);
-    if (rc) return rc < 0 ? -1 : FALL;
+    if (limits != last_limits) {
+        int bad = kvs_limits_of(limits, &last_lim);
+        if (bad < 0) return -1;
+        last_bad = bad;
+        Py_XSETREF(last_limits, Py_NewRef(limits));
+    }
+    if (last_bad) return FALL;
+    s->lim = last_lim;
+    int rc;
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
         PyErr_Clear(); /* not bytes-like: decode_batch says what it is */
