@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher._mirror import Core
@@ -11,10 +13,12 @@ from kvwire.wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    WireError,
     _scan,
     decode_batch,
     encode_batch,
 )
+from tests.budget import examples
 
 
 def test_its_field_table_is_the_event_structs_fields() -> None:
@@ -56,3 +60,27 @@ def test_the_view_is_what_decode_batch_reads() -> None:
     assert (k1, h1, p1, bs1, m1, l1, g1, x1) == ("BlockStored", [2**64 - 1, 5], 7, 2, "CPU", "a", -1, 16)
     assert t1 is not None and msgspec.msgpack.decode(t1) == [1, 2, 3, 4]
     assert (k2, h2, t2, m2, g2, x2) == ("BlockRemoved", [9], None, None, None, 0)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    st.lists(st.integers(256, 65535), max_size=80),
+    st.integers(0, 80),
+    st.sampled_from([None, True, 1.5, 7, 2**40, "x"]),
+)
+def test_uint16_token_runs_are_checked_to_the_last_id(tokens: list[int], at: int, planted: object) -> None:
+    """The check skips sixteen uint16 ids at once: a non-int anywhere among them is still seen."""
+    ids: list[object] = list(tokens)
+    if ids:
+        ids[at % len(ids)] = planted
+    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": ids}
+    payload = msgspec.msgpack.encode([0.0, [{**event, "block_size": 1}], 0])
+    accepted = all(type(t) is int for t in ids)
+    assert (_scan.check(payload, DEFAULT_LIMITS) is not None) == accepted
+    try:
+        decode_batch(payload)
+    except WireError:
+        assert not accepted
+    else:
+        assert accepted
+    assert _scan.check(payload[:-3], DEFAULT_LIMITS) is None
