@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 INC="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 SAVE="$(mktemp -d)"
-trap 'for m in wire/_pack prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
-for m in wire/_pack prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do
+trap 'for m in wire/_pack wire/_scan prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
+for m in wire/_pack wire/_scan prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do
     cp "kvwire/$m$SUFFIX" "$SAVE/"
     gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined \
         -fPIC -shared -I"$INC" "kvwire/$m.c" -o "kvwire/$m$SUFFIX"

@@ -1,6 +1,5 @@
-/* msgpack readers shared by kvwire's C extensions that read batch payloads
- * straight into their tables (the prefix index's fused apply, the snapshot
- * mirror): a subset of msgpack, read the way msgspec reads it.
+/* msgpack readers under the one batch payload scanner (kvwire/_native/scan.h):
+ * a subset of msgpack, read the way msgspec reads it.
  *
  * One error convention: a reader returns 0, the value read and the cursor past
  * it, or FALL: the bytes are outside the subset (malformed, truncated or just
@@ -78,14 +77,6 @@ static inline int rd_nil(Rd *r) {
         r->i++;
         return 1;
     }
-    return 0;
-}
-
-/* n ints into out[0..n) (their signs not kept). */
-static inline int rd_ints(Rd *r, uint64_t *out, Py_ssize_t n) {
-    int neg;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (rd_int(r, &out[k], &neg)) return FALL;
     return 0;
 }
 
@@ -186,156 +177,6 @@ static inline int kvw_grow(void **a, Py_ssize_t *cap, Py_ssize_t need, size_t it
     *a = p;
     *cap = c;
     return 0;
-}
-
-/* --- kvwire's batch payload: [ts, events, data_parallel_rank?] ------------- */
-
-/* A batch up to its events: the 2- or 3-item array (*n items), the float
- * timestamp, the events array's header (*m events, at most max_events). */
-static inline int rd_batch_open(Rd *r, Py_ssize_t *n, Py_ssize_t *m, Py_ssize_t max_events) {
-    if (RD_ARRAY(r, n) || *n < 2 || *n > 3) return FALL;
-    if (r->i >= r->n) return FALL;
-    unsigned char c = r->p[r->i];
-    if (c == 0xca) { if (r->n - r->i < 5) return FALL; r->i += 5; }
-    else if (c == 0xcb) { if (r->n - r->i < 9) return FALL; r->i += 9; }
-    else return FALL;
-    return RD_ARRAY(r, m) || *m > max_events ? FALL : 0;
-}
-
-/* Whether the batch's m events are maps (else tagged arrays), by the first. */
-static inline int rd_events_are_maps(const Rd *r, Py_ssize_t m) {
-    return m > 0 && r->i < r->n && is_map_head(r->p[r->i]);
-}
-
-/* The rest of an n-item batch after its events: the data_parallel_rank (nil
- * or an int) if n is 3, then the end of the payload (no trailing bytes). */
-static inline int rd_batch_close(Rd *r, Py_ssize_t n) {
-    uint64_t v;
-    int neg, has;
-    if (n == 3 && rd_opt_int(r, &v, &neg, &has)) return FALL;
-    return r->i != r->n ? FALL : 0;
-}
-
-/* An event up to its fields: a map's or an array's header (*n items, the tag
- * one of them), a map's "type" key, the tag (*tag, *len). */
-static inline int rd_event_open(Rd *r, int map, Py_ssize_t *n, const char **tag, Py_ssize_t *len) {
-    if (map ? RD_MAP(r, n) : RD_ARRAY(r, n)) return FALL;
-    if (*n < 1) return FALL;
-    if (map && (rd_str(r, tag, len) || !str_is(*tag, *len, "type"))) return FALL;
-    return rd_str(r, tag, len);
-}
-
-/* --- an event's fields ------------------------------------------------------- */
-
-/* BlockStored's fields in declaration (positional) order, then the tag. */
-enum {
-    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
-    F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_SESSION, F_LOOKAHEAD, F_SALT, F_TYPE, F_COUNT,
-    F_UNKNOWN = -1
-};
-#define FIELD_NAME(s) {s, sizeof(s) - 1}
-static const struct {
-    const char *s;
-    Py_ssize_t n;
-} FIELD_NAMES[F_COUNT] = {
-    FIELD_NAME("block_hashes"), FIELD_NAME("parent_block_hash"), FIELD_NAME("token_ids"),
-    FIELD_NAME("block_size"), FIELD_NAME("lora_id"), FIELD_NAME("medium"),
-    FIELD_NAME("lora_name"), FIELD_NAME("extra_keys"), FIELD_NAME("group_idx"),
-    FIELD_NAME("kv_cache_spec_kind"), FIELD_NAME("kv_cache_spec_sliding_window"),
-    FIELD_NAME("locality"), FIELD_NAME("ownership"), FIELD_NAME("session_id"),
-    FIELD_NAME("lookahead_token_ids"), FIELD_NAME("cache_salt"), FIELD_NAME("type"),
-};
-#undef FIELD_NAME
-/* BlockRemoved's fields, positional order. */
-static const int REMOVED_FIELDS[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
-#define N_REMOVED 5
-#define N_STORED F_TYPE
-#define REQUIRED_STORED ((1u << F_HASHES) | (1u << F_PARENT) | (1u << F_TOKENS) | (1u << F_BS))
-
-enum { EV_STORED, EV_REMOVED, EV_CLEARED };
-
-/* An event's kind by its tag, -1 if none of these. */
-static inline int event_kind(const char *s, Py_ssize_t n) {
-    if (str_is(s, n, "BlockStored")) return EV_STORED;
-    if (str_is(s, n, "BlockRemoved")) return EV_REMOVED;
-    if (str_is(s, n, "AllBlocksCleared")) return EV_CLEARED;
-    return -1;
-}
-
-static inline int is_field(const char *s, Py_ssize_t n, int f) {
-    return n == FIELD_NAMES[f].n && memcmp(s, FIELD_NAMES[f].s, (size_t)n) == 0;
-}
-
-/* A field id by its map key, for an event of this kind (F_UNKNOWN: not its
- * field); `guess` (the field after the last one) is tried first. */
-static inline int field_of(int kind, const char *s, Py_ssize_t n, int guess) {
-    if (kind == EV_STORED) {
-        if (guess >= 0 && guess < F_COUNT && is_field(s, n, guess)) return guess;
-        for (int f = 0; f < F_COUNT; f++)
-            if (is_field(s, n, f)) return f;
-        return F_UNKNOWN;
-    }
-    if (kind == EV_REMOVED)
-        for (int k = 0; k < N_REMOVED; k++)
-            if (is_field(s, n, REMOVED_FIELDS[k])) return REMOVED_FIELDS[k];
-    return is_field(s, n, F_TYPE) ? F_TYPE : F_UNKNOWN;
-}
-
-/* An event's field id at item k (*f: the previous one's, -1 at first): its
- * map key read, or its place in a tagged array; FALL for a field seen before
- * (*seen, a bit each). */
-static inline int rd_field_id(Rd *r, int map, int kind, Py_ssize_t k, int *f, unsigned *seen) {
-    if (map) {
-        const char *s;
-        Py_ssize_t len;
-        int g = *f + 1;
-        /* The usual case first: a store's next field in declaration order,
-         * its name a fixstr (what field_of would find, read in one compare). */
-        if (kind == EV_STORED && g < F_COUNT && FIELD_NAMES[g].n < 32 && r->n - r->i > FIELD_NAMES[g].n &&
-            r->p[r->i] == (0xa0 | FIELD_NAMES[g].n) &&
-            memcmp(r->p + r->i + 1, FIELD_NAMES[g].s, (size_t)FIELD_NAMES[g].n) == 0) {
-            r->i += 1 + FIELD_NAMES[g].n;
-            *f = g;
-        } else {
-            if (rd_str(r, &s, &len)) return FALL;
-            *f = field_of(kind, s, len, g);
-        }
-    } else {
-        Py_ssize_t at = k - 1;
-        if (kind == EV_STORED) *f = at < N_STORED ? (int)at : F_UNKNOWN;
-        else if (kind == EV_REMOVED) *f = at < N_REMOVED ? REMOVED_FIELDS[at] : F_UNKNOWN;
-        else *f = F_UNKNOWN;
-    }
-    if (*f < 0) return 0;
-    if (*seen & (1u << *f)) return FALL;
-    *seen |= 1u << *f;
-    return 0;
-}
-
-/* Whether an event has the fields its kind requires, by the ids it had. */
-static inline int event_complete(int kind, unsigned seen) {
-    if (kind == EV_CLEARED) return 1;
-    if (!(seen & (1u << F_HASHES))) return 0;
-    return kind != EV_STORED || (seen & REQUIRED_STORED) == REQUIRED_STORED;
-}
-
-/* block_size: an int in 1..max. */
-static inline int rd_block_size(Rd *r, uint64_t max, Py_ssize_t *bs) {
-    uint64_t v;
-    int neg;
-    if (rd_int(r, &v, &neg) || neg || v < 1 || v > max) return FALL;
-    *bs = (Py_ssize_t)v;
-    return 0;
-}
-
-/* A field both readers check and drop: lora_id, the sliding window (nil or
- * an int), the spec kind (nil or a string). */
-static inline int rd_dropped(Rd *r, int f) {
-    uint64_t v;
-    int neg, has;
-    const char *s;
-    Py_ssize_t n;
-    return f == F_KIND ? rd_opt_str(r, &s, &n) : rd_opt_int(r, &v, &neg, &has);
 }
 
 #endif /* KVWIRE_MSGPACK_READ_H */

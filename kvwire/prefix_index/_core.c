@@ -22,6 +22,12 @@
 #endif
 
 #include "../_native/msgpack_read.h"
+/* The index reads token ids straight into block sums (rd_token_sums, below). */
+struct KvScan;
+struct KvEv;
+static int rd_token_sums(struct KvScan *s, Rd *r, struct KvEv *ev);
+#define KVS_TOKENS rd_token_sums
+#include "../_native/scan.h"
 
 typedef uint64_t u64;
 typedef uint32_t u32;
@@ -943,7 +949,6 @@ typedef struct {
     int over_cap; /* a store was refused at max_entries since the last clear */
 } Rank;
 
-typedef struct PEv PEv; /* an event of a payload being applied (below) */
 
 typedef struct {
     PyObject_HEAD
@@ -957,9 +962,9 @@ typedef struct {
     Arena arena; /* the rank tables' mid-sized arrays */
     Scratch tok, keys, hashes;
     /* apply_payload's first pass: hashes, block sums, events */
-    Scratch ph, ps;
-    Py_ssize_t ph_len, ps_len, pev_cap;
-    PEv *pev;
+    KvScan scan;
+    Scratch ps;
+    Py_ssize_t ps_len;
     /* The names (and their hashes) matches report by: Names, shared by
      * every match until the names list changes. */
     PyObject *snap;
@@ -973,7 +978,8 @@ typedef struct {
     int none_ok;
     /* the DecodeLimits last given to apply_payload (frozen) and its bounds */
     PyObject *limits;
-    Py_ssize_t max_events, max_blocks, max_bs, max_tokens;
+    KvLimits lim;
+    int lim_bad; /* a bound the native path does not read: the general way */
     /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused */
     Py_ssize_t counts[5];
 } Index;
@@ -1030,9 +1036,8 @@ static void Index_dealloc(Index *self) {
     scratch_free(&self->tok);
     scratch_free(&self->keys);
     scratch_free(&self->hashes);
-    scratch_free(&self->ph);
+    kvs_free(&self->scan);
     scratch_free(&self->ps);
-    PyMem_RawFree(self->pev);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2307,30 +2312,28 @@ static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t 
 /* The fused apply: one batch payload's msgpack straight into the tables.    */
 /*
  * What kvwire.wire.decode_batch followed by PrefixIndex.apply does, without
- * a Python object per event or block, for the batches engines send: events
- * all maps (decode_batch's typed path) or all tagged arrays (its generic
- * path), int hashes, no lora_name, extra keys, cache salt or lookahead tokens,
- * scalar values in the fields nobody reads. A first pass reads and checks the
- * whole payload (hashes and block sums into scratch); a second applies it.
- * Anything outside that subset, well formed or not, changes nothing and is
- * answered None: the caller decodes it the general way, which applies it or
- * raises WireError exactly as before. So the subset read here only has to be
- * a part of what decode_batch accepts, read the way it reads it (the reader
- * and its FALL, the event field table: kvwire/_native/msgpack_read.h). */
+ * a Python object per event or block, for the batches engines send. A first
+ * pass is the one native reader (kvwire/_native/scan.h: the payload checked
+ * against the DecodeLimits, its events' flat view, hashes into its scratch),
+ * its token reader making the block sums as it goes; then each event's tier
+ * and group are resolved, and a store with a lora_name, extra keys, a salt or
+ * lookahead tokens (keyed differently) declined. A second pass applies it.
+ * Anything the reader does not take, well formed or not, changes nothing and
+ * is answered False: the caller decodes it the general way, which applies it
+ * or raises WireError (tests/wire/differential.py holds the paths side by
+ * side). */
 
-/* One event read by the first pass. */
-struct PEv {
-    int kind, tier, group_ok, has_parent, other_size;
-    u64 parent;
-    Py_ssize_t n, hoff, soff; /* hashes; their block sums (-1: tokens unusable) */
-};
+/* The scanner's event (kvwire/_native/scan.h), with the index's notes:
+ * tier, ok (its group counts), other (a store of another, valid block size),
+ * aux (its block sums in ps, -1: tokens unusable). */
+typedef KvEv PEv;
 
 typedef struct {
     Index *self;
     KeyChain *chain;
     PyObject *groups, *tiers;
     int none_ok;
-    Py_ssize_t max_events, max_blocks, max_bs, max_tokens, index_max_bs;
+    Py_ssize_t index_max_bs;
     /* the medium last looked up */
     const char *med;
     Py_ssize_t med_len;
@@ -2359,30 +2362,14 @@ static int medium_tier(PCtx *cx, const char *s, Py_ssize_t n, int *tier) {
     return 0;
 }
 
-/* n engine hashes into out, as rd_ints reads them; their usual form (uint64,
- * 63-bit hashes) in one load. */
-static int rd_hashes(Rd *r, u64 *out, Py_ssize_t n) {
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (r->n - r->i >= 9 && r->p[r->i] == 0xcf) {
-            u64 v;
-            memcpy(&v, r->p + r->i + 1, 8);
-            out[k] = __builtin_bswap64(v);
-            r->i += 9;
-            continue;
-        }
-        int neg;
-        if (rd_int(r, &out[k], &neg)) return FALL;
-    }
-    return 0;
-}
-
 /* The token_ids array at r, read straight into the block sums of the
- * chain's block size, appended to the index's sums scratch (at *off, one a
- * whole block; *ntok the tokens): the fused apply needs the tokens only for
- * those. Accepts and refuses (FALL) exactly the arrays tokens_packed_at
- * does. A block of 16 uint16 ids, most of a 32k-65k vocabulary's, is read
+ * chain's block size, appended to the index's sums scratch (at ev->aux, one
+ * a whole block): the fused apply needs the tokens only for those; the
+ * scanner's token reader (-1: out of memory, raised). Accepts and refuses
+ * (FALL) exactly the arrays the scanner's default reader does. A block of 16 uint16 ids, most of a 32k-65k vocabulary's, is read
  * without a branch per id. */
-static int rd_token_sums(PCtx *cx, Rd *r, Py_ssize_t *off, Py_ssize_t *ntok) {
+static int rd_token_sums(KvScan *s, Rd *r, KvEv *ev) {
+    PCtx *cx = s->ctx;
     const unsigned char *p = r->p + r->i;
     Py_ssize_t len = r->n - r->i, n, i;
     if (len < 1) return FALL;
@@ -2391,13 +2378,13 @@ static int rd_token_sums(PCtx *cx, Rd *r, Py_ssize_t *off, Py_ssize_t *ntok) {
     else if (h == 0xdc && len >= 3) { n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
     else if (h == 0xdd && len >= 5) { n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
     else return FALL;
-    if (n > len - i || n > cx->max_tokens) return FALL;
+    if (n > len - i || n > s->lim.max_tokens) return FALL;
     const KeyChain *c = cx->chain;
     Py_ssize_t bs = c->bs, nb = n / bs;
     Index *self = cx->self;
-    *off = self->ps_len;
-    if (!scratch_get(&self->ps, *off + nb)) return -1;
-    u64 *sums = self->ps.p + *off;
+    Py_ssize_t off = self->ps_len;
+    if (!scratch_get(&self->ps, off + nb)) return -1;
+    u64 *sums = self->ps.p + off;
     const u64 *w = c->w;
     for (Py_ssize_t b = 0; b <= nb; b++) {
         /* b == nb: the ids past the last whole block, read for their checks only */
@@ -2428,117 +2415,56 @@ static int rd_token_sums(PCtx *cx, Rd *r, Py_ssize_t *off, Py_ssize_t *ntok) {
         }
         if (b < nb) sums[b] = a;
     }
-    self->ps_len = *off + nb;
-    *ntok = n;
+    self->ps_len = off + nb;
+    ev->aux = off;
+    ev->tok = p;
+    ev->tok_len = i;
+    ev->ntok = n;
     r->i += i;
     return 0;
 }
 
-/* One field's value into ev (and the hashes/tokens into scratch). */
-static int rd_field(PCtx *cx, Rd *r, int f, PEv *ev, Py_ssize_t *soff, Py_ssize_t *ntok,
-                    Py_ssize_t *bs) {
-    Index *self = cx->self;
-    u64 v;
-    int neg, rc;
-    const char *s;
-    Py_ssize_t n;
-    switch (f) {
-        case F_HASHES: {
-            if (RD_ARRAY(r, &n)) return FALL;
-            if (n > cx->max_blocks) return FALL;
-            Py_ssize_t off = self->ph_len;
-            if (!scratch_get(&self->ph, off + n)) return -1;
-            if (rd_hashes(r, self->ph.p + off, n)) return FALL;
-            self->ph_len = off + n;
-            ev->hoff = off;
-            ev->n = n;
-            return 0;
-        }
-        case F_PARENT:
-            return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
-        case F_TOKENS:
-            return rd_token_sums(cx, r, soff, ntok);
-        case F_BS:
-            return rd_block_size(r, (u64)cx->max_bs, bs);
-        case F_LORA_ID:
-        case F_WINDOW:
-        case F_KIND:
-            return rd_dropped(r, f);
-        case F_MEDIUM:
-            if (rd_nil(r)) { ev->tier = 0; return 0; }  /* tier_of(None): GPU */
-            if (rd_str(r, &s, &n)) return FALL;
-            return medium_tier(cx, s, n, &ev->tier);
-        case F_GROUP: {
-            if (rd_nil(r)) { ev->group_ok = cx->none_ok; return 0; }
-            if (rd_int(r, &v, &neg)) return FALL;
-            PyObject *g = neg ? PyLong_FromLongLong((long long)v) : PyLong_FromUnsignedLongLong(v);
-            if (!g) return -1;
-            rc = PySet_Contains(cx->groups, g);
-            Py_DECREF(g);
-            if (rc < 0) return -1;
-            ev->group_ok = rc;
-            return 0;
-        }
-        case F_LORA_NAME:
-        case F_EXTRA:
-        case F_LOOKAHEAD:
-        case F_SALT:
-            return rd_nil(r) ? 0 : FALL;
-        case F_LOCALITY:
-        case F_OWNERSHIP:
-        case F_SESSION:
-        case F_UNKNOWN:
-            return rd_skip(r);
-        default:
-            return FALL; /* a second tag */
-    }
-}
-
-/* One event, a map (`map` 1) or a tagged array, into ev. */
-static int rd_event(PCtx *cx, Rd *r, int map, PEv *ev) {
-    Py_ssize_t n, len;
-    const char *s;
-    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind = event_kind(s, len);
-    if (kind < 0) return FALL;
-    memset(ev, 0, sizeof *ev);
-    ev->kind = kind;
-    ev->group_ok = cx->none_ok; /* group_idx None unless given */
-    ev->soff = -1;
-    Py_ssize_t soff = -1, ntok = 0, bs = 0;
-    unsigned seen = 0;
-    int f = -1;
-    for (Py_ssize_t k = 1; k < n; k++) {
-        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
-        int rc = rd_field(cx, r, f, ev, &soff, &ntok, &bs);
+/* An event the scanner read, as the index takes it: its tier and group, its
+ * sums usable or not; FALL for what would key a block differently (a lora
+ * name, extra keys, lookahead tokens, a salt: the general way keys those). */
+static int index_event(PCtx *cx, PEv *ev) {
+    if (ev->kind == EV_CLEARED) return 0;
+    if (ev->extras & (X_LORA | X_EXTRA | X_LOOKAHEAD | X_SALT)) return FALL;
+    ev->tier = 0; /* tier_of(None): GPU */
+    if (ev->medium_len >= 0) {
+        int rc = medium_tier(cx, ev->medium, ev->medium_len, &ev->tier);
         if (rc) return rc;
     }
-    if (!event_complete(kind, seen)) return FALL;
-    if (kind != EV_STORED) return 0;
+    if (!ev->has_group) ev->ok = cx->none_ok;
+    else {
+        PyObject *g = ev->group_neg ? PyLong_FromLongLong((long long)ev->group)
+                                    : PyLong_FromUnsignedLongLong(ev->group);
+        if (!g) return -1;
+        int rc = PySet_Contains(cx->groups, g);
+        Py_DECREF(g);
+        if (rc < 0) return -1;
+        ev->ok = rc;
+    }
+    if (ev->kind != EV_STORED) return 0;
     /* PrefixIndex._store: tokens count only at the index's block size. */
+    Py_ssize_t bs = ev->block_size;
     int usable = bs == cx->chain->bs;
-    ev->other_size = !usable && bs <= cx->index_max_bs;
-    if (usable && ev->n && ntok == ev->n * bs) ev->soff = soff;
-    else if (soff >= 0) cx->self->ps_len = soff; /* sums read for nothing */
+    ev->other = !usable && bs <= cx->index_max_bs;
+    if (!(usable && ev->n && ev->ntok == ev->n * bs)) ev->aux = -1;
     return 0;
 }
 
-/* The first pass: the whole payload read and checked; *count events. */
+/* The first pass: the whole payload read and checked (the one reader, its
+ * token reader making the block sums as it goes); *count events. */
 static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
-    Index *self = cx->self;
-    Py_ssize_t n, m;
-    if (rd_batch_open(r, &n, &m, cx->max_events)) return FALL;
-    if (kvw_grow((void **)&self->pev, &self->pev_cap, m, sizeof(PEv)) < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    int map = rd_events_are_maps(r, m);
-    for (Py_ssize_t k = 0; k < m; k++) {
-        int rc = rd_event(cx, r, map, &self->pev[k]);
-        if (rc) return rc;
-    }
-    if (rd_batch_close(r, n)) return FALL;
-    *count = m;
+    KvScan *s = &cx->self->scan;
+    s->ev_len = s->h_len = 0;
+    int rc = kvs_batch(s, r);
+    if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
+    if (rc) return rc;
+    for (Py_ssize_t k = 0; k < s->ev_len; k++)
+        if ((rc = index_event(cx, &s->ev[k]))) return rc;
+    *count = s->ev_len;
     return 0;
 }
 
@@ -2556,15 +2482,15 @@ static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
 
 static void event_prefetch(Index *self, Rank *rk, const PEv *ev, int stage, KeyChain *chain,
                            u64 root) {
-    if (ev->kind == EV_CLEARED || !ev->group_ok || !ev->n) return;
+    if (ev->kind == EV_CLEARED || !ev->ok || !ev->n) return;
     Table *t = &rk->entries;
-    const u64 *h = self->ph.p + ev->hoff;
+    const u64 *h = self->scan.h + ev->hoff;
     if (stage == 0) {
         if (ev->kind == EV_STORED && ev->has_parent) t_prefetch(t, ev->parent);
         for (Py_ssize_t b = 0; b < ev->n && b < EVENT_HASHES; b++) t_prefetch_probe(t, h[b]);
         return;
     }
-    if (ev->kind != EV_STORED || ev->soff < 0) return;
+    if (ev->kind != EV_STORED || ev->aux < 0) return;
     u64 start = root, hh_group = 0;
     int64_t d0 = 0;
     if (ev->has_parent) {
@@ -2574,7 +2500,7 @@ static void event_prefetch(Index *self, Rank *rk, const PEv *ev, int stage, KeyC
         d0 = (int64_t)pe->depth + 1;
         hh_group = entry_hh(pe) & HOME_BITS;
     }
-    u64 key = chain_step(chain, start, self->ps.p[ev->soff], (u64)d0, 0);
+    u64 key = chain_step(chain, start, self->ps.p[ev->aux], (u64)d0, 0);
     t_prefetch_h(&self->nodes, (d0 & 7) ? hh_group | (u64)(d0 & 7) : own_home(key));
 }
 
@@ -2597,22 +2523,12 @@ static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
  * not read (the general way). */
 static int limits_of(Index *self, PyObject *limits) {
     if (limits != self->limits) {
-        static const char *const names[4] = {"max_events", "max_blocks", "max_block_size", "max_tokens"};
-        Py_ssize_t v[4];
-        int bad = 0;
-        for (int i = 0; i < 4; i++) {
-            PyObject *o = PyObject_GetAttrString(limits, names[i]);
-            if (!o) return -1;
-            v[i] = ssize_arg(o, &bad);
-            Py_DECREF(o);
-        }
-        self->max_events = bad ? -1 : v[0];
-        self->max_blocks = v[1];
-        self->max_bs = v[2];
-        self->max_tokens = v[3];
+        int bad = kvs_limits_of(limits, &self->lim);
+        if (bad < 0) return -1;
+        self->lim_bad = bad;
         Py_XSETREF(self->limits, Py_NewRef(limits)); /* last: the old one's release may run code */
     }
-    return self->max_events < 0;
+    return self->lim_bad;
 }
 
 /* apply_payload(sid, payload, limits) -> True | False
@@ -2628,9 +2544,10 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     int lim = limits_of(self, args[2]);
     if (lim) return lim < 0 ? NULL : Py_NewRef(Py_False);
     PCtx cx = {.self = self, .chain = self->chain, .groups = self->groups, .tiers = self->tier_of,
-               .none_ok = self->none_ok, .index_max_bs = self->index_max_bs,
-               .max_events = self->max_events, .max_blocks = self->max_blocks,
-               .max_bs = self->max_bs, .max_tokens = self->max_tokens};
+               .none_ok = self->none_ok, .index_max_bs = self->index_max_bs};
+    self->scan.lim = self->lim;
+    self->scan.keep_hashes = self->scan.keep_events = 1;
+    self->scan.ctx = &cx;
     const u64 root = self->root;
     Py_buffer pv;
     if (PyObject_GetBuffer(args[1], &pv, PyBUF_SIMPLE) < 0) {
@@ -2641,7 +2558,7 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     PyObject *result = NULL;
     size_t sid;
     if (chain_ready(cx.chain) < 0 || check_sid(self, args[0], &sid) < 0) goto done;
-    self->ph_len = self->ps_len = 0;
+    self->ps_len = 0;
     Rd r = {pv.buf, pv.len, 0};
     Py_ssize_t m = 0;
     int rc = rd_batch(&cx, &r, &m);
@@ -2652,28 +2569,28 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     /* The second pass: nothing below can refuse the batch. */
     Py_ssize_t orphans = 0, unknown = 0, ignored = 0, malformed = 0, refused = 0;
     Rank *rk = &self->ranks[sid];
-    for (Py_ssize_t k = 0; k < m && k < EVENT_AHEAD; k++) event_prefetch(self, rk, &self->pev[k], 0, cx.chain, root);
+    for (Py_ssize_t k = 0; k < m && k < EVENT_AHEAD; k++) event_prefetch(self, rk, &self->scan.ev[k], 0, cx.chain, root);
     for (Py_ssize_t k = 0; k < m; k++) {
-        if (k + EVENT_AHEAD < m) event_prefetch(self, rk, &self->pev[k + EVENT_AHEAD], 0, cx.chain, root);
-        if (k + EVENT_AHEAD / 2 < m) event_prefetch(self, rk, &self->pev[k + EVENT_AHEAD / 2], 1, cx.chain, root);
-        const PEv *ev = &self->pev[k];
+        if (k + EVENT_AHEAD < m) event_prefetch(self, rk, &self->scan.ev[k + EVENT_AHEAD], 0, cx.chain, root);
+        if (k + EVENT_AHEAD / 2 < m) event_prefetch(self, rk, &self->scan.ev[k + EVENT_AHEAD / 2], 1, cx.chain, root);
+        const PEv *ev = &self->scan.ev[k];
         if (ev->kind == EV_CLEARED) {
             if (clear_core(self, sid) < 0) goto done;
             continue;
         }
-        if (!ev->group_ok) {
+        if (!ev->ok) {
             ignored++;
             continue;
         }
         if (!ev->n) continue;
-        const u64 *h = self->ph.p + ev->hoff;
+        const u64 *h = self->scan.h + ev->hoff;
         if (ev->kind == EV_REMOVED) {
             Py_ssize_t u = remove_core(self, sid, h, ev->n, ev->tier);
             if (u < 0) goto done;
             unknown += u;
             continue;
         }
-        const u64 *sums = ev->soff < 0 ? NULL : self->ps.p + ev->soff;
+        const u64 *sums = ev->aux < 0 ? NULL : self->ps.p + ev->aux;
         int flags = store_core(self, sid, cx.chain, ev->tier, h, ev->n, ev->has_parent, ev->parent,
                                root, NULL, 0, sums, NULL);
         if (flags < 0) goto done;
@@ -2682,7 +2599,7 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
             continue;
         }
         if (flags & ORPHAN) orphans++;
-        if ((flags & MALFORMED) && !ev->other_size) malformed++;
+        if ((flags & MALFORMED) && !ev->other) malformed++;
     }
     self->counts[0] += orphans;
     self->counts[1] += unknown;
@@ -2692,13 +2609,9 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     result = Py_NewRef(Py_True);
 done:
     PyBuffer_Release(&pv);
-    scratch_trim(&self->ph);
+    self->scan.ctx = NULL;
+    kvs_trim(&self->scan, SCRATCH_KEEP);
     scratch_trim(&self->ps);
-    if (self->pev_cap > SCRATCH_KEEP) {
-        PyMem_RawFree(self->pev);
-        self->pev = NULL;
-        self->pev_cap = 0;
-    }
     return result;
 }
 

@@ -160,7 +160,8 @@ class PrefixIndex:
 
     Bounds against hostile or broken engines, both counted when hit:
 
-    - ``max_block_size`` (default 4,096; engines use 16 to 1,024): a store
+    - ``max_block_size`` (default ``DEFAULT_LIMITS.max_block_size``, the bound
+      decoding applies; engines use 16 to 1,024): a store
       whose ``block_size`` is outside ``1..max_block_size`` is malformed: its
       blocks are held under unmatchable keys (removals still balance), and no
       per-token work is done for it.
@@ -185,7 +186,7 @@ class PrefixIndex:
         *,
         seed: int = 0,
         groups: Collection[int | None] = (0, None),
-        max_block_size: int = 4096,
+        max_block_size: int = DEFAULT_LIMITS.max_block_size,
         max_blocks_per_rank: int | None = 1 << 21,
         expected_blocks_per_rank: int = 0,
     ) -> None:

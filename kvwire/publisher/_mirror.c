@@ -7,7 +7,8 @@
  * Chain is one BlockStored event: its hashes inline (8 bytes each), its token
  * ids as the packed msgpack bytes they came in.
  *
- * apply_payload / apply_feed read batch payloads straight into the maps (no
+ * apply_payload / apply_feed read batch payloads (through the one native
+ * reader, kvwire/_native/scan.h) straight into the maps (no
  * Python object per block): a first pass reads and checks a whole payload
  * using no Python API (for a large feed it runs without the GIL), a second
  * applies it. A payload outside the subset read here changes nothing and is
@@ -28,15 +29,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../_native/msgpack_read.h"
+#include "../_native/scan.h"
 
 typedef uint64_t u64;
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
-#define MAX_EVENTS 65536
-#define MAX_BLOCKS 65536
-#define MAX_BLOCK_SIZE 65536
-#define MAX_TOKENS ((Py_ssize_t)1 << 22)
 
 /* ------------------------------------------------------------------------ */
 /* Chain                                                                     */
@@ -227,16 +224,6 @@ typedef struct {
     Map copies;     /* hash -> Copies *, for hashes held more than once */
 } Medium;
 
-/* One event read by the first pass (pointers into the payload, which is held). */
-typedef struct {
-    int kind, has_parent, has_group, group_neg;
-    u64 parent, group;
-    Py_ssize_t hoff, n, block_size;
-    const unsigned char *tok;
-    const char *lora, *medium;
-    Py_ssize_t tok_len, lora_len, medium_len; /* lengths -1: None */
-} PEv;
-
 typedef struct {
     PyObject_HEAD
     Medium *media;
@@ -244,10 +231,7 @@ typedef struct {
     Chain *first, *last; /* live chains, oldest first; each holds a reference */
     Py_ssize_t nchains;
     PyObject *logs; /* list of the undo dicts of snapshots in progress */
-    u64 *ph;        /* the payload's hashes (first pass) */
-    Py_ssize_t ph_cap;
-    PEv *pev;
-    Py_ssize_t pev_cap;
+    KvScan scan;    /* the first pass's events (pointers into the payloads, which are held) */
     int busy; /* a first pass runs without the GIL on the scratch above */
 } Core;
 
@@ -557,8 +541,7 @@ static void Core_dealloc(Core *self) {
     Core_clear(self);
     chains_free(self);
     media_free(self);
-    PyMem_RawFree(self->ph);
-    PyMem_RawFree(self->pev);
+    kvs_free(&self->scan);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -638,123 +621,39 @@ static PyObject *Core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* --- the payload reader ------------------------------------------------------ */
-/* (its msgpack reads, their FALL and the event field table: kvwire/_native/msgpack_read.h) */
+/* The one native reader (kvwire/_native/scan.h) with decode_batch's default
+ * limits (kvwire.wire.codec.DEFAULT_LIMITS, read when the module loads). */
 
-/* Bytes an int takes by its msgpack head byte (0: not an int), as the
- * shared reader reads it. */
-static unsigned char INT_SIZE[256];
-
-static void int_sizes_init(void) {
-    unsigned char b[9] = {0};
-    u64 v;
-    int neg;
-    for (int c = 0; c < 256; c++) {
-        b[0] = (unsigned char)c;
-        INT_SIZE[c] = (unsigned char)kvw_get_int(b, sizeof b, &v, &neg);
-    }
-}
-
-/* Skip a token array whose items are all ints, keeping where its bytes are. */
-static int rd_tokens(Rd *r, PEv *ev) {
-    Py_ssize_t start = r->i, n;
-    if (RD_ARRAY(r, &n) || n > MAX_TOKENS) return FALL;
-    const unsigned char *p = r->p;
-    Py_ssize_t i = r->i, end = r->n;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (i >= end) return FALL;
-        unsigned char w = INT_SIZE[p[i]];
-        if (!w) return FALL;
-        i += w;
-    }
-    if (i > end) return FALL;
-    r->i = i;
-    ev->tok = r->p + start;
-    ev->tok_len = i - start;
-    return 0;
-}
-
-static int rd_field(Core *self, Rd *r, int f, PEv *ev, Py_ssize_t *ph_len) {
-    int neg;
-    Py_ssize_t n;
-    switch (f) {
-        case F_HASHES: {
-            if (RD_ARRAY(r, &n) || n > MAX_BLOCKS) return FALL;
-            Py_ssize_t off = *ph_len;
-            if (kvw_grow((void **)&self->ph, &self->ph_cap, off + n, sizeof(u64)) < 0) return -1;
-            if (rd_ints(r, self->ph + off, n)) return FALL;
-            *ph_len = off + n;
-            ev->hoff = off;
-            ev->n = n;
-            return 0;
-        }
-        case F_PARENT:
-            return rd_opt_int(r, &ev->parent, &neg, &ev->has_parent);
-        case F_TOKENS:
-            return rd_tokens(r, ev);
-        case F_BS:
-            return rd_block_size(r, MAX_BLOCK_SIZE, &ev->block_size);
-        case F_LORA_ID:
-        case F_WINDOW:
-        case F_KIND:
-            return rd_dropped(r, f);
-        case F_MEDIUM:
-            return rd_opt_str(r, &ev->medium, &ev->medium_len);
-        case F_LORA_NAME:
-            return rd_opt_str(r, &ev->lora, &ev->lora_len);
-        case F_EXTRA:
-            return rd_nil(r) ? 0 : FALL;
-        case F_GROUP:
-            return rd_opt_int(r, &ev->group, &ev->group_neg, &ev->has_group);
-        default:
-            return FALL; /* a field not read here, or a second tag */
-    }
-}
-
-/* One event, a map or a tagged array; an AllBlocksCleared is FALL (the caller resets). */
-static int rd_event(Core *self, Rd *r, int map, PEv *ev, Py_ssize_t *ph_len) {
-    Py_ssize_t n, len;
-    const char *s;
-    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind = event_kind(s, len);
-    if (kind != EV_STORED && kind != EV_REMOVED) return FALL;
-    memset(ev, 0, sizeof *ev);
-    ev->kind = kind;
-    ev->medium = "GPU"; /* unless given */
-    ev->medium_len = 3;
-    ev->lora_len = -1;
-    unsigned seen = 0;
-    int f = -1;
-    for (Py_ssize_t k = 1; k < n; k++) {
-        if (rd_field_id(r, map, kind, k, &f, &seen)) return FALL;
-        int rc = rd_field(self, r, f, ev, ph_len);
-        if (rc) return rc;
-    }
-    return event_complete(kind, seen) ? 0 : FALL;
-}
+static KvLimits LIMITS;
 
 /* The first pass, no Python API (it may run without the GIL): the whole
- * payload read and checked, its events appended to the scratch at *nev. */
-static int rd_batch(Core *self, Rd *r, Py_ssize_t *nev, Py_ssize_t *ph_len) {
-    Py_ssize_t n, m;
-    if (rd_batch_open(r, &n, &m, MAX_EVENTS)) return FALL;
-    if (kvw_grow((void **)&self->pev, &self->pev_cap, *nev + m, sizeof(PEv)) < 0) return -1;
-    int map = rd_events_are_maps(r, m);
-    for (Py_ssize_t k = 0; k < m; k++) {
-        int rc = rd_event(self, r, map, &self->pev[*nev + k], ph_len);
-        if (rc) return rc;
-    }
-    if (rd_batch_close(r, n)) return FALL;
-    *nev += m;
+ * payload read and checked, its events appended to the scanner's. An event
+ * the mirror keeps more of than it reads here (extra keys, lookahead tokens,
+ * a salt, locality, ownership, a session) or an AllBlocksCleared (the caller
+ * resets) is FALL. */
+static int rd_batch(Core *self, Rd *r) {
+    KvScan *s = &self->scan;
+    s->lim = LIMITS;
+    s->keep_hashes = s->keep_events = 1;
+    Py_ssize_t before = s->ev_len, h_before = s->h_len;
+    int rc = kvs_batch(s, r);
+    if (rc) return rc;
+    for (Py_ssize_t k = before; k < s->ev_len; k++)
+        if (s->ev[k].kind == EV_CLEARED || (s->ev[k].extras & ~X_LORA)) {
+            s->ev_len = before;
+            s->h_len = h_before;
+            return FALL;
+        }
     return 0;
 }
 
 /* The second pass (with the GIL): one event applied. */
-static int apply_event(Core *self, const PEv *ev) {
+static int apply_event(Core *self, const KvEv *ev) {
     Py_ssize_t mi = ev->medium_len < 0 ? medium_index(self, Py_None, 1)
                                        : medium_by_bytes(self, ev->medium, ev->medium_len);
     if (mi < 0) return -1;
     Medium *m = &self->media[mi];
-    const u64 *hs = self->ph + ev->hoff;
+    const u64 *hs = self->scan.h + ev->hoff;
     if (ev->kind == EV_REMOVED) {
         for (Py_ssize_t k = 0; k < ev->n; k++)
             if (remove_hash(self, m, hs[k]) < 0) return -1;
@@ -772,7 +671,7 @@ static int apply_event(Core *self, const PEv *ev) {
         c = chain_new(ev->n, tokens, ev->block_size, ev->has_parent, ev->parent, m->name, lora,
                       Py_None, group);
     if (c) {
-        memcpy(c->hashes, hs, (size_t)ev->n * sizeof(u64));
+        if (ev->n) memcpy(c->hashes, hs, (size_t)ev->n * sizeof(u64)); /* hs is NULL on none */
         rc = store_chain(self, mi, c);
     }
     Py_XDECREF(c);
@@ -783,19 +682,9 @@ static int apply_event(Core *self, const PEv *ev) {
 }
 
 /* Scratch that one large feed grew is given back afterwards. */
-#define SCRATCH_KEEP ((Py_ssize_t)1 << 16)
-
 static void scratch_trim(Core *self) {
-    if (self->ph_cap > SCRATCH_KEEP) {
-        PyMem_RawFree(self->ph);
-        self->ph = NULL;
-        self->ph_cap = 0;
-    }
-    if (self->pev_cap > SCRATCH_KEEP) {
-        PyMem_RawFree(self->pev);
-        self->pev = NULL;
-        self->pev_cap = 0;
-    }
+    self->scan.ev_len = self->scan.h_len = 0;
+    kvs_trim(&self->scan, KVS_KEEP);
 }
 
 static int not_busy(Core *self) {
@@ -809,10 +698,10 @@ static PyObject *Core_apply_payload(Core *self, PyObject *payload) {
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) return NULL;
     Rd r = {(const unsigned char *)view.buf, view.len, 0};
-    Py_ssize_t count = 0, ph_len = 0;
-    int rc = rd_batch(self, &r, &count, &ph_len);
+    self->scan.ev_len = self->scan.h_len = 0;
+    int rc = rd_batch(self, &r);
     if (rc < 0) PyErr_NoMemory();
-    for (Py_ssize_t k = 0; rc == 0 && k < count; k++) rc = apply_event(self, &self->pev[k]);
+    for (Py_ssize_t k = 0; rc == 0 && k < self->scan.ev_len; k++) rc = apply_event(self, &self->scan.ev[k]);
     PyBuffer_Release(&view);
     scratch_trim(self);
     if (rc < 0) return NULL;
@@ -870,19 +759,16 @@ static PyObject *Core_apply_feed(Core *self, PyObject *const *args, Py_ssize_t n
         held++;
     }
     /* First pass over all of them; it stops at the first outside the subset. */
-    Py_ssize_t nev = 0, ph_len = 0, read = 0;
+    Py_ssize_t read = 0;
     int rc = 0;
+    self->scan.ev_len = self->scan.h_len = 0;
     PyThreadState *ts = NULL;
     self->busy = 1;
     if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
     for (; read < held; read++) {
         Rd r = {(const unsigned char *)views[read].buf, views[read].len, 0};
-        Py_ssize_t before = nev;
-        rc = rd_batch(self, &r, &nev, &ph_len);
-        if (rc) {
-            nev = before; /* this one is left to the caller */
-            break;
-        }
+        rc = rd_batch(self, &r); /* on FALL nothing of it kept: left to the caller */
+        if (rc) break;
     }
     if (ts) PyEval_RestoreThread(ts);
     self->busy = 0;
@@ -891,8 +777,8 @@ static PyObject *Core_apply_feed(Core *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     /* Second pass, in order. */
-    for (Py_ssize_t k = 0; k < nev; k++)
-        if (apply_event(self, &self->pev[k]) < 0) goto done;
+    for (Py_ssize_t k = 0; k < self->scan.ev_len; k++)
+        if (apply_event(self, &self->scan.ev[k]) < 0) goto done;
     result = PyLong_FromSsize_t(start + read);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
@@ -1068,8 +954,21 @@ static struct PyModuleDef mirror_module = {
     PyModuleDef_HEAD_INIT, "_mirror", "The snapshot mirror's tables (see mirror.py).", -1, NULL,
 };
 
+/* decode_batch's default limits, the ones the mirror's general path decodes with. */
+static int limits_init(void) {
+    PyObject *codec = PyImport_ImportModule("kvwire.wire.codec");
+    if (!codec) return -1;
+    PyObject *limits = PyObject_GetAttrString(codec, "DEFAULT_LIMITS");
+    Py_DECREF(codec);
+    if (!limits) return -1;
+    int rc = kvs_limits_of(limits, &LIMITS);
+    Py_DECREF(limits);
+    if (rc > 0) PyErr_SetString(PyExc_ValueError, "DEFAULT_LIMITS must be non-negative ints");
+    return rc ? -1 : 0;
+}
+
 PyMODINIT_FUNC PyInit__mirror(void) {
-    int_sizes_init();
+    if (limits_init() < 0) return NULL;
     if (PyType_Ready(&ChainType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mirror_module);
     if (!m) return NULL;

@@ -35,7 +35,7 @@
 #include <string.h>
 
 #include "../_native/libzmq.h"
-#include "../_native/msgpack_read.h"
+#include "../_native/scan.h"
 
 #define MAX_FRAMES 64
 
@@ -259,131 +259,12 @@ static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 /* --- check_batch: what the stream reads of a batch ------------------------- */
 /*
- * The subset read is the prefix index's fused apply's (prefix_index/_core.c):
- * events all maps (decode_batch's typed path) or all tagged arrays (its
- * generic path), int hashes and token ids, no lora_name, extra keys, cache
- * salt or lookahead tokens, scalars in the fields nobody reads, every limit
- * of decode_batch checked. Anything else, well formed or not, is FALL and
- * answered None: the stream decodes it the general way, which accepts or
- * refuses it exactly as before. So what is accepted here only has to be a
- * part of what decode_batch accepts (tests/subscriber/test_check_batch.py
- * holds the two side by side). */
-
-typedef struct {
-    Py_ssize_t max_events, max_blocks, max_bs, max_tokens;
-} Limits;
-
-/* The bytes an int takes by its head byte c (0: not an int), as rd_int reads it. */
-static inline Py_ssize_t int_width(unsigned char c) {
-    if (c <= 0x7f || c >= 0xe0) return 1;
-    switch (c) {
-        case 0xcc: case 0xd0: return 2;
-        case 0xcd: case 0xd1: return 3;
-        case 0xce: case 0xd2: return 5;
-        case 0xcf: case 0xd3: return 9;
-        default: return 0;
-    }
-}
-
-/* An array of at most max ints, skipped (their values are the sink's to read). */
-static int ck_ints(Rd *r, Py_ssize_t max) {
-    Py_ssize_t n;
-    if (RD_ARRAY(r, &n) || n > max) return FALL;
-    const unsigned char *p = r->p;
-    Py_ssize_t i = r->i, end = r->n, k = 0;
-    /* Four at a time while they share a width (token ids mostly do): the next
-     * three heads' places are known from the first's, so their reads overlap. */
-    while (n - k >= 4 && end - i >= 4 * 9) {
-        Py_ssize_t w = int_width(p[i]);
-        if (!w) return FALL;
-        if (int_width(p[i + w]) == w && int_width(p[i + 2 * w]) == w &&
-            int_width(p[i + 3 * w]) == w) {
-            i += 4 * w;
-            k += 4;
-        } else {
-            i += w;
-            k++;
-        }
-    }
-    for (; k < n; k++) {
-        if (i >= end) return FALL;
-        Py_ssize_t w = int_width(p[i]);
-        if (!w) return FALL;
-        i += w;
-    }
-    if (i > end) return FALL;
-    r->i = i;
-    return 0;
-}
-
-static int ck_field(const Limits *lim, Rd *r, int f) {
-    uint64_t v;
-    int neg, has;
-    const char *s;
-    Py_ssize_t n;
-    switch (f) {
-        case F_HASHES:
-            return ck_ints(r, lim->max_blocks);
-        case F_TOKENS:
-            return ck_ints(r, lim->max_tokens);
-        case F_BS:
-            return rd_block_size(r, (uint64_t)lim->max_bs, &n);
-        case F_PARENT:
-        case F_GROUP:
-            return rd_opt_int(r, &v, &neg, &has);
-        case F_MEDIUM:
-            return rd_opt_str(r, &s, &n);
-        case F_LORA_ID:
-        case F_WINDOW:
-        case F_KIND:
-            return rd_dropped(r, f);
-        case F_TYPE:
-            return FALL; /* a second tag */
-        case F_LORA_NAME: case F_EXTRA: case F_LOOKAHEAD: case F_SALT:
-            return rd_nil(r) ? 0 : FALL; /* what would key a block differently */
-        default:
-            return rd_skip(r); /* locality, ownership, session_id, a field not known */
-    }
-}
-
-/* One event, a map (`map` 1) or a tagged array; *cleared set by an AllBlocksCleared. */
-static int ck_event(const Limits *lim, Rd *r, int map, int *cleared) {
-    Py_ssize_t n, len;
-    const char *s;
-    if (rd_event_open(r, map, &n, &s, &len)) return FALL;
-    int kind = event_kind(s, len);
-    if (kind < 0) return FALL;
-    unsigned seen = 0;
-    int f = -1;
-    for (Py_ssize_t k = 1; k < n; k++)
-        if (rd_field_id(r, map, kind, k, &f, &seen) || ck_field(lim, r, f)) return FALL;
-    if (!event_complete(kind, seen)) return FALL;
-    if (kind == EV_CLEARED) *cleared = 1;
-    return 0;
-}
-
-/* The whole payload: *m events, the rank (*has_rank 0: nil or absent), *cleared. */
-static int ck_batch(const Limits *lim, Rd *r, Py_ssize_t *m, uint64_t *rank, int *neg,
-                    int *has_rank, int *cleared) {
-    Py_ssize_t n;
-    if (rd_batch_open(r, &n, m, lim->max_events)) return FALL;
-    int map = rd_events_are_maps(r, *m);
-    for (Py_ssize_t k = 0; k < *m; k++)
-        if (ck_event(lim, r, map, cleared)) return FALL;
-    *has_rank = 0;
-    if (n == 3 && rd_opt_int(r, rank, neg, has_rank)) return FALL;
-    return r->i != r->n ? FALL : 0;
-}
-
-/* A limit as a non-negative Py_ssize_t; *fail set otherwise (that limit is not read here). */
-static Py_ssize_t limit_arg(PyObject *o, int *fail) {
-    Py_ssize_t v = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
-    if (v < 0) {
-        PyErr_Clear();
-        *fail = 1;
-    }
-    return v;
-}
+ * The one native reader (kvwire/_native/scan.h) over the payload, hashes
+ * checked, not kept: a payload it reads is one decode_batch accepts. One
+ * with what would key a block differently (a lora name, extra keys,
+ * lookahead tokens, a salt: no sink's native apply reads those) or that it
+ * does not read is answered None, and the stream decodes it the general way,
+ * which accepts or refuses it. */
 
 static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
@@ -392,8 +273,8 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     int bad = 0;
-    Limits lim = {limit_arg(args[1], &bad), limit_arg(args[2], &bad), limit_arg(args[3], &bad),
-                  limit_arg(args[4], &bad)};
+    KvScan s = {.lim = {kvs_limit(args[1], &bad), kvs_limit(args[2], &bad), kvs_limit(args[3], &bad),
+                        kvs_limit(args[4], &bad)}};
     if (bad) Py_RETURN_NONE; /* limits this check does not read: the general way */
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
@@ -401,22 +282,23 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_RETURN_NONE;
     }
     Rd r = {view.buf, view.len, 0};
-    Py_ssize_t m = 0;
-    uint64_t rank = 0;
-    int neg = 0, has_rank = 0, cleared = 0;
-    int rc = ck_batch(&lim, &r, &m, &rank, &neg, &has_rank, &cleared);
+    int rc = kvs_batch(&s, &r);
     PyBuffer_Release(&view);
+    Py_ssize_t m = s.ev_len;
+    if (rc == 0 && (s.extras & (X_LORA | X_EXTRA | X_LOOKAHEAD | X_SALT))) rc = FALL;
+    kvs_free(&s);
+    if (rc < 0) return PyErr_NoMemory();
     if (rc) Py_RETURN_NONE;
     PyObject *r_obj;
-    if (!has_rank)
+    if (!s.has_rank)
         r_obj = Py_NewRef(Py_None);
-    else if (neg)
-        r_obj = PyLong_FromLongLong((long long)rank);
+    else if (s.rank_neg)
+        r_obj = PyLong_FromLongLong((long long)s.rank);
     else
-        r_obj = PyLong_FromUnsignedLongLong(rank);
+        r_obj = PyLong_FromUnsignedLongLong(s.rank);
     if (r_obj == NULL)
         return NULL;
-    return Py_BuildValue("(nNO)", m, r_obj, cleared ? Py_True : Py_False);
+    return Py_BuildValue("(nNO)", m, r_obj, s.cleared ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {

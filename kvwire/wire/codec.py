@@ -1,20 +1,22 @@
 """msgpack encoding and decoding of :class:`KVEventBatch` in every dialect.
 
-Decoding takes a typed fast path (one C-level pass of msgspec) for the common
-map dialect with integer hashes, and falls back to a generic decode plus an
-explicit conversion for the rest: positional (array) events, ``bytes`` hashes,
-old SGLang's metadata map. Both paths end in the same structs, with hashes
-normalised to unsigned 64-bit.
+Decoding takes a typed fast path (one C-level pass of msgspec, map or
+positional events) for a payload the native reader (``kvwire/_native/scan.h``,
+the one every native consumer uses) vouches for, and a generic decode plus an
+explicit conversion, every rule checked in Python, for the rest: ``bytes``
+hashes, old SGLang's metadata map, non-ASCII strings, anything malformed.
+Both end in the same structs, with hashes normalised to unsigned 64-bit and
+token ids packed as received (:class:`TokenIds`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from kvwire.wire import _pack
+from kvwire.wire import _pack, _scan
 from kvwire.wire.errors import WireError
 from kvwire.wire.events import (
     AllBlocksCleared,
@@ -258,11 +260,43 @@ class _ListBlockStored(BlockStored, tag="BlockStored", frozen=True, gc=False):
     token_ids: list[int]
 
 
+class _MapBatch(msgspec.Struct, frozen=True, gc=False):
+    """The envelope as a map, ``{"ts", "events", "data_parallel_rank"?}``: vLLM's
+    ``EventBatch`` at the commits where it was not ``array_like``."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+# The positional dialect, typed: each event a tagged array of its fields in
+# declaration order (trailing ones omitted take their defaults).
+class _ArrayStored(BlockStored, tag="BlockStored", array_like=True, frozen=True, gc=False):
+    pass
+
+
+class _ArrayRemoved(BlockRemoved, tag="BlockRemoved", array_like=True, frozen=True, gc=False):
+    pass
+
+
+class _ArrayCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True, frozen=True):
+    pass
+
+
+class _ArrayEventsBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
 _fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_fast_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
+_fast_array_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
 _set = msgspec.structs.force_setattr
 # msgpack type bytes that start an array: fixarray, array16, array32.
 _ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
+_raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 # The positional dialect lists an event's fields in declaration order.
@@ -295,40 +329,75 @@ def normalise_hash(h: object) -> int:
     raise WireError(f"block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def _event_from_generic(index: int, raw: Any) -> KVEvent:
-    if isinstance(raw, dict):
-        fields = dict(raw)
-        kind = fields.pop("type", None)
-    elif isinstance(raw, list) and raw:
-        kind = raw[0]
-        values = raw[1:]
-        names = _POSITIONAL.get(kind, ()) if isinstance(kind, str) else ()
-        fields = dict(zip(names, values, strict=False))
-        if isinstance(fields.get("lora_name"), dict):
-            # Old SGLang: a metadata map (cache_salt) where lora_name now is.
-            fields["cache_salt"] = fields.pop("lora_name").get("cache_salt")
+def _map_len(raw: bytes | memoryview) -> int | None:
+    """The number of pairs a packed msgpack map declares (``None``: not a map)."""
+    first = raw[0] if len(raw) else 0
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F
+    if first == 0xDE:
+        return int.from_bytes(raw[1:3], "big")
+    if first == 0xDF:
+        return int.from_bytes(raw[1:5], "big")
+    return None
+
+
+def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
+    packed = memoryview(raw)
+    n = _map_len(packed)
+    named: dict[str, msgspec.Raw]
+    if n is not None:
+        try:
+            named = _map_values.decode(packed)
+        except msgspec.ValidationError:
+            raise WireError(f"event {index} has a key that is not a string") from None
+        if len(named) != n:
+            raise WireError(f"event {index} gives a key twice")
+        kind = _generic_decoder.decode(named.pop("type")) if "type" in named else None
     else:
-        raise WireError(f"event {index} is neither a map nor a tagged array: {raw!r:.80}")
+        try:
+            values = _raw_items.decode(packed)
+        except msgspec.ValidationError:
+            value = _generic_decoder.decode(packed)
+            raise WireError(f"event {index} is neither a map nor a tagged array: {value!r:.80}") from None
+        if not values:
+            raise WireError(f"event {index} is an empty array, not a tagged event")
+        kind = _generic_decoder.decode(values[0])
+        names = _POSITIONAL.get(kind, ()) if isinstance(kind, str) else ()
+        named = dict(zip(names, values[1:], strict=False))
     cls = _EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"event {index} has unknown type {kind!r:.80}")
+    known = cls.__struct_fields__
+    # Unknown fields are skipped unread, as msgspec's typed decoding skips them.
+    fields = {k: _generic_decoder.decode(v) for k, v in named.items() if k in known and k != "token_ids"}
     try:
-        if cls is BlockStored:
+        if cls is not AllBlocksCleared:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
-            parent = fields.get("parent_block_hash")
-            fields["parent_block_hash"] = None if parent is None else normalise_hash(parent)
-            known = _ListBlockStored.__struct_fields__
-            e = msgspec.convert({k: v for k, v in fields.items() if k in known}, _ListBlockStored)
-            return BlockStored(*msgspec.structs.astuple(e))
-        if cls is BlockRemoved:
-            fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
-        known = cls.__struct_fields__
-        fields = {k: v for k, v in fields.items() if k in known}
-        return msgspec.convert(fields, cls)
+        if cls is not BlockStored:
+            return msgspec.convert(fields, cls)
+        if n is None and isinstance(fields.get("lora_name"), dict):
+            # Old SGLang: a metadata map (cache_salt) where lora_name now is.
+            fields["cache_salt"] = fields.pop("lora_name").get("cache_salt")
+        if fields.get("parent_block_hash") is not None:
+            fields["parent_block_hash"] = normalise_hash(fields["parent_block_hash"])
+        tokens = None
+        if "token_ids" in named:
+            tokens = _token_ids(named["token_ids"])
+            fields["token_ids"] = []
+        e = msgspec.convert(fields, _ListBlockStored)
+        _set(e, "token_ids", tokens)
+        return BlockStored(*msgspec.structs.astuple(e))
     except WireError as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
     except msgspec.ValidationError as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
+
+
+def _token_ids(raw: msgspec.Raw) -> TokenIds:
+    """Packed token ids, each checked to be an int, kept as they came."""
+    tokens = TokenIds(raw)
+    tokens.tolist()  # WireError for anything but an array of ints
+    return tokens
 
 
 def _as_list(fields: dict[str, Any], name: str) -> list[Any]:
@@ -338,28 +407,57 @@ def _as_list(fields: dict[str, Any], name: str) -> list[Any]:
     return value
 
 
-def _decode_generic(payload: bytes) -> KVEventBatch:
+def _decode_generic(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch:
+    """The general path: any dialect, every rule checked in Python."""
     try:
-        raw = _generic_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+        return _check_limits(_generic_batch(memoryview(payload)), limits)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"payload is not valid msgpack: {exc}") from None
     except RecursionError:
         raise WireError("payload nests too deeply") from None
-    if not isinstance(raw, list) or len(raw) < 2:
-        raise WireError(
-            f"envelope must be an array [ts, events, rank?], got {type(raw).__name__}"
-            + (f" of length {len(raw)}" if isinstance(raw, list) else "")
-        )
-    ts, events = raw[0], raw[1]
-    rank = raw[2] if len(raw) > 2 else None
+
+
+def _generic_batch(payload: memoryview) -> KVEventBatch:
+    rank: Any = None
+    if _map_len(payload) is not None:
+        try:
+            envelope = _map_values.decode(payload)
+        except msgspec.ValidationError:
+            raise WireError("envelope map has a key that is not a string") from None
+        if len(envelope) != _map_len(payload):
+            raise WireError("envelope gives a key twice")
+        missing = [k for k in ("ts", "events") if k not in envelope]
+        if missing:
+            raise WireError(f"envelope map lacks {', '.join(missing)}")
+        ts = _generic_decoder.decode(envelope["ts"])
+        packed_events = envelope["events"]
+        if "data_parallel_rank" in envelope:
+            rank = _generic_decoder.decode(envelope["data_parallel_rank"])
+    else:
+        try:
+            items = _raw_items.decode(payload)
+        except msgspec.ValidationError:
+            got = type(_generic_decoder.decode(payload)).__name__
+            raise WireError(f"envelope must be an array [ts, events, rank?] or a map, got {got}") from None
+        if len(items) < 2:
+            raise WireError(f"envelope must be an array [ts, events, rank?], got one of length {len(items)}")
+        ts, packed_events = _generic_decoder.decode(items[0]), items[1]
+        if len(items) > 2:
+            rank = _generic_decoder.decode(items[2])
     if type(ts) not in (int, float):
         raise WireError(f"envelope timestamp must be a number, got {type(ts).__name__}")
-    if not isinstance(events, list):
-        raise WireError(f"envelope events must be an array, got {type(events).__name__}")
+    try:
+        raw_events = _raw_items.decode(packed_events)
+    except msgspec.ValidationError:
+        got = type(_generic_decoder.decode(packed_events)).__name__
+        raise WireError(f"envelope events must be an array, got {got}") from None
     if rank is not None and type(rank) is not int:
         raise WireError(f"envelope rank must be an int or nil, got {type(rank).__name__}")
-    decoded = [_event_from_generic(i, e) for i, e in enumerate(events)]
+    decoded = [_event_from_generic(i, e) for i, e in enumerate(raw_events)]
     return KVEventBatch(float(ts), decoded, rank)
+
+
+_map_values = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 
 def decode_batch(
@@ -368,47 +466,63 @@ def decode_batch(
     """Decode one batch payload of any dialect in the wild.
 
     Raises :class:`WireError` naming the problem for anything that is not a
-    whole, valid batch within ``limits`` (nesting too deep included). Token
-    ids are checked to be an array here and turned into ints only when first
-    read (:class:`TokenIds`), which raises :class:`WireError` then if they are
-    not ints.
+    whole, valid batch within ``limits`` (nesting too deep included): a
+    missing required field, a key given twice, a token id that is not an
+    integer among them. One answer for any payload: the typed fast path
+    (msgspec) is taken only for a payload the native reader
+    (``kvwire/_native/scan.h``) vouches for, which checks every rule; any
+    other goes the general way, where Python checks each. Token ids stay
+    packed until first read (:class:`TokenIds`).
     """
+    batch = _decode_typed(payload, limits)
+    return _decode_generic(payload, limits) if batch is None else batch
+
+
+def _decode_typed(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch | None:
+    """The typed fast path, for a payload the native reader vouches for; else ``None``."""
+    if _scan.check(payload, limits) is None:
+        return None
     try:
-        batch = _fast_decoder.decode(payload)
+        if _ARRAY_HEAD[memoryview(payload)[0]]:
+            try:
+                batch = _fast_decoder.decode(payload)
+            except msgspec.ValidationError:
+                batch = _from_arrays(_fast_array_decoder.decode(payload))
+        else:
+            m = _fast_map_decoder.decode(payload)
+            batch = KVEventBatch(m.ts, m.events, m.data_parallel_rank)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return _check_limits(_decode_generic(bytes(payload)), limits)
-    except RecursionError:
-        raise WireError("payload nests too deeply") from None
-    events = batch.events
-    if len(events) > limits.max_events:
-        raise WireError(f"batch has {len(events)} events, more than {limits.max_events}")
-    max_blocks = limits.max_blocks
-    # Fix-ups in place, on events no one else has seen yet: wrap the packed token
-    # ids, and mask signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
-    for e in events:
+        return None  # a form only the general path reads (events of both forms, old SGLang's)
+    # Fix-ups in place, on events no one else has seen yet (every bound was
+    # checked by the native reader): wrap the packed token ids, and mask
+    # signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
+    for e in batch.events:
         kind = type(e)
         if kind is BlockStored:
-            raw = cast(msgspec.Raw, e.token_ids)  # type: ignore[union-attr]
-            if not _ARRAY_HEAD[memoryview(raw)[0]]:
-                raise WireError("a BlockStored event's token_ids must be an array")
-            tokens = TokenIds(raw)
-            size = e.block_size  # type: ignore[union-attr]
-            if not 1 <= size <= limits.max_block_size or (
-                len(raw) > limits.max_tokens and len(tokens) > limits.max_tokens
-            ):
-                _check_stored(e, limits)  # type: ignore[arg-type]
-            _set(e, "token_ids", tokens)
+            _set(e, "token_ids", TokenIds(e.token_ids))  # type: ignore[union-attr, arg-type]
             parent = e.parent_block_hash  # type: ignore[union-attr]
             if parent is not None and parent < 0:
                 _set(e, "parent_block_hash", parent & U64_MASK)
         elif kind is not BlockRemoved:
             continue
         hashes = e.block_hashes  # type: ignore[union-attr]
-        if len(hashes) > max_blocks:
-            raise WireError(f"an event lists {len(hashes)} blocks, more than {max_blocks}")
         if hashes and min(hashes) < 0:
             _set(e, "block_hashes", [h & U64_MASK for h in hashes])
     return batch
+
+
+def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
+    """The positional dialect's batch as the event structs."""
+    events: list[KVEvent] = []
+    for e in b.events:
+        kind = type(e)
+        if kind is _ArrayStored:
+            events.append(BlockStored(*_astuple(e)))
+        elif kind is _ArrayRemoved:
+            events.append(BlockRemoved(*_astuple(e)))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(b.ts, events, b.data_parallel_rank)
 
 
 def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:

@@ -28,3 +28,9 @@ def test_reference_engine_control_endpoint_refuses_junk_and_stays_up() -> None:
     proc = run("--frames", "200", "--replay-requests", "10", "--control-requests", "300", "--seed", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "300 malformed requests" in proc.stdout and "answered Stats and Probe after" in proc.stdout
+
+
+def test_every_payload_reader_agrees_on_mutated_payloads() -> None:
+    proc = run("--differential", "2000", "--seed", "5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS" in proc.stdout and "differential: 2,000 payloads" in proc.stdout

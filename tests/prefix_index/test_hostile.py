@@ -15,7 +15,7 @@ import pytest
 
 from kvwire.prefix_index import KvRouter, Load, PrefixIndex
 from kvwire.prefix_index._core import Index, Matches
-from kvwire.wire import BlockRemoved, BlockStored, KVEventBatch
+from kvwire.wire import DEFAULT_LIMITS, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
 
@@ -41,9 +41,12 @@ def test_absurd_block_size_is_malformed_and_nothing_else_is_lost(size: int) -> N
 
 
 def test_block_size_bound_is_configurable() -> None:
+    """By default the bound decoding applies (one definition), narrower on request."""
     with pytest.raises(ValueError):
-        PrefixIndex(8192)
-    idx = PrefixIndex(8192, max_block_size=8192)
+        PrefixIndex(DEFAULT_LIMITS.max_block_size + 1)
+    with pytest.raises(ValueError):
+        PrefixIndex(8192, max_block_size=4096)
+    idx = PrefixIndex(8192)
     idx.apply("w", 0, KVEventBatch(0.0, [BlockStored([1], None, list(range(8192)), 8192)], 0))
     assert idx.match(list(range(8192))) == {("w", 0): 1}
 

@@ -51,7 +51,7 @@ def test_dump_prints_history_and_live_batches_as_json_lines() -> None:
         assert [e["token_ids"] for e in stored] == [e.token_ids for e in want]  # type: ignore[union-attr]
 
 
-def test_dump_reports_a_batch_it_cannot_print_and_keeps_going() -> None:
+def test_dump_keeps_going_past_a_batch_that_does_not_decode() -> None:
     bad = KVEventBatch(1.0, [BlockStored([7], None, ["a", "b"], 2)], 0)  # type: ignore[list-item]
     good = KVEventBatch(2.0, [BlockStored([8], None, [1, 2], 2)], 0)
     with EventPublisher(EPHEMERAL, EPHEMERAL) as pub:
@@ -68,9 +68,10 @@ def test_dump_reports_a_batch_it_cannot_print_and_keeps_going() -> None:
             timeout=60,
         )
     assert proc.returncode == 0, proc.stderr
-    assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [0, 2, 4]
-    assert "seq 1: batch skipped" in proc.stderr and "seq 3: batch skipped" in proc.stderr
-    assert "2 batch(es) could not be printed" in proc.stderr
+    # Token ids that are not ints make a batch invalid: the rank is cleared there, and goes on.
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["type"] for r in records][:5] == ["batch", "clear", "batch", "clear", "batch"]
+    assert [r["seq"] for r in records if r["type"] == "batch"][:3] == [0, 2, 4]
 
 
 def test_dump_stops_after_its_duration_without_traffic(

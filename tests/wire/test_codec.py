@@ -117,7 +117,8 @@ def test_old_sglang_metadata_map_in_positional_event() -> None:
 
 BAD_PAYLOADS = {
     "not msgpack": (b"\xc1", "not valid msgpack"),
-    "envelope not array": (msgspec.msgpack.encode({"ts": 1}), "envelope must be an array"),
+    "envelope not array": (msgspec.msgpack.encode("batch"), "envelope must be an array"),
+    "envelope map without events": (msgspec.msgpack.encode({"ts": 1}), "envelope map lacks events"),
     "envelope too short": (msgspec.msgpack.encode([1.0]), "envelope must be an array"),
     "ts not number": (msgspec.msgpack.encode(["x", []]), "timestamp"),
     "events not array": (msgspec.msgpack.encode([1.0, {}]), "events must be an array"),
