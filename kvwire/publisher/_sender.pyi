@@ -1,4 +1,5 @@
-"""The publisher's native sender thread (``_sender.c``)."""
+"""The publisher's native side (``kvwire/publisher/sender/*.c``): the sender thread, the
+collector's hooks, engine formats."""
 
 from collections.abc import Callable, Sequence
 from typing import Any, Self, final

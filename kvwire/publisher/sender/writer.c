@@ -1,0 +1,368 @@
+/* The msgpack writer: every payload the sender sends, byte for byte what msgspec writes.
+ *
+ * A collector batch (its records coalesced as CollectedBatch.encode coalesces them: a store
+ * continuing the previous one's chain joins its event, as does a removal following one of
+ * the same medium and group) in kvwire's map or array dialect; an engine batch as msgspec
+ * writes the engine's own structs (EngineFormat's layouts); a heartbeat. Nothing here reads
+ * a reference count or takes the GIL: the sender thread calls it as it is. */
+#include "pyread.h"
+#include "../../_native/msgpack.h"
+
+static inline size_t rec_nh(const Rec *r) { return r->vals ? r->nh : (size_t)seq_len(r->hashes); }
+static inline size_t rec_nt(const Rec *r) { return r->vals ? r->nt : (size_t)seq_len(r->tokens); }
+static inline int rec_has_parent(const Rec *r) {
+    return r->vals ? r->has_parent : r->parent != Py_None;
+}
+
+/* A store record's parent (rec_has_parent), as read. */
+static inline IntV rec_parent(const Rec *r) {
+    IntV v = {r->pv, 0};
+    if (r->vals) return v;
+    read_int(r->parent, &v);
+    return v;
+}
+
+/* A list or tuple (its items are checked as they are written); its length, or -1. */
+static Py_ssize_t check_ints(PyObject *o) {
+    if (!PyList_CheckExact(o) && !PyTuple_CheckExact(o)) return -1;
+    return seq_len(o);
+}
+
+/* Whether every record has the shape the native encoder takes (the ints in its
+ * lists are checked while writing them); sets *size to an upper bound of the
+ * payload's size. */
+static int check_recs(const Rec *recs, size_t n, long bs, size_t *size) {
+    size_t total = 64;
+    for (size_t i = 0; i < n; i++) {
+        const Rec *r = &recs[i];
+        const char *s;
+        Py_ssize_t slen, slen2;
+        IntV v;
+        int present;
+        if (r->tag == T_STORE) {
+            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
+            Py_ssize_t nt = r->vals ? (Py_ssize_t)r->nt : check_ints(r->tokens);
+            if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
+            if (!r->vals && r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
+            if (read_str(r->lora, &s, &slen) < 0) return -1;
+            if (read_str(r->medium, &s, &slen2) < 0) return -1;
+            if (r->extra != Py_None) return -1; /* extra_keys */
+            if (read_opt_int(r->group, &v, &present) < 0) return -1;
+            total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2) + 160;
+        } else if (r->tag == T_REMOVE) {
+            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
+            if (nh <= 0) return -1;
+            if (read_str(r->medium, &s, &slen) < 0) return -1;
+            if (read_opt_int(r->group, &v, &present) < 0) return -1;
+            total += 9 * (size_t)nh + (size_t)slen + 80;
+        } else {
+            total += 32;
+        }
+    }
+    *size = total;
+    return 0;
+}
+
+
+
+#define PREFETCH 8 /* ints ahead: their objects lie anywhere in memory */
+
+/* A list's ints, each checked as it is read; NULL at the first that is not an exact
+ * int in range. */
+static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int hash_signed) {
+    Py_ssize_t n = seq_len(seq);
+    PyObject **items = seq_items(seq);
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++) __builtin_prefetch(items[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) __builtin_prefetch(items[i + PREFETCH]);
+        IntV v;
+        if (read_int(items[i], &v) < 0) return NULL;
+        if (hashes) v = hash_form(v, hash_signed);
+        p = kvw_put_int(p, v.bits, v.neg);
+    }
+    return p;
+}
+
+/* Copied hashes, in the wire's form. */
+static unsigned char *put_hash_vals(unsigned char *p, const u64 *v, size_t n, int hash_signed) {
+    for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], hash_signed && (i64)v[i] < 0);
+    return p;
+}
+
+/* Copied token ids. */
+static unsigned char *put_token_vals(unsigned char *p, const uint32_t *v, size_t n) {
+    for (size_t i = 0; i < n; i++) p = kvw_put_u32(p, v[i]);
+    return p;
+}
+
+static inline unsigned char *put_intv(unsigned char *p, IntV v) { return kvw_put_int(p, v.bits, v.neg); }
+
+static unsigned char *put_opt_str(unsigned char *p, PyObject *o) {
+    if (o == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    return kvw_put_str(p, PyUnicode_DATA(o), (size_t)PyUnicode_GET_LENGTH(o));
+}
+
+static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
+    if (o == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    IntV v;
+    read_int(o, &v);
+    return put_intv(p, v);
+}
+
+#define LIT(p, s) (memcpy((p), (s), sizeof(s) - 1), (p) + sizeof(s) - 1)
+
+/* The last hash of a store record, in the wire's form. */
+static IntV last_hash(const Rec *r, int hash_signed) {
+    IntV v;
+    if (r->vals) v = (IntV){r->vals[r->nh - 1], 0};
+    else read_int(seq_items(r->hashes)[seq_len(r->hashes) - 1], &v);
+    return hash_form(v, hash_signed);
+}
+
+/* Where the event starting at record i ends (a store chain or a run of removes). */
+static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
+    const Rec *rec = &recs[i];
+    size_t j = i + 1;
+    if (rec->tag == T_STORE) {
+        IntV last = last_hash(rec, hash_signed);
+        for (; j < n; j++) {
+            const Rec *nxt = &recs[j];
+            if (nxt->tag != T_STORE || !rec_has_parent(nxt)) break;
+            if (!same_str(nxt->lora, rec->lora) || !same_str(nxt->medium, rec->medium) ||
+                !same_opt_int(nxt->group, rec->group))
+                break;
+            IntV parent = rec_parent(nxt);
+            if (parent.bits != last.bits) break; /* both in the same form: equal iff equal bits */
+            last = last_hash(nxt, hash_signed);
+        }
+    } else if (rec->tag == T_REMOVE) {
+        for (; j < n; j++) {
+            const Rec *nxt = &recs[j];
+            if (nxt->tag != T_REMOVE || !same_str(nxt->medium, rec->medium) ||
+                !same_opt_int(nxt->group, rec->group))
+                break;
+        }
+    }
+    return j;
+}
+
+/* The hashes (or, with `tokens`, the token ids) of records i..end as one msgpack array. */
+static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_t end, int tokens,
+                              int hash_signed) {
+    size_t n = 0;
+    for (size_t k = i; k < end; k++) n += tokens ? rec_nt(&recs[k]) : rec_nh(&recs[k]);
+    p = kvw_put_array_header(p, n);
+    for (size_t k = i; k < end && p; k++) {
+        const Rec *r = &recs[k];
+        if (r->vals)
+            p = tokens ? put_token_vals(p, rec_tokens(r), r->nt)
+                       : put_hash_vals(p, r->vals, r->nh, hash_signed);
+        else
+            p = tokens ? put_ints(p, r->tokens, 0, 0) : put_ints(p, r->hashes, 1, hash_signed);
+    }
+    return p;
+}
+
+static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
+                                int hash_signed, int dialect) {
+    const Rec *rec = &recs[i];
+    PyObject *group = rec->group;
+    if (dialect == 0) {
+        *p++ = 0xde;
+        *p++ = 0;
+        *p++ = (unsigned char)(8 + (group != Py_None));
+        p = LIT(p, "\xa4type\xab" "BlockStored\xac" "block_hashes");
+    } else {
+        p = LIT(p, "\x9c\xab" "BlockStored");
+    }
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
+    if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
+    if (!rec_has_parent(rec)) *p++ = 0xc0;
+    else p = put_intv(p, hash_form(rec_parent(rec), hash_signed));
+    if (dialect == 0) p = LIT(p, "\xa9token_ids");
+    if (!(p = put_run(p, recs, i, end, 1, 0))) return NULL;
+    if (dialect == 0) p = LIT(p, "\xaa" "block_size");
+    p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
+    if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
+    else *p++ = 0xc0;
+    p = put_opt_str(p, rec->medium);
+    if (dialect == 0) p = LIT(p, "\xa9lora_name");
+    p = put_opt_str(p, rec->lora);
+    if (dialect == 0) {
+        if (group != Py_None) {
+            p = LIT(p, "\xa9group_idx");
+            p = put_opt_int(p, group);
+        }
+    } else {
+        *p++ = 0xc0; /* extra_keys */
+        p = put_opt_int(p, group);
+        *p++ = 0xc0; /* kv_cache_spec_kind */
+        *p++ = 0xc0; /* kv_cache_spec_sliding_window */
+    }
+    return p;
+}
+
+static unsigned char *put_remove(unsigned char *p, const Rec *recs, size_t i, size_t end,
+                                 int hash_signed, int dialect) {
+    PyObject *medium = recs[i].medium, *group = recs[i].group;
+    if (dialect == 0) {
+        *p++ = (unsigned char)(0x83 + (group != Py_None));
+        p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
+    } else {
+        p = LIT(p, "\x93\xac" "BlockRemoved");
+    }
+    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
+    if (dialect == 0) p = LIT(p, "\xa6medium");
+    p = put_opt_str(p, medium);
+    if (dialect == 0 && group != Py_None) {
+        p = LIT(p, "\xa9group_idx");
+        p = put_opt_int(p, group);
+    }
+    return p;
+}
+
+static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t events) {
+    *p++ = 0x93;
+    p = kvw_put_float64(p, ts);
+    return kvw_put_array_header(p, events);
+}
+
+/* A collector batch's payload, or NULL when a record is one only Python encodes
+ * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
+Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
+    const Rec *recs = batch->recs;
+    size_t n = batch->n, size;
+    long bs = batch->block_size;
+    int sg = batch->hash_signed;
+    if (bs < 1 || check_recs(recs, n, bs, &size) < 0) return NULL;
+    size_t events = 0;
+    for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
+    Buf *b = buf_new(pool, size + 16);
+    if (!b) return NULL;
+    unsigned char *p = put_envelope_head(b->data, batch->ts, events);
+    for (size_t i = 0; i < n;) {
+        size_t end = run_end(recs, i, n, sg);
+        if (recs[i].tag == T_STORE) p = put_store(p, recs, i, end, bs, sg, dialect);
+        else if (recs[i].tag == T_REMOVE) p = put_remove(p, recs, i, end, sg, dialect);
+        else if (dialect == 0) p = LIT(p, "\x81\xa4type\xb0" "AllBlocksCleared");
+        else p = LIT(p, "\x91\xb0" "AllBlocksCleared");
+        if (!p) { /* an int only Python encodes (or refuses) */
+            buf_unref(b);
+            return NULL;
+        }
+        i = end;
+    }
+    p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
+    buf_end(b, p);
+    return b;
+}
+
+/* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
+Buf *encode_heartbeat(double ts, i64 rank, Pool *pool) {
+    Buf *b = buf_new(pool, 32);
+    if (!b) return NULL;
+    unsigned char *p = put_envelope_head(b->data, ts, 0);
+    p = kvw_put_int(p, (u64)rank, rank < 0);
+    buf_end(b, p);
+    return b;
+}
+
+/* --- an engine batch, as msgspec writes its structs ------------------------------------ */
+
+/* A field value the native encoder writes as msgspec does: its size bound, or -1. */
+Py_ssize_t value_size(PyObject *v) {
+    const char *s;
+    Py_ssize_t n;
+    IntV iv;
+    if (v == Py_None) return 1;
+    if (PyLong_CheckExact(v)) return read_int(v, &iv) < 0 ? -1 : 9;
+    if (PyUnicode_CheckExact(v)) return read_str(v, &s, &n) < 0 ? -1 : n + 5;
+    if (PyList_CheckExact(v)) return 5 + 9 * seq_len(v); /* its ints checked as written */
+    return -1;
+}
+
+static unsigned char *put_value(unsigned char *p, PyObject *v);
+
+/* An engine batch's value: a copied list (v NULL) or an object. */
+static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l,
+                                const unsigned char *ints) {
+    if (v) return put_value(p, v);
+    p = kvw_put_array_header(p, (size_t)l->n);
+    if (l->narrow) return put_token_vals(p, (const uint32_t *)(ints + l->off), (size_t)l->n);
+    const u64 *x = (const u64 *)(ints + l->off);
+    for (Py_ssize_t i = 0; i < l->n; i++) p = kvw_put_int(p, x[i], l->neg && (i64)x[i] < 0);
+    return p;
+}
+
+static unsigned char *put_value(unsigned char *p, PyObject *v) {
+    if (v == Py_None) {
+        *p++ = 0xc0;
+        return p;
+    }
+    if (PyUnicode_CheckExact(v)) return put_opt_str(p, v);
+    if (PyList_CheckExact(v)) {
+        p = kvw_put_array_header(p, (size_t)seq_len(v));
+        return put_ints(p, v, 0, 0);
+    }
+    IntV iv;
+    read_int(v, &iv);
+    return put_intv(p, iv);
+}
+
+static unsigned char *put_key(unsigned char *p, PyObject *s) {
+    return kvw_put_str(p, PyUnicode_DATA(s), (size_t)PyUnicode_GET_LENGTH(s));
+}
+
+/* The engine batch's payload, msgspec's bytes, or NULL when a value is one only msgspec
+ * encodes. Reads no reference counts. */
+Buf *encode_engine(const EBatch *b, Pool *pool) {
+    size_t size = 48;
+    for (size_t i = 0; i < b->n; i++) {
+        const EvLayout *lay = b->ev[i].lay;
+        size += 16 + (size_t)PyUnicode_GET_LENGTH(lay->tag_field) + (size_t)PyUnicode_GET_LENGTH(lay->tag);
+        for (int j = 0; j < lay->nfields; j++) {
+            PyObject *v = b->ev[i].vals[j];
+            Py_ssize_t vs = v ? value_size(v) : 5 + 9 * b->ev[i].lists[j].n;
+            if (vs < 0) return NULL;
+            size += (size_t)vs + 5 + (size_t)PyUnicode_GET_LENGTH(lay->key[j]);
+        }
+    }
+    Py_ssize_t rank_size = value_size(b->rank);
+    if (rank_size < 0) return NULL;
+    Buf *buf = buf_new(pool, size + (size_t)rank_size + 16);
+    if (!buf) return NULL;
+    unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
+    for (size_t i = 0; i < b->n && p; i++) {
+        const EvLayout *lay = b->ev[i].lay;
+        PyObject **vals = b->ev[i].vals;
+        size_t count = 1;
+        for (int j = 0; j < lay->nfields; j++) count += !(lay->omit_none[j] && vals[j] == Py_None);
+        if (lay->wide) {
+            *p++ = 0xde;
+            p = kvw_put_be(p, (u64)count, 2);
+        } else {
+            *p++ = (unsigned char)(0x80 | count);
+        }
+        p = put_key(p, lay->tag_field);
+        p = put_key(p, lay->tag);
+        for (int j = 0; j < lay->nfields && p; j++) {
+            if (lay->omit_none[j] && vals[j] == Py_None) continue;
+            p = put_key(p, lay->key[j]);
+            p = put_field(p, vals[j], &b->ev[i].lists[j], b->ints);
+        }
+    }
+    if (!p) { /* an int only msgspec encodes (or refuses) */
+        buf_unref(buf);
+        return NULL;
+    }
+    p = put_value(p, b->rank);
+    buf_end(buf, p);
+    return buf;
+}
+
