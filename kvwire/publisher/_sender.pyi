@@ -2,7 +2,53 @@
 collector's hooks, engine formats."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, Self, final
+from typing import Any, Final, Self, final
+
+STORED: Final[int]
+REMOVED: Final[int]
+CLEARED: Final[int]
+
+@final
+class Record:
+    """One hook call as the collector recorded it: a store, a removal or a clear.
+
+    A stored record has every field (``None`` where not given); a removed one
+    its ``block_hashes``, ``medium`` and ``group_idx`` (the rest read ``None``);
+    a cleared one none. The values are kept as given, by reference.
+    """
+
+    def __new__(
+        cls,
+        kind: int,
+        *,
+        block_hashes: Any = ...,
+        parent_hash: Any = ...,
+        token_ids: Any = ...,
+        lora_name: str | None = ...,
+        medium: str | None = ...,
+        extra_keys: Sequence[Any] | None = ...,
+        group_idx: int | None = ...,
+    ) -> Record: ...
+    @property
+    def kind(self) -> int: ...
+    @property
+    def block_hashes(self) -> Any: ...
+    @property
+    def parent_hash(self) -> Any: ...
+    @property
+    def token_ids(self) -> Any: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def medium(self) -> str | None: ...
+    @property
+    def extra_keys(self) -> Any: ...
+    @property
+    def group_idx(self) -> int | None: ...
+
+def encode_collected(batch: Any, dialect: str, pack: Callable[[Any], bytes], /) -> bytes:
+    """A ``CollectedBatch``'s payload: the sender thread's writer, any value prepared with
+    the GIL (``pack`` encodes ``extra_keys``)."""
 
 def heartbeat_due(
     last_sent: float, interval: float, now: float, wall: float, after_batch: bool, /

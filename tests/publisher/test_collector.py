@@ -421,8 +421,8 @@ def test_one_int_out_of_range_anywhere_keeps_the_list_by_reference(n: int) -> No
             assert [sys.getrefcount(x) for x in (hashes, tokens)] == [r + 1 for r in refs]
             col.flush()
             records = cap.only().records
-            assert records[0][1] is hashes and records[1][3] is tokens
-            assert records[0][3] == records[1][1] == list(range(n))  # copied: equal, new lists
+            assert records[0].block_hashes is hashes and records[1].token_ids is tokens
+            assert records[0].token_ids == records[1].block_hashes == list(range(n))  # copied
 
 
 def test_token_ids_outside_32_bits_are_kept_by_reference() -> None:

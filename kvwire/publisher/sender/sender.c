@@ -979,6 +979,8 @@ static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
      "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
+    {"encode_collected", (PyCFunction)(void (*)(void))encode_collected, METH_FASTCALL,
+     "encode_collected(batch, dialect, pack) -> bytes: a CollectedBatch's payload"},
     {NULL},
 };
 
@@ -989,7 +991,7 @@ static struct PyModuleDef sendermodule = {
 PyMODINIT_FUNC PyInit__sender(void) {
     if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
         PyType_Ready(&CollectorType) < 0 || PyType_Ready(&EngineFormatType) < 0 ||
-        PyType_Ready(&EnginePublishType) < 0)
+        PyType_Ready(&EnginePublishType) < 0 || PyType_Ready(&RecordType) < 0)
         return NULL;
     if (records_init() < 0 || collector_init() < 0) return NULL;
     PyObject *m = PyModule_Create(&sendermodule);
@@ -998,7 +1000,11 @@ PyMODINIT_FUNC PyInit__sender(void) {
         PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0 ||
         PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0 ||
         PyModule_AddObjectRef(m, "EngineFormat", (PyObject *)&EngineFormatType) < 0 ||
-        PyModule_AddObjectRef(m, "EnginePublish", (PyObject *)&EnginePublishType) < 0) {
+        PyModule_AddObjectRef(m, "EnginePublish", (PyObject *)&EnginePublishType) < 0 ||
+        PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
+        PyModule_AddIntConstant(m, "STORED", T_STORE) < 0 ||
+        PyModule_AddIntConstant(m, "REMOVED", T_REMOVE) < 0 ||
+        PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0) {
         Py_DECREF(m);
         return NULL;
     }

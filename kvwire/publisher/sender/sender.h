@@ -92,13 +92,16 @@ typedef struct Rec {
 } Rec;
 
 /* A collector batch the sender reads without the GIL: the native collector's flush()
- * hands one over, publish() makes one from a CollectedBatch. Freed with the GIL held. */
+ * hands one over, publish() makes one from a CollectedBatch. Freed with the GIL held.
+ * normalized: prepared with the GIL (encode_collected) for the writer, which then also
+ * takes what only that step makes: text fields as UTF-8 bytes, extra_keys packed. */
 typedef struct CBatch {
     struct CBatch *next; /* on the done list */
     double ts;
     i64 rank;
     long block_size;
     int hash_signed;
+    int normalized;
     size_t n;
     Rec recs[];
 } CBatch;
@@ -111,6 +114,8 @@ CBatch *cbatch_alloc(size_t n);
 void cbatch_free(CBatch *b);
 CBatch *read_collected(PyObject *batch);
 PyObject *cbatch_to_collected(PyObject *batch_type, const CBatch *b, PyObject *rank);
+extern PyTypeObject RecordType;
+PyObject *encode_collected(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int records_init(void);
 
 /* --- engine batches (engine.c) --------------------------------------------------------- */

@@ -28,10 +28,50 @@ static Py_ssize_t check_ints(PyObject *o) {
     return seq_len(o);
 }
 
+/* A record's text field (lora_name, medium): None, a compact ASCII str or, in a batch
+ * prepared with the GIL (normalized), the UTF-8 bytes of any other str. 0, or -1. */
+static inline int rec_str(PyObject *o, const char **s, Py_ssize_t *n, int normalized) {
+    if (normalized && PyBytes_CheckExact(o)) {
+        *s = PyBytes_AS_STRING(o);
+        *n = PyBytes_GET_SIZE(o);
+        return 0;
+    }
+    return read_str(o, s, n);
+}
+
+static inline int same_text(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (Py_TYPE(a) != Py_TYPE(b) || a == Py_None || b == Py_None) return 0;
+    const char *x, *y;
+    Py_ssize_t n, m;
+    rec_str(a, &x, &n, 1);
+    rec_str(b, &y, &m, 1);
+    return n == m && memcmp(x, y, (size_t)n) == 0;
+}
+
+/* A msgpack array's length and where its items start, or -1 (not an array). */
+static Py_ssize_t array_body(PyObject *raw, const unsigned char **body) {
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(raw);
+    Py_ssize_t len = PyBytes_GET_SIZE(raw);
+    if (len >= 1 && (p[0] & 0xf0) == 0x90) {
+        *body = p + 1;
+        return p[0] & 0x0f;
+    }
+    if (len >= 3 && p[0] == 0xdc) {
+        *body = p + 3;
+        return (Py_ssize_t)p[1] << 8 | p[2];
+    }
+    if (len >= 5 && p[0] == 0xdd) {
+        *body = p + 5;
+        return (Py_ssize_t)((u64)p[1] << 24 | (u64)p[2] << 16 | (u64)p[3] << 8 | p[4]);
+    }
+    return -1;
+}
+
 /* Whether every record has the shape the native encoder takes (the ints in its
  * lists are checked while writing them); sets *size to an upper bound of the
  * payload's size. */
-static int check_recs(const Rec *recs, size_t n, long bs, size_t *size) {
+static int check_recs(const Rec *recs, size_t n, long bs, int normalized, size_t *size) {
     size_t total = 64;
     for (size_t i = 0; i < n; i++) {
         const Rec *r = &recs[i];
@@ -44,15 +84,21 @@ static int check_recs(const Rec *recs, size_t n, long bs, size_t *size) {
             Py_ssize_t nt = r->vals ? (Py_ssize_t)r->nt : check_ints(r->tokens);
             if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
             if (!r->vals && r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
-            if (read_str(r->lora, &s, &slen) < 0) return -1;
-            if (read_str(r->medium, &s, &slen2) < 0) return -1;
-            if (r->extra != Py_None) return -1; /* extra_keys */
+            if (rec_str(r->lora, &s, &slen, normalized) < 0) return -1;
+            if (rec_str(r->medium, &s, &slen2, normalized) < 0) return -1;
+            Py_ssize_t extra = 0; /* extra_keys: packed (a msgpack array) with the GIL */
+            if (r->extra != Py_None) {
+                const unsigned char *body;
+                if (!normalized || !PyBytes_CheckExact(r->extra) || array_body(r->extra, &body) < 0)
+                    return -1;
+                extra = PyBytes_GET_SIZE(r->extra) + 16;
+            }
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
-            total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2) + 160;
+            total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2 + extra) + 160;
         } else if (r->tag == T_REMOVE) {
             Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
             if (nh <= 0) return -1;
-            if (read_str(r->medium, &s, &slen) < 0) return -1;
+            if (rec_str(r->medium, &s, &slen, normalized) < 0) return -1;
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
             total += 9 * (size_t)nh + (size_t)slen + 80;
         } else {
@@ -102,7 +148,10 @@ static unsigned char *put_opt_str(unsigned char *p, PyObject *o) {
         *p++ = 0xc0;
         return p;
     }
-    return kvw_put_str(p, PyUnicode_DATA(o), (size_t)PyUnicode_GET_LENGTH(o));
+    const char *s;
+    Py_ssize_t n;
+    rec_str(o, &s, &n, 1);
+    return kvw_put_str(p, s, (size_t)n);
 }
 
 static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
@@ -134,8 +183,9 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
         for (; j < n; j++) {
             const Rec *nxt = &recs[j];
             if (nxt->tag != T_STORE || !rec_has_parent(nxt)) break;
-            if (!same_str(nxt->lora, rec->lora) || !same_str(nxt->medium, rec->medium) ||
-                !same_opt_int(nxt->group, rec->group))
+            if (!same_text(nxt->lora, rec->lora) || !same_text(nxt->medium, rec->medium) ||
+                !same_opt_int(nxt->group, rec->group) ||
+                (nxt->extra == Py_None) != (rec->extra == Py_None))
                 break;
             IntV parent = rec_parent(nxt);
             if (parent.bits != last.bits) break; /* both in the same form: equal iff equal bits */
@@ -144,7 +194,7 @@ static size_t run_end(const Rec *recs, size_t i, size_t n, int hash_signed) {
     } else if (rec->tag == T_REMOVE) {
         for (; j < n; j++) {
             const Rec *nxt = &recs[j];
-            if (nxt->tag != T_REMOVE || !same_str(nxt->medium, rec->medium) ||
+            if (nxt->tag != T_REMOVE || !same_text(nxt->medium, rec->medium) ||
                 !same_opt_int(nxt->group, rec->group))
                 break;
         }
@@ -169,14 +219,30 @@ static unsigned char *put_run(unsigned char *p, const Rec *recs, size_t i, size_
     return p;
 }
 
+/* The extra_keys of records i..end (packed arrays) as one msgpack array. */
+static unsigned char *put_extra_run(unsigned char *p, const Rec *recs, size_t i, size_t end) {
+    const unsigned char *body;
+    size_t n = 0;
+    for (size_t k = i; k < end; k++) n += (size_t)array_body(recs[k].extra, &body);
+    p = kvw_put_array_header(p, n);
+    for (size_t k = i; k < end; k++) {
+        PyObject *raw = recs[k].extra;
+        array_body(raw, &body);
+        size_t len = (size_t)PyBytes_GET_SIZE(raw) - (size_t)(body - (const unsigned char *)PyBytes_AS_STRING(raw));
+        memcpy(p, body, len);
+        p += len;
+    }
+    return p;
+}
+
 static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
                                 int hash_signed, int dialect) {
     const Rec *rec = &recs[i];
-    PyObject *group = rec->group;
+    PyObject *group = rec->group, *extra = rec->extra;
     if (dialect == 0) {
         *p++ = 0xde;
         *p++ = 0;
-        *p++ = (unsigned char)(8 + (group != Py_None));
+        *p++ = (unsigned char)(8 + (extra != Py_None) + (group != Py_None));
         p = LIT(p, "\xa4type\xab" "BlockStored\xac" "block_hashes");
     } else {
         p = LIT(p, "\x9c\xab" "BlockStored");
@@ -195,12 +261,17 @@ static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, siz
     if (dialect == 0) p = LIT(p, "\xa9lora_name");
     p = put_opt_str(p, rec->lora);
     if (dialect == 0) {
+        if (extra != Py_None) {
+            p = LIT(p, "\xaa" "extra_keys");
+            p = put_extra_run(p, recs, i, end);
+        }
         if (group != Py_None) {
             p = LIT(p, "\xa9group_idx");
             p = put_opt_int(p, group);
         }
     } else {
-        *p++ = 0xc0; /* extra_keys */
+        if (extra != Py_None) p = put_extra_run(p, recs, i, end);
+        else *p++ = 0xc0;
         p = put_opt_int(p, group);
         *p++ = 0xc0; /* kv_cache_spec_kind */
         *p++ = 0xc0; /* kv_cache_spec_sliding_window */
@@ -240,7 +311,7 @@ Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
     size_t n = batch->n, size;
     long bs = batch->block_size;
     int sg = batch->hash_signed;
-    if (bs < 1 || check_recs(recs, n, bs, &size) < 0) return NULL;
+    if (bs < 1 || check_recs(recs, n, bs, batch->normalized, &size) < 0) return NULL;
     size_t events = 0;
     for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
     Buf *b = buf_new(pool, size + 16);
