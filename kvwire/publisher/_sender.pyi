@@ -46,9 +46,9 @@ class Record:
     @property
     def group_idx(self) -> int | None: ...
 
-def encode_collected(batch: Any, dialect: str, pack: Callable[[Any], bytes], /) -> bytes:
-    """A ``CollectedBatch``'s payload: the sender thread's writer, any value prepared with
-    the GIL (``pack`` encodes ``extra_keys``)."""
+def encode_collected(batch: Any, format: EngineFormat, pack: Callable[[Any], bytes], /) -> bytes:
+    """A ``CollectedBatch``'s payload in ``format`` (a dialect's, for records): the sender
+    thread's writer, any value prepared with the GIL (``pack`` encodes ``extra_keys``)."""
 
 def heartbeat_due(
     last_sent: float, interval: float, now: float, wall: float, after_batch: bool, /
@@ -161,16 +161,19 @@ class Collector:
 class EngineFormat:
     """Where an engine's batch and tagged event structs keep their fields (slot offsets),
     and how msgspec writes them: ``events`` holds ``(cls, tag_field, tag, ((attr, key,
-    omit_none), ...))`` per class; ``wrap(batch)`` makes what the sender's ``encode``
-    takes (the engine's msgspec encoding), for the batches the thread leaves to Python."""
+    omit_none), ...))`` per class (``tag_field`` ``None``: a tagged array); ``wrap(batch)``
+    makes what the sender's ``encode`` takes (the engine's msgspec encoding), for the
+    batches the thread leaves to Python. ``records``: a format for collector batches
+    (kvwire's dialects): the store, removal and clear layouts, in that order."""
 
     def __new__(
         cls,
         batch_type: type,
         batch_fields: tuple[str, str, str],
-        events: tuple[tuple[type, str, str, tuple[tuple[str, str, bool], ...]], ...],
+        events: tuple[tuple[type, str | None, str, tuple[tuple[str, str, bool], ...]], ...],
         *,
-        wrap: Callable[[Any], Any],
+        wrap: Callable[[Any], Any] | None = None,
+        records: bool = False,
     ) -> EngineFormat: ...
     def encode(self, batch: object, /) -> bytes | None: ...
 

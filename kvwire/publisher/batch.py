@@ -16,7 +16,8 @@ import msgspec
 
 from kvwire.wire import Dialect, KVEventBatch, decode_batch
 
-from ._sender import CLEARED, REMOVED, STORED, Record, encode_collected
+from ._sender import CLEARED, REMOVED, STORED, EngineFormat, Record, encode_collected
+from .formats import wire_format
 
 __all__ = ["CLEARED", "REMOVED", "STORED", "CollectedBatch", "Record", "RecordKind"]
 
@@ -51,7 +52,12 @@ class CollectedBatch(msgspec.Struct, gc=False):
         no 64-bit int raises ``ValueError`` naming it, as does a store whose
         token ids no longer match its hashes.
         """
-        return encode_collected(self, dialect, _pack)
+        return encode_collected(self, wire_format(dialect), _pack)
+
+    @staticmethod
+    def wire_format(dialect: Dialect) -> EngineFormat:
+        """The native writer's format for ``dialect`` (what the sender takes)."""
+        return wire_format(dialect)
 
     def to_batch(self) -> KVEventBatch:
         """The batch as wire structs (hashes unsigned, as decoding yields them)."""

@@ -30,7 +30,7 @@ static inline PyObject *slot(PyObject *o, Py_ssize_t off) { return *(PyObject **
  * ints copied into C memory, so that no reference to them or their ints is kept), or NULL
  * (no error set) when msgspec is to encode it. */
 EBatch *ebatch_read(EngineFormat *f, PyObject *batch, Pool *pool) {
-    if (Py_TYPE(batch) != f->batch_cls) return NULL;
+    if (f->records || Py_TYPE(batch) != f->batch_cls) return NULL;
     PyObject *ts = slot(batch, f->batch_off[0]), *events = slot(batch, f->batch_off[1]),
              *rank = slot(batch, f->batch_off[2]);
     if (!ts || !events || !rank || !PyFloat_CheckExact(ts) || !PyList_CheckExact(events))
@@ -142,28 +142,50 @@ static void engine_format_dealloc(EngineFormat *f) {
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
-/* EngineFormat(batch_type, (ts, events, rank), events, *, wrap): events is a tuple of
- * (cls, tag_field, tag, ((attr, key, omit_none), ...)), as msgspec encodes them; wrap(batch)
- * makes what the sender's Python `encode` takes, for the batches the thread leaves to it
- * (msgspec's encoding, errors reported as for any batch). */
+/* A collector record's value for an event field, by the field's name (events.py's). */
+static int record_role(PyObject *attr) {
+    static const struct {
+        const char *name;
+        int role;
+    } roles[] = {{"block_hashes", R_HASHES}, {"parent_block_hash", R_PARENT},
+                 {"token_ids", R_TOKENS},    {"block_size", R_BLOCK_SIZE},
+                 {"lora_name", R_LORA},      {"medium", R_MEDIUM},
+                 {"extra_keys", R_EXTRA},    {"group_idx", R_GROUP}};
+    for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
+        if (PyUnicode_CompareWithASCIIString(attr, roles[i].name) == 0) return roles[i].role;
+    return R_NONE; /* a field the records have no value for: always None */
+}
+
+/* EngineFormat(batch_type, (ts, events, rank), events, *, wrap=None, records=False): events
+ * is a tuple of (cls, tag_field, tag, ((attr, key, omit_none), ...)), as msgspec encodes
+ * them (tag_field None: a tagged array [tag, value...]); wrap(batch) makes what the sender's
+ * Python `encode` takes, for the batches the thread leaves to it (msgspec's encoding, errors
+ * reported as for any batch). records: a format for collector batches (kvwire's dialects),
+ * its events the store, removal and clear layouts, their fields' values the records' of
+ * the same names. */
 static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *names[] = {"batch_type", "batch_fields", "events", "wrap", NULL};
-    PyObject *batch_type, *bfields, *events, *wrap;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!$O", names, &PyType_Type, &batch_type,
-                                     &PyTuple_Type, &bfields, &PyTuple_Type, &events, &wrap))
+    static char *names[] = {"batch_type", "batch_fields", "events", "wrap", "records", NULL};
+    PyObject *batch_type, *bfields, *events, *wrap = Py_None;
+    int records = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!|$Op", names, &PyType_Type, &batch_type,
+                                     &PyTuple_Type, &bfields, &PyTuple_Type, &events, &wrap,
+                                     &records))
         return NULL;
-    if (!PyCallable_Check(wrap)) {
-        PyErr_SetString(PyExc_TypeError, "wrap must be callable");
+    if (wrap != Py_None && !PyCallable_Check(wrap)) {
+        PyErr_SetString(PyExc_TypeError, "wrap must be callable or None");
         return NULL;
     }
-    if (PyTuple_GET_SIZE(bfields) != 3 || PyTuple_GET_SIZE(events) > 4) {
-        PyErr_SetString(PyExc_ValueError, "batch_fields: (ts, events, rank); at most 4 event classes");
+    if (PyTuple_GET_SIZE(bfields) != 3 || PyTuple_GET_SIZE(events) > 4 ||
+        (records && PyTuple_GET_SIZE(events) != 3)) {
+        PyErr_SetString(PyExc_ValueError, "batch_fields: (ts, events, rank); at most 4 event "
+                                          "classes (for records: store, removal, clear)");
         return NULL;
     }
     EngineFormat *f = (EngineFormat *)type->tp_alloc(type, 0);
     if (!f) return NULL;
     f->batch_cls = (PyTypeObject *)Py_NewRef(batch_type);
     f->wrap = Py_NewRef(wrap);
+    f->records = records;
     for (int i = 0; i < 3; i++) {
         PyObject *name = PyTuple_GET_ITEM(bfields, i);
         if (!PyUnicode_Check(name) || (f->batch_off[i] = field_offset(f->batch_cls, name)) < 0) {
@@ -173,18 +195,22 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
     }
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(events); k++) {
         PyObject *cls, *tag_field, *tag, *fields;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(events, k), "O!UUO!", &PyType_Type, &cls, &tag_field,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(events, k), "O!OUO!", &PyType_Type, &cls, &tag_field,
                               &tag, &PyTuple_Type, &fields))
             goto fail;
         EvLayout *lay = &f->ev[f->nev++];
         lay->cls = (PyTypeObject *)Py_NewRef(cls);
-        lay->tag_field = Py_NewRef(tag_field);
+        lay->tag_field = tag_field == Py_None ? NULL : Py_NewRef(tag_field);
         lay->tag = Py_NewRef(tag);
-        if (!ascii_str(tag_field) || !ascii_str(tag) || PyTuple_GET_SIZE(fields) > EV_MAX) {
+        if ((lay->tag_field && !ascii_str(tag_field)) || !ascii_str(tag) ||
+            PyTuple_GET_SIZE(fields) > EV_MAX) {
             PyErr_SetString(PyExc_ValueError, "tags are ASCII strs; at most 64 fields");
             goto fail;
         }
         lay->wide = PyTuple_GET_SIZE(fields) + 1 >= 16;
+        /* headers, the tag (and its key), then per field its key and (None, an int) value */
+        lay->fixed = 8 + (lay->tag_field ? 5 + (size_t)PyUnicode_GET_LENGTH(tag_field) : 0) + 5 +
+                     (size_t)PyUnicode_GET_LENGTH(tag);
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(fields); j++) {
             PyObject *attr, *key;
             int omit;
@@ -199,6 +225,8 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
             lay->off[j] = off;
             lay->key[j] = Py_NewRef(key);
             lay->omit_none[j] = (unsigned char)omit;
+            lay->role[j] = (unsigned char)(records ? record_role(attr) : R_SLOT);
+            lay->fixed += 5 + (size_t)PyUnicode_GET_LENGTH(key) + 9;
             lay->nfields++;
         }
     }

@@ -525,18 +525,12 @@ static int rec_normalize(Rec *r, long bs, PyObject *pack) {
     return 0;
 }
 
-/* encode_collected(batch, dialect, pack) -> bytes: CollectedBatch.encode. */
+/* encode_collected(batch, format, pack) -> bytes: CollectedBatch.encode (format: the
+ * dialect's, for records). */
 PyObject *encode_collected(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "encode_collected(batch, dialect, pack)");
-        return NULL;
-    }
-    int dialect = PyUnicode_Check(args[1]) ? PyUnicode_CompareWithASCIIString(args[1], "map") == 0   ? 0
-                                             : PyUnicode_CompareWithASCIIString(args[1], "array") == 0 ? 1
-                                                                                                      : -1
-                                           : -1;
-    if (dialect < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown dialect %R: expected 'map' or 'array'", args[1]);
+    if (nargs != 3 || !Py_IS_TYPE(args[1], &EngineFormatType) ||
+        !((EngineFormat *)args[1])->records) {
+        PyErr_SetString(PyExc_TypeError, "encode_collected(batch, format: a format for records, pack)");
         return NULL;
     }
     CBatch *b = collected_read(args[0], 1);
@@ -549,7 +543,7 @@ PyObject *encode_collected(PyObject *module, PyObject *const *args, Py_ssize_t n
     for (size_t i = 0; i < b->n; i++)
         if (rec_normalize(&b->recs[i], b->block_size, args[2]) < 0) goto done;
     b->normalized = 1;
-    Buf *payload = encode_batch(b, dialect, NULL);
+    Buf *payload = encode_batch(b, (EngineFormat *)args[1], NULL);
     if (!payload) {
         PyErr_NoMemory();
         goto done;

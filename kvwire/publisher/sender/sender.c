@@ -250,7 +250,7 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     if (it->kind == K_SKIP) return;
     if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
         it->payload = it->engine ? encode_engine(it->engine, s->pool)
-                                 : encode_batch(it->batch, s->dialect, s->pool);
+                                 : encode_batch(it->batch, s->wire, s->pool);
         if (it->payload) {
             (*native)++;
             return;
@@ -260,8 +260,10 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
     (*gil)++;
     /* A native collector's batch has no Python object yet: Python encodes a CollectedBatch;
      * an engine's batch goes to Python wrapped as its format says (msgspec's encoding). */
-    PyObject *obj = it->engine   ? (it->obj ? PyObject_CallOneArg(it->engine->fmt->wrap, it->obj)
-                                            : NULL) /* native: out of memory */
+    PyObject *wrap = it->engine ? it->engine->fmt->wrap : NULL;
+    PyObject *obj = it->engine   ? (!it->obj           ? NULL /* native: out of memory */
+                                    : wrap == Py_None ? Py_NewRef(it->obj)
+                                                      : PyObject_CallOneArg(wrap, it->obj))
                     : it->obj    ? Py_NewRef(it->obj)
                     : s->batch_type ? cbatch_to_collected(s->batch_type, it->batch, NULL)
                                     : NULL;
@@ -504,7 +506,7 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
                                      &max_queue, &buffer_steps, &coalesce_s, &heartbeat_s, &mirror,
                                      &mirror_backlog, &batch_type, &encode))
         return NULL;
-    int d = strcmp(dialect, "map") == 0 ? 0 : strcmp(dialect, "array") == 0 ? 1 : -1;
+    int d = strcmp(dialect, "map") == 0 || strcmp(dialect, "array") == 0 ? 0 : -1;
     const char *bad = d < 0 ? "dialect must be 'map' or 'array'"
                       : max_queue < 1 || buffer_steps < 1 || mirror_backlog < 1
                           ? "max_queue, buffer_steps and mirror_backlog must be >= 1"
@@ -516,11 +518,19 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, bad);
         return NULL;
     }
-    Sender *s = (Sender *)type->tp_alloc(type, 0);
+    /* The dialect's format for collector batches: the batch type knows it. */
+    PyObject *wire = PyObject_CallMethod(batch_type, "wire_format", "s", dialect);
+    if (wire && (!Py_IS_TYPE(wire, &EngineFormatType) || !((EngineFormat *)wire)->records)) {
+        PyErr_SetString(PyExc_TypeError, "batch_type.wire_format() must give a format for records");
+        Py_CLEAR(wire);
+    }
+    Sender *s = wire ? (Sender *)type->tp_alloc(type, 0) : NULL;
     if (!s) {
+        Py_XDECREF(wire);
         PyBuffer_Release(&topic);
         return NULL;
     }
+    s->wire = (EngineFormat *)wire;
     s->service_fd = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_condattr_t ca;
@@ -543,7 +553,6 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     memcpy(s->topic, topic.buf, (size_t)topic.len);
     s->topic_len = (size_t)topic.len;
     PyBuffer_Release(&topic);
-    s->dialect = d;
     s->rank = rank;
     s->max_queue = (size_t)max_queue;
     s->buffer_steps = (size_t)buffer_steps;
@@ -559,6 +568,7 @@ static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static int sender_traverse(Sender *s, visitproc visit, void *arg) {
     Py_VISIT(s->batch_type);
+    Py_VISIT((PyObject *)s->wire);
     Py_VISIT(s->encode);
     return 0;
 }
@@ -567,6 +577,7 @@ static int sender_clear(Sender *s) {
     /* Only reachable once the thread is joined (it holds a reference until then). */
     Py_CLEAR(s->batch_type);
     Py_CLEAR(s->encode);
+    Py_CLEAR(s->wire);
     return 0;
 }
 
@@ -588,6 +599,7 @@ static void sender_dealloc(Sender *s) {
     if (s->service_fd >= 0) close(s->service_fd);
     Py_XDECREF(s->batch_type);
     Py_XDECREF(s->encode);
+    Py_XDECREF(s->wire);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     Py_TYPE(s)->tp_free((PyObject *)s);
@@ -900,7 +912,7 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
      * batch, or None when it leaves the batch to Python (for tests). */
     if (!s->batch_type || Py_TYPE(batch) != (PyTypeObject *)s->batch_type) Py_RETURN_NONE;
     CBatch *cb = read_collected(batch);
-    Buf *b = cb ? encode_batch(cb, s->dialect, NULL) : NULL;
+    Buf *b = cb && s->wire ? encode_batch(cb, s->wire, NULL) : NULL;
     cbatch_free(cb);
     if (!b) Py_RETURN_NONE;
     PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
@@ -980,7 +992,7 @@ static PyMethodDef module_methods[] = {
     {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
      "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
     {"encode_collected", (PyCFunction)(void (*)(void))encode_collected, METH_FASTCALL,
-     "encode_collected(batch, dialect, pack) -> bytes: a CollectedBatch's payload"},
+     "encode_collected(batch, format, pack) -> bytes: a CollectedBatch's payload"},
     {NULL},
 };
 

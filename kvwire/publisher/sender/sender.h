@@ -122,7 +122,13 @@ int records_init(void);
 
 #define EV_MAX 64 /* fields of one event class */
 
-/* How msgspec writes one tagged event struct of an engine's, and where its fields lie. */
+/* Where a collector record's value for an event field comes from (a format for records);
+ * R_SLOT: the struct's own slot (an engine's batch). */
+enum { R_SLOT, R_NONE, R_HASHES, R_PARENT, R_TOKENS, R_BLOCK_SIZE, R_LORA, R_MEDIUM, R_EXTRA,
+       R_GROUP };
+
+/* How msgspec writes one tagged event struct, and where its fields lie: as a map
+ * {tag_field: tag, key: value...}, or (tag_field NULL) positionally, [tag, value...]. */
 typedef struct EvLayout {
     PyTypeObject *cls; /* strong */
     PyObject *tag_field, *tag; /* compact ASCII strs (strong) */
@@ -131,13 +137,18 @@ typedef struct EvLayout {
     Py_ssize_t off[EV_MAX];
     PyObject *key[EV_MAX]; /* compact ASCII strs (strong) */
     unsigned char omit_none[EV_MAX];
+    unsigned char role[EV_MAX]; /* R_* */
+    size_t fixed; /* bytes of the event besides its values' (headers, tag, keys), at most */
 } EvLayout;
 
+/* An engine's batch format, or kvwire's own (records: its three layouts, for T_STORE,
+ * T_REMOVE and T_CLEAR, say how a collector batch's records are written). */
 typedef struct {
     PyObject_HEAD
     PyTypeObject *batch_cls; /* strong; NULL only before tp_new completes */
-    PyObject *wrap;          /* wrap(batch): what the publisher's encode takes (strong) */
+    PyObject *wrap;          /* wrap(batch): what the publisher's encode takes (strong), or None */
     Py_ssize_t batch_off[3]; /* ts, events, rank */
+    int records;
     int nev;
     EvLayout ev[4];
 } EngineFormat;
@@ -183,7 +194,7 @@ void ebatch_free(EBatch *b);
 Py_ssize_t value_size(PyObject *v);
 /* The payloads, or NULL when a value is one only Python encodes (or memory ran out).
  * None reads a reference count: safe without the GIL. */
-Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool);
+Buf *encode_batch(const CBatch *batch, const EngineFormat *fmt, Pool *pool);
 Buf *encode_engine(const EBatch *b, Pool *pool);
 Buf *encode_heartbeat(double ts, i64 rank, Pool *pool);
 
@@ -214,7 +225,7 @@ typedef struct {
     /* configuration (fixed at construction) */
     unsigned char *topic;
     size_t topic_len;
-    int dialect; /* 0 map, 1 array */
+    EngineFormat *wire; /* the dialect's format for collector batches (strong) */
     i64 rank;
     double coalesce_s;
     double poll_until; /* CLOCK_MONOTONIC: the sender polls the queue until then (under mu) */

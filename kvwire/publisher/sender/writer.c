@@ -71,7 +71,8 @@ static Py_ssize_t array_body(PyObject *raw, const unsigned char **body) {
 /* Whether every record has the shape the native encoder takes (the ints in its
  * lists are checked while writing them); sets *size to an upper bound of the
  * payload's size. */
-static int check_recs(const Rec *recs, size_t n, long bs, int normalized, size_t *size) {
+static int check_recs(const Rec *recs, size_t n, long bs, int normalized, const EngineFormat *fmt,
+                      size_t *size) {
     size_t total = 64;
     for (size_t i = 0; i < n; i++) {
         const Rec *r = &recs[i];
@@ -94,15 +95,15 @@ static int check_recs(const Rec *recs, size_t n, long bs, int normalized, size_t
                 extra = PyBytes_GET_SIZE(r->extra) + 16;
             }
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
-            total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2 + extra) + 160;
+            total += fmt->ev[T_STORE].fixed + 9 * (size_t)(nh + nt) + (size_t)(slen + slen2 + extra) + 32;
         } else if (r->tag == T_REMOVE) {
             Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
             if (nh <= 0) return -1;
             if (rec_str(r->medium, &s, &slen, normalized) < 0) return -1;
             if (read_opt_int(r->group, &v, &present) < 0) return -1;
-            total += 9 * (size_t)nh + (size_t)slen + 80;
+            total += fmt->ev[T_REMOVE].fixed + 9 * (size_t)nh + (size_t)slen + 16;
         } else {
-            total += 32;
+            total += fmt->ev[T_CLEAR].fixed;
         }
     }
     *size = total;
@@ -163,8 +164,6 @@ static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
     read_int(o, &v);
     return put_intv(p, v);
 }
-
-#define LIT(p, s) (memcpy((p), (s), sizeof(s) - 1), (p) + sizeof(s) - 1)
 
 /* The last hash of a store record, in the wire's form. */
 static IntV last_hash(const Rec *r, int hash_signed) {
@@ -235,103 +234,10 @@ static unsigned char *put_extra_run(unsigned char *p, const Rec *recs, size_t i,
     return p;
 }
 
-static unsigned char *put_store(unsigned char *p, const Rec *recs, size_t i, size_t end, long bs,
-                                int hash_signed, int dialect) {
-    const Rec *rec = &recs[i];
-    PyObject *group = rec->group, *extra = rec->extra;
-    if (dialect == 0) {
-        *p++ = 0xde;
-        *p++ = 0;
-        *p++ = (unsigned char)(8 + (extra != Py_None) + (group != Py_None));
-        p = LIT(p, "\xa4type\xab" "BlockStored\xac" "block_hashes");
-    } else {
-        p = LIT(p, "\x9c\xab" "BlockStored");
-    }
-    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
-    if (dialect == 0) p = LIT(p, "\xb1parent_block_hash");
-    if (!rec_has_parent(rec)) *p++ = 0xc0;
-    else p = put_intv(p, hash_form(rec_parent(rec), hash_signed));
-    if (dialect == 0) p = LIT(p, "\xa9token_ids");
-    if (!(p = put_run(p, recs, i, end, 1, 0))) return NULL;
-    if (dialect == 0) p = LIT(p, "\xaa" "block_size");
-    p = kvw_put_int(p, (u64)(i64)bs, bs < 0);
-    if (dialect == 0) p = LIT(p, "\xa7lora_id\xc0\xa6medium");
-    else *p++ = 0xc0;
-    p = put_opt_str(p, rec->medium);
-    if (dialect == 0) p = LIT(p, "\xa9lora_name");
-    p = put_opt_str(p, rec->lora);
-    if (dialect == 0) {
-        if (extra != Py_None) {
-            p = LIT(p, "\xaa" "extra_keys");
-            p = put_extra_run(p, recs, i, end);
-        }
-        if (group != Py_None) {
-            p = LIT(p, "\xa9group_idx");
-            p = put_opt_int(p, group);
-        }
-    } else {
-        if (extra != Py_None) p = put_extra_run(p, recs, i, end);
-        else *p++ = 0xc0;
-        p = put_opt_int(p, group);
-        *p++ = 0xc0; /* kv_cache_spec_kind */
-        *p++ = 0xc0; /* kv_cache_spec_sliding_window */
-    }
-    return p;
-}
-
-static unsigned char *put_remove(unsigned char *p, const Rec *recs, size_t i, size_t end,
-                                 int hash_signed, int dialect) {
-    PyObject *medium = recs[i].medium, *group = recs[i].group;
-    if (dialect == 0) {
-        *p++ = (unsigned char)(0x83 + (group != Py_None));
-        p = LIT(p, "\xa4type\xac" "BlockRemoved\xac" "block_hashes");
-    } else {
-        p = LIT(p, "\x93\xac" "BlockRemoved");
-    }
-    if (!(p = put_run(p, recs, i, end, 0, hash_signed))) return NULL;
-    if (dialect == 0) p = LIT(p, "\xa6medium");
-    p = put_opt_str(p, medium);
-    if (dialect == 0 && group != Py_None) {
-        p = LIT(p, "\xa9group_idx");
-        p = put_opt_int(p, group);
-    }
-    return p;
-}
-
 static unsigned char *put_envelope_head(unsigned char *p, double ts, size_t events) {
     *p++ = 0x93;
     p = kvw_put_float64(p, ts);
     return kvw_put_array_header(p, events);
-}
-
-/* A collector batch's payload, or NULL when a record is one only Python encodes
- * (or memory ran out: Python then fails too, visibly). Reads no reference counts. */
-Buf *encode_batch(const CBatch *batch, int dialect, Pool *pool) {
-    const Rec *recs = batch->recs;
-    size_t n = batch->n, size;
-    long bs = batch->block_size;
-    int sg = batch->hash_signed;
-    if (bs < 1 || check_recs(recs, n, bs, batch->normalized, &size) < 0) return NULL;
-    size_t events = 0;
-    for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
-    Buf *b = buf_new(pool, size + 16);
-    if (!b) return NULL;
-    unsigned char *p = put_envelope_head(b->data, batch->ts, events);
-    for (size_t i = 0; i < n;) {
-        size_t end = run_end(recs, i, n, sg);
-        if (recs[i].tag == T_STORE) p = put_store(p, recs, i, end, bs, sg, dialect);
-        else if (recs[i].tag == T_REMOVE) p = put_remove(p, recs, i, end, sg, dialect);
-        else if (dialect == 0) p = LIT(p, "\x81\xa4type\xb0" "AllBlocksCleared");
-        else p = LIT(p, "\x91\xb0" "AllBlocksCleared");
-        if (!p) { /* an int only Python encodes (or refuses) */
-            buf_unref(b);
-            return NULL;
-        }
-        i = end;
-    }
-    p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
-    buf_end(b, p);
-    return b;
 }
 
 /* The heartbeat, as encode_batch(KVEventBatch(ts, [], rank)) gives it in either dialect. */
@@ -390,18 +296,122 @@ static unsigned char *put_key(unsigned char *p, PyObject *s) {
     return kvw_put_str(p, PyUnicode_DATA(s), (size_t)PyUnicode_GET_LENGTH(s));
 }
 
+/* --- one event, as its layout says ----------------------------------------------------- */
+
+/* Where an event's field values are: an engine struct's slots as read (vals, with the
+ * copied lists), or a collector's run of records i..end (a store chain, or removals). */
+typedef struct EvSrc {
+    PyObject *const *vals;
+    const EList *lists;
+    const unsigned char *ints;
+    const Rec *recs;
+    size_t i, end;
+    long bs;
+    int sg;
+} EvSrc;
+
+static inline int src_is_none(const EvLayout *lay, int j, const EvSrc *s) {
+    const Rec *r = s->recs ? &s->recs[s->i] : NULL;
+    switch (lay->role[j]) {
+        case R_SLOT: return s->vals[j] == Py_None;
+        case R_NONE: return 1;
+        case R_PARENT: return !rec_has_parent(r);
+        case R_LORA: return r->lora == Py_None;
+        case R_MEDIUM: return r->medium == Py_None;
+        case R_EXTRA: return r->extra == Py_None;
+        case R_GROUP: return r->group == Py_None;
+        default: return 0; /* hashes, token ids, block size */
+    }
+}
+
+static unsigned char *put_src(unsigned char *p, const EvLayout *lay, int j, const EvSrc *s) {
+    const Rec *r = s->recs ? &s->recs[s->i] : NULL;
+    switch (lay->role[j]) {
+        case R_SLOT: return put_field(p, s->vals[j], &s->lists[j], s->ints);
+        case R_HASHES: return put_run(p, s->recs, s->i, s->end, 0, s->sg);
+        case R_TOKENS: return put_run(p, s->recs, s->i, s->end, 1, 0);
+        case R_PARENT:
+            if (rec_has_parent(r)) return put_intv(p, hash_form(rec_parent(r), s->sg));
+            break;
+        case R_BLOCK_SIZE: return kvw_put_int(p, (u64)(i64)s->bs, s->bs < 0);
+        case R_LORA: return put_opt_str(p, r->lora);
+        case R_MEDIUM: return put_opt_str(p, r->medium);
+        case R_EXTRA:
+            if (r->extra != Py_None) return put_extra_run(p, s->recs, s->i, s->end);
+            break;
+        case R_GROUP: return put_opt_int(p, r->group);
+    }
+    *p++ = 0xc0; /* None */
+    return p;
+}
+
+/* One event: a map as msgspec writes a tagged struct (fields omitted when None where the
+ * layout says so), or a tagged array. NULL at a value only Python encodes. */
+static unsigned char *put_event(unsigned char *p, const EvLayout *lay, const EvSrc *s) {
+    if (!lay->tag_field) {
+        p = kvw_put_array_header(p, (size_t)lay->nfields + 1);
+        p = put_key(p, lay->tag);
+        for (int j = 0; j < lay->nfields && p; j++) p = put_src(p, lay, j, s);
+        return p;
+    }
+    size_t count = 1;
+    for (int j = 0; j < lay->nfields; j++) count += !(lay->omit_none[j] && src_is_none(lay, j, s));
+    if (lay->wide) {
+        *p++ = 0xde;
+        p = kvw_put_be(p, (u64)count, 2);
+    } else {
+        *p++ = (unsigned char)(0x80 | count);
+    }
+    p = put_key(p, lay->tag_field);
+    p = put_key(p, lay->tag);
+    for (int j = 0; j < lay->nfields && p; j++) {
+        if (lay->omit_none[j] && src_is_none(lay, j, s)) continue;
+        p = put_key(p, lay->key[j]);
+        p = put_src(p, lay, j, s);
+    }
+    return p;
+}
+
+/* A collector batch's payload in a format for records (kvwire's dialects), or NULL when a
+ * record is one only the GIL prepares (or memory ran out). Reads no reference counts. */
+Buf *encode_batch(const CBatch *batch, const EngineFormat *fmt, Pool *pool) {
+    const Rec *recs = batch->recs;
+    size_t n = batch->n, size;
+    long bs = batch->block_size;
+    int sg = batch->hash_signed;
+    if (bs < 1 || check_recs(recs, n, bs, batch->normalized, fmt, &size) < 0) return NULL;
+    size_t events = 0;
+    for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
+    Buf *b = buf_new(pool, size + 16);
+    if (!b) return NULL;
+    unsigned char *p = put_envelope_head(b->data, batch->ts, events);
+    EvSrc src = {.recs = recs, .bs = bs, .sg = sg};
+    for (size_t i = 0; i < n && p; i = src.end) {
+        src.i = i;
+        src.end = run_end(recs, i, n, sg);
+        p = put_event(p, &fmt->ev[recs[i].tag], &src);
+    }
+    if (!p) { /* an int only the GIL prepares (or refuses) */
+        buf_unref(b);
+        return NULL;
+    }
+    p = kvw_put_int(p, (u64)batch->rank, batch->rank < 0);
+    buf_end(b, p);
+    return b;
+}
+
 /* The engine batch's payload, msgspec's bytes, or NULL when a value is one only msgspec
  * encodes. Reads no reference counts. */
 Buf *encode_engine(const EBatch *b, Pool *pool) {
     size_t size = 48;
     for (size_t i = 0; i < b->n; i++) {
         const EvLayout *lay = b->ev[i].lay;
-        size += 16 + (size_t)PyUnicode_GET_LENGTH(lay->tag_field) + (size_t)PyUnicode_GET_LENGTH(lay->tag);
+        size += lay->fixed;
         for (int j = 0; j < lay->nfields; j++) {
             PyObject *v = b->ev[i].vals[j];
             Py_ssize_t vs = v ? value_size(v) : 5 + 9 * b->ev[i].lists[j].n;
             if (vs < 0) return NULL;
-            size += (size_t)vs + 5 + (size_t)PyUnicode_GET_LENGTH(lay->key[j]);
+            size += (size_t)vs;
         }
     }
     Py_ssize_t rank_size = value_size(b->rank);
@@ -410,23 +420,8 @@ Buf *encode_engine(const EBatch *b, Pool *pool) {
     if (!buf) return NULL;
     unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
     for (size_t i = 0; i < b->n && p; i++) {
-        const EvLayout *lay = b->ev[i].lay;
-        PyObject **vals = b->ev[i].vals;
-        size_t count = 1;
-        for (int j = 0; j < lay->nfields; j++) count += !(lay->omit_none[j] && vals[j] == Py_None);
-        if (lay->wide) {
-            *p++ = 0xde;
-            p = kvw_put_be(p, (u64)count, 2);
-        } else {
-            *p++ = (unsigned char)(0x80 | count);
-        }
-        p = put_key(p, lay->tag_field);
-        p = put_key(p, lay->tag);
-        for (int j = 0; j < lay->nfields && p; j++) {
-            if (lay->omit_none[j] && vals[j] == Py_None) continue;
-            p = put_key(p, lay->key[j]);
-            p = put_field(p, vals[j], &b->ev[i].lists[j], b->ints);
-        }
+        EvSrc src = {.vals = b->ev[i].vals, .lists = b->ev[i].lists, .ints = b->ints};
+        p = put_event(p, b->ev[i].lay, &src);
     }
     if (!p) { /* an int only msgspec encodes (or refuses) */
         buf_unref(buf);
@@ -436,4 +431,3 @@ Buf *encode_engine(const EBatch *b, Pool *pool) {
     buf_end(buf, p);
     return buf;
 }
-
