@@ -566,3 +566,22 @@ def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
     python_growth = grown(EventCollector(Keep(), BS))  # the measure sees objects kept
     assert python_growth > 100 * n
     assert native_growth < 2000, f"{native_growth} bytes of Python objects for {n} iterations"
+
+
+def test_kvwire_dialects_are_layouts_of_the_wire_structs() -> None:
+    """The writer's formats for collector batches come from kvwire.wire's structs by the
+    rule the engines' formats use (an engine's struct and kvwire's are read alike)."""
+    from kvwire.integrations.adapter import _event_layout
+    from kvwire.publisher.formats import struct_layout, wire_format
+    from kvwire.wire.codec import POSITIONAL_FIELDS
+
+    for cls in POSITIONAL_FIELDS:
+        assert struct_layout(cls) == _event_layout(cls)
+    stored = struct_layout(next(iter(POSITIONAL_FIELDS)), 3)
+    assert stored is not None and stored[1] is None  # positional: no tag field
+    assert [f[0] for f in stored[3]] == ["block_hashes", "parent_block_hash", "token_ids"]
+    assert wire_format("map") is wire_format("map")
+    with pytest.raises(ValueError, match="unknown dialect"):
+        wire_format("xml")  # type: ignore[arg-type]
+    # A format for records writes no engine batch.
+    assert wire_format("map").encode(KVEventBatch(0.0, [], 0)) is None

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <structmember.h>
 
+#include "../../_native/msgpack.h"
+
 void ebatch_free(EBatch *b) {
     if (!b) return;
     ints_free(b->ints);
@@ -137,6 +139,7 @@ static void engine_format_dealloc(EngineFormat *f) {
         Py_XDECREF((PyObject *)lay->cls);
         Py_XDECREF(lay->tag_field);
         Py_XDECREF(lay->tag);
+        free(lay->enc);
         for (int j = 0; j < lay->nfields; j++) Py_XDECREF(lay->key[j]);
     }
     Py_TYPE(f)->tp_free((PyObject *)f);
@@ -228,6 +231,21 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
             lay->role[j] = (unsigned char)(records ? record_role(attr) : R_SLOT);
             lay->fixed += 5 + (size_t)PyUnicode_GET_LENGTH(key) + 9;
             lay->nfields++;
+        }
+        /* The tag and the keys as the writer copies them: msgpack strs, written once here. */
+        if (!(lay->enc = malloc(lay->fixed + 8))) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        unsigned char *p = lay->enc;
+        if (lay->tag_field)
+            p = kvw_put_str(p, PyUnicode_DATA(tag_field), (size_t)PyUnicode_GET_LENGTH(tag_field));
+        p = kvw_put_str(p, PyUnicode_DATA(tag), (size_t)PyUnicode_GET_LENGTH(tag));
+        lay->head_len = (size_t)(p - lay->enc);
+        for (int j = 0; j < lay->nfields; j++) {
+            lay->key_at[j] = (size_t)(p - lay->enc);
+            p = kvw_put_str(p, PyUnicode_DATA(lay->key[j]), (size_t)PyUnicode_GET_LENGTH(lay->key[j]));
+            lay->key_len[j] = (size_t)(p - lay->enc) - lay->key_at[j];
         }
     }
     return (PyObject *)f;

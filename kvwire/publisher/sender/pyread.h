@@ -9,7 +9,7 @@
 
 
 /* An exact int within [-2**63, 2**64); 0, or -1 for anything else. */
-static inline int read_int(PyObject *o, IntV *out) {
+static __attribute__((unused)) int read_int(PyObject *o, IntV *out) {
     out->bits = 0;
     out->neg = 0;
     if (!PyLong_CheckExact(o)) return -1;
@@ -52,7 +52,7 @@ static inline IntV hash_form(IntV v, int hash_signed) {
 }
 
 /* None or an exact, compact ASCII str: 0 (None: *s NULL), -1 for anything else. */
-static inline int read_str(PyObject *o, const char **s, Py_ssize_t *n) {
+static __attribute__((unused)) int read_str(PyObject *o, const char **s, Py_ssize_t *n) {
     if (o == Py_None) {
         *s = NULL;
         *n = 0;
@@ -64,20 +64,13 @@ static inline int read_str(PyObject *o, const char **s, Py_ssize_t *n) {
     return 0;
 }
 
-static inline int same_str(PyObject *a, PyObject *b) {
-    if (a == b) return 1;
-    if (a == Py_None || b == Py_None) return 0;
-    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
-    return n == PyUnicode_GET_LENGTH(b) && memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), n) == 0;
-}
-
 /* None or an exact int (group_idx). */
-static inline int read_opt_int(PyObject *o, IntV *v, int *present) {
+static __attribute__((unused)) int read_opt_int(PyObject *o, IntV *v, int *present) {
     *present = o != Py_None;
     return *present ? read_int(o, v) : 0;
 }
 
-static inline int same_opt_int(PyObject *a, PyObject *b) {
+static __attribute__((unused)) int same_opt_int(PyObject *a, PyObject *b) {
     if (a == Py_None || b == Py_None) return a == b;
     IntV x, y;
     read_int(a, &x);
@@ -119,7 +112,7 @@ static inline Py_ssize_t pos_digits(PyObject *o, const digit **d) {
 /* A list or tuple of exact ints in range into v as their values modulo 2**64; 0, or -1
  * (one is not such an int). *neg: one is negative; *mixed: negative ints and ints above
  * 2**63 - 1 both (their bits then do not say which is which). */
-static inline int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
+static __attribute__((unused)) int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
     PyTypeObject *long_type = &PyLong_Type;
@@ -158,7 +151,7 @@ static inline int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
 }
 
 /* A list or tuple of exact token ids in [0, 2**32) into v; 0, or -1 (one is not). */
-static inline int read_tokens(PyObject *seq, uint32_t *v) {
+static __attribute__((unused)) int read_tokens(PyObject *seq, uint32_t *v) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
     PyTypeObject *long_type = &PyLong_Type;

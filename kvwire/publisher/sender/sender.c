@@ -12,17 +12,17 @@
  * The sender thread (a pthread) encodes each batch into a reference-counted
  * buffer and sends [topic, seq, payload] on the PUB socket, the payload
  * zero-copy. A collector's batch travels as C records (CBatch): the native
- * Collector below (EventCollector's hooks) queues its records as they are,
+ * Collector (collector.c, EventCollector's hooks) queues its records as they are,
  * without a Python object, and publish() turns a CollectedBatch (`batch_type`)
- * into one. A batch whose records hold only what the checks below accept
- * (exact ints in lists or tuples, None, compact ASCII strs) is read and encoded
- * here without the GIL: the collector's contract is that the lists it was
- * handed are not changed after the call, the queued batch holds a reference to
- * every one of them, and ints, tuples and strs are immutable. The coalescing
- * and bytes are those of CollectedBatch.encode (both dialects). Anything else
- * is encoded by the Python callable `encode` with the GIL taken (a CollectedBatch
- * is made then for the Collector's batches); `stats()` counts both, and every
- * time the thread took the GIL.
+ * into one. A batch whose records hold only what the writer takes without the
+ * GIL (exact ints in lists or tuples, None, compact ASCII strs) is encoded here
+ * (writer.c, in the dialect's format: `wire`): the collector's contract is that
+ * the lists it was handed are not changed after the call, the queued batch holds
+ * a reference to every one of them, and ints, tuples and strs are immutable; an
+ * engine's batch likewise (engine.c). Anything else goes to the Python callable
+ * `encode` with the GIL taken (a CollectedBatch is made then for the Collector's
+ * batches: its encode() prepares the values for the same writer); `stats()`
+ * counts both, and every time the thread took the GIL.
  * The oldest queued batch is sent coalesce_s after its publish(), with whatever
  * was published meanwhile (a backlog is sent at once, and a nap ends when CHUNK
  * batches are queued: a burst goes out a chunk at a time, its copies few).

@@ -139,6 +139,10 @@ typedef struct EvLayout {
     unsigned char omit_none[EV_MAX];
     unsigned char role[EV_MAX]; /* R_* */
     size_t fixed; /* bytes of the event besides its values' (headers, tag, keys), at most */
+    unsigned char *enc;     /* malloc'd: the tag (after its key, in a map), then each key,
+                             * as msgpack strs */
+    size_t head_len;        /* the tag's bytes, at enc */
+    size_t key_at[EV_MAX], key_len[EV_MAX]; /* each key's bytes, at enc + key_at */
 } EvLayout;
 
 /* An engine's batch format, or kvwire's own (records: its three layouts, for T_STORE,

@@ -1,10 +1,13 @@
 /* The msgpack writer: every payload the sender sends, byte for byte what msgspec writes.
  *
- * A collector batch (its records coalesced as CollectedBatch.encode coalesces them: a store
- * continuing the previous one's chain joins its event, as does a removal following one of
- * the same medium and group) in kvwire's map or array dialect; an engine batch as msgspec
- * writes the engine's own structs (EngineFormat's layouts); a heartbeat. Nothing here reads
- * a reference count or takes the GIL: the sender thread calls it as it is. */
+ * One event writer (put_event) writes what a layout says (EngineFormat: tag, keys in order,
+ * fields omitted when None, or a tagged array), from one of two sources: an engine batch's
+ * struct slots as read on the engine thread, or a collector batch's records, coalesced (a
+ * store continuing the previous one's chain joins its event, as does a removal following
+ * one of the same medium and group) in kvwire's map or array dialect (formats.py derives
+ * both from kvwire.wire.events). Plus the heartbeat. Nothing here reads a reference count or
+ * takes the GIL: the sender thread calls it as it is (encode_collected prepares, with the
+ * GIL, what it cannot read so). */
 #include "pyread.h"
 #include "../../_native/msgpack.h"
 
@@ -292,10 +295,6 @@ static unsigned char *put_value(unsigned char *p, PyObject *v) {
     return put_intv(p, iv);
 }
 
-static unsigned char *put_key(unsigned char *p, PyObject *s) {
-    return kvw_put_str(p, PyUnicode_DATA(s), (size_t)PyUnicode_GET_LENGTH(s));
-}
-
 /* --- one event, as its layout says ----------------------------------------------------- */
 
 /* Where an event's field values are: an engine struct's slots as read (vals, with the
@@ -345,28 +344,36 @@ static unsigned char *put_src(unsigned char *p, const EvLayout *lay, int j, cons
     return p;
 }
 
+static inline unsigned char *put_bytes(unsigned char *p, const unsigned char *b, size_t n) {
+    memcpy(p, b, n);
+    return p + n;
+}
+
 /* One event: a map as msgspec writes a tagged struct (fields omitted when None where the
  * layout says so), or a tagged array. NULL at a value only Python encodes. */
 static unsigned char *put_event(unsigned char *p, const EvLayout *lay, const EvSrc *s) {
     if (!lay->tag_field) {
         p = kvw_put_array_header(p, (size_t)lay->nfields + 1);
-        p = put_key(p, lay->tag);
+        p = put_bytes(p, lay->enc, lay->head_len);
         for (int j = 0; j < lay->nfields && p; j++) p = put_src(p, lay, j, s);
         return p;
     }
+    unsigned char omit[EV_MAX];
     size_t count = 1;
-    for (int j = 0; j < lay->nfields; j++) count += !(lay->omit_none[j] && src_is_none(lay, j, s));
+    for (int j = 0; j < lay->nfields; j++) {
+        omit[j] = lay->omit_none[j] && src_is_none(lay, j, s);
+        count += !omit[j];
+    }
     if (lay->wide) {
         *p++ = 0xde;
         p = kvw_put_be(p, (u64)count, 2);
     } else {
         *p++ = (unsigned char)(0x80 | count);
     }
-    p = put_key(p, lay->tag_field);
-    p = put_key(p, lay->tag);
+    p = put_bytes(p, lay->enc, lay->head_len);
     for (int j = 0; j < lay->nfields && p; j++) {
-        if (lay->omit_none[j] && src_is_none(lay, j, s)) continue;
-        p = put_key(p, lay->key[j]);
+        if (omit[j]) continue;
+        p = put_bytes(p, lay->enc + lay->key_at[j], lay->key_len[j]);
         p = put_src(p, lay, j, s);
     }
     return p;
