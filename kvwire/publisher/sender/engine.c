@@ -233,7 +233,7 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
             lay->nfields++;
         }
         /* The tag and the keys as the writer copies them: msgpack strs, written once here. */
-        if (!(lay->enc = malloc(lay->fixed + 8))) {
+        if (!(lay->enc = calloc(1, lay->fixed + 32))) { /* (32: put_bytes' slack) */
             PyErr_NoMemory();
             goto fail;
         }

@@ -474,6 +474,7 @@ static int rec_text(PyObject **field, const char *what) {
 /* Prepare one record for the writer (see above); pack(list) -> msgpack bytes. 0, or -1. */
 static int rec_normalize(Rec *r, long bs, PyObject *pack) {
     if (r->tag == T_CLEAR) return 0;
+    if (!r->vals) rec_copy(r, NULL); /* lists of exact ints, as the hooks copy them */
     if (!r->vals && (!exact_seq(r->hashes) || (r->tokens && !exact_seq(r->tokens))) &&
         rec_copy_arrays(r) < 0)
         return -1;

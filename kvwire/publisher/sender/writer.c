@@ -344,8 +344,11 @@ static unsigned char *put_src(unsigned char *p, const EvLayout *lay, int j, cons
     return p;
 }
 
+/* A layout's pre-encoded tag or key: up to 32 bytes in one fixed-size copy (the layouts'
+ * bytes and the payload buffers leave 32 bytes of slack), longer ones as they are. */
 static inline unsigned char *put_bytes(unsigned char *p, const unsigned char *b, size_t n) {
-    memcpy(p, b, n);
+    if (n <= 32) memcpy(p, b, 32);
+    else memcpy(p, b, n);
     return p + n;
 }
 
@@ -389,7 +392,7 @@ Buf *encode_batch(const CBatch *batch, const EngineFormat *fmt, Pool *pool) {
     if (bs < 1 || check_recs(recs, n, bs, batch->normalized, fmt, &size) < 0) return NULL;
     size_t events = 0;
     for (size_t i = 0; i < n; i = run_end(recs, i, n, sg)) events++;
-    Buf *b = buf_new(pool, size + 16);
+    Buf *b = buf_new(pool, size + 48);
     if (!b) return NULL;
     unsigned char *p = put_envelope_head(b->data, batch->ts, events);
     EvSrc src = {.recs = recs, .bs = bs, .sg = sg};
@@ -423,7 +426,7 @@ Buf *encode_engine(const EBatch *b, Pool *pool) {
     }
     Py_ssize_t rank_size = value_size(b->rank);
     if (rank_size < 0) return NULL;
-    Buf *buf = buf_new(pool, size + (size_t)rank_size + 16);
+    Buf *buf = buf_new(pool, size + (size_t)rank_size + 48);
     if (!buf) return NULL;
     unsigned char *p = put_envelope_head(buf->data, b->ts, b->n);
     for (size_t i = 0; i < b->n && p; i++) {
