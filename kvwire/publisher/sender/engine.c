@@ -145,6 +145,45 @@ static void engine_format_dealloc(EngineFormat *f) {
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
+/* The layout's bytes and steps (EvLayout): everything about an event that does not depend
+ * on its values, encoded once. 0, or -1 with an error set. */
+static int layout_steps(EvLayout *lay) {
+    int map = lay->tag_field != NULL;
+    if (!(lay->enc = calloc(1, lay->fixed + 32))) { /* (32: put_bytes' slack) */
+        PyErr_NoMemory();
+        return -1;
+    }
+    unsigned char *e = lay->enc, *p = e;
+    if (map) p = kvw_put_str(p, PyUnicode_DATA(lay->tag_field), (size_t)PyUnicode_GET_LENGTH(lay->tag_field));
+    p = kvw_put_str(p, PyUnicode_DATA(lay->tag), (size_t)PyUnicode_GET_LENGTH(lay->tag));
+    lay->head_len = (size_t)(p - e);
+    lay->base_count = 1;
+    size_t from = (size_t)(p - e); /* constant bytes not yet in a step start here */
+    for (int j = 0; j < lay->nfields; j++) {
+        PyObject *key = lay->key[j];
+        int omittable = map && lay->omit_none[j];
+        if (lay->role[j] == R_NONE) { /* always None: left out, or constant */
+            if (omittable) continue;
+            if (map) p = kvw_put_str(p, PyUnicode_DATA(key), (size_t)PyUnicode_GET_LENGTH(key));
+            *p++ = 0xc0;
+            lay->base_count++;
+            continue;
+        }
+        if (omittable && (size_t)(p - e) > from) { /* the constants before stay */
+            lay->step[lay->nsteps++] = (struct EvStep){from, (size_t)(p - e) - from, -1, 0};
+            from = (size_t)(p - e);
+        }
+        if (map) p = kvw_put_str(p, PyUnicode_DATA(key), (size_t)PyUnicode_GET_LENGTH(key));
+        lay->base_count += !omittable;
+        lay->step[lay->nsteps++] =
+            (struct EvStep){from, (size_t)(p - e) - from, (short)j, (unsigned char)omittable};
+        from = (size_t)(p - e);
+    }
+    lay->tail_at = from;
+    lay->tail_len = (size_t)(p - e) - from;
+    return 0;
+}
+
 /* A collector record's value for an event field, by the field's name (events.py's). */
 static int record_role(PyObject *attr) {
     static const struct {
@@ -232,21 +271,7 @@ static PyObject *engine_format_new(PyTypeObject *type, PyObject *args, PyObject 
             lay->fixed += 5 + (size_t)PyUnicode_GET_LENGTH(key) + 9;
             lay->nfields++;
         }
-        /* The tag and the keys as the writer copies them: msgpack strs, written once here. */
-        if (!(lay->enc = calloc(1, lay->fixed + 32))) { /* (32: put_bytes' slack) */
-            PyErr_NoMemory();
-            goto fail;
-        }
-        unsigned char *p = lay->enc;
-        if (lay->tag_field)
-            p = kvw_put_str(p, PyUnicode_DATA(tag_field), (size_t)PyUnicode_GET_LENGTH(tag_field));
-        p = kvw_put_str(p, PyUnicode_DATA(tag), (size_t)PyUnicode_GET_LENGTH(tag));
-        lay->head_len = (size_t)(p - lay->enc);
-        for (int j = 0; j < lay->nfields; j++) {
-            lay->key_at[j] = (size_t)(p - lay->enc);
-            p = kvw_put_str(p, PyUnicode_DATA(lay->key[j]), (size_t)PyUnicode_GET_LENGTH(lay->key[j]));
-            lay->key_len[j] = (size_t)(p - lay->enc) - lay->key_at[j];
-        }
+        if (layout_steps(lay) < 0) goto fail;
     }
     return (PyObject *)f;
 fail:

@@ -139,10 +139,19 @@ typedef struct EvLayout {
     unsigned char omit_none[EV_MAX];
     unsigned char role[EV_MAX]; /* R_* */
     size_t fixed; /* bytes of the event besides its values' (headers, tag, keys), at most */
-    unsigned char *enc;     /* malloc'd: the tag (after its key, in a map), then each key,
-                             * as msgpack strs */
-    size_t head_len;        /* the tag's bytes, at enc */
-    size_t key_at[EV_MAX], key_len[EV_MAX]; /* each key's bytes, at enc + key_at */
+    /* The event as the writer writes it, made once: the tag (after its key, in a map), then
+     * steps, each constant bytes (keys, and fields always None with their nil) and then a
+     * field's value (field -1: none), then the tail's constant bytes; a step `omittable`
+     * is left out whole when its value is None. All the bytes lie in enc (malloc'd). */
+    unsigned char *enc;
+    size_t head_len, tail_at, tail_len;
+    size_t base_count; /* a map's entries always written, the tag's included */
+    int nsteps;
+    struct EvStep {
+        size_t at, len;
+        short field;
+        unsigned char omittable;
+    } step[2 * EV_MAX];
 } EvLayout;
 
 /* An engine's batch format, or kvwire's own (records: its three layouts, for T_STORE,

@@ -355,31 +355,32 @@ static inline unsigned char *put_bytes(unsigned char *p, const unsigned char *b,
 /* One event: a map as msgspec writes a tagged struct (fields omitted when None where the
  * layout says so), or a tagged array. NULL at a value only Python encodes. */
 static unsigned char *put_event(unsigned char *p, const EvLayout *lay, const EvSrc *s) {
-    if (!lay->tag_field) {
-        p = kvw_put_array_header(p, (size_t)lay->nfields + 1);
-        p = put_bytes(p, lay->enc, lay->head_len);
-        for (int j = 0; j < lay->nfields && p; j++) p = put_src(p, lay, j, s);
-        return p;
-    }
-    unsigned char omit[EV_MAX];
-    size_t count = 1;
-    for (int j = 0; j < lay->nfields; j++) {
-        omit[j] = lay->omit_none[j] && src_is_none(lay, j, s);
-        count += !omit[j];
-    }
-    if (lay->wide) {
-        *p++ = 0xde;
-        p = kvw_put_be(p, (u64)count, 2);
+    unsigned char omit[2 * EV_MAX];
+    if (lay->tag_field) {
+        size_t count = lay->base_count;
+        for (int k = 0; k < lay->nsteps; k++) {
+            const struct EvStep *st = &lay->step[k];
+            omit[k] = st->omittable && src_is_none(lay, st->field, s);
+            count += st->omittable && !omit[k];
+        }
+        if (lay->wide) {
+            *p++ = 0xde;
+            p = kvw_put_be(p, (u64)count, 2);
+        } else {
+            *p++ = (unsigned char)(0x80 | count);
+        }
     } else {
-        *p++ = (unsigned char)(0x80 | count);
+        p = kvw_put_array_header(p, (size_t)lay->nfields + 1);
+        memset(omit, 0, (size_t)lay->nsteps);
     }
     p = put_bytes(p, lay->enc, lay->head_len);
-    for (int j = 0; j < lay->nfields && p; j++) {
-        if (omit[j]) continue;
-        p = put_bytes(p, lay->enc + lay->key_at[j], lay->key_len[j]);
-        p = put_src(p, lay, j, s);
+    for (int k = 0; k < lay->nsteps && p; k++) {
+        const struct EvStep *st = &lay->step[k];
+        if (omit[k]) continue;
+        p = put_bytes(p, lay->enc + st->at, st->len);
+        if (st->field >= 0) p = put_src(p, lay, st->field, s);
     }
-    return p;
+    return p ? put_bytes(p, lay->enc + lay->tail_at, lay->tail_len) : NULL;
 }
 
 /* A collector batch's payload in a format for records (kvwire's dialects), or NULL when a
