@@ -112,7 +112,7 @@ static inline Py_ssize_t pos_digits(PyObject *o, const digit **d) {
 /* A list or tuple of exact ints in range into v as their values modulo 2**64; 0, or -1
  * (one is not such an int). *neg: one is negative; *mixed: negative ints and ints above
  * 2**63 - 1 both (their bits then do not say which is which). */
-static __attribute__((unused)) int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
+static __attribute__((unused, noinline)) int read_bits(PyObject *seq, u64 *v, int *neg, int *mixed) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
     PyTypeObject *long_type = &PyLong_Type;
@@ -151,7 +151,7 @@ static __attribute__((unused)) int read_bits(PyObject *seq, u64 *v, int *neg, in
 }
 
 /* A list or tuple of exact token ids in [0, 2**32) into v; 0, or -1 (one is not). */
-static __attribute__((unused)) int read_tokens(PyObject *seq, uint32_t *v) {
+static __attribute__((unused, noinline)) int read_tokens(PyObject *seq, uint32_t *v) {
     Py_ssize_t n = seq_len(seq);
     PyObject **items = seq_items(seq);
     PyTypeObject *long_type = &PyLong_Type;
