@@ -16,8 +16,12 @@ SAVE="$(mktemp -d)"
 trap 'for m in wire/_pack wire/_scan prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do cp "$SAVE/$(basename $m)$SUFFIX" "kvwire/$m$SUFFIX"; done; rm -rf "$SAVE"' EXIT
 for m in wire/_pack wire/_scan prefix_index/_core publisher/_sender publisher/_mirror subscriber/_recv; do
     cp "kvwire/$m$SUFFIX" "$SAVE/"
+    # the module's sources as pyproject.toml lists them (one file, or a folder's worth)
+    SRC="$("$PY" -c 'import sys, tomllib; m = "kvwire." + sys.argv[1].replace("/", ".")
+print(" ".join(next(e["sources"] for e in tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["ext-modules"] if e["name"] == m)))' "$m")"
+    # shellcheck disable=SC2086
     gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined \
-        -fPIC -shared -I"$INC" "kvwire/$m.c" -o "kvwire/$m$SUFFIX"
+        -fPIC -shared -I"$INC" $SRC -o "kvwire/$m$SUFFIX"
 done
 KVWIRE_EXAMPLES_SCALE=0.3 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc \

@@ -6,9 +6,9 @@ TensorRT-LLM) live in :mod:`kvwire.integrations`; the reference engine that
 the demo and the tests drive lives in :mod:`kvwire.reference`.
 """
 
+from kvwire.publisher.batch import CollectedBatch, Record
 from kvwire.publisher.collector import (
     BatchPublisher,
-    CollectedBatch,
     CollectorStats,
     EventCollector,
     HashFormat,
@@ -32,4 +32,5 @@ __all__ = [
     "PendingBatch",
     "PublisherConfig",
     "PublisherStats",
+    "Record",
 ]

@@ -1,7 +1,54 @@
-"""The publisher's native sender thread (``_sender.c``)."""
+"""The publisher's native side (``kvwire/publisher/sender/*.c``): the sender thread, the
+collector's hooks, engine formats."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, Self, final
+from typing import Any, Final, Self, final
+
+STORED: Final[int]
+REMOVED: Final[int]
+CLEARED: Final[int]
+
+@final
+class Record:
+    """One hook call as the collector recorded it: a store, a removal or a clear.
+
+    A stored record has every field (``None`` where not given); a removed one
+    its ``block_hashes``, ``medium`` and ``group_idx`` (the rest read ``None``);
+    a cleared one none. The values are kept as given, by reference.
+    """
+
+    def __new__(
+        cls,
+        kind: int,
+        *,
+        block_hashes: Any = ...,
+        parent_hash: Any = ...,
+        token_ids: Any = ...,
+        lora_name: str | None = ...,
+        medium: str | None = ...,
+        extra_keys: Sequence[Any] | None = ...,
+        group_idx: int | None = ...,
+    ) -> Record: ...
+    @property
+    def kind(self) -> int: ...
+    @property
+    def block_hashes(self) -> Any: ...
+    @property
+    def parent_hash(self) -> Any: ...
+    @property
+    def token_ids(self) -> Any: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def medium(self) -> str | None: ...
+    @property
+    def extra_keys(self) -> Any: ...
+    @property
+    def group_idx(self) -> int | None: ...
+
+def encode_collected(batch: Any, format: EngineFormat, pack: Callable[[Any], bytes], /) -> bytes:
+    """A ``CollectedBatch``'s payload in ``format`` (a dialect's, for records): the sender
+    thread's writer, any value prepared with the GIL (``pack`` encodes ``extra_keys``)."""
 
 def heartbeat_due(
     last_sent: float, interval: float, now: float, wall: float, after_batch: bool, /
@@ -114,16 +161,19 @@ class Collector:
 class EngineFormat:
     """Where an engine's batch and tagged event structs keep their fields (slot offsets),
     and how msgspec writes them: ``events`` holds ``(cls, tag_field, tag, ((attr, key,
-    omit_none), ...))`` per class; ``wrap(batch)`` makes what the sender's ``encode``
-    takes (the engine's msgspec encoding), for the batches the thread leaves to Python."""
+    omit_none), ...))`` per class (``tag_field`` ``None``: a tagged array); ``wrap(batch)``
+    makes what the sender's ``encode`` takes (the engine's msgspec encoding), for the
+    batches the thread leaves to Python. ``records``: a format for collector batches
+    (kvwire's dialects): the store, removal and clear layouts, in that order."""
 
     def __new__(
         cls,
         batch_type: type,
         batch_fields: tuple[str, str, str],
-        events: tuple[tuple[type, str, str, tuple[tuple[str, str, bool], ...]], ...],
+        events: tuple[tuple[type, str | None, str, tuple[tuple[str, str, bool], ...]], ...],
         *,
-        wrap: Callable[[Any], Any],
+        wrap: Callable[[Any], Any] | None = None,
+        records: bool = False,
     ) -> EngineFormat: ...
     def encode(self, batch: object, /) -> bytes | None: ...
 

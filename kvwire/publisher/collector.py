@@ -20,61 +20,37 @@ The contract is what lets the native sender read a batch's lists without the
 GIL: when every list or tuple holds exact ints (within 64 bits), parents and
 group indices are ints or ``None``, ``medium`` and ``lora_name`` are ``None``
 or ASCII strs and no store has ``extra_keys``, the sender thread encodes the
-batch itself, byte for byte as :meth:`CollectedBatch.encode` would, and the
-engine thread never waits for it. Anything else (array or tensor captures, int
-subclasses, ``extra_keys``) is encoded by :meth:`CollectedBatch.encode` with
-the GIL taken.
+batch itself and the engine thread never waits for it. Anything else (array or
+tensor captures, int subclasses, ``extra_keys``) is prepared with the GIL
+taken (:meth:`CollectedBatch.encode`) for the same writer: one encoder, the
+same bytes either way.
 """
 
 from __future__ import annotations
 
-import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, TypeAlias
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.wire import AllBlocksCleared, Dialect, KVEventBatch, decode_batch
+from kvwire.wire import KVEventBatch
 from kvwire.wire._pack import snapshot
-from kvwire.wire.codec import (
-    EventParts,
-    IntArray,
-    RemovedParts,
-    StoredParts,
-    concat_int_arrays,
-    encode_parts,
-    pack_int_array,
-)
 
 from ._sender import Collector
+from .batch import CollectedBatch
 from .publisher import EventPublisher, PendingBatch
 
 __all__ = [
     "BatchPublisher",
-    "CollectedBatch",
     "CollectorStats",
     "EventCollector",
     "HashFormat",
 ]
 
 HashFormat: TypeAlias = Literal["unsigned", "signed"]
-
-_U64 = (1 << 64) - 1
-_I64_MIN = -(1 << 63)
-_I64_MAX = (1 << 63) - 1
-
-_STORE = 0
-_REMOVE = 1
-_CLEARED = AllBlocksCleared()
-_encoder = msgspec.msgpack.Encoder()
-_CHANGED = (
-    "the token ids or hashes passed to stored() changed before the batch was encoded; "
-    "pass lists that are not modified afterwards"
-)
 
 
 class BatchPublisher(Protocol):
@@ -86,7 +62,8 @@ class BatchPublisher(Protocol):
 
 
 class _DeviceInts:
-    """A CUDA tensor being copied to pinned host memory; read it off the engine thread.
+    """A CUDA tensor being copied to pinned host memory; read it off the engine thread
+    (the encoder calls :meth:`numpy`).
 
     The copy is queued on the tensor's current stream without waiting. One CUDA
     event per stream, recorded at ``flush()``, marks when an iteration's copies
@@ -192,8 +169,8 @@ class EventCollector(Collector):
     dropped: losing one would leave consumers believing a block is cached.
 
     Every int goes out in its smallest msgpack form, so the bytes are those of
-    ``encode_batch`` (and vLLM's): lists through msgspec, arrays and tensors
-    packed natively, without a Python int per element.
+    ``encode_batch`` (and vLLM's); arrays and tensors are read natively, without
+    a Python int per element.
 
     The hooks (:meth:`stored`, :meth:`removed`, :meth:`cleared`, :meth:`flush`)
     are the native base class's methods (:mod:`kvwire.publisher._sender`): a
@@ -268,144 +245,3 @@ class EventCollector(Collector):
     def stats(self) -> CollectorStats:
         """Batches flushed and stored blocks dropped by the per-iteration cap."""
         return CollectorStats(*self._counters())
-
-
-class CollectedBatch(msgspec.Struct, gc=False):
-    """One iteration's records; encoded on the publisher's sender thread.
-
-    ``records`` is a list of tuples in the collector's layout: ``(0, hashes,
-    parent, token_ids, lora_name, medium, extra_keys, group_idx)`` for a store,
-    ``(1, hashes, medium, group_idx)`` for a removal, ``(2,)`` for a clear. The
-    native collector keeps the same records in C and the native sender reads
-    them (``kvwire/publisher/_sender.c`` mirrors :meth:`parts`' coalescing):
-    change both together.
-
-    Not tracked by the cyclic garbage collector: a backlog of these must not
-    make every collection slower (it holds only tuples, arrays and ints).
-    """
-
-    ts: float
-    records: list[tuple[Any, ...]]
-    rank: int
-    block_size: int
-    signed: bool
-
-    def encode(self, dialect: Dialect) -> bytes:
-        """Convert, coalesce and encode: the bytes ``encode_batch`` gives for :meth:`to_batch`.
-
-        Lists of ints go to msgspec as they are; should one hold something
-        msgpack cannot take as a 64-bit int, the batch is encoded again with
-        every list packed natively, which converts ``__index__`` types and
-        raises ``ValueError`` naming a value that is no 64-bit int.
-        """
-        try:
-            return encode_parts(self.ts, self.parts(), self.rank, dialect=dialect)
-        except (TypeError, OverflowError):
-            return encode_parts(self.ts, self.parts(strict=True), self.rank, dialect=dialect)
-
-    def to_batch(self) -> KVEventBatch:
-        """The batch as wire structs (hashes unsigned, as decoding yields them)."""
-        return decode_batch(self.encode("map"))
-
-    def parts(self, *, strict: bool = False) -> list[EventParts]:
-        """The coalesced events in wire form; arrays (and, when ``strict``, lists) packed."""
-        records = self.records
-        signed = self.signed
-        form: HashFormat = "signed" if signed else "unsigned"
-        bs = self.block_size
-        out: list[EventParts] = []
-        n = len(records)
-        i = 0
-        while i < n:
-            rec = records[i]
-            i += 1
-            tag = rec[0]
-            if tag == _STORE:
-                _, hs, parent, toks, lora, medium, keys, group = rec
-                if len(toks) != len(hs) * bs:
-                    raise ValueError(_CHANGED)
-                if parent is not None:
-                    parent = _hash_int(parent, signed)
-                hash_parts = [_ints(hs, form, strict)]
-                token_parts = [_ints(toks, None, strict)]
-                last = _hash_int(_host(hs)[-1], signed)
-                extra = keys
-                if i < n and records[i][0] == _STORE:
-                    # A store continuing the previous one's chain joins its event.
-                    extra = None if keys is None else list(keys)
-                    while i < n:
-                        nxt = records[i]
-                        if (
-                            nxt[0] != _STORE
-                            or nxt[2] is None
-                            or nxt[4] != lora
-                            or nxt[5] != medium
-                            or nxt[7] != group
-                            or (nxt[6] is None) != (keys is None)
-                            or _hash_int(nxt[2], signed) != last
-                        ):
-                            break
-                        if len(nxt[3]) != len(nxt[1]) * bs:
-                            raise ValueError(_CHANGED)
-                        hash_parts.append(_ints(nxt[1], form, strict))
-                        token_parts.append(_ints(nxt[3], None, strict))
-                        last = _hash_int(_host(nxt[1])[-1], signed)
-                        if extra is not None:
-                            extra.extend(nxt[6])
-                        i += 1
-                tokens = concat_int_arrays(token_parts)
-                if type(tokens) is not msgspec.Raw:
-                    # Packed once: the payload embeds these bytes and the mirror keeps them.
-                    tokens = msgspec.Raw(_encoder.encode(tokens))
-                out.append(StoredParts(
-                    concat_int_arrays(hash_parts), parent, tokens, bs,
-                    None, medium, lora, extra, group,
-                ))  # fmt: skip
-            elif tag == _REMOVE:
-                _, hs, medium, group = rec
-                hash_parts = [_ints(hs, form, strict)]
-                while i < n:
-                    nxt = records[i]
-                    if nxt[0] != _REMOVE or nxt[2] != medium or nxt[3] != group:
-                        break
-                    hash_parts.append(_ints(nxt[1], form, strict))
-                    i += 1
-                out.append(RemovedParts(concat_int_arrays(hash_parts), medium, group))
-            else:
-                out.append(_CLEARED)
-        return out
-
-
-def _host(values: _Captured) -> Any:
-    """A captured array as something the packer reads (CUDA copies: once done)."""
-    return values.numpy() if type(values) is _DeviceInts else values
-
-
-def _ints(values: _Captured, hashes: HashFormat | None, strict: bool) -> IntArray:
-    """An int array in wire form: a list msgspec encodes as it is, or packed bytes.
-
-    Lists of hashes already in the wire's form (the common case) pass through;
-    anything else, arrays included, is packed natively, converting as it goes.
-    """
-    if not strict and (type(values) is list or type(values) is tuple):
-        if hashes is None:
-            return values
-        if (max(values) <= _I64_MAX) if hashes == "signed" else (min(values) >= 0):
-            return values
-    what = "token id" if hashes is None else "block hash"
-    return pack_int_array(_host(values), hashes=hashes, what=what)
-
-
-def _hash_int(h: Any, signed: bool) -> int:
-    """One hash in the wire's form (a parent, or a chain's last block)."""
-    if type(h) is int and 0 <= h <= _I64_MAX:
-        return h
-    try:
-        value = operator.index(h)
-    except TypeError:
-        raise ValueError(f"block hash {h!r} is not an int") from None
-    if not _I64_MIN <= value <= _U64:
-        raise ValueError(f"block hash {value} does not fit in 64 bits")
-    if signed:
-        return value - (1 << 64) if value > _I64_MAX else value
-    return value & _U64

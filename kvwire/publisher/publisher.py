@@ -26,6 +26,7 @@ import zmq
 
 from kvwire._native import libzmq_path
 from kvwire.publisher._sender import Sender
+from kvwire.publisher.batch import CollectedBatch
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
 from kvwire.publisher.replay import ReplayServer
@@ -191,8 +192,6 @@ class EventPublisher:
         self._bound: str | None = None
         self._bound_replay: str | None = None
         self._mirror = Mirror() if self.snapshot else None
-        from kvwire.publisher.collector import CollectedBatch  # imports this module
-
         # Batches dropped on a full queue still reach the mirror, up to mirror_backlog.
         self._sender = Sender(
             topic=self._topic,

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_native/intbuf.h"
 #include "../_native/msgpack.h"
 
 typedef uint64_t u64;
@@ -127,35 +128,8 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
     return finish(out, start, p);
 }
 
-/* Whether a buffer holds native-endian integers, 1-D: 1 signed, 0 unsigned,
- * -1 with `err` (ValueError or TypeError) set naming `what`. */
-static int int_buffer(Py_buffer *v, const char *what, PyObject *err) {
-    const char *f = v->format ? v->format : "B";
-    if (*f == '@' || *f == '=' || *f == '<') f++;
-    else if (*f == '>' || *f == '!') {
-        PyErr_Format(err, "%s: big-endian arrays are not supported", what);
-        return -1;
-    }
-    int is_signed;
-    switch (f[0]) {
-        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
-        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
-        default: is_signed = -1;
-    }
-    Py_ssize_t w = v->itemsize;
-    if (is_signed < 0 || f[1] != 0 || (w != 1 && w != 2 && w != 4 && w != 8)) {
-        PyErr_Format(err, "%s must be a 1-D integer array; got buffer format '%s'", what, v->format);
-        return -1;
-    }
-    if (v->ndim != 1) {
-        PyErr_Format(err, "%s must be a 1-D integer array; got %d dimensions", what, v->ndim);
-        return -1;
-    }
-    return is_signed;
-}
-
 static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
-    int is_signed = int_buffer(v, what, PyExc_ValueError);
+    int is_signed = kvw_int_buffer(v, what, PyExc_ValueError);
     if (is_signed < 0) return NULL;
     Py_ssize_t n = v->shape[0], w = v->itemsize;
     Py_ssize_t stride = v->strides ? v->strides[0] : w;
@@ -233,7 +207,7 @@ static PyObject *snapshot(PyObject *module, PyObject *const *args, Py_ssize_t na
                      Py_TYPE(args[0])->tp_name);
         return NULL;
     }
-    int is_signed = int_buffer(&v, what, PyExc_TypeError);
+    int is_signed = kvw_int_buffer(&v, what, PyExc_TypeError);
     if (is_signed < 0) {
         PyBuffer_Release(&v);
         return NULL;

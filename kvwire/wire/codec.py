@@ -29,6 +29,7 @@ from kvwire.wire.events import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "POSITIONAL_FIELDS",
     "DecodeLimits",
     "Dialect",
     "EventParts",
@@ -134,6 +135,14 @@ RemovedParts = _MapBlockRemoved
 """A ``BlockRemoved`` as the map dialect encodes it: ``(block_hashes, medium, group_idx=None)``."""
 
 EventParts: TypeAlias = "_MapBlockStored | _MapBlockRemoved | AllBlocksCleared"
+
+POSITIONAL_FIELDS: dict[type, int] = {
+    _MapBlockStored: _ARRAY_STORED_LEN,
+    _MapBlockRemoved: _ARRAY_REMOVED_LEN,
+    AllBlocksCleared: 0,
+}
+"""The structs both dialects write (stored, removed, cleared), each with how many of its
+fields the ``"array"`` dialect writes after the tag (the native writer's formats)."""
 
 
 def encode_parts(

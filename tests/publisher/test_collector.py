@@ -421,8 +421,8 @@ def test_one_int_out_of_range_anywhere_keeps_the_list_by_reference(n: int) -> No
             assert [sys.getrefcount(x) for x in (hashes, tokens)] == [r + 1 for r in refs]
             col.flush()
             records = cap.only().records
-            assert records[0][1] is hashes and records[1][3] is tokens
-            assert records[0][3] == records[1][1] == list(range(n))  # copied: equal, new lists
+            assert records[0].block_hashes is hashes and records[1].token_ids is tokens
+            assert records[0].token_ids == records[1].block_hashes == list(range(n))  # copied
 
 
 def test_token_ids_outside_32_bits_are_kept_by_reference() -> None:
@@ -585,3 +585,35 @@ def test_a_failed_capture_keeps_the_cap_count_as_python_did() -> None:
     col.flush()
     assert cap.only().to_batch().events == [BlockStored([2], None, [2], 1, None, "GPU", None)]
     assert col.stats().dropped_stored_blocks == 1
+
+
+def test_the_publisher_package_has_no_import_circle() -> None:
+    """Every import between kvwire.publisher's modules (at any depth in a module) goes one
+    way: the collector uses the publisher, the batch type is its own module."""
+    import ast
+    from pathlib import Path
+
+    import kvwire.publisher
+
+    here = Path(kvwire.publisher.__file__).parent
+    names = {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse((here / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 1:
+                    mod = f"kvwire.publisher.{mod}" if mod else "kvwire.publisher"
+                if mod.startswith("kvwire.publisher."):
+                    deps.add(mod.split(".")[2])
+                elif mod == "kvwire.publisher":
+                    deps |= {a.name for a in node.names if a.name in names}
+        graph[name] = deps & names
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and reaches(d, goal, seen | {d}))
+                   for d in graph[start])  # fmt: skip
+
+    assert "publisher" in graph["collector"]
+    assert [n for n in sorted(names) if reaches(n, n, set())] == []

@@ -1,9 +1,10 @@
-"""The native sender: GIL-free encoding of collector batches, byte-identical to Python's.
+"""The native sender: GIL-free encoding of collector batches, byte-identical to msgspec's.
 
 The sender thread encodes a collector's batch of lists and tuples of exact ints
-without the GIL; anything else goes to ``CollectedBatch.encode`` with the GIL
-taken. Both must put the same bytes on the wire, and a steady stream of list
-batches must never make the sender take the GIL.
+without the GIL; anything else is prepared with the GIL (``CollectedBatch.encode``)
+for the same writer. Both must put msgspec's bytes for the equivalent
+``KVEventBatch`` on the wire, and a steady stream of list batches must never make
+the sender take the GIL.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher, PublisherConfig
-from kvwire.publisher._sender import Sender
-from kvwire.wire import KVEventBatch, decode_batch
+from kvwire.publisher import CollectedBatch, EventCollector, EventPublisher, PublisherConfig, Record
+from kvwire.publisher._sender import CLEARED, REMOVED, STORED, Sender
+from kvwire.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 from .conftest import connect_sub, recv_live, wait_for
 
@@ -56,20 +65,20 @@ groups = st.sampled_from([None, 0, 1, 7, 1 << 40, -3])
 
 
 @st.composite
-def records(draw: Any) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = []
+def records(draw: Any) -> list[Record]:
+    out: list[Record] = []
     last: int | None = None
     for _ in range(draw(st.integers(0, 8))):
         kind = draw(st.sampled_from(["store", "store", "chain", "remove", "clear"]))
         if kind == "clear":
-            out.append((2,))
+            out.append(Record(CLEARED))
             continue
         n = draw(st.integers(1, 5))
         hs: Any = draw(st.lists(hash_values, min_size=n, max_size=n))
         if draw(st.booleans()):
             hs = tuple(hs)
         if kind == "remove":
-            out.append((1, hs, draw(names), draw(groups)))
+            out.append(Record(REMOVED, block_hashes=hs, medium=draw(names), group_idx=draw(groups)))
             continue
         if kind == "chain" and last is not None:
             other = (
@@ -82,11 +91,65 @@ def records(draw: Any) -> list[tuple[Any, ...]]:
         if draw(st.booleans()):
             toks = tuple(toks)
         lora, medium = draw(names), draw(st.sampled_from(["GPU", "GPU", None, "CPU"]))
-        out.append(
-            (0, hs, parent, toks, lora, medium, None, draw(st.sampled_from([None, None, 1])))
-        )
+        out.append(stored(hs, parent, toks, lora_name=lora, medium=medium,
+                          group_idx=draw(st.sampled_from([None, None, 1]))))  # fmt: skip
         last = hs[-1]
     return out
+
+
+def stored(hs: Any, parent: Any, toks: Any, **fields: Any) -> Record:
+    return Record(STORED, block_hashes=hs, parent_hash=parent, token_ids=toks, **fields)
+
+
+def _wire(h: Any, signed: bool) -> int:
+    v = int(h) & U64
+    return v - (1 << 64) if signed and v >> 63 else v
+
+
+def expected(batch: CollectedBatch) -> KVEventBatch:
+    """The oracle: the batch's events as msgspec's structs, coalesced (a store continuing
+    the previous one's chain joins its event, as does a removal after one of the same
+    medium and group), hashes in the batch's form."""
+    sg, recs = batch.signed, batch.records
+    events: list[KVEvent] = []
+    i = 0
+    while i < len(recs):
+        r = recs[i]
+        i += 1
+        if r.kind == CLEARED:
+            events.append(AllBlocksCleared())
+            continue
+        hs = [_wire(h, sg) for h in r.block_hashes]
+        if r.kind == REMOVED:
+            while i < len(recs) and recs[i].kind == REMOVED and (
+                recs[i].medium, recs[i].group_idx) == (r.medium, r.group_idx):  # fmt: skip
+                hs += [_wire(h, sg) for h in recs[i].block_hashes]
+                i += 1
+            events.append(BlockRemoved(hs, medium=r.medium, group_idx=r.group_idx))
+            continue
+        toks = [int(t) for t in r.token_ids]
+        extra = None if r.extra_keys is None else list(r.extra_keys)
+        while i < len(recs):
+            n = recs[i]
+            if (
+                n.kind != STORED
+                or n.parent_hash is None
+                or (n.lora_name, n.medium, n.group_idx) != (r.lora_name, r.medium, r.group_idx)
+                or (n.extra_keys is None) != (extra is None)
+                or _wire(n.parent_hash, sg) != hs[-1]
+            ):
+                break
+            hs += [_wire(h, sg) for h in n.block_hashes]
+            toks += [int(t) for t in n.token_ids]
+            if extra is not None:
+                extra += n.extra_keys
+            i += 1
+        parent = None if r.parent_hash is None else _wire(r.parent_hash, sg)
+        events.append(BlockStored(
+            hs, parent, toks, batch.block_size, medium=r.medium, lora_name=r.lora_name,
+            extra_keys=extra, group_idx=r.group_idx,
+        ))  # fmt: skip
+    return KVEventBatch(batch.ts, events, batch.rank)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -96,52 +159,104 @@ def records(draw: Any) -> list[tuple[Any, ...]]:
     ts=st.floats(allow_nan=False),
     rank=st.integers(0, 1 << 40),
 )
-def test_native_encoding_is_the_python_encoding_byte_for_byte(
-    recs: list[tuple[Any, ...]], signed: bool, ts: float, rank: int
+def test_native_encoding_is_msgspecs_byte_for_byte(
+    recs: list[Record], signed: bool, ts: float, rank: int
 ) -> None:
+    """Without the GIL (the sender thread) and with it (CollectedBatch.encode): msgspec's
+    bytes for the same events, both dialects."""
     batch = CollectedBatch(ts, recs, rank, BS, signed)
     for dialect in ("map", "array"):
         got = native(dialect).encode_native(batch)
         assert got is not None, "a batch of exact ints is encoded natively"
         assert got == batch.encode(dialect)  # type: ignore[arg-type]
+        assert got == encode_batch(expected(batch), dialect=dialect)  # type: ignore[arg-type]
 
 
 @settings(max_examples=100, deadline=None)
 @given(recs=records(), signed=st.booleans())
-def test_what_native_code_refuses_python_encodes_the_same(
-    recs: list[tuple[Any, ...]], signed: bool
+def test_what_the_sender_leaves_to_the_gil_has_the_same_bytes(
+    recs: list[Record], signed: bool
 ) -> None:
-    """Int subclasses and numpy captures fall back to Python: same bytes as the lists."""
+    """Int subclasses and arrays are prepared with the GIL: the same bytes as the lists."""
     batch = CollectedBatch(1.25, recs, 3, BS, signed)
-    expected = native("map").encode_native(batch)
-    changed = []
-    for rec in recs:
-        if rec[0] == 0:
-            hs = [Index(h) for h in rec[1]]
-            changed.append((0, hs, rec[2], np.array(rec[3], dtype=object).tolist(), *rec[4:]))
-        elif rec[0] == 1:
-            changed.append((1, [Index(h) for h in rec[1]], *rec[2:]))
+    want = native("map").encode_native(batch)
+    changed, arrays = [], []
+    for r in recs:
+        if r.kind == STORED:
+            hs = [Index(h) for h in r.block_hashes]
+            toks = np.array(r.token_ids, dtype=object).tolist()
+            changed.append(stored(hs, r.parent_hash, toks, lora_name=r.lora_name,
+                                  medium=r.medium, group_idx=r.group_idx))  # fmt: skip
+            arr = np.array([h & U64 for h in r.block_hashes], dtype=np.uint64)
+            small = all(0 <= t < 1 << 32 for t in r.token_ids)
+            arrays.append(stored(arr, r.parent_hash, np.array(r.token_ids, dtype=np.uint32)
+                                 if small else list(r.token_ids), lora_name=r.lora_name,
+                                 medium=r.medium, group_idx=r.group_idx))  # fmt: skip
+        elif r.kind == REMOVED:
+            hs = [Index(h) for h in r.block_hashes]
+            changed.append(Record(REMOVED, block_hashes=hs, medium=r.medium, group_idx=r.group_idx))
+            arr = np.array([h & U64 for h in r.block_hashes], dtype=np.uint64)
+            arrays.append(Record(REMOVED, block_hashes=arr, medium=r.medium, group_idx=r.group_idx))
         else:
-            changed.append(rec)
-    other = CollectedBatch(1.25, changed, 3, BS, signed)
-    if any(r[0] != 2 for r in recs):
-        assert native("map").encode_native(other) is None
-    assert other.encode("map") == expected
+            changed.append(r)
+            arrays.append(r)
+    for other in (CollectedBatch(1.25, changed, 3, BS, signed),
+                  CollectedBatch(1.25, arrays, 3, BS, signed)):  # fmt: skip
+        if any(r.kind != CLEARED for r in recs):
+            assert native("map").encode_native(other) is None
+        assert other.encode("map") == want
 
 
 @pytest.mark.parametrize(
-    "record",
+    ("record", "events"),
     [
-        (0, [1], None, [1, 2], None, "GPU", [("k",)], None),  # extra_keys
-        (0, [1 << 64], None, [1, 2], None, "GPU", None, None),  # a hash beyond 64 bits
-        (0, [1], None, [1, 2, 3], None, "GPU", None, None),  # tokens changed after the call
-        (0, [True], None, [1, 2], None, "GPU", None, None),  # bool is an int subclass
-        (0, [1], None, [1, 2], "lörà", "GPU", None, None),  # not ASCII
-        (1, np.array([1], dtype=np.uint64), "GPU", None),  # an array capture
+        (stored([1], None, [1, 2], medium="GPU", extra_keys=[("k",)]),  # extra_keys
+         [BlockStored([1], None, [1, 2], BS, extra_keys=[["k"]])]),
+        (stored([True], None, [1, 2], medium="GPU"),  # bool is an int subclass
+         [BlockStored([1], None, [1, 2], BS)]),
+        (stored([1], None, [1, 2], lora_name="lörà", medium="GPU"),  # not ASCII
+         [BlockStored([1], None, [1, 2], BS, lora_name="lörà")]),
+        (Record(REMOVED, block_hashes=np.array([1], dtype=np.uint64), medium="GPU"),  # an array
+         [BlockRemoved([1])]),
+    ],
+)  # fmt: skip
+def test_records_only_the_gil_prepares(record: Record, events: list[KVEvent]) -> None:
+    batch = CollectedBatch(0.0, [record], 0, BS, False)
+    assert native("map").encode_native(batch) is None
+    assert batch.encode("map") == encode_batch(KVEventBatch(0.0, events, 0))
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        (stored([1 << 64], None, [1, 2]), "block hash 18446744073709551616 does not fit"),
+        (stored([1], None, [1, 2, 3]), "changed before the batch was encoded"),
+        (stored(["a"], None, [1, 2]), "block hash 'a' is not an int"),
+        (stored([1], 1.5, [1, 2]), "block hash 1.5 is not an int"),
+        (stored([1], None, [1, -(1 << 64)]), "token id -18446744073709551616 does not fit"),
+        (stored([1], None, np.array([[1, 2]])), "token id must be a 1-D integer array"),
+        (Record(REMOVED, block_hashes=[]), "no block hashes"),
     ],
 )
-def test_records_only_python_encodes(record: tuple[Any, ...]) -> None:
-    assert native("map").encode_native(CollectedBatch(0.0, [record], 0, BS, False)) is None
+def test_bad_records_raise_naming_the_value(record: Record, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        CollectedBatch(0.0, [record], 0, BS, False).encode("map")
+
+
+def test_records_are_named_and_checked() -> None:
+    r = stored([1], 7, [1, 2], medium="CPU", group_idx=3)
+    assert (r.kind, r.block_hashes, r.parent_hash, r.token_ids) == (STORED, [1], 7, [1, 2])
+    assert (r.lora_name, r.medium, r.extra_keys, r.group_idx) == (None, "CPU", None, 3)
+    assert "STORED" in repr(r)
+    assert Record(REMOVED, block_hashes=[1]).token_ids is None
+    with pytest.raises(TypeError, match="needs block_hashes and token_ids"):
+        Record(STORED, block_hashes=[1])
+    with pytest.raises(TypeError, match="has no token_ids"):
+        Record(REMOVED, block_hashes=[1], token_ids=[1])
+    with pytest.raises(ValueError, match="kind must be"):
+        Record(3)
+    with pytest.raises(TypeError, match="records must be Records"):
+        CollectedBatch(0.0, [(2,)], 0, BS, False).encode("map")  # type: ignore[list-item]
 
 
 def test_a_steady_stream_of_list_batches_never_takes_the_gil(
@@ -278,11 +393,12 @@ def hook_calls(draw: Any) -> list[tuple[Any, ...]]:
     or left out."""
     calls: list[tuple[Any, ...]] = []
     for rec in draw(records().filter(bool)):
-        if rec[0] == 0:
-            name, args = "stored", rec[1:4]
-            kw = {"lora_name": rec[4], "medium": rec[5], "group_idx": rec[7]}
-        elif rec[0] == 1:
-            name, args, kw = "removed", rec[1:2], {"medium": rec[2], "group_idx": rec[3]}
+        if rec.kind == STORED:
+            name, args = "stored", (rec.block_hashes, rec.parent_hash, rec.token_ids)
+            kw = {"lora_name": rec.lora_name, "medium": rec.medium, "group_idx": rec.group_idx}
+        elif rec.kind == REMOVED:
+            name, args = "removed", (rec.block_hashes,)
+            kw = {"medium": rec.medium, "group_idx": rec.group_idx}
         else:
             name, args, kw = "cleared", (), {}
         kw = {k: v for k, v in kw.items() if v != DEFAULTS[k] or draw(st.booleans())}
@@ -299,8 +415,8 @@ def play(col: EventCollector, calls: list[tuple[Any, ...]]) -> bool:
 def test_the_native_collectors_bytes_are_collected_batch_encode(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
-    """Records kept in C and queued on the sender as they are: the bytes of the Python
-    path's CollectedBatch.encode, both dialects and hash forms, caps and counters too."""
+    """Records kept in C and queued on the sender as they are: msgspec's bytes for the
+    Python path's CollectedBatch, both dialects and hash forms, caps and counters too."""
     dialects = ("map", "array")
     pubs = [
         EventPublisher(
@@ -337,11 +453,12 @@ def test_the_native_collectors_bytes_are_collected_batch_encode(
             if not published:  # every store capped away and nothing else: no batch
                 return
             sent += 1
-            expected = ref.batches[0]
+            want = ref.batches[0]
             for sub, dialect in zip(subs, dialects, strict=True):
                 got = recv_live(sub)
-                expected.ts = decode_batch(got.payload).ts
-                assert bytes(got.payload) == expected.encode(dialect)
+                want.ts = decode_batch(got.payload).ts
+                assert bytes(got.payload) == want.encode(dialect)
+                assert bytes(got.payload) == encode_batch(expected(want), dialect=dialect)  # type: ignore[arg-type]
 
         check()
         for p, b in zip(pubs, before, strict=True):
@@ -358,7 +475,7 @@ def test_what_the_native_collector_leaves_to_python_has_the_same_bytes(
     ipc_dir: str, zctx: zmq.Context[Any]
 ) -> None:
     """Array captures, extra_keys and int subclasses travel as C records too; the sender
-    builds their CollectedBatch with the GIL. A value no 64-bit int is a counted gap."""
+    prepares them with the GIL. A value no 64-bit int is a counted gap."""
     with EventPublisher(
         f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None, snapshot=False)
     ) as pub:
@@ -376,9 +493,9 @@ def test_what_the_native_collector_leaves_to_python_has_the_same_bytes(
             assert col.flush()
         got = recv_live(sub)
         assert got.seq == first
-        expected = ref.batches[0]
-        expected.ts = decode_batch(got.payload).ts
-        assert bytes(got.payload) == expected.encode("map")
+        want = ref.batches[0]
+        want.ts = decode_batch(got.payload).ts
+        assert bytes(got.payload) == want.encode("map") == encode_batch(expected(want))
         last = recv_live(sub)
         assert last.seq == first + 2  # the refused batch is a gap
         assert decode_batch(last.payload).events[0].block_hashes == [5]  # type: ignore[union-attr]
@@ -424,7 +541,7 @@ def test_a_replaced_publish_sees_every_batch() -> None:
 def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
     """The hooks and flush() on lists keep no Python object per iteration: a backlog of
     queued batches is C memory only (the Python path's would hold a CollectedBatch, a
-    records list and its tuples each)."""
+    records list and its Records each)."""
     import tracemalloc
 
     hs, toks, parent, gone = [11, 12], [1, 2, 3, 4], 1 << 62, [5, 6]
@@ -461,3 +578,22 @@ def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
     python_growth = grown(EventCollector(Keep(), BS))  # the measure sees objects kept
     assert python_growth > 100 * n
     assert native_growth < 2000, f"{native_growth} bytes of Python objects for {n} iterations"
+
+
+def test_kvwire_dialects_are_layouts_of_the_wire_structs() -> None:
+    """The writer's formats for collector batches come from kvwire.wire's structs by the
+    rule the engines' formats use (an engine's struct and kvwire's are read alike)."""
+    from kvwire.integrations.adapter import _event_layout
+    from kvwire.publisher.formats import struct_layout, wire_format
+    from kvwire.wire.codec import POSITIONAL_FIELDS
+
+    for cls in POSITIONAL_FIELDS:
+        assert struct_layout(cls) == _event_layout(cls)
+    stored = struct_layout(next(iter(POSITIONAL_FIELDS)), 3)
+    assert stored is not None and stored[1] is None  # positional: no tag field
+    assert [f[0] for f in stored[3]] == ["block_hashes", "parent_block_hash", "token_ids"]
+    assert wire_format("map") is wire_format("map")
+    with pytest.raises(ValueError, match="unknown dialect"):
+        wire_format("xml")  # type: ignore[arg-type]
+    # A format for records writes no engine batch.
+    assert wire_format("map").encode(KVEventBatch(0.0, [], 0)) is None

@@ -18,7 +18,7 @@ from kvwire.publisher import EventCollector, EventPublisher, PublisherConfig
 from .conftest import connect_sub, recv_live, wait_for
 
 BS = 4
-CHUNK = 64  # the sender's chunk (_sender.c)
+CHUNK = 64  # the sender's chunk (kvwire/publisher/sender/sender.c)
 
 
 def publish(col: EventCollector, i: int) -> None:
