@@ -8,7 +8,9 @@ routed on load alone) and the load this proxy has in flight on each rank. All
 ranks of an engine sit behind its one HTTP server; ``X-Data-Parallel-Rank``
 (which vLLM honours) names the rank. ``X-Kvwire-Route`` and ``X-Kvwire-Reason``
 go with the request and come back with the answer. ``GET /kvwire/status``
-shows each rank's state, blocks and load.
+shows each rank's state, blocks and load. ``GET /ready`` answers 503 until
+``--ready-fraction`` of the ranks (all, by default) are SYNCED, then 200: a
+load balancer sends no traffic to a router still recovering its view.
 
 vLLM with two data-parallel ranks (block size 16, its default)::
 
@@ -50,6 +52,7 @@ import msgspec
 
 from kvwire.prefix_index import Decision, KvRouter, Load, PrefixIndex
 from kvwire.subscriber import EngineSource, Subscriber, SubscriberConfig
+from kvwire.subscriber.readiness import check_fraction
 
 __all__ = ["Backend", "RouterProxy", "main", "parse_engine", "prompt_tokens"]
 
@@ -107,12 +110,14 @@ class RouterProxy:
         *,
         config: SubscriberConfig | None = None,
         timeout: float = 600.0,
+        ready_fraction: float = 1.0,
     ) -> None:
         self.urls = {b.source.worker_id: b.url for b in backends}
         self.block_size = block_size
         self.timeout = timeout
         self.index = PrefixIndex(block_size)
         self.subscriber = Subscriber([b.source for b in backends], self.index, config=config)
+        self.ready_fraction = check_fraction(ready_fraction)  # fails here, not per request
         self.router = KvRouter(self.index, rank_states=self.subscriber)
         self.loads = {
             (b.source.worker_id, r): Load() for b in backends for r in range(b.source.ranks)
@@ -154,6 +159,13 @@ class RouterProxy:
             now = self.loads[key]
             self.loads[key] = Load(now[0] - load[0], now[1] - load[1])
 
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Whether enough ranks are SYNCED to route on the index, and the counts."""
+        progress = self.subscriber.progress()
+        body: dict[str, Any] = msgspec.to_builtins(progress)
+        body["fraction"] = self.ready_fraction
+        return self.subscriber.is_synced(self.ready_fraction), body
+
     def status(self) -> dict[str, Any]:
         """Every rank's subscriber status, with its backend, blocks held and load."""
         with self._lock:
@@ -176,8 +188,12 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server.proxy  # type: ignore[attr-defined,no-any-return]
 
     def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/kvwire/status":
+        path = self.path.rstrip("/")
+        if path == "/kvwire/status":
             self._reply(200, json.dumps(self.proxy.status()).encode())
+        elif path == "/ready":
+            ready, body = self.proxy.ready()
+            self._reply(200 if ready else 503, json.dumps(body).encode())
         else:  # e.g. /v1/models: any engine can answer
             self._forward(next(iter(self.proxy.urls.values())), None, {})
 
@@ -246,6 +262,13 @@ def _engine_arg(spec: str) -> Backend:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fraction_arg(text: str) -> float:
+    try:
+        return check_fraction(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--ready-fraction {text!r}: {exc}") from None
+
+
 def _listen_arg(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
@@ -261,13 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", type=_engine_arg, action="append", required=True, help=_ENGINE)
     p.add_argument("--listen", type=_listen_arg, default=("127.0.0.1", 8000), metavar="HOST:PORT")
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size")
+    p.add_argument(
+        "--ready-fraction",
+        type=_fraction_arg,
+        default=1.0,
+        metavar="F",
+        help="GET /ready answers 200 once this fraction of the ranks is SYNCED, else 503",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    proxy = RouterProxy(args.engine, args.listen, args.block_size).start()
+    proxy = RouterProxy(
+        args.engine, args.listen, args.block_size, ready_fraction=args.ready_fraction
+    ).start()
     log.info("routing on %s to %s", proxy.url, ", ".join(proxy.urls))
     with contextlib.suppress(KeyboardInterrupt):
         threading.Event().wait()

@@ -18,6 +18,7 @@ from kvwire.subscriber.actions import (
     StateChanged,
 )
 from kvwire.subscriber.config import SubscriberConfig
+from kvwire.subscriber.readiness import SyncProgress
 from kvwire.subscriber.sink import (
     Applied,
     BlockSetSink,
@@ -63,4 +64,5 @@ __all__ = [
     "StreamConfig",
     "Subscriber",
     "SubscriberConfig",
+    "SyncProgress",
 ]

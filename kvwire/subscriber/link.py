@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -64,10 +65,24 @@ _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
 _RECONNECT_MAX_S = 1.0
 
 
+def _ignore(link: RankLink) -> None:
+    pass
+
+
 class LinkEnv:
     """What every link of one subscriber shares: settings, context, reactor, output, bounds."""
 
-    __slots__ = ("config", "contacts", "ctx", "delivery", "log", "reactor", "receive", "replays")
+    __slots__ = (
+        "config",
+        "contacts",
+        "ctx",
+        "delivery",
+        "log",
+        "on_state",
+        "reactor",
+        "receive",
+        "replays",
+    )
 
     def __init__(
         self,
@@ -86,6 +101,8 @@ class LinkEnv:
         self.log = log
         self.replays = ReplaySlots(config.max_replays)
         self.contacts = FirstContacts(config.max_replays)
+        self.on_state: Callable[[RankLink], object] = _ignore
+        """Called on the loop after a rank's state changed (the subscriber's readiness)."""
 
 
 class RankLink:
@@ -477,6 +494,7 @@ class RankLink:
                 assert isinstance(action, StateChanged)
                 if self.connecting_since is not None and action.new is not RankState.SYNCING:
                     self.env.contacts.done(self)
+                self.env.on_state(self)
                 self.env.log.note(
                     f"state {action.old.value} -> {action.new.value}",
                     f"{action.old.value} -> {action.new.value} ({action.reason})",

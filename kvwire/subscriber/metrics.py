@@ -9,8 +9,16 @@ Every counter of :class:`~kvwire.subscriber.RankCounters` becomes
 ``kvwire_subscriber_<name>_total{worker, rank}``; the state is the gauge
 ``kvwire_subscriber_rank_state{worker, rank, state}`` (1 for the current
 state, 0 for the others), plus ``kvwire_subscriber_expected_seq``,
-``kvwire_subscriber_held_batches`` and ``kvwire_subscriber_connected``.
-Values are read from :meth:`Subscriber.status` at scrape time.
+``kvwire_subscriber_held_batches``, ``kvwire_subscriber_connected`` and
+``kvwire_subscriber_replay_pending``. Values are read from
+:meth:`Subscriber.status` at scrape time.
+
+Recovery progress, for a readiness check or a dashboard of a (re)starting
+router (from :meth:`Subscriber.progress`, where the subscriber has it):
+``kvwire_subscriber_ranks{state}``, the ranks in each state (ranks not yet
+contacted count as syncing; the states sum to every rank followed), and
+``kvwire_subscriber_recoveries{kind}``, the ranks with a start or gap replay
+(``kind="replay"``) or a snapshot (``kind="snapshot"``) still to come.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvwire.subscriber.readiness import SyncProgress
 from kvwire.subscriber.state import RankCounters, RankState, RankStatus
 
 __all__ = ["SubscriberCollector", "register_metrics"]
@@ -70,11 +79,17 @@ class SubscriberCollector:
     """A prometheus-client collector reading ``status()`` at each scrape.
 
     ``status`` is any callable returning :class:`RankStatus` values, usually
-    ``subscriber.status``.
+    ``subscriber.status``; ``progress``, one returning a :class:`SyncProgress`
+    (``subscriber.progress``) for the recovery gauges, which are left out without it.
     """
 
-    def __init__(self, status: Callable[[], list[RankStatus]]) -> None:
+    def __init__(
+        self,
+        status: Callable[[], list[RankStatus]],
+        progress: Callable[[], SyncProgress] | None = None,
+    ) -> None:
         self._status = status
+        self._progress = progress
         self._core = _prometheus()
 
     def describe(self) -> list[Any]:
@@ -102,6 +117,11 @@ class SubscriberCollector:
         connected = core.GaugeMetricFamily(
             f"{_PREFIX}_connected", "1 while the rank's SUB socket is connected", labels=labels
         )
+        pending = core.GaugeMetricFamily(
+            f"{_PREFIX}_replay_pending",
+            "1 while a replay or snapshot of the rank is out or due",
+            labels=labels,
+        )
         for st in statuses:
             key = [st.worker_id, str(st.rank)]
             for name, family in counters.items():
@@ -111,13 +131,35 @@ class SubscriberCollector:
             expected.add_metric(key, float(st.expected_seq))
             held.add_metric(key, float(st.held))
             connected.add_metric(key, 1.0 if st.connected else 0.0)
+            pending.add_metric(key, 1.0 if st.replay_pending else 0.0)
         yield from counters.values()
-        yield from (state, expected, held, connected)
+        yield from (state, expected, held, connected, pending)
+        if self._progress is not None:
+            yield from self._recovery(self._progress())
+
+    def _recovery(self, progress: SyncProgress) -> Iterator[Any]:
+        core = self._core
+        ranks = core.GaugeMetricFamily(
+            f"{_PREFIX}_ranks",
+            "Ranks in each state (those not yet contacted count as syncing)",
+            labels=["state"],
+        )
+        for s in RankState:
+            ranks.add_metric([s.value], float(getattr(progress, s.value)))
+        recoveries = core.GaugeMetricFamily(
+            f"{_PREFIX}_recoveries",
+            "Ranks with a start or gap replay, or a snapshot, still to come",
+            labels=["kind"],
+        )
+        recoveries.add_metric(["replay"], float(progress.replaying))
+        recoveries.add_metric(["snapshot"], float(progress.snapshotting))
+        yield from (ranks, recoveries)
 
 
 def register_metrics(subscriber: Any, registry: Any = None) -> SubscriberCollector:
-    """Register a collector for ``subscriber`` (anything with ``status()``)."""
-    collector = SubscriberCollector(subscriber.status)
+    """Register a collector for ``subscriber`` (anything with ``status()``; with
+    ``progress()`` too, the recovery gauges)."""
+    collector = SubscriberCollector(subscriber.status, getattr(subscriber, "progress", None))
     if registry is None:
         import prometheus_client
 
@@ -126,5 +168,7 @@ def register_metrics(subscriber: Any, registry: Any = None) -> SubscriberCollect
     return collector
 
 
+if not {s.value for s in RankState} <= set(SyncProgress.__struct_fields__):  # pragma: no cover
+    raise RuntimeError("SyncProgress needs a count for every RankState")
 if set(_COUNTER_HELP) != set(RankCounters.__struct_fields__):  # pragma: no cover
     raise RuntimeError("every RankCounters field needs help text in kvwire.subscriber.metrics")

@@ -29,11 +29,12 @@ from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
 from kvwire.subscriber.link import LinkEnv, RankLink
 from kvwire.subscriber.reactor import Reactor
+from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.sink import EventSink, SinkItem
 from kvwire.subscriber.source import EngineSource
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
-from kvwire.subscriber.stream import RankStream
+from kvwire.subscriber.stream import Phase, RankStream
 
 __all__ = ["ResourceLimitError", "Subscriber"]
 
@@ -67,6 +68,11 @@ class Subscriber:
     publishers by their silence. Problems are logged at most once per kind and
     interval, however many ranks see them: a fleet going away is one line and
     a summary, not one per rank.
+
+    Readiness: :meth:`wait_synced` (a thread) or :meth:`synced` (a coroutine)
+    waits until a fraction of the ranks are SYNCED, :meth:`is_synced` says
+    whether they are now, and :meth:`progress` counts the ranks per state and
+    the recoveries still to come.
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class Subscriber:
         ensure_capacity(self._total_ranks(), config.max_replays)
         if context is not None:
             check_sockets(context, self._total_ranks(), config.max_replays)
+        self._readiness = Readiness(self._total_ranks())
 
     @property
     def config(self) -> SubscriberConfig:
@@ -138,6 +145,7 @@ class Subscriber:
             if ctx is not None:
                 check_sockets(ctx, self._total_ranks() + source.ranks, max_replays)
             self._sources[source.worker_id] = source
+            self._readiness.resize(self._total_ranks())
             loop = self._loop if self._running else None
         if loop is not None:
             if _in_loop(loop):
@@ -155,6 +163,7 @@ class Subscriber:
             if worker_id not in self._sources:
                 raise KeyError(f"no source for worker {worker_id!r}")
             del self._sources[worker_id]
+            self._readiness.resize(self._total_ranks())
             loop = self._loop if self._running else None
         if loop is None:
             return
@@ -170,6 +179,7 @@ class Subscriber:
             if worker_id not in self._sources:
                 raise KeyError(f"no source for worker {worker_id!r}")
             del self._sources[worker_id]
+            self._readiness.resize(self._total_ranks())
             running = self._running
         if running:
             self._close_source(worker_id, True)
@@ -206,6 +216,8 @@ class Subscriber:
             self._links[source.worker_id] = links
             for link in links:
                 self._by_rank[(link.worker_id, link.rank)] = link
+        for link in links:
+            self._readiness.opened(link, link.stream.state)
         env.contacts.add(links)
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
@@ -215,6 +227,7 @@ class Subscriber:
                 self._by_rank.pop((link.worker_id, link.rank), None)
         for link in links:
             link.close()
+            self._readiness.closed(link)
             if clear:
                 self._delivery.clear(link, "source removed")
 
@@ -241,6 +254,63 @@ class Subscriber:
         """The rank's state now, or None if it is not followed (yet); cheap, any thread."""
         link = self._by_rank.get((worker_id, rank))
         return None if link is None else link.stream.state
+
+    # --- readiness --------------------------------------------------------------------
+
+    def _state_changed(self, link: RankLink) -> None:
+        if not link.closed:
+            self._readiness.moved(link, link.stream.state)
+
+    def is_synced(self, fraction: float = 1.0) -> bool:
+        """Whether at least ``fraction`` (in (0, 1]) of all ranks are SYNCED now; cheap,
+        any thread. Ranks not contacted yet count as not SYNCED; with no ranks, True."""
+        return self._readiness.reached(fraction)
+
+    def wait_synced(self, fraction: float = 1.0, timeout: float | None = None) -> bool:
+        """Block until at least ``fraction`` (in (0, 1]) of all ranks are SYNCED.
+
+        For a router that must not answer (or route) before it has recovered its
+        view: True once they are, False when ``timeout`` seconds pass first or the
+        subscriber stops (like :meth:`threading.Event.wait`). It wakes when rank
+        states change; it does not poll. Call it from another thread than the
+        subscriber's loop (:meth:`start` runs it on its own); on a loop use
+        :meth:`synced`.
+        """
+        loop = self._loop
+        if loop is not None and self._running and _in_loop(loop):
+            raise RuntimeError("wait_synced() would block the subscriber's loop: await synced()")
+        return self._readiness.wait(fraction, timeout)
+
+    async def synced(self, fraction: float = 1.0, timeout: float | None = None) -> None:
+        """:meth:`wait_synced` for coroutines, on any event loop (the subscriber's or another).
+
+        Returns once at least ``fraction`` of all ranks are SYNCED; raises
+        :class:`TimeoutError` when ``timeout`` seconds pass first (as
+        :func:`asyncio.wait_for` does; ``None``: no limit) and :class:`RuntimeError`
+        when the subscriber stops first.
+        """
+        await self._readiness.wait_async(fraction, timeout)
+
+    def progress(self) -> SyncProgress:
+        """The ranks per state and the replays and snapshots still out (any thread).
+
+        A rank not contacted yet counts as SYNCING. Reads every rank's phase: meant
+        for a metrics scrape or a status page, not a hot path (:meth:`is_synced` is
+        the cheap question).
+        """
+        ranks, counts = self._readiness.counts()
+        with self._lock:
+            links = [link for links in self._links.values() for link in links]
+        phases = [link.stream.phase for link in links]
+        return SyncProgress(
+            ranks=ranks,
+            synced=counts[RankState.SYNCED],
+            syncing=counts[RankState.SYNCING],
+            partial=counts[RankState.PARTIAL],
+            stale=counts[RankState.STALE],
+            replaying=sum(1 for p in phases if p in _REPLAYING),
+            snapshotting=sum(1 for p in phases if p is Phase.SNAPSHOTTING),
+        )
 
     # --- running ----------------------------------------------------------------------
 
@@ -274,6 +344,7 @@ class Subscriber:
             ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
         delivery = self._delivery
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
+        env.on_state = self._state_changed
         delivery.on_backpressure(reactor.hold, self._resume)
         try:
             check_sockets(ctx, self._total_ranks(), self._config.max_replays)
@@ -294,6 +365,7 @@ class Subscriber:
             if self._given_ctx is None:
                 ctx.destroy(linger=0)
             delivery.end()
+            self._readiness.stopped()
             self._thread_ready.set()
 
     def _after_round(self) -> None:
@@ -398,6 +470,10 @@ class Subscriber:
         if self._delivery.sink is None:
             return self._delivery.items()
         raise TypeError("this Subscriber delivers to its sink, not to an iterator")
+
+
+_REPLAYING = frozenset({Phase.STARTING, Phase.REPLAYING, Phase.BACKOFF})
+"""Phases with a replay out or due that must end before the rank is in sequence."""
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

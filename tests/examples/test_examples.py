@@ -293,3 +293,46 @@ def test_engine_spec_parsing() -> None:
             router_proxy.parse_engine(bad)
     assert router_proxy.prompt_tokens({"prompt": "text"}) == []
     assert router_proxy.prompt_tokens({"prompt": [1, 2], "prompt_token_ids": [3]}) == [3]
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, json.loads(err.read())
+
+
+def test_router_proxy_is_ready_once_its_fraction_of_ranks_is_synced(ipc_dir: str) -> None:
+    a_ev, a_rp = f"ipc://{ipc_dir}/a-ev", f"ipc://{ipc_dir}/a-rp"
+    b_ev = f"ipc://{ipc_dir}/b-ev"
+    assert router_proxy.build_parser().parse_args(["--engine", f"a=http://h,{a_ev}"]).ready_fraction == 1.0
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            router_proxy.build_parser().parse_args(["--engine", f"a=http://h,{a_ev}", "--ready-fraction", bad])
+    args = router_proxy.build_parser().parse_args([
+        "--engine", f"a=http://127.0.0.1:9,{a_ev},{a_rp}",
+        "--engine", f"b=http://127.0.0.1:9,{b_ev}",
+        "--listen", "127.0.0.1:0", "--ready-fraction", "0.5",
+    ])  # fmt: skip
+    proxy = router_proxy.RouterProxy(
+        args.engine, args.listen, ready_fraction=args.ready_fraction
+    ).start()
+    publisher = None
+    try:
+        # No engine publishes yet: not ready.
+        status, body = _get(proxy.url + "/ready")
+        assert status == 503 and body["synced"] == 0 and body["ranks"] == 2
+        publisher = EventPublisher(a_ev, a_rp, rank=0).start()
+        publisher.publish(KVEventBatch(0.0, []))
+        wait_for(lambda: _get(proxy.url + "/ready")[0] == 200, what="/ready to answer 200")
+        status, body = _get(proxy.url + "/ready/")
+        assert status == 200 and body["synced"] == 1 and body["fraction"] == 0.5
+        # Half of the ranks is what it was told: engine b is still down.
+        assert proxy.subscriber.rank_state("a", 0) is RankState.SYNCED
+        assert not proxy.subscriber.is_synced(1.0)
+    finally:
+        proxy.stop()
+        if publisher is not None:
+            publisher.close(timeout=1)
