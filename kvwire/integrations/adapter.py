@@ -25,6 +25,7 @@ import msgspec
 from kvwire.integrations.config import IntegrationConfig, bind_addresses
 from kvwire.publisher import EventPublisher
 from kvwire.publisher._sender import EngineFormat, EnginePublish
+from kvwire.publisher.formats import struct_layout
 from kvwire.wire import Dialect
 
 __all__ = [
@@ -51,25 +52,6 @@ class EncodedBatch:
 EVENT_CLASSES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
-def _event_layout(cls: type) -> tuple[type, str, str, tuple[tuple[str, str, bool], ...]] | None:
-    """How msgspec writes one tagged event struct as a map: ``None`` when the native
-    encoder cannot write it (array-like, untagged, a default other than ``None``)."""
-    config = cls.__struct_config__  # type: ignore[attr-defined]
-    if config.array_like or not isinstance(config.tag, str) or config.tag_field is None:
-        return None
-    names: tuple[str, ...] = cls.__struct_fields__  # type: ignore[attr-defined]
-    keys: tuple[str, ...] = cls.__struct_encode_fields__  # type: ignore[attr-defined]
-    defaults: tuple[Any, ...] = cls.__struct_defaults__  # type: ignore[attr-defined]
-    first_default = len(names) - len(defaults)
-    if config.omit_defaults and any(d is not None for d in defaults):
-        return None
-    fields = tuple(
-        (name, key, bool(config.omit_defaults) and i >= first_default)
-        for i, (name, key) in enumerate(zip(names, keys, strict=True))
-    )
-    return (cls, config.tag_field, config.tag, fields)
-
-
 def engine_format(
     kv_events: ModuleType, rank_field: str, encoder: msgspec.msgpack.Encoder
 ) -> EngineFormat | None:
@@ -81,7 +63,7 @@ def engine_format(
     config = batch.__struct_config__
     if not config.array_like or batch.__struct_fields__ != ("ts", "events", rank_field):
         return None
-    layouts = [_event_layout(getattr(kv_events, name)) for name in EVENT_CLASSES]
+    layouts = [struct_layout(getattr(kv_events, name)) for name in EVENT_CLASSES]
     return EngineFormat(
         batch,
         ("ts", "events", rank_field),
