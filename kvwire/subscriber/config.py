@@ -6,6 +6,13 @@ a router reading its settings from a file or the environment builds it with
 A name shared with the publisher's settings means the same there: ``hwm`` is
 the ZeroMQ high-water mark of this side's socket (the SUB's receive queue, as
 the publisher's is its PUB's send queue).
+
+Memory is bounded in bytes as well as messages: ZeroMQ's high-water marks
+count messages, so each rank's are set from its share of
+``receive_budget_bytes`` and the size of the batches it is receiving
+(:meth:`SubscriberConfig.rank_hwm`). A batch past the mark is dropped by
+ZeroMQ (or left to the publisher's own queue), which the rank sees as a gap
+and repairs by replay: never a wrong view.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ import msgspec
 
 from kvwire.subscriber.state import StreamConfig
 
-__all__ = ["SubscriberConfig"]
+__all__ = ["QUEUE_SLACK", "SubscriberConfig"]
+
+QUEUE_SLACK = 2
+"""Messages a receiving socket holds beyond its high-water mark: the one libzmq is
+decoding and the one waiting for room in the full queue."""
 
 
 class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,8 +35,16 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Every rank's sequencing (:class:`RankStream`); its ``replay`` flag is set per
     source from whether the source has a replay endpoint."""
     hwm: int = 100_000
-    """Live messages each rank's SUB socket queues unread; past it ZeroMQ drops them,
-    which the rank sees as a gap (repaired by replay)."""
+    """Live messages each rank's SUB socket queues unread at most; past it ZeroMQ drops
+    them, which the rank sees as a gap (repaired by replay). Large batches lower the
+    mark further (``receive_budget_bytes``)."""
+    receive_budget_bytes: int = 256 << 20
+    """Payload bytes the receive path of all ranks together may hold: the SUB and
+    replay sockets' queues and the burst being applied. Each rank's share is this
+    over ``ranks + min(ranks, max_replays) + 1`` (a live queue per rank, a replay
+    queue per open replay socket, one burst), and its sockets' high-water marks are
+    set from the share and the size of the batches it receives (:meth:`rank_hwm`);
+    the rank reads at most its share in one go (:meth:`read_chunk`)."""
     max_message_size: int = 64 << 20
     """ZeroMQ's size limit on every receiving socket (SUB and replay DEALER), in
     bytes: libzmq drops a larger message with its connection, which the rank sees as
@@ -43,8 +62,28 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     stops; the publishers' high-water marks then turn the excess into gaps."""
 
     def __post_init__(self) -> None:
-        for name in ("hwm", "max_message_size", "max_replays", "backlog"):
+        for name in ("hwm", "max_message_size", "max_replays", "backlog", "receive_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.probe_rate > 0:
             raise ValueError(f"probe_rate must be > 0, got {self.probe_rate}")
+
+    def rank_share(self, ranks: int) -> int:
+        """Bytes one rank's queues may hold when ``ranks`` ranks are followed."""
+        ranks = max(1, ranks)
+        return self.receive_budget_bytes // (ranks + min(ranks, self.max_replays) + 1)
+
+    def rank_hwm(self, ranks: int, batch_bytes: int) -> int:
+        """The high-water mark of a rank's SUB (and replay) socket, in messages.
+
+        ``batch_bytes``: the size of the rank's recent batches. The socket then holds
+        at most ``(mark + QUEUE_SLACK) * batch_bytes`` within the rank's share, or one
+        message (and the slack) where a single batch is larger than the share; never
+        more than ``hwm``.
+        """
+        fit = self.rank_share(ranks) // max(1, batch_bytes) - QUEUE_SLACK
+        return max(1, min(self.hwm, fit))
+
+    def read_chunk(self, ranks: int, batch_bytes: int, most: int) -> int:
+        """Messages of ``batch_bytes`` read from one rank in one go: its share, ``most`` at most."""
+        return max(1, min(most, self.rank_share(ranks) // max(1, batch_bytes)))

@@ -43,6 +43,7 @@ from kvwire.subscriber.actions import (
 )
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
+from kvwire.subscriber.memory import TrimAfter
 from kvwire.subscriber.reactor import Reactor
 from kvwire.subscriber.receive import Receive
 from kvwire.subscriber.slots import CONTACT_S, FirstContacts, ReplaySlots
@@ -60,7 +61,8 @@ _LIVE_FRAMES = 3  # [topic, seq, payload]; a longer message is read as () and co
 _REPLY_FRAMES = 6  # the longest replay reply (a snapshot chunk)
 _MONITOR_FRAMES = 2  # [event and value, endpoint]
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
-_REPLAY_HWM = 1024  # replay reply messages queued unread per rank
+_REPLAY_HWM = 1024  # replay reply messages queued unread per rank, at most
+_FIRST_BATCH_BYTES = 64 << 10  # a rank's batch size until its first batch is read
 _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
 _RECONNECT_MAX_S = 1.0
 
@@ -79,9 +81,11 @@ class LinkEnv:
         "delivery",
         "log",
         "on_state",
+        "ranks",
         "reactor",
         "receive",
         "replays",
+        "trim",
     )
 
     def __init__(
@@ -103,12 +107,22 @@ class LinkEnv:
         self.contacts = FirstContacts(config.max_replays)
         self.on_state: Callable[[RankLink], object] = _ignore
         """Called on the loop after a rank's state changed (the subscriber's readiness)."""
+        self.ranks = 0  # links open: what each rank's share of the receive budget divides by
+        self.trim = TrimAfter(config.receive_budget_bytes)
+
+
+def _sample(messages: list[tuple[bytes, ...]]) -> int:
+    """The larger payload of the first and last message read: a batch size, in O(1)."""
+    first, last = messages[0], messages[-1]
+    return max(len(first[-1]) if first else 0, len(last[-1]) if last else 0)
 
 
 class RankLink:
     """One rank of one source: its stream, its sockets and its timer; see the module."""
 
     __slots__ = (
+        "batch_bytes",
+        "chunk",
         "closed",
         "connecting_since",
         "dealer",
@@ -116,6 +130,8 @@ class RankLink:
         "dealer_token",
         "endpoints",
         "env",
+        "fit_ranks",
+        "hwm",
         "keys",
         "monitor",
         "monitor_fd",
@@ -158,6 +174,11 @@ class RankLink:
         self.connecting_since: float | None = None  # holds a first-contact slot
         self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
         self.reconnect_delay = 0.0  # grows while connections fail before their handshake
+        env.ranks += 1
+        self.batch_bytes = _FIRST_BATCH_BYTES  # recent batch size, from what was read
+        self.fit_ranks = env.ranks
+        self.hwm = env.config.rank_hwm(env.ranks, self.batch_bytes)  # the sockets' marks
+        self.chunk = env.config.read_chunk(env.ranks, self.batch_bytes, BURST)
 
     def note(self, kind: str, message: str, exc_info: Any = None) -> None:
         """A problem of this rank, logged at most once an interval per kind for all ranks."""
@@ -191,7 +212,7 @@ class RankLink:
 
     def _open_sub(self) -> None:
         sub = self._socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, self.env.config.hwm)
+        sub.setsockopt(zmq.RCVHWM, self.hwm)
         sub.setsockopt(zmq.TCP_KEEPALIVE, 1)  # how a dead publisher is noticed
         sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
         sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
@@ -238,7 +259,7 @@ class RankLink:
         self.dealer = dealer  # from here on, closing it gives its slot back
         # Bounded: a reply flows as fast as it is read (the publisher waits on a full
         # pipe), and a hostile replay socket cannot queue more than this in the router.
-        dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
+        dealer.setsockopt(zmq.RCVHWM, min(self.hwm, _REPLAY_HWM))
         dealer.connect(self.endpoints.replay_endpoint)
         self.dealer_fd = self.env.reactor.watch(dealer, self)
         return True
@@ -260,6 +281,8 @@ class RankLink:
 
     def close(self) -> None:
         """Close every socket; the rank is done."""
+        if not self.closed:
+            self.env.ranks -= 1
         self.closed = True
         self.env.reactor.forget(self)
         self.env.delivery.forget(self)
@@ -276,6 +299,32 @@ class RankLink:
         with contextlib.suppress(zmq.ZMQError):
             sub.disconnect(self.endpoints.endpoint)
         sub.connect(self.endpoints.endpoint)
+
+    def _fit(self, sample: int) -> None:
+        """Follow the rank's batch size (``sample``: one just read) and keep its sockets'
+        marks and its read chunk within its share of the receive budget.
+
+        The estimate rises at once and falls by halves; a mark is tightened at once
+        (ZeroMQ applies it to the open connection) and loosened only when it would at
+        least double, so a steady stream sets nothing.
+        """
+        est = self.batch_bytes
+        env = self.env
+        if est >> 1 <= sample <= est and self.fit_ranks == env.ranks:
+            return
+        est = sample if sample > est else max(sample, est >> 1, 1)
+        self.batch_bytes = est
+        self.fit_ranks = ranks = env.ranks
+        config = env.config
+        self.chunk = config.read_chunk(ranks, est, BURST)
+        mark = config.rank_hwm(ranks, est)
+        if mark < self.hwm or mark >= 2 * self.hwm:
+            self.hwm = mark
+            with contextlib.suppress(zmq.ZMQError):
+                if self.sub is not None:
+                    self.sub.setsockopt(zmq.RCVHWM, mark)
+                if self.dealer is not None:
+                    self.dealer.setsockopt(zmq.RCVHWM, min(mark, _REPLAY_HWM))
 
     # --- reading -------------------------------------------------------------------------
 
@@ -364,15 +413,20 @@ class RankLink:
         worker_id, rank = self.worker_id, self.rank
         clock = time.monotonic
         n = 0
+        trim = env.trim
         while n < budget:
-            chunk = min(BURST, budget - n)
+            chunk = min(self.chunk, budget - n)
             key = stream.beat_key() if sink is not None else None
             if key is None:
                 beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
             else:
                 beats, last, messages = drain_beats(sub, chunk, *key)
             if not beats and not messages:
+                trim.idle()
                 break
+            if messages:
+                self._fit(_sample(messages))
+                trim.pending += len(messages) * self.batch_bytes
             now = clock()
             if last is not None:
                 stream.beats(beats, last, now)
@@ -400,6 +454,7 @@ class RankLink:
             if messages and delivery.sink_flush is not None:
                 delivery.to_flush[self] = None
             if beats + len(messages) < chunk:
+                trim.idle()
                 break  # the socket is empty
         return n
 
@@ -408,14 +463,17 @@ class RankLink:
         dealer = self.dealer
         drain = self.env.receive.drain
         while dealer is not None and self.dealer is dealer:
-            messages = drain(dealer, BURST, _REPLY_FRAMES)
+            chunk = self.chunk
+            messages = drain(dealer, chunk, _REPLY_FRAMES)
+            if messages:
+                self._fit(_sample(messages))
             for frames in messages:
                 actions = self.stream.replay_reply(frames, self.dealer_token, time.monotonic())
                 applied = applied or bool(actions)
                 self.carry_out(actions)
                 if self.dealer is not dealer:
                     break  # a fresh replay socket replaced this one: read it on its own signal
-            if len(messages) < BURST:
+            if len(messages) < chunk:
                 break
         if not self.closed:
             self._release_dealer()
