@@ -10,7 +10,7 @@ Phases
 ------
 
 A stream is always in exactly one :class:`Phase`, and only an :class:`Event`
-moves it: :data:`EVENTS` (the table below; a test keeps the two equal) says
+moves it: :data:`EVENTS` (the table below, written once as ``_EVENT_TABLE``) says
 where each event leads and from which phases it may happen; a move outside it
 is a bug, counted in ``internal_errors``. Besides the phase the stream keeps
 its position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
@@ -23,27 +23,7 @@ probe proves nothing until it ends: in PROBING the rank reads what it read when
 the probe began (SYNCED, STALE, or SYNCING when waiting for a live batch),
 until a live batch shows where the stream is.
 
-============  ============  =====================================================
-event         moves to      from
-============  ============  =====================================================
-CONNECT       STARTING      DISCONNECTED
-CONNECT_LIVE  AWAIT_LIVE    DISCONNECTED
-ASK_START     STARTING      AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-ASK_GAP       REPLAYING     STARTING REPLAYING PROBING SNAPSHOTTING BACKOFF
-                            FOLLOWING STALE
-ASK_PROBE     PROBING       AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING STALE
-ASK_SNAPSHOT  SNAPSHOTTING  AWAIT_LIVE PROBING FOLLOWING STALE
-RETRY_LATER   BACKOFF       STARTING REPLAYING
-FOLLOW        FOLLOWING     AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-WAIT_LIVE     AWAIT_LIVE    STARTING
-GO_STALE      STALE         AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING
-RESET         AWAIT_LIVE    AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-DISCONNECT    DISCONNECTED  DISCONNECTED AWAIT_LIVE STARTING REPLAYING PROBING
-                            SNAPSHOTTING BACKOFF FOLLOWING STALE
-============  ============  =====================================================
+{EVENT_TABLE}
 
 What each event is: CONNECT, CONNECT_LIVE: the SUB socket connected, with and
 without a replay endpoint. ASK_START: a replay that must prove continuity
@@ -277,7 +257,7 @@ DISCONNECT    DISCONNECTED  DISCONNECTED AWAIT_LIVE STARTING REPLAYING PROBING
 
 
 def event_table(rows: str) -> dict[Phase, dict[Event, Phase]]:
-    """The event table's rows (as in the module's docstring), read: phase -> event -> phase.
+    """``_EVENT_TABLE``'s rows (the module docstring shows them), read: phase -> event -> phase.
 
     A row names an event, the phase it moves to, then the phases it may
     happen in; a row that starts with a blank continues the one above.
@@ -295,9 +275,18 @@ def event_table(rows: str) -> dict[Phase, dict[Event, Phase]]:
     return out
 
 
+_RULE = "============  ============  " + "=" * 53
+if __doc__ is not None:  # the table is written once, above; the docstring shows it
+    __doc__ = __doc__.replace(
+        "{EVENT_TABLE}",
+        "\n".join(
+            (_RULE, f"{'event':<14}{'moves to':<14}from", _RULE, _EVENT_TABLE.strip("\n"), _RULE)
+        ),
+    )
+
 EVENTS: dict[Phase, dict[Event, Phase]] = event_table(_EVENT_TABLE)
 """Where each event moves each phase it may happen in: the table of the module's
-docstring (a test keeps the two equal). Like h11's ``EVENT_TRIGGERED_TRANSITIONS``;
+docstring (rendered from ``_EVENT_TABLE``). Like h11's ``EVENT_TRIGGERED_TRANSITIONS``;
 ``RankStream._move`` is the only writer of a stream's phase, and reads only this."""
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
