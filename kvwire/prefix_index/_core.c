@@ -1927,12 +1927,13 @@ static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t na
 static PyObject *Index_forget_rank(Index *self, PyObject *arg) {
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
-    if (clear_core(self, sid) < 0) return NULL;
     Rank *rk = &self->ranks[sid];
+    /* The floors first, so that the clear frees what they no longer keep. */
     if (rk->hint > self->expected) self->hinted -= rk->hint - self->expected;
     rk->hint = 0;
     rk->entries.floor = rank_floor(self, rk);
     nodes_floor_update(self);
+    if (clear_core(self, sid) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
