@@ -678,9 +678,9 @@ def rank_view_bench(repeats: int, seed: int) -> None:
     print(f"  import_rank, fresh index            {m['import_fresh']:9.0f} us  ({m['import_fresh'] / VIEW_BLOCKS * 1e3:.1f} ns a block)")
     print(f"  import_rank over it, 16 ranks held  {m['import_over']:9.0f} us")
     for where, what in (("fresh", "a fresh index"), ("busy", "an index holding 15 ranks")):
-        plain, hint = m["plain_" + where], m["hint_" + where]
-        print(f"  snapshot apply into {what}: {plain / 1e3:.1f} ms plain, {hint / 1e3:.1f} ms after reserve "
-              f"({plain / hint:.2f}x)")  # fmt: skip
+        plain, hinted = m["plain_" + where], m["hint_" + where]
+        print(f"  snapshot apply into {what}: {plain / 1e3:.1f} ms plain, {hinted / 1e3:.1f} ms after reserve "
+              f"({plain / hinted:.2f}x)")  # fmt: skip
 
 
 def report(wl: Workload, res: dict[str, Any]) -> None:

@@ -50,13 +50,13 @@ def signed(view: bytes | bytearray) -> bytes:
     return bytes(v)
 
 
-def records(view: bytes) -> list[dict[str, int]]:
+def records(view: bytes) -> list[dict[str, Any]]:
     out = []
     for i in range(HEAD, len(view), REC):
         r = view[i : i + REC]
         out.append({
             "h": int.from_bytes(r[0:8], "little"),
-            "c": [int.from_bytes(r[8 + 2 * t : 10 + 2 * t], "little") for t in range(3)],  # type: ignore[dict-item]
+            "c": [int.from_bytes(r[8 + 2 * t : 10 + 2 * t], "little") for t in range(3)],
             "pad": int.from_bytes(r[14:16], "little"),
             "depth": int.from_bytes(r[16:20], "little", signed=True),
             "hh": int.from_bytes(r[20:24], "little"),
@@ -414,8 +414,8 @@ def test_memory_budget_refuses_the_growing_rank_and_never_lies(payload: bool) ->
     assert refusals > 0
     s = idx.stats()
     assert s.refused_over_budget == s.refused_stores == refusals and s.ranks_over_cap > 0
-    for name, hashes in held.items():
-        assert idx.blocks(*name) == hashes  # exactly what was taken: nothing silently lost
+    for name, taken in held.items():
+        assert idx.blocks(*name) == taken  # exactly what was taken: nothing silently lost
     # Removals free room; a cleared rank is whole again and takes stores.
     name = next(n for n in held if idx.over_cap(*n))
     idx.clear(*name)
