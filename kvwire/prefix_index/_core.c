@@ -870,6 +870,18 @@ static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
     return t_upsert_h(t, k, own_home(k), occ, added);
 }
 
+/* Shrink or free a table that records left (never under its floor). */
+static int t_settle(Table *t, Occupied occ) {
+    if (t->cap <= t->floor) return 0; /* presized: kept at its size, even empty */
+    if (t->count == 0) return t_rehash(t, 0, occ);
+    if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
+        /* Shrinking only saves memory; on failure keep the bigger table. */
+        size_t cap = cap_for(t->count * 2);
+        if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
+    }
+    return 0;
+}
+
 /* Remove the record at r: backward-shift the run after it; shrink or free. */
 static int t_delete(Table *t, char *r, Occupied occ) {
     size_t m = t->cap - 1;
@@ -887,14 +899,7 @@ static int t_delete(Table *t, char *r, Occupied occ) {
     }
     memset(t->a + i * t->rs, 0, t->rs);
     t->count--;
-    if (t->cap <= t->floor) return 0; /* presized: kept at its size, even empty */
-    if (t->count == 0) return t_rehash(t, 0, occ);
-    if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
-        /* Shrinking only saves memory; on failure keep the bigger table. */
-        size_t cap = cap_for(t->count * 2);
-        if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
-    }
-    return 0;
+    return t_settle(t, occ);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1688,41 +1693,73 @@ static PyObject *Index_export_rank(Index *self, PyObject *arg) {
     return out;
 }
 
-/* The import's table of distinct keys: key, full home hash, entries with
- * the key and how many are present in each tier. Occupied while n[0] > 0. */
+/* The import's table of the keys that may repeat: key, full home hash,
+ * entries with the key and how many are present in each tier (n[0]'s top
+ * bit: its node is set). Occupied while n[0] > 0. */
 typedef struct {
     u64 key;
     u64 hh;
     u32 n[4];
 } KeyRec;
 
+#define KEY_DONE 0x80000000u
+
 static int keyrec_occ(const char *r, size_t rs) { return ((const KeyRec *)r)->n[0] != 0; }
 
 #define IMPORT_AHEAD 16
 
+/* What an import builds before it touches the index: the rank's entries
+ * (e) and multi-key table (m); the keys that may repeat (k), found by a
+ * filter of 16 bits a record (f: seen once, then seen twice; most keys
+ * are met once and never enter k). */
+typedef struct {
+    Table e, k, m;
+    u64 *f;
+    int fshift;
+    size_t det;
+    int tiers;
+} Import;
+
+static inline size_t filter_bit(const Import *im, u64 key) { return (size_t)(mix64(key) >> im->fshift); }
+
+static inline int filter_test(const u64 *w, size_t b) { return (int)((w[b >> 6] >> (b & 63)) & 1); }
+
+static void import_free(Import *im) {
+    if (im->e.a) t_rehash(&im->e, 0, entry_occ);
+    if (im->m.a) t_rehash(&im->m, 0, multi_occ);
+    if (im->k.a) t_rehash(&im->k, 0, keyrec_occ);
+    PyMem_Free(im->f);
+    im->f = NULL;
+}
+
+static void rec_entry(const unsigned char *r, Entry *v) {
+    v->h = get_le(r, 8);
+    for (int t = 0; t < 3; t++) v->c[t] = (u16)get_le(r + 8 + 2 * t, 2);
+    v->depth = (i32)(u32)get_le(r + 16, 4);
+    v->hh_hi = (u32)get_le(r + 20, 4);
+    v->key = get_le(r + 24, 8);
+}
+
 static int view_refuse(const char *why) { return refuse(PyExc_ValueError, why); }
 
-/* The records read, checked and put in tables of their own (*e: the rank's
- * entries; *k: its distinct keys; *m: its multi-key table); nothing shared
- * is touched. *det: entries on detached chains, *tiers: a non-GPU count
- * seen. 0, or -1 with ValueError (a bad record) or MemoryError. */
-static int view_tables(Index *self, const unsigned char *recs, size_t n, Table *e, Table *k, Table *m,
-                       size_t *det, int *tiers) {
-    if (n && (t_reserve(e, (Py_ssize_t)n, entry_occ) < 0 || t_reserve(k, (Py_ssize_t)n, keyrec_occ) < 0))
-        return -1;
+/* The records read, checked and put in tables of their own; nothing shared
+ * is touched. 0, or -1 with ValueError (a bad record) or MemoryError. */
+static int view_tables(const unsigned char *recs, size_t n, Import *im) {
+    Table *e = &im->e, *k = &im->k, *m = &im->m;
+    if (!n) return 0;
+    int fbits = 10;
+    while (fbits < 40 && ((size_t)1 << fbits) < 16 * n) fbits++;
+    const size_t words = ((size_t)1 << fbits) >> 6;
+    if (!(im->f = PyMem_Calloc(2 * words, sizeof(u64)))) { PyErr_NoMemory(); return -1; }
+    im->fshift = 64 - fbits;
+    u64 *once = im->f, *twice = im->f + words;
+    if (t_reserve(e, (Py_ssize_t)n, entry_occ) < 0) return -1;
+    size_t maybe = 0;
     for (size_t i = 0; i < n; i++) {
-        if (i + IMPORT_AHEAD < n) {
-            const unsigned char *f = recs + (i + IMPORT_AHEAD) * VIEW_REC;
-            t_prefetch_probe(e, get_le(f, 8));
-            t_prefetch_probe(k, get_le(f + 24, 8));
-        }
+        if (i + IMPORT_AHEAD < n) t_prefetch_probe(e, get_le(recs + (i + IMPORT_AHEAD) * VIEW_REC, 8));
         const unsigned char *r = recs + i * VIEW_REC;
         Entry v;
-        v.h = get_le(r, 8);
-        for (int t = 0; t < 3; t++) v.c[t] = (u16)get_le(r + 8 + 2 * t, 2);
-        v.depth = (i32)(u32)get_le(r + 16, 4);
-        v.hh_hi = (u32)get_le(r + 20, 4);
-        v.key = get_le(r + 24, 8);
+        rec_entry(r, &v);
         if (!(v.c[0] | v.c[1] | v.c[2])) return view_refuse("a rank view entry has no store count");
         if (get_le(r + 14, 2)) return view_refuse("a rank view entry's padding is not zero");
         int64_t pos = v.depth >= 0 ? v.depth : ~(int64_t)v.depth;
@@ -1730,8 +1767,8 @@ static int view_tables(Index *self, const unsigned char *recs, size_t n, Table *
         /* A detached key, and a chain's key at a multiple of 8 positions, is its own home. */
         if ((v.depth < 0 || (v.depth & 7) == 0) && v.hh_hi != (u32)(own_home(v.key) >> 32))
             return view_refuse("a rank view entry's home hash does not match its key");
-        if (v.c[1] | v.c[2]) *tiers = 1;
-        if (v.depth < 0) (*det)++;
+        if (v.c[1] | v.c[2]) im->tiers = 1;
+        if (v.depth < 0) im->det++;
         int added;
         Entry *slot = (Entry *)t_upsert(e, v.h, entry_occ, &added);
         if (!slot) return -1;
@@ -1740,24 +1777,40 @@ static int view_tables(Index *self, const unsigned char *recs, size_t n, Table *
             return -1;
         }
         *slot = v;
+        const size_t b = filter_bit(im, v.key);
+        const u64 bit = 1ULL << (b & 63);
+        if (once[b >> 6] & bit) {
+            maybe += !(twice[b >> 6] & bit);
+            twice[b >> 6] |= bit;
+        }
+        once[b >> 6] |= bit;
+    }
+    if (!maybe) return 0;
+    /* The keys behind the filter's repeats, counted exactly: one home hash a
+     * key, and the multi-key table of those that several entries share. */
+    if (t_reserve(k, (Py_ssize_t)(2 * maybe), keyrec_occ) < 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const unsigned char *r = recs + i * VIEW_REC;
+        const u64 key = get_le(r + 24, 8);
+        if (!filter_test(twice, filter_bit(im, key))) continue;
+        Entry v;
+        rec_entry(r, &v);
         const u64 hh = entry_hh(&v);
-        KeyRec *kr = (KeyRec *)t_upsert(k, v.key, keyrec_occ, &added);
+        int added;
+        KeyRec *kr = (KeyRec *)t_upsert(k, key, keyrec_occ, &added);
         if (!kr) return -1;
         if (added) kr->hh = hh;
         else if (kr->hh != hh) return view_refuse("a rank view gives one key two home hashes");
         kr->n[0]++;
         for (int t = 0; t < 3; t++) kr->n[1 + t] += v.c[t] != 0;
     }
-    /* Keys that several engine hashes share: the rank's multi-key table. */
-    if (k->count < n) {
-        for (size_t j = 0; j < k->cap; j++) {
-            const KeyRec *kr = (const KeyRec *)(k->a + j * k->rs);
-            if (kr->n[0] < 2) continue;
-            int added;
-            Multi *mu = (Multi *)t_upsert(m, kr->key, multi_occ, &added);
-            if (!mu) return -1;
-            memcpy(mu->n, kr->n, sizeof mu->n);
-        }
+    for (size_t j = 0; j < k->cap; j++) {
+        const KeyRec *kr = (const KeyRec *)(k->a + j * k->rs);
+        if (kr->n[0] < 2) continue;
+        int added;
+        Multi *mu = (Multi *)t_upsert(m, kr->key, multi_occ, &added);
+        if (!mu) return -1;
+        memcpy(mu->n, kr->n, sizeof mu->n);
     }
     return 0;
 }
@@ -1778,9 +1831,11 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     if (PyObject_GetBuffer(args[1], &v, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *result = NULL;
     const unsigned char *p = v.buf;
-    Table e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem};
-    Table k = {.rs = sizeof(KeyRec)};
-    Table m = {.rs = sizeof(Multi), .acct = &self->mem};
+    Import im = {
+        .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
+        .k = {.rs = sizeof(KeyRec)},
+        .m = {.rs = sizeof(Multi), .acct = &self->mem},
+    };
     const size_t len = (size_t)v.len;
     if (len < VIEW_HEAD) {
         PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes is shorter than its %d-byte header",
@@ -1821,20 +1876,19 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     /* Sized for the view's entries (or the rank's floor) up front. */
     Rank fresh;
     rank_init(self, &fresh);
-    const Rank *cur = sid < self->nranks ? &self->ranks[sid] : &fresh;
-    e.floor = rank_floor(self, cur);
-    size_t det = 0;
-    int tiers = 0;
-    if (view_tables(self, p + VIEW_HEAD, (size_t)n, &e, &k, &m, &det, &tiers) < 0) goto done;
+    im.e.floor = rank_floor(self, sid < self->nranks ? &self->ranks[sid] : &fresh);
+    const unsigned char *recs = p + VIEW_HEAD;
+    if (view_tables(recs, (size_t)n, &im) < 0) goto done;
 
     /* Nothing below refuses the view; only memory can fail, before the rank changes. */
     if (ensure_slot(self, sid) < 0) goto done;
-    if (tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
+    if (im.tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
     Rank *rk = &self->ranks[sid];
     Table *nodes = &self->nodes;
+    /* At most a node a record; the rank's own tables go. */
+    const size_t keys = (size_t)n - (im.m.count ? (size_t)n - im.k.count : 0);
     if (self->max_bytes) {
-        /* The view's tables exist already; the rank's own go. */
-        int64_t g = t_growth(nodes, k.count) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
+        int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
         if (past_budget(self, g)) {
             clear_core(self, sid); /* frees only: cannot fail */
             rk->over_cap = CAP_BYTES;
@@ -1844,7 +1898,7 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    if (k.count && t_reserve(nodes, (Py_ssize_t)k.count, node_occ) < 0) goto done;
+    if (n && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto done;
     /* From here the shared table neither grows nor shrinks (its floor held
      * at its size): the rank's old bits go, the view's come, nothing fails. */
     const size_t floor = nodes->floor;
@@ -1861,29 +1915,37 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
         if (r) node_drop(self, r, sid);
     }
     rank_free(rk);
-    for (size_t j = 0; j < k.cap; j++) {
-        if (j + CLEAR_AHEAD < k.cap) {
-            const KeyRec *f = (const KeyRec *)(k.a + (j + CLEAR_AHEAD) * k.rs);
-            if (f->n[0]) t_prefetch_h(nodes, f->hh);
+    const u64 *twice = im.f ? im.f + (((size_t)1 << (64 - im.fshift)) >> 6) : NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (i + STORE_PREFETCH < n) {
+            Entry f;
+            rec_entry(recs + (i + STORE_PREFETCH) * VIEW_REC, &f);
+            t_prefetch_h(nodes, entry_hh(&f));
         }
-        const KeyRec *kr = (const KeyRec *)(k.a + j * k.rs);
-        if (!kr->n[0]) continue;
-        int added, pa = (kr->n[1] != 0) | ((kr->n[2] != 0) << 1) | ((kr->n[3] != 0) << 2);
-        char *r = t_upsert_h(nodes, kr->key, kr->hh, node_occ, &added);
+        Entry x;
+        rec_entry(recs + i * VIEW_REC, &x);
+        int pa = presence(&x);
+        if (im.k.count && filter_test(twice, filter_bit(&im, x.key))) {
+            KeyRec *kr = (KeyRec *)t_find(&im.k, x.key, keyrec_occ);
+            if (kr->n[0] & KEY_DONE) continue; /* a shared key: its node is set */
+            kr->n[0] |= KEY_DONE;
+            pa = (kr->n[1] != 0) | ((kr->n[2] != 0) << 1) | ((kr->n[3] != 0) << 2);
+        }
+        int added;
+        char *r = t_upsert_h(nodes, x.key, entry_hh(&x), node_occ, &added);
         node_set_bits(self, r, sid, pa);
     }
     nodes->floor = floor;
-    rk->entries = e;
-    rk->multi = m;
-    e.a = m.a = NULL; /* the rank's now */
-    e.cap = m.cap = 0;
-    rk->detached = det;
+    t_settle(nodes, node_occ); /* as the drops would have left it */
+    rk->entries = im.e;
+    rk->multi = im.m;
+    im.e.a = im.m.a = NULL; /* the rank's now */
+    im.e.cap = im.m.cap = 0;
+    rk->detached = im.det;
     rk->over_cap = (int)mark;
     result = PyLong_FromLong(0);
 done:
-    if (e.a) t_rehash(&e, 0, entry_occ);
-    if (m.a) t_rehash(&m, 0, multi_occ);
-    if (k.a) t_rehash(&k, 0, keyrec_occ);
+    import_free(&im);
     PyBuffer_Release(&v);
     return result;
 }
