@@ -1717,6 +1717,7 @@ typedef struct {
     u64 *f;
     int fshift;
     size_t det;
+    size_t keys; /* distinct keys: a node each */
     int tiers;
 } Import;
 
@@ -1746,6 +1747,7 @@ static int view_refuse(const char *why) { return refuse(PyExc_ValueError, why); 
  * is touched. 0, or -1 with ValueError (a bad record) or MemoryError. */
 static int view_tables(const unsigned char *recs, size_t n, Import *im) {
     Table *e = &im->e, *k = &im->k, *m = &im->m;
+    im->keys = n;
     if (!n) return 0;
     int fbits = 10;
     while (fbits < 40 && ((size_t)1 << fbits) < 16 * n) fbits++;
@@ -1807,6 +1809,7 @@ static int view_tables(const unsigned char *recs, size_t n, Import *im) {
     for (size_t j = 0; j < k->cap; j++) {
         const KeyRec *kr = (const KeyRec *)(k->a + j * k->rs);
         if (kr->n[0] < 2) continue;
+        im->keys -= kr->n[0] - 1;
         int added;
         Multi *mu = (Multi *)t_upsert(m, kr->key, multi_occ, &added);
         if (!mu) return -1;
@@ -1885,8 +1888,8 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     if (im.tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
     Rank *rk = &self->ranks[sid];
     Table *nodes = &self->nodes;
-    /* At most a node a record; the rank's own tables go. */
-    const size_t keys = (size_t)n - (im.m.count ? (size_t)n - im.k.count : 0);
+    /* A node a distinct key at most; the rank's own tables go. */
+    const size_t keys = im.keys;
     if (self->max_bytes) {
         int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
         if (past_budget(self, g)) {
@@ -1898,7 +1901,7 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    if (n && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto done;
+    if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto done;
     /* From here the shared table neither grows nor shrinks (its floor held
      * at its size): the rank's old bits go, the view's come, nothing fails. */
     const size_t floor = nodes->floor;

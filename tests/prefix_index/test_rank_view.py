@@ -489,3 +489,29 @@ def test_block_set_sink_views_round_trip_and_refuse_bad_ones() -> None:
         with pytest.raises(ValueError):
             b.import_rank("w", 0, v)
         assert (b.blocks("w", 0), b.ranks()) == before
+
+
+def test_many_shared_keys_of_one_rank() -> None:
+    """A rank holding the same content under several hashes, in several tiers (hundreds of
+    shared keys, past the filter's chance collisions): imported, it matches and drains
+    like the original."""
+    a = PrefixIndex(BS)
+    media = [None, "CPU", "DISK"]
+    for copy in range(3):
+        for run in range(40):
+            hashes = [10**6 * copy + 100 * run + k + 1 for k in range(8)]
+            store(a, "w", 0, hashes, None, tokens(8, run * 1000), media[(run + copy) % 3])
+    b = PrefixIndex(BS)
+    store(b, "w", 0, [5], None, tokens(1, 5))
+    b.import_rank("w", 0, a.export_rank("w", 0))
+    same_view(a, b)
+    for run in range(40):
+        assert b.match_tiers(tokens(8, run * 1000)) == a.match_tiers(tokens(8, run * 1000))
+    for copy in range(3):
+        for idx in (a, b):
+            for run in range(40):
+                hashes = [10**6 * copy + 100 * run + k + 1 for k in range(8)]
+                idx.apply("w", 0, KVEventBatch(0.0, [BlockRemoved(hashes, media[(run + copy) % 3])], 0))
+        same_view(a, b)
+        assert b.match_tiers(tokens(8, 3000)) == a.match_tiers(tokens(8, 3000))
+    assert b.stats().memory_bytes == a.stats().memory_bytes == 0
