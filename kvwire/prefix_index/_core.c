@@ -1845,6 +1845,7 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     if (PyObject_GetBuffer(args[1], &v, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *result = NULL;
     u32 *order = NULL;
+    void *sortbuf = NULL;
     const unsigned char *p = v.buf;
     Import im = {
         .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
@@ -1902,12 +1903,12 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
         int bits = 8;
         while (bits < 16 && ((size_t)1 << bits) < (size_t)n / 4) bits++;
         const size_t nb = (size_t)1 << bits;
-        if (!(order = PyMem_Malloc((size_t)n * sizeof(u32) + (nb + 1) * sizeof(size_t)))) {
+        if (!(sortbuf = PyMem_Calloc(1, (nb + 1) * sizeof(size_t) + (size_t)n * sizeof(u32)))) {
             PyErr_NoMemory();
             goto done;
         }
-        size_t *start = (size_t *)(order + n);
-        memset(start, 0, (nb + 1) * sizeof(size_t));
+        size_t *start = sortbuf;
+        order = (u32 *)(start + nb + 1);
         for (size_t i = 0; i < n; i++) start[1 + (get_le(recs + i * VIEW_REC + 20, 4) >> (32 - bits))]++;
         for (size_t b = 0; b < nb; b++) start[b + 1] += start[b];
         for (size_t i = 0; i < n; i++) order[start[get_le(recs + i * VIEW_REC + 20, 4) >> (32 - bits)]++] = (u32)i;
@@ -1979,7 +1980,7 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     result = PyLong_FromLong(0);
 done:
     import_free(&im);
-    PyMem_Free(order);
+    PyMem_Free(sortbuf);
     PyBuffer_Release(&v);
     return result;
 }
