@@ -141,7 +141,9 @@ class _Job:
 class _ReplayJob(_Job):
     __slots__ = ("next_seq", "remaining")
 
-    def __init__(self, identity: bytes, conn: socket.socket | None, next_seq: int, remaining: int) -> None:
+    def __init__(
+        self, identity: bytes, conn: socket.socket | None, next_seq: int, remaining: int
+    ) -> None:
         super().__init__(identity, conn)
         self.next_seq = next_seq
         self.remaining = remaining
@@ -150,11 +152,15 @@ class _ReplayJob(_Job):
 class _SnapshotJob(_Job):
     __slots__ = ("index", "snap", "started")
 
-    def __init__(self, identity: bytes, conn: socket.socket | None, snap: _Snapshot, fresh: bool) -> None:
+    def __init__(
+        self, identity: bytes, conn: socket.socket | None, snap: _Snapshot, fresh: bool
+    ) -> None:
         super().__init__(identity, conn)
         self.snap = snap
         self.index = 0  # the next chunk to send
-        self.started = not fresh  # a fresh snapshot's first chunk waits a pass: starting it did work
+        self.started = (
+            not fresh
+        )  # a fresh snapshot's first chunk waits a pass: starting it did work
         snap.users += 1
 
 
@@ -310,7 +316,9 @@ class ReplayServer:
         while flights and flights[0][0].done:
             taken += flights.popleft()[1]
         if taken or not flights:
-            job.stalled_since = None  # progress, or nothing the client owes (a full pipe re-marks it)
+            job.stalled_since = (
+                None  # progress, or nothing the client owes (a full pipe re-marks it)
+            )
         if taken:
             job.in_flight -= taken
             self.bytes_in_flight -= taken
@@ -433,7 +441,9 @@ class ReplayServer:
                 self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
             return None
         snap = _Snapshot(
-            mirror.snapshot(self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect)
+            mirror.snapshot(
+                self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
+            )
         )
         self.snapshots_built += 1
         self._current = snap
