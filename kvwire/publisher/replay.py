@@ -45,6 +45,7 @@ from kvwire.publisher.mirror import Mirror, SnapshotCursor
 from kvwire.subscriber.memory import TrimAfter
 from kvwire.wire import (
     SNAPSHOT_MARK,
+    Dialect,
     ReplayRequest,
     WireError,
     pack_seq,
@@ -53,6 +54,7 @@ from kvwire.wire import (
     snapshot_end_frames,
     snapshot_refused_frames,
 )
+from kvwire.wire.codec import encode_parts
 from kvwire.wire.framing import announce_blocks
 
 __all__ = ["ReplayRange", "ReplayServer"]
@@ -75,20 +77,23 @@ Flight = tuple[Any, int]
 class _Snapshot:
     """One snapshot's chunks, shared by every reply serving it.
 
-    Built lazily, in order, as the first reply reaches each chunk; chunk 0
-    announces the rank's block count. Immutable once built: each client's pipe
+    Chunk 0 is an empty batch announcing the rank's block count (so that a
+    router can size its tables first; tiny, so that even a decoder's slow
+    path reads it at once); the others are built lazily, in order, as the
+    first reply reaches each. Immutable once built: each client's pipe
     references the same bytes objects.
     """
 
     __slots__ = ("blocks", "built", "chunks", "cursor", "next_seq", "users")
 
-    def __init__(self, cursor: SnapshotCursor) -> None:
+    def __init__(self, cursor: SnapshotCursor, rank: int, dialect: Dialect) -> None:
         self.cursor: SnapshotCursor | None = cursor
-        self.chunks: list[bytes] = []
         self.next_seq = cursor.next_seq
         self.blocks = cursor.announced
+        empty = encode_parts(time.time(), [], rank, dialect=dialect)
+        self.chunks = [announce_blocks(empty, self.blocks)]
         self.users = 0
-        self.built = 0  # bytes of the chunks made (once, whoever sends them)
+        self.built = len(self.chunks[0])  # bytes of the chunks made (once, whoever sends them)
 
     @property
     def complete(self) -> bool:
@@ -105,8 +110,6 @@ class _Snapshot:
         if payload is None:
             self.release_cursor()
             return None, False
-        if i == 0:
-            payload = announce_blocks(payload, self.blocks)
         self.chunks.append(payload)
         self.built += len(payload)
         return payload, True
@@ -440,11 +443,11 @@ class ReplayServer:
             with contextlib.suppress(zmq.ZMQError):
                 self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
             return None
-        snap = _Snapshot(
-            mirror.snapshot(
-                self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
-            )
+        cursor = mirror.snapshot(
+            self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
         )
+        snap = _Snapshot(cursor, self.rank, self.dialect)
+        self.snapshot_bytes_built += snap.built
         self.snapshots_built += 1
         self._current = snap
         return snap, True

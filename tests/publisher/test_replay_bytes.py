@@ -149,8 +149,11 @@ def test_a_reader_gets_the_whole_snapshot_while_non_readers_are_dropped(
     wait_for(lambda: replay.jobs >= 8, what="non-readers served")
     held, chunks, end = read_snapshot(zctx, endpoint)
     assert held == truth
-    assert end.chunks == len(chunks) == -(-BLOCKS // CHUNK_BLOCKS)
-    assert chunks[0].blocks == BLOCKS and all(c.blocks is None for c in chunks[1:])
+    # Chunk 0 announces the count, alone (an empty batch); the blocks follow.
+    assert end.chunks == len(chunks) == 1 + -(-BLOCKS // CHUNK_BLOCKS)
+    assert chunks[0].blocks == BLOCKS == pub.stats().mirrored_blocks
+    assert decode_batch(chunks[0].payload).events == []
+    assert all(c.blocks is None for c in chunks[1:])
     wait_for(lambda: pub.stats().snapshots_served >= 1, what="the reader's snapshot counted")
     wait_for(lambda: pub.stats().replay_disconnects >= 8, what="non-readers dropped")
     # One snapshot was built; every client was sent from its chunks.
