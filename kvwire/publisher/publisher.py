@@ -29,7 +29,7 @@ from kvwire.publisher._sender import Sender
 from kvwire.publisher.batch import CollectedBatch
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
-from kvwire.publisher.replay import ReplayServer
+from kvwire.publisher.replay import ReplayServer, replay_share
 from kvwire.ratelog import RateLimitedLog
 from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 from kvwire.wire import (
@@ -186,7 +186,9 @@ class EventPublisher:
         self._config = config
         self.server_keys = server_keys
         self.epoch: bytes | None = (
-            format_epoch(secrets.randbits(64), heartbeat_s=config.heartbeat_s, snapshot=self.snapshot)
+            format_epoch(
+                secrets.randbits(64), heartbeat_s=config.heartbeat_s, snapshot=self.snapshot
+            )
             if config.epoch
             else None
         )
@@ -378,6 +380,10 @@ class EventPublisher:
                     # Replies go at the client's pace: a never-reading client holds
                     # at most this many (shared) messages in its pipe.
                     router.setsockopt(zmq.SNDHWM, min(self._config.replay_batches + 2, 256))
+                    # And at most a client's share of max_replay_bytes in the kernel's buffer
+                    # (autotuned, loopback's took megabytes unread): past that, a client that
+                    # does not read shows as one (replay.py).
+                    router.setsockopt(zmq.SNDBUF, replay_share(self._config))
                     router.setsockopt(zmq.RCVHWM, 1000)
                     router.setsockopt(zmq.MAXMSGSIZE, 1024)
                     router.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -57,7 +57,7 @@ from kvwire.wire import (
 from kvwire.wire.codec import encode_parts
 from kvwire.wire.framing import announce_blocks
 
-__all__ = ["ReplayRange", "ReplayServer"]
+__all__ = ["ReplayRange", "ReplayServer", "replay_share"]
 
 ReplayRange = Callable[[int, int], list[tuple[int, Any]]]
 """``(start_seq, n)`` -> up to ``n`` buffered batches ``(seq, payload)`` from the
@@ -71,7 +71,17 @@ _MAX_SNAPSHOTS = 2  # built at once (each logs the changes made while it runs)
 _FLAGS = zmq.SNDMORE | zmq.NOBLOCK
 
 Flight = tuple[Any, int]
-"""A message handed to ZeroMQ: its tracker (``.done`` once libzmq let go of it) and its bytes."""
+"""A message handed to ZeroMQ: its tracker's event (set once libzmq let go of it, through
+pyzmq's garbage collector) and its bytes."""
+
+
+_MAX_SNDBUF = 2**31 - 1
+
+
+def replay_share(config: PublisherConfig) -> int:
+    """The bytes one reply may have in flight: ``max_replay_bytes / max_replay_jobs``
+    (also the replay socket's kernel send buffer, an int for libzmq)."""
+    return max(1, min(_MAX_SNDBUF, config.max_replay_bytes // config.max_replay_jobs))
 
 
 class _Snapshot:
@@ -198,14 +208,14 @@ class ReplayServer:
         self.max_jobs = config.max_replay_jobs
         self.stall_s = config.replay_stall_s
         self.max_bytes = config.max_replay_bytes
-        self.job_bytes = max(1, config.max_replay_bytes // config.max_replay_jobs)
+        self.job_bytes = replay_share(config)
         self.snapshot_chunk_blocks = config.snapshot_chunk_blocks
         # A shared snapshot is joined while the replay buffer surely covers what followed it.
         self.reuse_seqs = config.buffer_steps // 2
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()
-        self._orphans: list[Flight] = []  # sent by jobs that ended, not taken yet
+        self._orphans: list[deque[Flight]] = []  # sent by jobs that ended, not taken yet
         self._current: _Snapshot | None = None  # the snapshot new requests join
         self._trim = TrimAfter(config.max_replay_bytes)
         self._sent = False  # the current step sent something
@@ -298,7 +308,7 @@ class ReplayServer:
         frame = zmq.Frame(payload, copy=False, track=True)
         send(frame, zmq.NOBLOCK, copy=False)
         n = len(payload)
-        job.flights.append((frame.tracker, n))
+        job.flights.append((frame.tracker_event, n))
         job.in_flight += n
         self.bytes_sent += n
         self.bytes_in_flight += n
@@ -316,7 +326,7 @@ class ReplayServer:
         """Count what the job's client took (in order: a pipe is a queue) as progress."""
         flights = job.flights
         taken = 0
-        while flights and flights[0][0].done:
+        while flights and flights[0][0].is_set():
             taken += flights.popleft()[1]
         if taken or not flights:
             job.stalled_since = (
@@ -330,17 +340,20 @@ class ReplayServer:
             job.stalled_since = now
 
     def _settle_orphans(self) -> None:
-        left = [f for f in self._orphans if not f[0].done]
-        taken = sum(n for _, n in self._orphans) - sum(n for _, n in left)
-        self._orphans = left
-        self.bytes_in_flight -= taken
-        self._trim.pending += taken
+        taken = 0
+        for flights in self._orphans:  # each a pipe's queue: only its head can be next
+            while flights and flights[0][0].is_set():
+                taken += flights.popleft()[1]
+        if taken:
+            self._orphans = [f for f in self._orphans if f]
+            self.bytes_in_flight -= taken
+            self._trim.pending += taken
 
     def _end(self, job: _Job) -> None:
         """The job leaves; what it sent and is not taken yet stays counted until it is."""
         if job.flights:
-            self._orphans.extend(job.flights)
-            job.flights.clear()
+            self._orphans.append(job.flights)
+            job.flights = deque()
         job.in_flight = 0
         job.close()
         if isinstance(job, _SnapshotJob):
@@ -388,7 +401,8 @@ class ReplayServer:
         else:
             found = self._join_snapshot(identity)
             if found is None:
-                self._orphans.extend(carried)
+                if carried:
+                    self._orphans.append(carried)
                 self._remove_from_order(identity)
                 return
             snap, fresh = found
