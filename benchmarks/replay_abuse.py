@@ -53,7 +53,9 @@ def publisher_proc(tree: str, max_bytes: int | None, blocks: int, conn: Any) -> 
     from kvwire.wire import BlockStored, KVEventBatch
 
     extra = {} if max_bytes is None else {"max_replay_bytes": max_bytes}
-    config = PublisherConfig(heartbeat_s=None, max_queue_size=1_000_000, buffer_steps=10_000, **extra)
+    config = PublisherConfig(
+        heartbeat_s=None, max_queue_size=1_000_000, buffer_steps=10_000, **extra
+    )
     rng = np.random.default_rng(0)
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", config).start()
     for start in range(0, blocks, CHAIN):
@@ -168,7 +170,11 @@ def reader(endpoint: str) -> tuple[str, float]:
         if isinstance(reply, SnapshotChunk):
             chunks += 1
             continue
-        result = "ok" if isinstance(reply, SnapshotEnd) and reply.chunks == chunks else type(reply).__name__
+        result = (
+            "ok"
+            if isinstance(reply, SnapshotEnd) and reply.chunks == chunks
+            else type(reply).__name__
+        )
         break
     sock.close()
     ctx.term()
@@ -234,7 +240,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="new non-reading clients a second")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--baseline", help="a checkout of the code before the byte bound, built in place")
+    ap.add_argument(
+        "--baseline", help="a checkout of the code before the byte bound, built in place"
+    )
     ap.add_argument("--cases", default="bounded,unbounded,baseline")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
@@ -251,11 +259,16 @@ def main() -> None:
     print(
         f"replay abuse: {args.blocks:,}-block mirror, {args.rate:g} new non-reading snapshot "
         f"clients/s for {args.seconds:g} s, live batch every {LIVE_EVERY_S * 1000:g} ms; "
-        f"{args.repeats} run(s) a case, medians"
+        f"{args.repeats} run(s) a case, alternated, medians"
     )
+    # Cases alternate run by run, so that a shared host's load falls on each alike.
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cases}
+    for _ in range(args.repeats):
+        for name, tree, max_bytes in cases:
+            results[name].append(run_case(tree, max_bytes, args))
     rows = []
-    for name, tree, max_bytes in cases:
-        runs = [run_case(tree, max_bytes, args) for _ in range(args.repeats)]
+    for name, _, max_bytes in cases:
+        runs = results[name]
 
         def med(f: Any, runs: list[dict[str, Any]] = runs) -> float:
             return statistics.median(f(r) for r in runs)
@@ -292,7 +305,9 @@ def main() -> None:
             f"{r[0]} | {r[1]} | {r[2]:.0f} MB | {r[3]:.0f} MB | {r[4]:.0f} MB | {r[5]:.1f} ms | "
             f"{r[6]:.1f} ms | {r[7]:.1f} ms | {r[8]:.1f} ms | {r[9]} | {r[10]}"
         )
-    print(f"(target: live p99 <= {TARGET_P99_MS:g} ms during the abuse; 'after' is {SETTLE_AFTER_S:g} s after the clients closed)")
+    print(
+        f"(target: live p99 <= {TARGET_P99_MS:g} ms during the abuse; 'after' is {SETTLE_AFTER_S:g} s after the clients closed)"
+    )
 
 
 if __name__ == "__main__":
