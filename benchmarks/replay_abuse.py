@@ -10,7 +10,8 @@ well-behaved client asks for a snapshot and reads it whole.
 
 Printed per case, side by side: the publisher's RSS before, at its peak and 3 s after the
 clients closed; the live delay p50/p99/max before and during the abuse; the reading client's
-snapshot time; and the service's counters. Cases: ``bounded`` (the default
+snapshot time; the service thread's longest slice and its total, in its own CPU time (what it
+holds the GIL for, whatever else a shared host runs); and the service's counters. Cases: ``bounded`` (the default
 ``max_replay_bytes``), ``unbounded`` (``max_replay_bytes`` = 2**62: the same code without the
 byte bound), and, with ``--baseline PATH`` (a checkout of the code before the bound, built in
 place), that code: the old behaviour.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -56,6 +58,22 @@ def publisher_proc(tree: str, max_bytes: int | None, blocks: int, conn: Any) -> 
     config = PublisherConfig(
         heartbeat_s=None, max_queue_size=1_000_000, buffer_steps=10_000, **extra
     )
+    from kvwire.publisher import replay as replay_module
+
+    # The service thread's slices, in its own CPU time (what it holds the GIL for, whatever
+    # else the host runs): the longest, and the total.
+    slices = [0.0, 0.0]
+    serve = replay_module.ReplayServer.serve
+
+    def timed(self: Any) -> bool:
+        t0 = time.thread_time()
+        moved = bool(serve(self))
+        spent = time.thread_time() - t0
+        slices[0] = max(slices[0], spent)
+        slices[1] += spent
+        return moved
+
+    replay_module.ReplayServer.serve = timed  # type: ignore[method-assign]
     rng = np.random.default_rng(0)
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", config).start()
     for start in range(0, blocks, CHAIN):
@@ -86,6 +104,8 @@ def publisher_proc(tree: str, max_bytes: int | None, blocks: int, conn: Any) -> 
     for t in threads:
         t.start()
     conn.send((pub.bound_endpoint, pub.bound_replay_endpoint))
+    conn.recv()  # "go": the abuse starts
+    slices[:] = [0.0, 0.0]
     conn.recv()  # "stop"
     stop.set()
     for t in threads:
@@ -93,6 +113,8 @@ def publisher_proc(tree: str, max_bytes: int | None, blocks: int, conn: Any) -> 
     stats = pub.stats().as_dict()
     replay = pub._replay
     stats["peak_bytes_in_flight"] = getattr(replay, "peak_bytes_in_flight", -1)
+    stats["longest_slice_ms"] = round(slices[0] * 1000, 2)
+    stats["service_cpu_s"] = round(slices[1], 2)
     conn.send((samples, stats))
     pub.close(timeout=1)
 
@@ -203,6 +225,7 @@ def run_case(tree: str, max_bytes: int | None, args: argparse.Namespace) -> dict
     abuser.start()
     time.sleep(2.0)  # the baseline: live batches, no abuse
     t_start = time.time()
+    pconn.send("go")
     aconn.send("go")
     time.sleep(args.seconds / 2)
     read = reader(replay_ep)
@@ -219,6 +242,7 @@ def run_case(tree: str, max_bytes: int | None, args: argparse.Namespace) -> dict
     pub.join(10)
     probe.join(10)
     abuser.join(10)
+    load = os.getloadavg()[0]
     before = [d for ts, d in delays if ts < t_start]
     during = [d for ts, d in delays if t_start <= ts <= t_end]
     return {
@@ -231,6 +255,7 @@ def run_case(tree: str, max_bytes: int | None, args: argparse.Namespace) -> dict
         "read": read,
         "clients": clients,
         "stats": stats,
+        "load": load,
     }
 
 
@@ -285,7 +310,10 @@ def main() -> None:
                 med(lambda r: pct(r["during"], 0.5)),
                 med(lambda r: pct(r["during"], 0.99)),
                 med(lambda r: max(r["during"], default=float("nan"))),
-                f"{runs[0]['read'][0]} {runs[0]['read'][1]:.2f} s",
+                f"ok {sum(r['read'][0] == 'ok' for r in runs)}/{len(runs)}, "
+                f"{med(lambda r: r['read'][1]):.2f} s",
+                med(lambda r: r["stats"]["longest_slice_ms"]),
+                med(lambda r: r["stats"]["service_cpu_s"]),
                 f"built {s.get('snapshots_built', '?')}, served {s['snapshots_served']}, "
                 f"refused {s['snapshots_refused']}, dropped {s['replay_dropped']}, "
                 f"disconnected {s.get('replay_disconnects', '?')}, "
@@ -297,14 +325,19 @@ def main() -> None:
         )
     head = (
         "case", "bound", "RSS before", "peak", "after", "live p99 before", "during p50", "p99",
-        "max", "reader", "service",
+        "max", "reader", "longest slice", "service CPU", "service (first run)",
     )  # fmt: skip
     print(" | ".join(head))
     for r in rows:
         print(
             f"{r[0]} | {r[1]} | {r[2]:.0f} MB | {r[3]:.0f} MB | {r[4]:.0f} MB | {r[5]:.1f} ms | "
-            f"{r[6]:.1f} ms | {r[7]:.1f} ms | {r[8]:.1f} ms | {r[9]} | {r[10]}"
+            f"{r[6]:.1f} ms | {r[7]:.1f} ms | {r[8]:.1f} ms | {r[9]} | {r[10]:.1f} ms | "
+            f"{r[11]:.2f} s | {r[12]}"
         )
+    loads = sorted(r["load"] for runs in results.values() for r in runs)
+    print(
+        f"(1-minute load average after each run: {loads[0]:.1f} to {loads[-1]:.1f}, {os.cpu_count()} CPUs)"
+    )
     print(
         f"(target: live p99 <= {TARGET_P99_MS:g} ms during the abuse; 'after' is {SETTLE_AFTER_S:g} s after the clients closed)"
     )

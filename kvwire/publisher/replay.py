@@ -388,7 +388,10 @@ class ReplayServer:
         carried: deque[Flight] = deque()
         if old is not None:
             # The client asked again: its new request replaces the old job, and takes over
-            # what that sent and its client has not taken (the same pipe).
+            # what that sent and its client has not taken (the same pipe). A reply sent whole
+            # counts as served: a subscriber asks for the replay after a snapshot's end at once.
+            if old.sent_all:
+                self._count_served(old)
             carried, old.flights = old.flights, carried
             self._end(old)
         elif len(self._jobs) >= self.max_jobs and not self._evict():
@@ -476,10 +479,7 @@ class ReplayServer:
         if job.sent_all:
             if job.flights:
                 return False
-            if type(job) is _ReplayJob:
-                self.served += 1
-            else:
-                self.snapshots_served += 1
+            self._count_served(job)
             return True
         try:
             if type(job) is _ReplayJob:
@@ -493,6 +493,12 @@ class ReplayServer:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
             return self._cut(job, str(exc), drop=False)
         return False
+
+    def _count_served(self, job: _Job) -> None:
+        if type(job) is _ReplayJob:
+            self.served += 1
+        else:
+            self.snapshots_served += 1
 
     def _cut(self, job: _Job, why: str, *, drop: bool) -> bool:
         self.dropped += 1

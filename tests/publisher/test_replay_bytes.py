@@ -258,4 +258,5 @@ def test_a_subscriber_rebuilds_a_rank_from_a_snapshot_that_announces_its_count(
                 timeout=20,
             )
             assert sub.status()[0].counters.snapshots_applied >= 1
-        assert pub.stats().snapshots_built >= 1
+        # Served, although the subscriber asked for the replay before its last bytes were known taken.
+        assert pub.stats().snapshots_built >= 1 and pub.stats().snapshots_served >= 1
