@@ -17,7 +17,8 @@ Snapshot:      ``[b"", b"kvwire-snapshot", topic, next_seq, number, payload]`` c
 
 ``seq`` (and ``number``, ``chunk_count``) is always 8 bytes, big-endian, unsigned. Chunk 0's
 payload may announce the rank's block count as a fourth envelope element (``[ts, events, rank,
-blocks]``), which every batch decoder already ignores. See ``docs/wire.md``.
+blocks]``), which every batch decoder already ignores; kvwire's publisher sends it as an empty
+batch of its own (``[ts, [], rank, blocks]``). See ``docs/wire.md``.
 """
 
 from __future__ import annotations
