@@ -68,7 +68,13 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     - ``max_replay_batches``: the most batches one replay request is
       answered with (``None``: the whole buffer, as the engines do), served
       in chunks between live sends, at most ``max_replay_jobs`` at once, each
-      cut off after ``replay_stall_s`` seconds without progress.
+      cut off after ``replay_stall_s`` seconds in which its client took
+      nothing (its connection is then shut down, whatever its pipe holds).
+    - ``max_replay_bytes``: the most bytes of replies (replays and snapshots)
+      handed to ZeroMQ and not yet taken by their clients, across all clients
+      (a message counts per client, although the buffers are shared); each
+      reply may hold ``max_replay_bytes / max_replay_jobs`` of it, and one
+      message, however large, may go when nothing else is in flight.
 
     kvwire's additions, each switchable so that an engine integration can
     stay byte-identical to the engine's own publisher:
@@ -98,6 +104,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_replay_batches: Positive | None = None
     max_replay_jobs: Positive = 64
     replay_stall_s: Annotated[float, Meta(gt=0)] = 2.0
+    max_replay_bytes: Positive = 64 * 2**20
     epoch: bool = True
     heartbeat_s: HeartbeatSeconds | None = DEFAULT_INTERVAL_S
     snapshot: bool = True

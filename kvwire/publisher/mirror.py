@@ -211,6 +211,8 @@ class SnapshotCursor:
         self.next_seq = mirror.next_seq
         self.chunks = 0
         self.blocks = 0
+        self.announced = mirror._core.count()
+        """The blocks the state holds (distinct medium and hash), announced on chunk 0."""
         self._mirror = mirror
         self._rank = rank
         self._dialect: Dialect = dialect

@@ -29,7 +29,7 @@ from kvwire.publisher._sender import Sender
 from kvwire.publisher.batch import CollectedBatch
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
-from kvwire.publisher.replay import ReplayServer
+from kvwire.publisher.replay import ReplayServer, replay_share
 from kvwire.ratelog import RateLimitedLog
 from kvwire.security import ServerKeys, release_context, secure_server, warn_if_exposed
 from kvwire.wire import (
@@ -77,7 +77,11 @@ class PublisherStats:
     ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
     ``mirror_pending``: batches encoded but not yet applied to the snapshot
     mirror (it takes them in batches, a few times a second). ``skipped``: seqs
-    left empty by :meth:`EventPublisher.skip`.
+    left empty by :meth:`EventPublisher.skip`. ``replay_bytes_in_flight``: reply bytes
+    handed to ZeroMQ and not yet taken by their clients (at most
+    ``max_replay_bytes``); ``replay_disconnects``: clients whose connection was shut
+    down because they took nothing for ``replay_stall_s``; ``snapshots_built``:
+    snapshots made (requests that came while one was fresh shared its chunks).
     """
 
     enqueued: int
@@ -100,6 +104,9 @@ class PublisherStats:
     sender_gil_takes: int = 0
     mirror_pending: int = 0
     skipped: int = 0
+    replay_bytes_in_flight: int = 0
+    replay_disconnects: int = 0
+    snapshots_built: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
@@ -179,7 +186,9 @@ class EventPublisher:
         self._config = config
         self.server_keys = server_keys
         self.epoch: bytes | None = (
-            format_epoch(secrets.randbits(64), heartbeat_s=config.heartbeat_s, snapshot=self.snapshot)
+            format_epoch(
+                secrets.randbits(64), heartbeat_s=config.heartbeat_s, snapshot=self.snapshot
+            )
             if config.epoch
             else None
         )
@@ -319,6 +328,9 @@ class EventPublisher:
             sender_gil_takes=c["sender_gil_takes"],
             mirror_pending=c["mirror_feed"] + self._mirror_in_hand,
             skipped=c["skipped"],
+            replay_bytes_in_flight=replay.bytes_in_flight if replay else 0,
+            replay_disconnects=replay.disconnects if replay else 0,
+            snapshots_built=replay.snapshots_built if replay else 0,
         )
 
     def replayable_seqs(self) -> list[int]:
@@ -368,6 +380,10 @@ class EventPublisher:
                     # Replies go at the client's pace: a never-reading client holds
                     # at most this many (shared) messages in its pipe.
                     router.setsockopt(zmq.SNDHWM, min(self._config.replay_batches + 2, 256))
+                    # And at most a client's share of max_replay_bytes in the kernel's buffer
+                    # (autotuned, loopback's took megabytes unread): past that, a client that
+                    # does not read shows as one (replay.py).
+                    router.setsockopt(zmq.SNDBUF, replay_share(self._config))
                     router.setsockopt(zmq.RCVHWM, 1000)
                     router.setsockopt(zmq.MAXMSGSIZE, 1024)
                     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -512,11 +528,14 @@ class EventPublisher:
                 busy = replay.serve() if replay is not None else False
                 self._maybe_log()
                 if busy:
+                    # Serve in slices, and let the sender (and the engine) take the GIL
+                    # between them: a flood of requests never holds it for long.
+                    time.sleep(0)
                     continue
                 timeout = _LOG_INTERVAL_S
                 if mirror is not None and next_apply > now:
                     timeout = min(timeout, next_apply - now)
-                if replay is not None and replay.jobs:
+                if replay is not None and replay.busy:
                     timeout = min(timeout, 0.002)
                 if poller.poll(int(timeout * 1000) + 1):
                     sender.clear_wake()

@@ -4,18 +4,35 @@ Runs on the publisher's service thread, which sleeps in a poll without the GIL
 until a request comes, then serves a bounded slice at a time. What keeps a
 hostile or stalled client from costing more than a slot:
 
-- a replay sends the sender's own payload buffers (zero-copy: libzmq holds a
-  reference to the one buffer every client shares), never a copy per client;
-- at most one job per client identity (a new request replaces the old job);
-- at most ``max_replay_jobs`` jobs (:class:`~kvwire.publisher.PublisherConfig`),
-  served round robin; when all are taken, a job that has made no progress the
-  longest is cut off to admit the new request;
-- a job that cannot send for ``replay_stall_s`` (its client stopped reading) is cut off.
+- nothing is copied per client: a replay sends the sender's own payload
+  buffers, a snapshot the chunks of one shared :class:`_Snapshot` (built once,
+  as the first reply reaches each chunk, and sent by every reply that joins it
+  while the mirror has not moved far), all zero-copy: libzmq holds a
+  reference to the one buffer every client's pipe shares;
+- bytes in flight are bounded: a message counts from the moment it is handed
+  to ZeroMQ until libzmq releases it (written to the kernel, or its pipe torn
+  down), as its tracker tells. A pipe that took a whole reply is not a served
+  reply: a job stays open until all it sent was taken. At most
+  ``max_replay_bytes`` are in flight across all clients, and each job at most
+  ``max_replay_bytes / max_replay_jobs`` (a message bigger than that goes alone);
+- at most one job per client identity (a new request replaces the old job),
+  at most ``max_replay_jobs`` jobs, served round robin; when all are taken, the
+  job waiting on its client the longest is cut off to admit the new request;
+- a job whose client takes nothing for ``replay_stall_s`` (whatever its pipe
+  holds, finished sending or not) is cut off, and its connection shut down
+  (through a duplicate of the descriptor its request came on), so that libzmq
+  drops the pipe and what it held; where there is no descriptor (inproc), its
+  bytes stay counted until the peer goes.
+
+Memory freed by a flood goes back to the system once the service is idle
+(:class:`~kvwire.subscriber.memory.TrimAfter`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,18 +42,22 @@ import zmq
 
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror, SnapshotCursor
+from kvwire.subscriber.memory import TrimAfter
 from kvwire.wire import (
+    SNAPSHOT_MARK,
+    Dialect,
     ReplayRequest,
     WireError,
     pack_seq,
     parse_request,
     replay_end_frames,
-    snapshot_chunk_frames,
     snapshot_end_frames,
     snapshot_refused_frames,
 )
+from kvwire.wire.codec import encode_parts
+from kvwire.wire.framing import announce_blocks
 
-__all__ = ["ReplayRange", "ReplayServer"]
+__all__ = ["ReplayRange", "ReplayServer", "replay_share"]
 
 ReplayRange = Callable[[int, int], list[tuple[int, Any]]]
 """``(start_seq, n)`` -> up to ``n`` buffered batches ``(seq, payload)`` from the
@@ -45,41 +66,115 @@ read-only buffer ZeroMQ can send without copying."""
 
 _REQUESTS_PER_PASS = 16
 _REPLAY_CHUNK = 32  # replay messages per job per pass
-_MAX_SNAPSHOTS = 2  # served at once (each logs the changes made while it runs)
+_SNAPSHOT_CHUNKS = 8  # snapshot messages per job per pass (at most one of them built)
+_MAX_SNAPSHOTS = 2  # built at once (each logs the changes made while it runs)
 _FLAGS = zmq.SNDMORE | zmq.NOBLOCK
+
+Flight = tuple[Any, int]
+"""A message handed to ZeroMQ: its tracker's event (set once libzmq let go of it, through
+pyzmq's garbage collector) and its bytes."""
+
+
+_MAX_SNDBUF = 2**31 - 1
+
+
+def replay_share(config: PublisherConfig) -> int:
+    """The bytes one reply may have in flight: ``max_replay_bytes / max_replay_jobs``
+    (also the replay socket's kernel send buffer, an int for libzmq)."""
+    return max(1, min(_MAX_SNDBUF, config.max_replay_bytes // config.max_replay_jobs))
+
+
+class _Snapshot:
+    """One snapshot's chunks, shared by every reply serving it.
+
+    Chunk 0 is an empty batch announcing the rank's block count (so that a
+    router can size its tables first; tiny, so that even a decoder's slow
+    path reads it at once); the others are built lazily, in order, as the
+    first reply reaches each. Immutable once built: each client's pipe
+    references the same bytes objects.
+    """
+
+    __slots__ = ("blocks", "built", "chunks", "cursor", "next_seq", "users")
+
+    def __init__(self, cursor: SnapshotCursor, rank: int, dialect: Dialect) -> None:
+        self.cursor: SnapshotCursor | None = cursor
+        self.next_seq = cursor.next_seq
+        self.blocks = cursor.announced
+        empty = encode_parts(time.time(), [], rank, dialect=dialect)
+        self.chunks = [announce_blocks(empty, self.blocks)]
+        self.users = 0
+        self.built = len(self.chunks[0])  # bytes of the chunks made (once, whoever sends them)
+
+    @property
+    def complete(self) -> bool:
+        return self.cursor is None
+
+    def chunk(self, i: int) -> tuple[bytes | None, bool]:
+        """Chunk ``i`` (``None`` past the last) and whether it was built by this call."""
+        if i < len(self.chunks):
+            return self.chunks[i], False
+        cursor = self.cursor
+        if cursor is None:
+            return None, False
+        payload = cursor.next_chunk()
+        if payload is None:
+            self.release_cursor()
+            return None, False
+        self.chunks.append(payload)
+        self.built += len(payload)
+        return payload, True
+
+    def release_cursor(self) -> None:
+        """Stop building (complete, or nobody serves it any more): the mirror stops logging for it."""
+        if self.cursor is not None:
+            self.cursor.close()
+            self.cursor = None
 
 
 class _Job:
-    __slots__ = ("identity", "stalled_since")
+    __slots__ = ("conn", "flights", "identity", "in_flight", "sent_all", "stalled_since")
 
-    def __init__(self, identity: bytes) -> None:
+    def __init__(self, identity: bytes, conn: socket.socket | None) -> None:
         self.identity = identity
         self.stalled_since: float | None = None
+        """Since when the job waits on its client (bytes not taken, or a full pipe)."""
+        self.flights: deque[Flight] = deque()
+        self.in_flight = 0
+        self.sent_all = False  # every message handed over; complete once all are taken
+        self.conn = conn  # a duplicate of the peer's connection, to drop it (None: cannot)
 
     def close(self) -> None:
         """Release what the job holds (it is finished or cut off)."""
+        conn = self.conn
+        if conn is not None:
+            self.conn = None
+            conn.close()
 
 
 class _ReplayJob(_Job):
     __slots__ = ("next_seq", "remaining")
 
-    def __init__(self, identity: bytes, next_seq: int, remaining: int) -> None:
-        super().__init__(identity)
+    def __init__(
+        self, identity: bytes, conn: socket.socket | None, next_seq: int, remaining: int
+    ) -> None:
+        super().__init__(identity, conn)
         self.next_seq = next_seq
         self.remaining = remaining
 
 
 class _SnapshotJob(_Job):
-    __slots__ = ("cursor", "pending", "started")
+    __slots__ = ("index", "snap", "started")
 
-    def __init__(self, identity: bytes, cursor: SnapshotCursor) -> None:
-        super().__init__(identity)
-        self.cursor = cursor
-        self.pending: list[bytes] | None = None  # built, not yet accepted by the socket
-        self.started = False  # the first chunk waits a pass: starting one did work already
-
-    def close(self) -> None:
-        self.cursor.close()
+    def __init__(
+        self, identity: bytes, conn: socket.socket | None, snap: _Snapshot, fresh: bool
+    ) -> None:
+        super().__init__(identity, conn)
+        self.snap = snap
+        self.index = 0  # the next chunk to send
+        self.started = (
+            not fresh
+        )  # a fresh snapshot's first chunk waits a pass: starting it did work
+        snap.users += 1
 
 
 class ReplayServer:
@@ -112,67 +207,177 @@ class ReplayServer:
         self.dialect = config.dialect
         self.max_jobs = config.max_replay_jobs
         self.stall_s = config.replay_stall_s
+        self.max_bytes = config.max_replay_bytes
+        self.job_bytes = replay_share(config)
         self.snapshot_chunk_blocks = config.snapshot_chunk_blocks
+        # A shared snapshot is joined while the replay buffer surely covers what followed it.
+        self.reuse_seqs = config.buffer_steps // 2
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()
+        self._orphans: list[deque[Flight]] = []  # sent by jobs that ended, not taken yet
+        self._current: _Snapshot | None = None  # the snapshot new requests join
+        self._trim = TrimAfter(config.max_replay_bytes)
         self._sent = False  # the current step sent something
         self.requests = 0
         self.served = 0
         self.invalid = 0
         self.dropped = 0
+        self.disconnects = 0
+        """Clients whose connection was shut down because they took nothing in time."""
         self.snapshots_served = 0
         self.snapshots_refused = 0
+        self.snapshots_built = 0
+        """Snapshots made; the requests that joined one share its chunks."""
+        self.snapshot_bytes_built = 0
+        self.bytes_sent = 0
+        """Bytes handed to ZeroMQ, counted once per client (shared buffers included)."""
+        self.bytes_in_flight = 0
+        """Of those, not yet known to be taken (the bound is ``max_replay_bytes``)."""
+        self.peak_bytes_in_flight = 0
 
     @property
     def jobs(self) -> int:
         """Replies in progress."""
         return len(self._jobs)
 
+    @property
+    def busy(self) -> bool:
+        """Whether anything is being served or is still in flight."""
+        return bool(self._jobs or self._orphans)
+
     def serve(self) -> bool:
         """Read pending requests, then send one slice of the next job that can take one.
 
-        Returns whether anything moved. Jobs whose clients are not reading are
-        skipped in turn; when none can send, the caller waits a moment instead
-        of spinning (holding the GIL) over them.
+        Returns whether anything moved. Jobs whose clients are not reading, or
+        that wait for room in the byte budget, are skipped in turn; when none
+        can send, the caller waits a moment instead of spinning (holding the
+        GIL) over them.
         """
         router = self.router
         moved = False
+        # Also processes libzmq's commands: pipes of departed or dropped peers go.
         if int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             for _ in range(_REQUESTS_PER_PASS):
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK)
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._request(frames)
                 moved = True
+        now = time.monotonic()
+        if self._orphans:
+            self._settle_orphans()
         order = self._order
         for _ in range(len(order)):
             identity = order[0]
             job = self._jobs[identity]
             self._sent = False
-            if self._step(job):
+            if self._step(job, now):
                 order.popleft()
                 del self._jobs[identity]
-                job.close()
+                self._end(job)
                 return True
             order.rotate(-1)
             if self._sent:
                 return True
+        if not self.busy:
+            self._trim.idle()
         return moved
 
     def close(self) -> None:
         """Drop every job (the publisher is closing)."""
-        for job in self._jobs.values():
-            job.close()
+        for job in list(self._jobs.values()):
+            self._end(job)
         self._jobs.clear()
         self._order.clear()
+        self._orphans.clear()
+        self.bytes_in_flight = 0
+
+    # --- accounting ------------------------------------------------------------------
+
+    def _send_payload(self, job: _Job, head: list[bytes], payload: Any) -> None:
+        """Send ``[identity, *head, payload]``, the payload zero-copy and tracked.
+
+        Raises ``zmq.Again`` on the identity part only (a full pipe), before anything was sent.
+        """
+        send = self.router.send
+        send(job.identity, _FLAGS)
+        for part in head:
+            send(part, _FLAGS)
+        frame = zmq.Frame(payload, copy=False, track=True)
+        send(frame, zmq.NOBLOCK, copy=False)
+        n = len(payload)
+        job.flights.append((frame.tracker_event, n))
+        job.in_flight += n
+        self.bytes_sent += n
+        self.bytes_in_flight += n
+        if self.bytes_in_flight > self.peak_bytes_in_flight:
+            self.peak_bytes_in_flight = self.bytes_in_flight
+        self._sent = True
+
+    def _fits(self, job: _Job, n: int) -> bool:
+        """Whether ``n`` more bytes may go to ``job`` now (one message always may, alone)."""
+        if job.in_flight and job.in_flight + n > self.job_bytes:
+            return False
+        return not (self.bytes_in_flight and self.bytes_in_flight + n > self.max_bytes)
+
+    def _settle(self, job: _Job, now: float) -> None:
+        """Count what the job's client took (in order: a pipe is a queue) as progress."""
+        flights = job.flights
+        taken = 0
+        while flights and flights[0][0].is_set():
+            taken += flights.popleft()[1]
+        if taken or not flights:
+            job.stalled_since = (
+                None  # progress, or nothing the client owes (a full pipe re-marks it)
+            )
+        if taken:
+            job.in_flight -= taken
+            self.bytes_in_flight -= taken
+            self._trim.pending += taken
+        if flights and job.stalled_since is None:
+            job.stalled_since = now
+
+    def _settle_orphans(self) -> None:
+        taken = 0
+        for flights in self._orphans:  # each a pipe's queue: only its head can be next
+            while flights and flights[0][0].is_set():
+                taken += flights.popleft()[1]
+        if taken:
+            self._orphans = [f for f in self._orphans if f]
+            self.bytes_in_flight -= taken
+            self._trim.pending += taken
+
+    def _end(self, job: _Job) -> None:
+        """The job leaves; what it sent and is not taken yet stays counted until it is."""
+        if job.flights:
+            self._orphans.append(job.flights)
+            job.flights = deque()
+        job.in_flight = 0
+        job.close()
+        if isinstance(job, _SnapshotJob):
+            snap = job.snap
+            snap.users -= 1
+            if snap.users == 0:
+                snap.release_cursor()
+                if self._current is snap:
+                    self._current = None
+
+    def _drop_peer(self, job: _Job) -> None:
+        """Shut the client's connection down: libzmq then drops its pipe and what it holds."""
+        conn = job.conn
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+            self.disconnects += 1
 
     # --- requests --------------------------------------------------------------------
 
-    def _request(self, frames: list[bytes]) -> None:
+    def _request(self, frames: list[zmq.Frame]) -> None:
         try:
-            request = parse_request(frames)
+            request = parse_request([f.buffer for f in frames])
         except WireError as exc:
             self.invalid += 1
             self._note("replay_invalid", f"ignored replay request: {exc}")
@@ -180,41 +385,55 @@ class ReplayServer:
         self.requests += 1
         identity = request.identity
         old = self._jobs.pop(identity, None)
+        carried: deque[Flight] = deque()
         if old is not None:
-            old.close()  # the client asked again: its new request replaces the old one
+            # The client asked again: its new request replaces the old job, and takes over
+            # what that sent and its client has not taken (the same pipe). A reply sent whole
+            # counts as served: a subscriber asks for the replay after a snapshot's end at once.
+            if old.sent_all:
+                self._count_served(old)
+            carried, old.flights = old.flights, carried
+            self._end(old)
         elif len(self._jobs) >= self.max_jobs and not self._evict():
             self.dropped += 1
             self._note("replay_busy", "replay request dropped: every replay slot is busy")
             return
         job: _Job
         if isinstance(request, ReplayRequest):
-            job = _ReplayJob(identity, request.start_seq, self.max_batches)
+            job = _ReplayJob(identity, _peer(frames), request.start_seq, self.max_batches)
         else:
-            cursor = self._start_snapshot(identity)
-            if cursor is None:
+            found = self._join_snapshot(identity)
+            if found is None:
+                if carried:
+                    self._orphans.append(carried)
                 self._remove_from_order(identity)
                 return
-            job = _SnapshotJob(identity, cursor)
+            snap, fresh = found
+            job = _SnapshotJob(identity, _peer(frames), snap, fresh)
+        job.flights = carried
+        job.in_flight = sum(n for _, n in carried)
         self._jobs[identity] = job
         if old is None:
             self._order.append(identity)
 
     def _evict(self) -> bool:
-        """Cut off the job stalled the longest, if any is stalled; returns whether one was."""
+        """Cut off the job waiting on its client the longest, if any is; returns whether one was."""
         stalled = [j for j in self._jobs.values() if j.stalled_since is not None]
         if not stalled:
             return False
         job = min(stalled, key=lambda j: j.stalled_since or 0.0)
-        self._cut(job, "every replay slot is busy and its client is not reading")
+        self._cut(job, "every replay slot is busy and its client is not reading", drop=True)
         del self._jobs[job.identity]
         self._remove_from_order(job.identity)
+        self._end(job)
         return True
 
     def _remove_from_order(self, identity: bytes) -> None:
         with contextlib.suppress(ValueError):
             self._order.remove(identity)
 
-    def _start_snapshot(self, identity: bytes) -> SnapshotCursor | None:
+    def _join_snapshot(self, identity: bytes) -> tuple[_Snapshot, bool] | None:
+        """The shared snapshot this request is served from, and whether it was just made."""
         mirror = self.mirror
         reason: str | None
         if mirror is None:
@@ -226,8 +445,11 @@ class ReplayServer:
                 )
             return None
         self.sync_mirror()
+        current = self._current
         if mirror.distrust_reason is not None:
             reason = f"state cannot be vouched for: {mirror.distrust_reason}"
+        elif current is not None and mirror.next_seq - current.next_seq <= self.reuse_seqs:
+            return current, False
         elif mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
             reason = "busy: too many snapshots in progress"
         else:
@@ -238,74 +460,104 @@ class ReplayServer:
             with contextlib.suppress(zmq.ZMQError):
                 self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
             return None
-        return mirror.snapshot(
+        cursor = mirror.snapshot(
             self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
         )
+        snap = _Snapshot(cursor, self.rank, self.dialect)
+        self.snapshot_bytes_built += snap.built
+        self.snapshots_built += 1
+        self._current = snap
+        return snap, True
 
     # --- sending -----------------------------------------------------------------------
 
-    def _step(self, job: _Job) -> bool:
+    def _step(self, job: _Job, now: float) -> bool:
         """Send one slice of ``job``; returns whether the job is finished (or cut off)."""
+        self._settle(job, now)
+        if job.stalled_since is not None and now - job.stalled_since > self.stall_s:
+            return self._cut(job, "its client stopped reading", drop=True)
+        if job.sent_all:
+            if job.flights:
+                return False
+            self._count_served(job)
+            return True
         try:
             if type(job) is _ReplayJob:
-                return self._replay_slice(job)
-            assert isinstance(job, _SnapshotJob)
-            return self._snapshot_slice(job)
-        except zmq.Again:
-            now = time.monotonic()
+                self._replay_slice(job)
+            else:
+                assert isinstance(job, _SnapshotJob)
+                self._snapshot_slice(job)
+        except zmq.Again:  # the pipe is full: the client is not reading
             if job.stalled_since is None:
                 job.stalled_since = now
-            elif now - job.stalled_since > self.stall_s:
-                return self._cut(job, "its client stopped reading")
-            return False
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
-            return self._cut(job, str(exc))
+            return self._cut(job, str(exc), drop=False)
+        return False
 
-    def _cut(self, job: _Job, why: str) -> bool:
+    def _count_served(self, job: _Job) -> None:
+        if type(job) is _ReplayJob:
+            self.served += 1
+        else:
+            self.snapshots_served += 1
+
+    def _cut(self, job: _Job, why: str, *, drop: bool) -> bool:
         self.dropped += 1
         self._note("replay_dropped", f"replay abandoned: {why}")
-        job.close()
+        if drop:
+            self._drop_peer(job)
         return True
 
-    def _replay_slice(self, job: _ReplayJob) -> bool:
-        send = self.router.send
-        identity = job.identity
+    def _replay_slice(self, job: _ReplayJob) -> None:
         topic = self.topic
         want = min(_REPLAY_CHUNK, job.remaining)
         items = self.buffer(job.next_seq, want)
         for seq, payload in items:
-            send(identity, _FLAGS)  # raises Again here only, before any other part
-            send(b"", _FLAGS)
-            send(topic, _FLAGS)
-            send(pack_seq(seq), _FLAGS)
-            send(zmq.Frame(payload, copy=False), zmq.NOBLOCK, copy=False)
+            if not self._fits(job, len(payload)):
+                return
+            self._send_payload(job, [b"", topic, pack_seq(seq)], payload)
             job.next_seq = seq + 1
             job.remaining -= 1
-            job.stalled_since = None
-            self._sent = True
         if job.remaining > 0 and len(items) == want:
-            return False
-        self.router.send_multipart([identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
-        self.served += 1
-        return True
+            return
+        self.router.send_multipart([job.identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
+        job.sent_all = True
+        self._sent = True
 
-    def _snapshot_slice(self, job: _SnapshotJob) -> bool:
+    def _snapshot_slice(self, job: _SnapshotJob) -> None:
         if not job.started:
             job.started = True
             self._sent = True  # it did work: starting the snapshot
-            return False
-        cursor = job.cursor
-        if job.pending is None:
-            payload = cursor.next_chunk()
+            return
+        snap = job.snap
+        head = [b"", SNAPSHOT_MARK, self.topic, pack_seq(snap.next_seq)]
+        for _ in range(_SNAPSHOT_CHUNKS):
+            if job.index == len(snap.chunks) and self._sent and not snap.complete:
+                return  # one chunk built per pass at most
+            payload, made = snap.chunk(job.index)
+            if made:
+                self.snapshot_bytes_built += len(payload or b"")
             if payload is None:
-                frames = snapshot_end_frames(self.topic, cursor.next_seq, cursor.chunks)
+                frames = snapshot_end_frames(self.topic, snap.next_seq, len(snap.chunks))
                 self.router.send_multipart([job.identity, *frames], zmq.NOBLOCK)
-                self.snapshots_served += 1
-                return True
-            frames = snapshot_chunk_frames(self.topic, cursor.next_seq, cursor.chunks - 1, payload)
-            job.pending = [job.identity, *frames]
-        self.router.send_multipart(job.pending, zmq.NOBLOCK)
-        job.pending = None
-        job.stalled_since = None
-        self._sent = True
-        return False
+                job.sent_all = True
+                self._sent = True
+                return
+            if not self._fits(job, len(payload)):
+                return
+            self._send_payload(job, [*head, pack_seq(job.index)], payload)
+            job.index += 1
+
+
+def _peer(frames: list[zmq.Frame]) -> socket.socket | None:
+    """A duplicate of the connection a request came on (so that it can be shut down), or
+    ``None`` (inproc, or libzmq does not say)."""
+    try:
+        fd = int(frames[-1].get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+    if fd < 0:
+        return None
+    try:
+        return socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None

@@ -15,15 +15,19 @@ Snapshot:      ``[b"", b"kvwire-snapshot", topic, next_seq, number, payload]`` c
                ``[b"", b"kvwire-snapshot", topic, next_seq, END_SEQ, chunk_count]``, or refused
                with ``[b"", b"kvwire-snapshot", topic, END_SEQ, END_SEQ, reason]``.
 
-``seq`` (and ``number``, ``chunk_count``) is always 8 bytes, big-endian, unsigned.
-See ``docs/wire.md``.
+``seq`` (and ``number``, ``chunk_count``) is always 8 bytes, big-endian, unsigned. Chunk 0's
+payload may announce the rank's block count as a fourth envelope element (``[ts, events, rank,
+blocks]``), which every batch decoder already ignores; kvwire's publisher sends it as an empty
+batch of its own (``[ts, [], rank, blocks]``). See ``docs/wire.md``.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
+
+import msgspec
 
 from kvwire.wire.errors import WireError
 
@@ -41,6 +45,8 @@ __all__ = [
     "SnapshotEnd",
     "SnapshotRefused",
     "SnapshotRequest",
+    "announce_blocks",
+    "announced_blocks",
     "epoch_topic",
     "format_epoch",
     "pack_seq",
@@ -249,14 +255,58 @@ def parse_request(frames: Sequence[Frame]) -> ReplayRequest | SnapshotRequest:
     return ReplayRequest(identity, start)
 
 
-def snapshot_chunk_frames(topic: bytes, next_seq: int, number: int, payload: bytes) -> list[bytes]:
+def snapshot_chunk_frames(
+    topic: bytes, next_seq: int, number: int, payload: bytes, blocks: int | None = None
+) -> list[bytes]:
     """Chunk ``number`` (from 0) of a snapshot of the state before batch ``next_seq``.
 
     ``payload`` is an ordinary batch payload whose ``BlockStored`` events
     rebuild the state; across the chunks of one snapshot a parent always
-    comes before its children.
+    comes before its children. ``blocks``, on chunk 0 only: the rank's block
+    count, announced so that a router can size its tables before applying
+    (:func:`announce_blocks`).
     """
+    if blocks is not None:
+        if number != 0:
+            raise WireError(f"only chunk 0 announces a block count, not chunk {number}")
+        payload = announce_blocks(payload, blocks)
     return [b"", SNAPSHOT_MARK, topic, pack_seq(next_seq), pack_seq(number), payload]
+
+
+_ENVELOPE3 = 0x93  # a fixarray of 3: [ts, events, rank], as both dialects write it
+_MAX_BLOCKS = (1 << 63) - 1
+_envelope_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_announced = msgspec.msgpack.Decoder(Annotated[int, msgspec.Meta(ge=0, le=_MAX_BLOCKS)] | None)
+
+
+def announce_blocks(payload: bytes, blocks: int) -> bytes:
+    """``payload`` (a ``[ts, events, rank]`` envelope) with ``blocks`` appended as a
+    fourth element. Why there: every batch decoder (kvwire's older ones, the
+    engines') ignores trailing envelope elements, whereas a seventh frame would
+    make kvwire's older parsers drop chunk 0 and fail the snapshot."""
+    if not 0 <= blocks <= _MAX_BLOCKS:
+        raise WireError(f"announced block count {blocks} is outside 0..2**63-1")
+    if not payload or payload[0] != _ENVELOPE3:
+        raise WireError("a block count is announced only on a [ts, events, rank] envelope")
+    return b"\x94" + payload[1:] + msgspec.msgpack.encode(blocks)
+
+
+def announced_blocks(payload: Frame) -> int | None:
+    """The block count chunk 0's envelope announces (its fourth element), or ``None``
+    when it has none (older publishers); raises :class:`WireError` if malformed."""
+    view = memoryview(payload)
+    if not view or view[0] == _ENVELOPE3:  # the common case, no walk over the events
+        return None
+    try:
+        items = _envelope_items.decode(view)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # not an array envelope: left to the batch decoder to judge
+    if len(items) < 4:
+        return None
+    try:
+        return _announced.decode(items[3])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"snapshot chunk 0 announces a bad block count: {exc}") from None
 
 
 def snapshot_end_frames(topic: bytes, next_seq: int, chunks: int) -> list[bytes]:
@@ -277,6 +327,10 @@ class SnapshotChunk(NamedTuple):
     number: int
     """The chunk's place in the snapshot, from 0 (a missing number is a broken snapshot)."""
     payload: bytes
+    blocks: int | None = None
+    """Chunk 0 only: the block count the publisher announces for the whole snapshot
+    (a hint to size tables, never trusted beyond a receiver's own limits); ``None``
+    when absent (older publishers, later chunks)."""
 
 
 class SnapshotEnd(NamedTuple):
@@ -326,4 +380,6 @@ def _parse_snapshot(frames: Sequence[Frame]) -> SnapshotChunk | SnapshotEnd | Sn
     next_seq = unpack_seq(seq)
     if bytes(index) == END_SEQ:
         return SnapshotEnd(topic_b, next_seq, unpack_seq(last))
-    return SnapshotChunk(topic_b, next_seq, unpack_seq(index), bytes(last))
+    number = unpack_seq(index)
+    blocks = announced_blocks(last) if number == 0 else None
+    return SnapshotChunk(topic_b, next_seq, number, bytes(last), blocks)

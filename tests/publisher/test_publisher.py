@@ -191,6 +191,7 @@ BAD_SETTINGS = [
     ("max_replay_batches", 0, "an integer >= 1, or None"),
     ("max_replay_jobs", -1, "an integer >= 1"),
     ("replay_stall_s", 0, "a number > 0"),
+    ("max_replay_bytes", 0, "an integer >= 1"),
     ("epoch", 1, "a boolean"),
     ("heartbeat_s", 1e-7, "a number from 0.001 to 3600, or None"),
     ("heartbeat_s", float("nan"), "a number from 0.001 to 3600, or None"),

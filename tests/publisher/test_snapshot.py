@@ -351,6 +351,8 @@ def test_snapshot_is_refused_after_a_drop_it_never_learnt_until_a_clear(
         pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()], 0))
         recv_until(sub, pub.last_seq)
         served = request_snapshot(zctx, pub.bound_replay_endpoint or "")
-        assert isinstance(served[-1], SnapshotEnd) and served[-1].chunks == 0
+        # The empty state: chunk 0 alone, announcing no blocks.
+        assert isinstance(served[-1], SnapshotEnd) and served[-1].chunks == 1
+        assert isinstance(served[0], SnapshotChunk) and served[0].blocks == 0
         wait_for(lambda: pub.stats().snapshots_refused == 1, what="refusal counted")
         wait_for(lambda: pub.stats().snapshots_served == 1, what="snapshot counted")

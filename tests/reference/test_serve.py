@@ -19,7 +19,7 @@ from kvwire.reference.serve import EngineConfig, _parse
                      publisher=PublisherConfig(buffer_steps=20, hwm=5, max_queue_size=3, topic="kv")),
         EngineConfig(publisher=PublisherConfig(
             max_queue_size=7, hwm=9, send_coalesce_s=0.125, topic="t", dialect="array", buffer_steps=11,
-            max_replay_batches=3, max_replay_jobs=2, replay_stall_s=0.5, epoch=False, heartbeat_s=None,
+            max_replay_batches=3, max_replay_jobs=2, replay_stall_s=0.5, max_replay_bytes=17, epoch=False, heartbeat_s=None,
             snapshot=False, snapshot_chunk_blocks=5, mirror_backlog=13,
         )),
         EngineConfig(publisher=PublisherConfig(heartbeat_s=0.25)),
@@ -33,7 +33,7 @@ def test_argv_starts_the_same_configuration(config: EngineConfig) -> None:
 def test_every_publisher_setting_has_a_flag_and_absent_flags_keep_the_defaults() -> None:
     changed = EngineConfig(publisher=PublisherConfig(
         max_queue_size=7, hwm=9, send_coalesce_s=0.125, topic="t", dialect="array", buffer_steps=11,
-        max_replay_batches=3, max_replay_jobs=2, replay_stall_s=0.5, epoch=False, heartbeat_s=None,
+        max_replay_batches=3, max_replay_jobs=2, replay_stall_s=0.5, max_replay_bytes=17, epoch=False, heartbeat_s=None,
         snapshot=False, snapshot_chunk_blocks=5, mirror_backlog=13,
     ))  # fmt: skip
     flags = {arg.removeprefix("--no-").removeprefix("--") for arg in changed.argv() if arg.startswith("--")}
