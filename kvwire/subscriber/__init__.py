@@ -19,6 +19,7 @@ from kvwire.subscriber.actions import (
 )
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.readiness import SyncProgress
+from kvwire.subscriber.seq import StreamPosition
 from kvwire.subscriber.sink import (
     Applied,
     BlockSetSink,
@@ -62,6 +63,7 @@ __all__ = [
     "SinkItem",
     "StateChanged",
     "StreamConfig",
+    "StreamPosition",
     "Subscriber",
     "SubscriberConfig",
     "SyncProgress",
