@@ -17,6 +17,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.checkpoint import CheckpointError, CheckpointInfo, Restored
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.readiness import SyncProgress
 from kvwire.subscriber.seq import StreamPosition
@@ -27,6 +28,7 @@ from kvwire.subscriber.sink import (
     EventSink,
     PayloadSink,
     SinkItem,
+    ViewSink,
 )
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import (
@@ -45,6 +47,8 @@ __all__ = [
     "Apply",
     "ApplyPayload",
     "BlockSetSink",
+    "CheckpointError",
+    "CheckpointInfo",
     "ClearRank",
     "Cleared",
     "EngineSource",
@@ -60,6 +64,7 @@ __all__ = [
     "RequestReplay",
     "RequestSnapshot",
     "ResourceLimitError",
+    "Restored",
     "SinkItem",
     "StateChanged",
     "StreamConfig",
@@ -67,4 +72,5 @@ __all__ = [
     "Subscriber",
     "SubscriberConfig",
     "SyncProgress",
+    "ViewSink",
 ]
