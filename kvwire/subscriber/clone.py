@@ -95,6 +95,7 @@ class CloneServer:
         self._links = links
         self._sink = sink
         self._sessions: dict[bytes, _Session] = {}
+        self.keyed = keys is not None
         sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)

@@ -26,7 +26,7 @@ import msgspec
 import zmq
 
 from kvwire.ratelog import RateLimitedLog
-from kvwire.security import SecurityError, ServerKeys
+from kvwire.security import SecurityError, ServerKeys, release_context
 from kvwire.subscriber import receive
 from kvwire.subscriber.checkpoint import (
     BackgroundWrite,
@@ -426,6 +426,8 @@ class Subscriber:
             reactor.close()
             self._log.flush(force=True)
             if self._given_ctx is None:
+                if any(server.keyed for server in self._servers):
+                    release_context(ctx)  # the clone service's ZAP handler
                 ctx.destroy(linger=0)
             delivery.end()
             self._readiness.stopped()
