@@ -6,14 +6,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
-
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import BlockSetSink, StreamPosition
 from kvwire.subscriber.checkpoint import Encoder, Header, Record
 from tests.subscriber.helpers import EPHEMERAL, Engine
 
-FORMAT = b"test-blockset/1"
+FORMAT = BlockSetSink().view_format()
 
 PUBLISHERS: dict[str, dict[str, Any]] = {
     # The engines' stock wire: no epoch, no heartbeat, no snapshot; a replay buffer only.
@@ -24,26 +22,16 @@ PUBLISHERS: dict[str, dict[str, Any]] = {
 
 
 class ViewSet(BlockSetSink):
-    """The reference view, saved and restored as a sorted list of hashes; counts imports."""
+    """The reference view (its rank views are BlockSetSink's), counting imports and clears."""
 
     def __init__(self) -> None:
         super().__init__()
         self.imports = 0
         self.clears = 0
 
-    def export_rank(self, worker_id: str, rank: int) -> bytes:
-        return msgspec.msgpack.encode(sorted(self.blocks(worker_id, rank)))
-
-    def import_rank(self, worker_id: str, rank: int, blob: bytes) -> None:
-        try:
-            hashes = msgspec.msgpack.decode(blob, type=list[int])
-        except msgspec.DecodeError as exc:
-            raise ValueError(f"not a block list: {exc}") from None
+    def import_rank(self, worker_id: str, rank: int, view: bytes | bytearray | memoryview) -> None:
+        super().import_rank(worker_id, rank, view)
         self.imports += 1
-        self._blocks[(worker_id, rank)] = set(hashes)
-
-    def view_format(self) -> bytes:
-        return FORMAT
 
     def clear(self, worker_id: str, rank: int) -> None:
         self.clears += 1
@@ -85,7 +73,9 @@ def built_view(
     ]
     for i, (w, r) in enumerate(ranks):
         pos = StreamPosition(topic=b"", epoch=None, next_seq=5, anchor_seq=4, anchor=b"x%d" % i)
-        blob = msgspec.msgpack.encode([i * 10 + k for k in range(3)])
+        view = BlockSetSink()
+        view._blocks[(w, r)] = {i * 10 + k for k in range(3)}
+        blob = view.export_rank(w, r)
         out.append(enc.record(Record(worker_id=w, rank=r, position=pos, blob=blob)))
     out.append(enc.end())
     return b"".join(out)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Set
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
+from kvwire.cli import main
+from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventPublisher
 from kvwire.subscriber import CheckpointError, EngineSource, RankState, Subscriber
 from kvwire.subscriber.checkpoint import VERSION, load_file, write_file
@@ -24,7 +28,11 @@ from tests.waiting import wait_for
 BEFORE, TAIL, BUFFER = 60, 20, 40
 
 
-def exact(sub: Subscriber, sink: ViewSet, engs: list[Engine], worker: str = "w") -> bool:
+class Blocks(Protocol):
+    def blocks(self, worker_id: str, rank: int) -> Set[int]: ...
+
+
+def exact(sub: Subscriber, sink: Blocks, engs: list[Engine], worker: str = "w") -> bool:
     """Every rank SYNCED, nothing pending, and the sink holds the engine's truth."""
     statuses = sub.status()
     if len(statuses) != len(engs):
@@ -71,6 +79,52 @@ def test_a_router_restarts_from_its_checkpoint_exact_replaying_only_the_tail(
                     assert st.counters.replayed == TAIL
                 else:
                     assert TAIL <= st.counters.replayed < BEFORE
+
+
+def test_a_prefix_index_restarts_from_its_checkpoint_exact(tmp_path: Path) -> None:
+    """The router's own sink: its rank views through the payload path, resumed exact."""
+    path = str(tmp_path / "index.ckpt")
+    with fleet(2, "stock", buffer_steps=BUFFER) as pubs:
+        engs = engines(2, seed=150)
+        source = bound_source("w", pubs)
+        first = PrefixIndex(4)
+        with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
+            assert sub.wait_synced(timeout=10)
+            publish(engs, pubs, BEFORE)
+            wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
+        publish(engs, pubs, TAIL)
+        second = PrefixIndex(4)
+        with Subscriber([source], second, config=fast(checkpoint=path)) as sub:
+            wait_for(lambda: exact(sub, second, engs), 10, "the restarted router exact")
+            assert sub.restored is not None
+            assert [st.counters.replayed for st in sub.status()] == [TAIL, TAIL]
+        # A sink of another format refuses it: the router starts cold, nothing applied.
+        other = PrefixIndex(8)
+        with Subscriber([source], other, config=fast(checkpoint=path)) as sub:
+            wait_for(lambda: sub.restore_refusals, 10, "the refusal")
+            assert "view format" in sub.restore_refusals[0] and sub.restored is None
+
+
+def test_kvwire_watch_saves_and_resumes_its_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "watch.ckpt")
+    with fleet(1, "stock", buffer_steps=BUFFER) as pubs:
+        engs = engines(1, seed=170)
+        publish(engs, pubs, 10)
+        pub = pubs[0]
+        assert pub.bound_replay_endpoint is not None
+        argv = ["watch", pub.bound_endpoint, "--replay", pub.bound_replay_endpoint]
+        argv += ["--once", "--duration", "0.5", "--checkpoint", path]
+        assert main(argv) == 0
+        sink = ViewSet()
+        load_file(path, sink, {("engine", 0)})
+        assert sink.blocks("engine", 0) == engs[0].truth, "saved on exit"
+        publish(engs, pubs, 35)  # 45 in all: a cold start would miss seqs 0-4, out of the buffer
+        assert main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r and r[0] == "engine"]
+    assert rows[-1][2] == "synced" and int(rows[-1][10]) == len(engs[0].truth)
 
 
 def test_without_the_checkpoint_the_same_restart_is_partial(tmp_path: Path) -> None:
