@@ -436,15 +436,22 @@ class ViewStream:
     """The view of ``ranks`` as the format's pieces, made one at a time on the subscriber's thread.
 
     Each :meth:`next` takes at most one rank: its position and the sink's
-    bytes for it at that instant. A rank without a position (not SYNCED in
+    bytes for it at that instant (``flush``: the subscriber's, so a buffering
+    sink has applied every batch the position counts). A rank without a position (not SYNCED in
     sequence), or closed meanwhile, or whose export raises, is left out; a view
     with no rank at all raises :class:`CheckpointError` at its end (so no empty
     checkpoint replaces a useful one).
     """
 
-    def __init__(self, ranks: Sequence[RankLink], sink: ViewSink) -> None:
+    def __init__(
+        self,
+        ranks: Sequence[RankLink],
+        sink: ViewSink,
+        flush: Callable[[], object] | None = None,
+    ) -> None:
         self._ranks = list(ranks)
         self._sink = sink
+        self._flush = flush
         self._enc = Encoder()
         self._i = 0
         self._stage = 0
@@ -471,6 +478,8 @@ class ViewStream:
         while self._i < len(self._ranks):
             link = self._ranks[self._i]
             self._i += 1
+            if self._flush is not None:
+                self._flush()  # a buffering sink's batches belong to the position
             pos = None if link.closed else link.stream.position()
             if pos is None:
                 self.skipped += 1

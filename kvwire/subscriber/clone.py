@@ -90,8 +90,10 @@ class CloneServer:
         links: Callable[[], Sequence[RankLink]],
         sink: ViewSink,
         keys: ServerKeys | None = None,
+        flush: Callable[[], object] | None = None,
     ) -> None:
         self._loop = loop
+        self._flush = flush
         self._links = links
         self._sink = sink
         self._sessions: dict[bytes, _Session] = {}
@@ -151,7 +153,7 @@ class CloneServer:
                 self._send(ident, _ERROR, b"busy: too many clones served at once")
                 return
             try:
-                view = ViewStream(self._links(), self._sink)
+                view = ViewStream(self._links(), self._sink, self._flush)
             except Exception as exc:
                 self._send(ident, _ERROR, f"no view to serve: {exc}".encode())
                 return

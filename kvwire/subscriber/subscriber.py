@@ -650,7 +650,9 @@ class Subscriber:
                 lambda _: loop.call_soon_threadsafe(self._begin_checkpoint, target, out)
             )
             return
-        write = BackgroundWrite(loop.call_later, ViewStream(self._all_links(), sink), target)
+        write = BackgroundWrite(
+            loop.call_later, ViewStream(self._all_links(), sink, self._delivery.flush), target
+        )
         self._writing = write
 
         def done(f: concurrent.futures.Future[CheckpointInfo]) -> None:
@@ -694,7 +696,7 @@ class Subscriber:
         if sink is None:
             return
         start = time.monotonic()
-        view = ViewStream(self._all_links(), sink)
+        view = ViewStream(self._all_links(), sink, self._delivery.flush)
         try:
             nbytes = write_file(path, view)
         except (CheckpointError, OSError) as exc:
@@ -739,7 +741,8 @@ class Subscriber:
         env, loop, sink = self._env, self._loop, self._view_sink
         if env is None or loop is None or sink is None or not self._running:
             raise RuntimeError("the subscriber stopped")
-        server = CloneServer(loop, env.ctx, endpoint, self._all_links, sink, keys)
+        flush = self._delivery.flush
+        server = CloneServer(loop, env.ctx, endpoint, self._all_links, sink, keys, flush)
         self._servers.append(server)
         return server.endpoint
 
