@@ -253,3 +253,21 @@ def test_curve_keys_guard_the_clone_endpoint(tmp_path: Path) -> None:
 def test_serving_needs_a_running_subscriber_with_a_view_sink() -> None:
     with pytest.raises(RuntimeError, match="running"):
         Subscriber([EngineSource("w", "tcp://127.0.0.1:9")], ViewSet()).serve_view()
+
+
+def test_stop_during_a_clone_returns_promptly() -> None:
+    """A replica waiting on a silent peer stops at once: the clone is abandoned, not awaited."""
+    silent: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        config = fast(clone_from=endpoint, clone_timeout=60)
+        sub = Subscriber([EngineSource("w", "tcp://127.0.0.1:9")], ViewSet(), config=config)
+        sub.start()
+        assert silent.poll(5000), "the replica asked for the view"
+        sub.stop(timeout=3)  # raises TimeoutError if the clone held the thread
+        assert sub.restored is None
+        assert "abandoned" in sub.restore_refusals[0]
+    finally:
+        silent.close()
