@@ -15,6 +15,7 @@ from kvwire.subscriber.actions import (
     Reconnect,
     RequestReplay,
     RequestSnapshot,
+    Reserve,
     StateChanged,
 )
 from kvwire.subscriber.config import SubscriberConfig
@@ -59,6 +60,7 @@ __all__ = [
     "Reconnect",
     "RequestReplay",
     "RequestSnapshot",
+    "Reserve",
     "ResourceLimitError",
     "SinkItem",
     "StateChanged",
