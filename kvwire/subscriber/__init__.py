@@ -15,6 +15,7 @@ from kvwire.subscriber.actions import (
     Reconnect,
     RequestReplay,
     RequestSnapshot,
+    Reserve,
     StateChanged,
 )
 from kvwire.subscriber.checkpoint import CheckpointError, CheckpointInfo, Restored
@@ -63,6 +64,7 @@ __all__ = [
     "Reconnect",
     "RequestReplay",
     "RequestSnapshot",
+    "Reserve",
     "ResourceLimitError",
     "Restored",
     "SinkItem",

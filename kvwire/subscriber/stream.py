@@ -100,9 +100,12 @@ Rules
   at or above it before the snapshot was asked is not this publisher's any
   more (a restart under the same epoch), and the horizon comes down to what
   the snapshot proves. Every snapshot counts toward the backoff
-  (``backoff_initial`` doubling, ``snapshot_retries``) until the rank is
+  (``backoff_initial`` doubling, up to ``snapshot_backoff_max``) until the rank is
   SYNCED again, applied or not: a recovery that does not end in sequence
-  never loops at the speed of the network.
+  never loops at the speed of the network, and a publisher that can serve a
+  snapshot is asked again for as long as the rank is not exact (never given
+  up on). A snapshot whose first chunk announces the rank's block count is
+  applied after a :class:`~kvwire.subscriber.Reserve` of that many blocks.
 - What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
   sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
   silence for 2.5 intervals asks for a fresh connection (once a silence), for
@@ -155,6 +158,7 @@ from kvwire.subscriber.actions import (
     ApplyPayload,
     ClearRank,
     Reconnect,
+    Reserve,
     StateChanged,
 )
 from kvwire.subscriber.requests import Replay, Requests, Snapshot
@@ -1084,6 +1088,7 @@ class RankStream:
         if isinstance(msg, SnapshotChunk):
             if r.next_seq < 0:
                 r.next_seq = msg.next_seq
+                r.blocks = getattr(msg, "blocks", None)  # chunk 0's announcement, if any
             if msg.next_seq != r.next_seq:
                 self._snapshot_failed(f"chunks as of seqs {r.next_seq} and {msg.next_seq}")
             elif msg.number != len(r.chunks):
@@ -1118,6 +1123,10 @@ class RankStream:
         why = f"snapshot as of seq {next_seq}"
         self._out.append(ClearRank(why))
         self._clean = True
+        if r.blocks:
+            # A hint to size the sink's tables, trusted no further than the bytes
+            # received (a block takes at least two: its hash and a token).
+            self._out.append(Reserve(min(r.blocks, sum(len(p) for _, p in r.chunks) // 2)))
         for batch, payload in r.chunks:
             self._out.append(self._apply_action(next_seq - 1, batch, payload))
             c.events += _events(batch)
@@ -1133,7 +1142,6 @@ class RankStream:
         if (
             self._exact
             or self._phase not in _IDLE_PHASES
-            or self._req.recoveries > self.config.snapshot_retries
             or not self._epoch_info.snapshot
             or not self.config.snapshot
             or not self.config.replay
@@ -1289,7 +1297,7 @@ class RankStream:
             not self._exact
             and self.config.snapshot
             and self._epoch_info.snapshot
-            and req.snapshot_allowed(self._now, self.config)
+            and req.snapshot_allowed(self._now)
         ):
             req.abandon()
             self._ask_snapshot()
