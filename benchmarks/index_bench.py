@@ -52,6 +52,12 @@ kvwire's median with Dynamo's best repeat.
   ``BlockRemoved`` batch, a worker's in random order, batches shuffled, by ``apply_payload``.
 - block keys from numpy tokens; memory per (block, holder) (tables, and RSS growth)
   at the workload scale and at 10 M pairs (--memory-10m).
+- a rank's view (``--rank-view``, kvwire only; alone with ``--rank-view-only``): one rank of
+  20,000 blocks (content-chained runs of 100) exported (``export_rank``) and imported into a
+  fresh index and over a held rank of an index of 16 such ranks (``import_rank``); and the
+  same blocks as a snapshot's 200 payloads of 100 blocks applied to a fresh rank with and
+  without a ``reserve`` hint first (its time included), into a fresh index and into one
+  already holding 15 ranks. Medians of the repeats.
 
 Why Dynamo is bimodal: its ``apply_event`` and ``find_matches`` are requests to a
 background thread, answered through a channel, so each call wakes a thread on another
@@ -67,6 +73,7 @@ Dynamo comes from ``ai-dynamo-runtime`` 1.6.1: importable here, or from the
 
     python benchmarks/index_bench.py [--workloads shared-roots independent re-store]
         [--workers 16 64] [--repeats 5] [--lookups 2000] [--memory-10m] [--hot-cores]
+        [--rank-view | --rank-view-only]
 """
 
 from __future__ import annotations
@@ -601,6 +608,81 @@ def memory_10m(target: int, workers: int, seed: int) -> dict[str, Any]:
 # --- report ---------------------------------------------------------------------------
 
 
+VIEW_BLOCKS = 20_000
+VIEW_RUN = 100  # blocks per content-chained run, and per snapshot payload
+
+
+def _rank_payloads(seed: int, rank: int) -> list[bytes]:
+    """One rank's VIEW_BLOCKS blocks as snapshot payloads: runs of VIEW_RUN chained blocks."""
+    from kvwire.wire import BlockStored, KVEventBatch, encode_batch
+
+    rng = np.random.default_rng([seed, rank])
+    out = []
+    for run in range(VIEW_BLOCKS // VIEW_RUN):
+        toks = rng.integers(0, VOCAB, VIEW_RUN * BLOCK)
+        hashes = (np.arange(VIEW_RUN, dtype=np.uint64) + np.uint64((rank << 32) + run * VIEW_RUN + 1)).tolist()
+        ev = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks.tolist(),
+                         block_size=BLOCK, medium="GPU")  # fmt: skip
+        out.append(encode_batch(KVEventBatch(time.time(), [ev], 0)))
+    return out
+
+
+def rank_view_bench(repeats: int, seed: int) -> None:
+    """Export/import of one 20,000-block rank, and a snapshot's apply with and without reserve."""
+    from kvwire.prefix_index import PrefixIndex
+
+    def loaded(ranks: int) -> Any:
+        idx = PrefixIndex(BLOCK)
+        for r in range(ranks):
+            for p in payloads[r]:
+                idx.apply_payload(f"worker-{r}", 0, p)
+        return idx
+
+    def us(t0: int) -> float:
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    payloads = [_rank_payloads(seed, r) for r in range(16)]
+    full = loaded(16)
+    view = full.export_rank("worker-0", 0)
+    res: dict[str, list[float]] = {k: [] for k in ("export", "import_fresh", "import_over", "plain_fresh",
+                                                   "hint_fresh", "plain_busy", "hint_busy")}  # fmt: skip
+    busy = loaded(15)
+    for rep in range(max(repeats, 5)):
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        full.export_rank("worker-0", 0)
+        res["export"].append(us(t0))
+        fresh = PrefixIndex(BLOCK)
+        t0 = time.perf_counter_ns()
+        fresh.import_rank("worker-0", 0, view)
+        res["import_fresh"].append(us(t0))
+        t0 = time.perf_counter_ns()
+        full.import_rank("worker-0", 0, view)  # over itself: every old bit dropped, every new one set
+        res["import_over"].append(us(t0))
+        for hint in (False, True) if rep % 2 else (True, False):
+            for where, idx in (("fresh", PrefixIndex(BLOCK)), ("busy", busy)):
+                name = f"snap-{rep}-{hint}"
+                gc.collect()
+                t0 = time.perf_counter_ns()
+                if hint:
+                    idx.reserve(name, 0, VIEW_BLOCKS)
+                for p in payloads[15]:
+                    idx.apply_payload(name, 0, p)
+                res[("hint_" if hint else "plain_") + where].append(us(t0))
+                assert idx.rank_blocks(name, 0) == VIEW_BLOCKS
+                idx.remove_worker(name)
+    assert fresh.match(np.random.default_rng([seed, 0]).integers(0, VOCAB, 4 * BLOCK).tolist())
+    m = {k: med(v) for k, v in res.items()}
+    print(f"\n=== a rank's view: {VIEW_BLOCKS:,} blocks ({len(view):,} B), medians of {len(res['export'])} ===")
+    print(f"  export_rank                         {m['export']:9.0f} us  ({m['export'] / VIEW_BLOCKS * 1e3:.1f} ns a block)")
+    print(f"  import_rank, fresh index            {m['import_fresh']:9.0f} us  ({m['import_fresh'] / VIEW_BLOCKS * 1e3:.1f} ns a block)")
+    print(f"  import_rank over it, 16 ranks held  {m['import_over']:9.0f} us")
+    for where, what in (("fresh", "a fresh index"), ("busy", "an index holding 15 ranks")):
+        plain, hinted = m["plain_" + where], m["hint_" + where]
+        print(f"  snapshot apply into {what}: {plain / 1e3:.1f} ms plain, {hinted / 1e3:.1f} ms after reserve "
+              f"({plain / hinted:.2f}x)")  # fmt: skip
+
+
 def report(wl: Workload, res: dict[str, Any]) -> None:
     runs = res["runs"]
     k = runs["kvwire"]
@@ -677,6 +759,9 @@ def main() -> None:
                     help="workloads also applied as one-block events (default: independent)")  # fmt: skip
     ap.add_argument("--memory-10m", action="store_true", help="also fill an index to 10 M pairs")
     ap.add_argument("--memory-pairs", type=int, default=10_000_000)
+    ap.add_argument("--rank-view", action="store_true",
+                    help="also time a rank's export/import and a snapshot with and without reserve")  # fmt: skip
+    ap.add_argument("--rank-view-only", action="store_true", help="only the --rank-view figures")
     ap.add_argument("--hot-cores", action="store_true",
                     help="keep the other cores busy at nice 19 (Dynamo's fast mode)")  # fmt: skip
     args = ap.parse_args()
@@ -698,6 +783,9 @@ def hot_cores() -> list[subprocess.Popen[bytes]]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.rank_view_only:
+        rank_view_bench(args.repeats, args.seed)
+        return
     llm = import_dynamo()
     if llm is None:
         print("Dynamo is not importable (pip install ai-dynamo-runtime==1.6.1, or `make bench`, "
@@ -711,6 +799,8 @@ def run(args: argparse.Namespace) -> None:
     one, bulk = keys_throughput(args.seed)
     print(f"\nblock keys from numpy tokens: {one:.0f} M tokens/s for one 2,048-token prompt, "
           f"{bulk:.0f} M tokens/s in bulk (target >= 100)")  # fmt: skip
+    if args.rank_view:
+        rank_view_bench(args.repeats, args.seed)
     if args.memory_10m:
         m = memory_10m(args.memory_pairs, 64, args.seed)
         print(f"\n=== memory at {m['holders']:,} (block, holder) pairs, {m['blocks']:,} blocks, "

@@ -318,8 +318,8 @@ class PrefixIndex:
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and all its ranks."""
         with self._lock:
-            for name in [k for k in self._hints if k[0] == worker_id]:
-                del self._hints[name]
+            for hinted in [k for k in self._hints if k[0] == worker_id]:
+                del self._hints[hinted]
             for sid in sorted(self._workers.pop(worker_id, ())):
                 self._core.forget_rank(sid)
                 name = self._names[sid]

@@ -160,6 +160,6 @@ class BlockSetSink:
         if len(data) != 16 + 8 * count:
             raise ValueError(f"a rank view of {len(data)} bytes cannot hold the {count} hashes it gives")
         hashes = [int.from_bytes(data[i : i + 8], "little") for i in range(16, len(data), 8)]
-        if any(a >= b for a, b in zip(hashes, hashes[1:])):
+        if any(hashes[i] >= hashes[i + 1] for i in range(len(hashes) - 1)):
             raise ValueError("a rank view's hashes are not strictly ascending (repeated or corrupt)")
         self._blocks[(worker_id, rank)] = set(hashes)
