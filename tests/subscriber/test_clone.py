@@ -271,3 +271,17 @@ def test_stop_during_a_clone_returns_promptly() -> None:
         assert "abandoned" in sub.restore_refusals[0]
     finally:
         silent.close()
+
+
+def test_a_wildcard_clone_endpoint_warns_loudly_without_keys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with Subscriber([EngineSource("w", "tcp://127.0.0.1:9")], ViewSet()) as sub:
+        with caplog.at_level("WARNING", logger="kvwire.subscriber.clone"):
+            endpoint = sub.serve_view("tcp://0.0.0.0:*")
+        assert endpoint.startswith("tcp://0.0.0.0:")
+        assert "WITHOUT authentication" in caplog.text and "clone service" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvwire.subscriber.clone"):
+            sub.serve_view()  # loopback: nothing to say
+        assert caplog.text == ""
