@@ -402,8 +402,10 @@ class Subscriber:
             if config.checkpoint or config.clone_from:
                 self._thread_ready.set()  # start() returns; readiness says when it recovered
                 await asyncio.to_thread(self._restore, ctx)
-            for source in self.sources:
-                self._open_source(source)
+            if not self._stop_requested:
+                for source in self.sources:
+                    self._open_source(source)
+            self._drop_unresumed()
             self._thread_ready.set()
             if config.checkpoint_every is not None:
                 self._periodic = loop.call_later(config.checkpoint_every, self._checkpoint_due)
@@ -584,6 +586,14 @@ class Subscriber:
             restored.nbytes, restored.seconds, restored.skipped,
         )  # fmt: skip
 
+    def _drop_unresumed(self) -> None:
+        """Ranks imported at start whose source was removed meanwhile: their views go."""
+        left, self._resume_from = self._resume_from, {}
+        sink = self._delivery.sink
+        if sink is not None:
+            for worker_id, rank in left:
+                sink.clear(worker_id, rank)
+
     def _refused(self, why: str) -> None:
         self._refusals.append(why)
         log.warning("%s; nothing applied from it", why)
@@ -692,6 +702,9 @@ class Subscriber:
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.abort()
+            # (it may be renaming a whole view already: that older one must not land last)
+            with contextlib.suppress(Exception):
+                writing.future.exception(timeout=30)
         sink = self._view_sink
         if sink is None:
             return
