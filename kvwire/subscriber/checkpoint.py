@@ -64,6 +64,7 @@ __all__ = [
     "End",
     "Header",
     "Record",
+    "RestoreProgress",
     "Restored",
     "Restorer",
     "ViewStream",
@@ -121,6 +122,22 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
     skipped: int
     """Ranks followed but left out (not SYNCED and in sequence): they start cold."""
     seconds: float
+
+
+class RestoreProgress(msgspec.Struct, kw_only=True):
+    """A start-up restore as it goes (the metrics' ``kvwire_subscriber_restore_*``).
+
+    Written by the thread that restores, read by any; ``bytes_expected`` is the
+    file's size for a checkpoint and 0 for a clone (its peer makes the view as it
+    sends it, so no total is known before the end).
+    """
+
+    source: str = ""
+    """``"clone"`` or ``"checkpoint"`` while one is read; empty before."""
+    bytes_received: int = 0
+    bytes_expected: int = 0
+    ranks_imported: int = 0
+    done: bool = False
 
 
 class Restored(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,8 +314,15 @@ class Restorer:
     imported so far, leaving the sink as it was at start.
     """
 
-    def __init__(self, sink: ViewSink, followed: Iterable[tuple[str, int]], source: str) -> None:
+    def __init__(
+        self,
+        sink: ViewSink,
+        followed: Iterable[tuple[str, int]],
+        source: str,
+        progress: RestoreProgress | None = None,
+    ) -> None:
         self._sink = sink
+        self._progress = progress if progress is not None else RestoreProgress()
         self._followed = frozenset(followed)
         self._source = source
         self._imported: dict[tuple[str, int], StreamPosition] = {}
@@ -338,6 +362,7 @@ class Restorer:
                     f"the sink refused worker {key[0]} rank {key[1]}'s view: {exc}"
                 ) from None
             self._imported[key] = item.position
+            self._progress.ranks_imported += 1
         else:
             self._end = item
 
@@ -346,6 +371,7 @@ class Restorer:
             with contextlib.suppress(Exception):
                 cast(EventSink, self._sink).clear(worker_id, rank)
         self._imported.clear()
+        self._progress.ranks_imported = 0
 
     def finish(self, nbytes: int) -> Restored:
         if self._header is None or self._end is None:
@@ -372,7 +398,12 @@ def _chunks(path: str) -> Iterator[bytes]:
 
 
 def load_file(
-    path: str, sink: ViewSink, followed: Iterable[tuple[str, int]], *, max_frame: int = MAX_FRAME
+    path: str,
+    sink: ViewSink,
+    followed: Iterable[tuple[str, int]],
+    *,
+    max_frame: int = MAX_FRAME,
+    progress: RestoreProgress | None = None,
 ) -> Restored:
     """Check the checkpoint at ``path`` whole (framing and CRC), then import its records.
 
@@ -385,10 +416,14 @@ def load_file(
     for chunk in _chunks(path):
         check.feed(chunk)
     check.finish()
-    restorer = Restorer(sink, followed, f"checkpoint {path}")
+    if progress is None:
+        progress = RestoreProgress()
+    progress.source, progress.bytes_expected = "checkpoint", size
+    restorer = Restorer(sink, followed, f"checkpoint {path}", progress)
     decoder = Decoder(max_frame=min(max_frame, size))
     try:
         for chunk in _chunks(path):
+            progress.bytes_received += len(chunk)
             for item in decoder.feed(chunk):
                 restorer.take(item)
         decoder.finish()  # (the file changed since it was checked)

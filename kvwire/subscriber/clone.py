@@ -39,6 +39,7 @@ from kvwire.subscriber.checkpoint import (
     CheckpointError,
     Decoder,
     Restored,
+    RestoreProgress,
     Restorer,
     ViewStream,
 )
@@ -212,6 +213,7 @@ def clone_view(
     max_bytes: int = 4 << 30,
     window: int = 8,
     cancel: threading.Event | None = None,
+    progress: RestoreProgress | None = None,
 ) -> Restored:
     """Copy the view served at ``endpoint`` into ``sink`` (blocking; not on a loop).
 
@@ -225,7 +227,10 @@ def clone_view(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, min(max_bytes + 64, 2**63 - 1))
     sock.setsockopt(zmq.RCVHWM, window + 2)
-    restorer = Restorer(sink, followed, f"clone from {endpoint}")
+    if progress is None:
+        progress = RestoreProgress()
+    progress.source = "clone"
+    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress)
     decoder = Decoder(max_frame=max_bytes)
     received = 0
     try:
@@ -253,6 +258,7 @@ def clone_view(
             if verb == _DATA and len(frames) == 3:
                 piece = frames[2]
                 received += len(piece)
+                progress.bytes_received = received
                 if received > max_bytes:
                     raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
                 for item in decoder.feed(piece):

@@ -33,6 +33,7 @@ from kvwire.subscriber.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     Restored,
+    RestoreProgress,
     ViewStream,
     load_file,
     write_file,
@@ -141,6 +142,7 @@ class Subscriber:
             )
         self._resume_from: dict[tuple[str, int], StreamPosition] = {}
         self._restored: Restored | None = None
+        self._restore_progress = RestoreProgress()
         self._refusals: list[str] = []
         self._restore_cancel = threading.Event()
         self._writing: BackgroundWrite | None = None
@@ -544,6 +546,11 @@ class Subscriber:
         """Why each checkpoint or clone offered at start was refused (nothing applied from it)."""
         return list(self._refusals)
 
+    def restore_progress(self) -> RestoreProgress:
+        """The start-up restore (clone or checkpoint) as it goes: bytes read and expected,
+        ranks imported, whether it is over (a copy; any thread)."""
+        return msgspec.structs.replace(self._restore_progress)
+
     def _followed(self) -> set[tuple[str, int]]:
         return {(s.worker_id, e.rank) for s in self.sources for e in s.rank_endpoints()}
 
@@ -565,16 +572,21 @@ class Subscriber:
                     timeout=config.clone_timeout,
                     max_bytes=config.clone_max_bytes,
                     cancel=self._restore_cancel,
+                    progress=self._restore_progress,
                 )
             except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
                 self._refused(f"clone from {config.clone_from} refused: {exc}")
         if restored is None and config.checkpoint is not None:
             try:
-                restored = load_file(config.checkpoint, sink, followed)
+                self._restore_progress = RestoreProgress()
+                restored = load_file(
+                    config.checkpoint, sink, followed, progress=self._restore_progress
+                )
             except FileNotFoundError:
                 log.info("no checkpoint at %s yet: starting cold", config.checkpoint)
             except (CheckpointError, OSError) as exc:
                 self._refused(f"checkpoint {config.checkpoint} refused: {exc}")
+        self._restore_progress.done = True
         if restored is None:
             return
         self._restored = restored

@@ -14,6 +14,7 @@ from collections.abc import Set
 from pathlib import Path
 from typing import Protocol
 
+import prometheus_client
 import pytest
 
 from kvwire.cli import main
@@ -21,6 +22,7 @@ from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventPublisher
 from kvwire.subscriber import CheckpointError, EngineSource, RankState, Subscriber
 from kvwire.subscriber.checkpoint import VERSION, load_file, write_file
+from kvwire.subscriber.metrics import register_metrics
 from tests.subscriber.ckpt_helpers import FORMAT, ViewSet, built_view, engines, fleet
 from tests.subscriber.helpers import Engine, bound_source, fast, rank_status
 from tests.waiting import wait_for
@@ -73,6 +75,20 @@ def test_a_router_restarts_from_its_checkpoint_exact_replaying_only_the_tail(
             restored = sub.restored
             assert restored is not None and sorted(restored.positions) == [("w", 0), ("w", 1)]
             assert second.imports == 2
+            progress = sub.restore_progress()
+            size = os.path.getsize(path)
+            assert (progress.source, progress.done, progress.ranks_imported) == (
+                "checkpoint",
+                True,
+                2,
+            )
+            assert progress.bytes_received == progress.bytes_expected == size == restored.nbytes
+            registry = prometheus_client.CollectorRegistry()
+            register_metrics(sub, registry)
+            text = prometheus_client.generate_latest(registry).decode()
+            assert f'kvwire_subscriber_restore_bytes{{kind="received"}} {float(size)}' in text
+            assert "kvwire_subscriber_restore_ranks 2.0" in text
+            assert "kvwire_subscriber_restore_done 1.0" in text
             for st in sub.status():
                 assert st.counters.resyncs == 0 and st.counters.seqs_lost == 0
                 if kind == "stock":  # (kvwire's buffer holds heartbeats too)

@@ -44,6 +44,13 @@ def test_a_replica_clones_a_running_router_and_ends_exact(kind: str) -> None:
                 assert restored is not None and restored.source == f"clone from {endpoint}"
                 assert sorted(restored.positions) == [("w", 0), ("w", 1)]
                 assert replica.restore_refusals == []
+                progress = replica.restore_progress()
+                assert (progress.source, progress.done, progress.ranks_imported) == (
+                    "clone",
+                    True,
+                    2,
+                )
+                assert progress.bytes_received == restored.nbytes and progress.bytes_expected == 0
                 for st in replica.status():
                     assert st.counters.resyncs == 0 and st.counters.seqs_lost == 0
                     if kind == "stock":
