@@ -26,7 +26,7 @@ from typing import BinaryIO, TextIO
 import msgspec
 
 from kvwire.security import ClientKeys, SecurityError, generate_keypair
-from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber
+from kvwire.subscriber import Applied, BlockSetSink, EngineSource, Subscriber, SubscriberConfig
 from kvwire.subscriber.view import BatchRecord, ClearRecord, WatchView
 from kvwire.wire import EndpointError, WireError, enc_hook
 
@@ -125,6 +125,12 @@ def add_watch_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         action="store_true",
         help="print one table when --duration (default 2 s) ends, without refreshing",
     )
+    p.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        help="start from the view saved in FILE when it is valid (each rank replays only what "
+        "it missed since), and save the view there on exit",
+    )
     p.set_defaults(func=_run_watch)
 
 
@@ -145,7 +151,8 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
     drawn = 0
     loop = asyncio.get_running_loop()
     end = None if args.duration is None else loop.time() + args.duration
-    async with Subscriber([source], sink) as sub:
+    config = SubscriberConfig(checkpoint=args.checkpoint)
+    async with Subscriber([source], sink, config=config) as sub:
         view.render(sub.status(), sink)  # the baseline for events/s
         while True:
             wait = args.interval if end is None else min(args.interval, end - loop.time())

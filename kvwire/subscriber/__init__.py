@@ -15,10 +15,13 @@ from kvwire.subscriber.actions import (
     Reconnect,
     RequestReplay,
     RequestSnapshot,
+    Reserve,
     StateChanged,
 )
+from kvwire.subscriber.checkpoint import CheckpointError, CheckpointInfo, Restored
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.readiness import SyncProgress
+from kvwire.subscriber.seq import StreamPosition
 from kvwire.subscriber.sink import (
     Applied,
     BlockSetSink,
@@ -26,6 +29,7 @@ from kvwire.subscriber.sink import (
     EventSink,
     PayloadSink,
     SinkItem,
+    ViewSink,
 )
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import (
@@ -44,6 +48,8 @@ __all__ = [
     "Apply",
     "ApplyPayload",
     "BlockSetSink",
+    "CheckpointError",
+    "CheckpointInfo",
     "ClearRank",
     "Cleared",
     "EngineSource",
@@ -58,11 +64,15 @@ __all__ = [
     "Reconnect",
     "RequestReplay",
     "RequestSnapshot",
+    "Reserve",
     "ResourceLimitError",
+    "Restored",
     "SinkItem",
     "StateChanged",
     "StreamConfig",
+    "StreamPosition",
     "Subscriber",
     "SubscriberConfig",
     "SyncProgress",
+    "ViewSink",
 ]

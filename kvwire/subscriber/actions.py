@@ -21,6 +21,7 @@ __all__ = [
     "Reconnect",
     "RequestReplay",
     "RequestSnapshot",
+    "Reserve",
     "StateChanged",
 ]
 
@@ -80,6 +81,20 @@ class RequestSnapshot(msgspec.Struct, frozen=True, gc=False):
     fresh: bool
 
 
+class Reserve(msgspec.Struct, frozen=True, gc=False):
+    """The rank is about to be rebuilt with about ``blocks`` blocks: size its tables now.
+
+    Emitted once per snapshot whose first chunk announces the rank's block count,
+    after its :class:`ClearRank` and before its first Apply, so that the sink
+    grows its tables once rather than while applying. A hint only (the count is
+    the publisher's word, bounded by the snapshot's bytes): the transport calls
+    the sink's optional ``reserve(worker_id, rank, blocks)``, and a sink without
+    one ignores it.
+    """
+
+    blocks: int
+
+
 class Reconnect(msgspec.Struct, frozen=True, gc=False):
     """Drop the live connection and connect again.
 
@@ -101,5 +116,12 @@ class StateChanged(msgspec.Struct, frozen=True, gc=False):
 
 
 Action: TypeAlias = (
-    Apply | ApplyPayload | ClearRank | Reconnect | RequestReplay | RequestSnapshot | StateChanged
+    Apply
+    | ApplyPayload
+    | ClearRank
+    | Reconnect
+    | RequestReplay
+    | RequestSnapshot
+    | Reserve
+    | StateChanged
 )

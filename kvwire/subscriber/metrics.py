@@ -18,7 +18,12 @@ router (from :meth:`Subscriber.progress`, where the subscriber has it):
 ``kvwire_subscriber_ranks{state}``, the ranks in each state (ranks not yet
 contacted count as syncing; the states sum to every rank followed), and
 ``kvwire_subscriber_recoveries{kind}``, the ranks with a start or gap replay
-(``kind="replay"``) or a snapshot (``kind="snapshot"``) still to come.
+(``kind="replay"``) or a snapshot (``kind="snapshot"``) still to come; and, of a
+restore at start (:meth:`Subscriber.restore_progress`: a checkpoint or a peer's
+clone), ``kvwire_subscriber_restore_bytes{kind="received"|"expected"}`` (expected
+is 0 for a clone: its total is not known before its end),
+``kvwire_subscriber_restore_ranks`` (ranks imported) and
+``kvwire_subscriber_restore_done``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvwire.subscriber.checkpoint import RestoreProgress
 from kvwire.subscriber.readiness import SyncProgress
 from kvwire.subscriber.state import RankCounters, RankState, RankStatus
 
@@ -87,9 +93,11 @@ class SubscriberCollector:
         self,
         status: Callable[[], list[RankStatus]],
         progress: Callable[[], SyncProgress] | None = None,
+        restore: Callable[[], RestoreProgress] | None = None,
     ) -> None:
         self._status = status
         self._progress = progress
+        self._restore = restore
         self._core = _prometheus()
 
     def describe(self) -> list[Any]:
@@ -136,6 +144,27 @@ class SubscriberCollector:
         yield from (state, expected, held, connected, pending)
         if self._progress is not None:
             yield from self._recovery(self._progress())
+        if self._restore is not None:
+            yield from self._restoring(self._restore())
+
+    def _restoring(self, progress: RestoreProgress) -> Iterator[Any]:
+        core = self._core
+        nbytes = core.GaugeMetricFamily(
+            f"{_PREFIX}_restore_bytes",
+            "Bytes of the checkpoint or clone read at start, and expected (0: unknown)",
+            labels=["kind"],
+        )
+        nbytes.add_metric(["received"], float(progress.bytes_received))
+        nbytes.add_metric(["expected"], float(progress.bytes_expected))
+        ranks = core.GaugeMetricFamily(
+            f"{_PREFIX}_restore_ranks", "Ranks imported from the checkpoint or clone at start"
+        )
+        ranks.add_metric([], float(progress.ranks_imported))
+        done = core.GaugeMetricFamily(
+            f"{_PREFIX}_restore_done", "1 once the start-up restore is over (or none was asked)"
+        )
+        done.add_metric([], 1.0 if progress.done or not progress.source else 0.0)
+        yield from (nbytes, ranks, done)
 
     def _recovery(self, progress: SyncProgress) -> Iterator[Any]:
         core = self._core
@@ -159,7 +188,11 @@ class SubscriberCollector:
 def register_metrics(subscriber: Any, registry: Any = None) -> SubscriberCollector:
     """Register a collector for ``subscriber`` (anything with ``status()``; with
     ``progress()`` too, the recovery gauges)."""
-    collector = SubscriberCollector(subscriber.status, getattr(subscriber, "progress", None))
+    collector = SubscriberCollector(
+        subscriber.status,
+        getattr(subscriber, "progress", None),
+        getattr(subscriber, "restore_progress", None),
+    )
     if registry is None:
         import prometheus_client
 

@@ -3,7 +3,7 @@
 :class:`Requests` is the request half of :class:`~kvwire.subscriber.RankStream`:
 the replay or snapshot out (at most one, with its token and deadlines), whether
 an abandoned one may still be answered, the retries of a failing replay and the
-backoff of failing recoveries. It decides nothing about the phase.
+backoff of failing recoveries (snapshots are never abandoned, only spaced). It decides nothing about the phase.
 """
 
 from __future__ import annotations
@@ -69,10 +69,23 @@ class Replay:
         self.identify = -1  # asking the whole buffer after an empty reply from this anchor
 
 
+def _backoff(initial: float, cap: float, failures: int) -> float:
+    """The wait after ``failures`` (>= 1) in a row: ``initial`` doubling, at most ``cap``."""
+    return min(cap, initial * 2.0 ** min(failures - 1, 64))
+
+
 class Snapshot:
     """One outstanding snapshot request and the chunks read so far."""
 
-    __slots__ = ("chunks", "deadline", "hard_deadline", "horizon_at_send", "next_seq", "token")
+    __slots__ = (
+        "blocks",
+        "chunks",
+        "deadline",
+        "hard_deadline",
+        "horizon_at_send",
+        "next_seq",
+        "token",
+    )
 
     def __init__(self, token: int, now: float, config: StreamConfig, horizon: int) -> None:
         self.token = token
@@ -81,6 +94,7 @@ class Snapshot:
         self.horizon_at_send = horizon
         self.next_seq = -1
         self.chunks: list[tuple[Judged, Frame]] = []
+        self.blocks: int | None = None  # the rank's block count, as chunk 0 announced it
 
 
 class Requests:
@@ -136,13 +150,14 @@ class Requests:
         return RequestSnapshot(self.token, fresh)
 
     def snapshot_ended(self, now: float, config: StreamConfig) -> None:
-        """A snapshot failed, or was applied: the next one waits its backoff."""
-        delay = config.backoff_initial * 2 ** (self.recoveries - 1)
-        self.recovery_after = now + min(config.backoff_max, delay)
+        """A snapshot failed, or was applied: the next one waits its backoff (never
+        abandoned: a publisher that can serve one is asked again, less and less often)."""
+        delay = _backoff(config.backoff_initial, config.snapshot_backoff_max, self.recoveries)
+        self.recovery_after = now + delay
 
-    def snapshot_allowed(self, now: float, config: StreamConfig) -> bool:
-        """Whether another snapshot may be asked now (its retries and backoff)."""
-        return self.recoveries <= config.snapshot_retries and now >= self.recovery_after
+    def snapshot_allowed(self, now: float) -> bool:
+        """Whether another snapshot may be asked now (its backoff has passed)."""
+        return now >= self.recovery_after
 
     def recovered(self) -> None:
         """The rank is exact and in sequence: the recovery backoff starts over."""
@@ -169,7 +184,6 @@ class Requests:
         self.retries += 1
         if self.retries > config.replay_retries:
             return False
-        delay = min(config.backoff_max, config.backoff_initial * 2 ** (self.retries - 1))
-        self.retry_at = now + delay
+        self.retry_at = now + _backoff(config.backoff_initial, config.backoff_max, self.retries)
         self.resume = resume
         return True

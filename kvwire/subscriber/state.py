@@ -77,9 +77,11 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     snapshot: bool = True
     """Ask a publisher whose epoch advertises snapshots (``.snap``) for one when
     the view is lost, instead of staying PARTIAL."""
-    snapshot_retries: int = 2
-    """Snapshots asked again (after the replay backoff) when one fails, before the
-    rank stays PARTIAL until the view is whole again."""
+    snapshot_backoff_max: float = 30.0
+    """The longest wait between two snapshots of a rank that is not exact. A snapshot
+    that failed (refused, timed out, incomplete) or did not end in sequence is asked
+    again, the wait doubling from ``backoff_initial`` up to this, for as long as the
+    publisher advertises them: the rank follows live (PARTIAL) meanwhile."""
     snapshot_deadline: float = 30.0
     """Overall limit on one snapshot request; past it the snapshot has failed."""
     max_snapshot_chunks: int = 1_000_000
@@ -110,8 +112,11 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("replay_deadline", "snapshot_deadline"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.snapshot_retries < 0:
-            raise ValueError(f"snapshot_retries must be >= 0, got {self.snapshot_retries}")
+        if self.snapshot_backoff_max < self.backoff_initial:
+            raise ValueError(
+                "need backoff_initial <= snapshot_backoff_max, got "
+                f"{self.backoff_initial} and {self.snapshot_backoff_max}"
+            )
         if self.max_snapshot_chunks < 1:
             raise ValueError(f"max_snapshot_chunks must be >= 1, got {self.max_snapshot_chunks}")
         if self.max_seq_jump < 1:

@@ -7,8 +7,11 @@ snapshots (``docs/wire.md`` sections 5-7) are built with the wire helpers.
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvwire.subscriber import (
@@ -21,6 +24,8 @@ from kvwire.subscriber import (
     Reconnect,
     RequestReplay,
     RequestSnapshot,
+    Reserve,
+    StateChanged,
     StreamConfig,
 )
 from kvwire.subscriber import stream as stream_module
@@ -29,6 +34,7 @@ from kvwire.wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    SnapshotChunk,
     encode_batch,
     epoch_topic,
     format_epoch,
@@ -426,6 +432,109 @@ def test_a_failed_snapshot_leaves_the_rank_partial_without_stale_blocks(
     else:
         assert s.counters.snapshots_failed == 1
         assert r.blocks <= {60, 80}
+
+
+@pytest.mark.parametrize("how", ["refused", "timeout", "short"])
+def test_failed_snapshots_are_asked_again_with_backoff_until_one_is_served(how: str) -> None:
+    """Issue 24 item 5: six snapshots fail, the seventh is served: the rank ends SYNCED and
+    exact. Never abandoned; the asks are spaced by a doubling backoff (the rank follows
+    live, PARTIAL, meanwhile)."""
+    topic = epoch(snap=True)
+    cfg = msgspec.structs.replace(
+        CFG, backoff_initial=0.1, snapshot_backoff_max=1.0, idle_probe=None
+    )
+    r = Rank(cfg)
+    r.run(r.s.connected(0.0))
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
+    r.reply(replay_end_frames(topic), 0.1)  # 0..5 are gone: PARTIAL, a snapshot asked
+    asked: list[tuple[float, int]] = []  # (when, token)
+    now = 0.1
+    while len(asked) < 7 and now < 60:
+        snap = r.last
+        if isinstance(snap, RequestSnapshot) and (not asked or asked[-1][1] != snap.token):
+            asked.append((now, snap.token))
+            if len(asked) < 7:
+                assert r.s.state is RankState.PARTIAL
+                if how == "refused":
+                    r.reply(snapshot_refused_frames(topic, "busy"), now)
+                elif how == "short":
+                    r.reply(chunk(topic, 7, 0, 1), now)
+                    r.reply(snapshot_end_frames(topic, 7, 2), now)
+                # "timeout": no answer
+            else:
+                r.reply(chunk(topic, 7, 0, 1, 60), now)
+                r.reply(snapshot_end_frames(topic, 7, 1), now)
+                r.reply(replay_end_frames(topic), now)
+        now = round(now + 0.01, 2)
+        r.tick(now)
+    assert len(asked) == 7, asked
+    r.live(topic, 7, store(7, 70), now)  # (idle, kvwire's publisher proves its tail live)
+    assert r.s.state is RankState.SYNCED and r.blocks == {1, 60, 70}, r.s.reason
+    c = r.s.counters
+    assert (c.snapshots_requested, c.snapshots_failed, c.snapshots_applied) == (7, 6, 1)
+    times = [t for t, _ in asked]
+    spacing = [b - a for a, b in itertools.pairwise(times)]
+    # After each failure the wait doubles from 0.1 s up to 1 s (a timeout fails 1 s later).
+    late = 1.0 if how == "timeout" else 0.0
+    for i, gap in enumerate(spacing):
+        assert gap == pytest.approx(late + min(1.0, 0.1 * 2**i), abs=0.02), spacing
+
+
+def test_a_publisher_that_never_serves_its_snapshot_is_asked_ever_less_often() -> None:
+    """Ten minutes of refusals, at the defaults: the asks grow with the log of the
+    backoff, then one per ``snapshot_backoff_max``, never a flood and never given up."""
+    topic = epoch(snap=True)
+    cfg = StreamConfig(idle_probe=None)
+    r = Rank(cfg)
+    r.run(r.s.connected(0.0))
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.0)
+    r.reply(replay_end_frames(topic), 0.0)
+    now, seen = 0.0, 0
+    while now < 600.0:
+        if len(r.requests) > seen:
+            seen = len(r.requests)
+            assert isinstance(r.last, RequestSnapshot)
+            r.reply(snapshot_refused_frames(topic, "busy"), now)
+        now += 0.05
+        r.tick(now)
+    asks = r.s.counters.snapshots_requested
+    doubling = math.ceil(math.log2(cfg.snapshot_backoff_max / cfg.backoff_initial)) + 1
+    assert 600 / cfg.snapshot_backoff_max - 2 <= asks <= doubling + 600 / cfg.snapshot_backoff_max
+    assert r.s.state is RankState.PARTIAL and r.blocks == {60}
+
+
+def test_a_snapshot_that_announces_its_block_count_reserves_before_applying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24 item 6: chunk 0's block count becomes one Reserve, after the clear and
+    before the first Apply; a chunk without one reserves nothing."""
+
+    class Announced(SnapshotChunk):
+        __slots__ = ()
+        blocks = 4
+
+    parse = stream_module.parse_replay_reply
+
+    def parse_with_count(frames: Any) -> Any:
+        msg = parse(frames)
+        if isinstance(msg, SnapshotChunk) and msg.number == 0:
+            return Announced(*msg)
+        return msg
+
+    topic = epoch(snap=True)
+    r = late_join(topic)
+    monkeypatch.setattr(stream_module, "parse_replay_reply", parse_with_count)
+    out = r.reply(chunk(topic, 9, 0, 1, 2), 0.3)
+    out += r.reply(chunk(topic, 9, 1, 3, 4), 0.3)
+    out += r.reply(snapshot_end_frames(topic, 9, 2), 0.3)
+    kinds = [type(a) for a in out if not isinstance(a, StateChanged | RequestReplay)]
+    assert kinds == [ClearRank, Reserve, Apply, Apply], kinds
+    assert [a for a in out if isinstance(a, Reserve)] == [Reserve(4)]
+    monkeypatch.setattr(stream_module, "parse_replay_reply", parse)
+    plain = late_join(topic)
+    out = plain.reply(chunk(topic, 9, 0, 1, 2), 0.3)
+    out += plain.reply(snapshot_end_frames(topic, 9, 1), 0.3)
+    assert not [a for a in out if isinstance(a, Reserve)]
 
 
 # --- heartbeats -------------------------------------------------------------------------------

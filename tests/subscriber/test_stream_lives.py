@@ -107,9 +107,11 @@ def test_a_same_epoch_restart_does_not_flood_the_publisher(heartbeat: float | No
 
 def test_every_recovery_that_does_not_end_following_counts_toward_the_backoff() -> None:
     """Each snapshot applies, but the replay after it never holds what live shows: the
-    snapshots are spaced by the backoff and stop after ``snapshot_retries`` more."""
+    snapshots are spaced by the backoff, doubling up to ``snapshot_backoff_max``."""
     topic = epoch(1, snap=True)
-    cfg = StreamConfig(backoff_initial=0.1, backoff_max=0.4, snapshot_retries=2, idle_probe=None)
+    cfg = StreamConfig(
+        backoff_initial=0.1, backoff_max=0.4, snapshot_backoff_max=0.4, idle_probe=None
+    )
     r = Rank(cfg)
     first_contact(r, topic)
     r.live(topic, 0, store(0), 0.0)
@@ -128,9 +130,9 @@ def test_every_recovery_that_does_not_end_following_counts_toward_the_backoff() 
             r.reply(replay_end_frames(topic), now)  # the buffer does not hold e + 1
         now = round(now + 0.01, 2)
         r.tick(now)
-    assert r.s.counters.snapshots_applied == len(asked) == cfg.snapshot_retries + 1, asked
+    assert r.s.counters.snapshots_applied == len(asked) == 7, asked  # 0 .1 .3 .7 1.1 1.5 1.9
     spacing = [b - a for a, b in itertools.pairwise(asked)]
-    assert 0.1 <= spacing[0] < 0.12 and 0.2 <= spacing[1] < 0.22, spacing
+    assert [round(x, 1) for x in spacing] == [0.1, 0.2, 0.4, 0.4, 0.4, 0.4], spacing
     assert r.s.state is RankState.PARTIAL
 
 

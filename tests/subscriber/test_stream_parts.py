@@ -7,7 +7,9 @@ from kvwire.subscriber.requests import Requests
 from kvwire.subscriber.seq import SeqTracker
 from kvwire.subscriber.stream import Phase
 
-CFG = StreamConfig(backoff_initial=0.1, backoff_max=0.3, replay_retries=2, snapshot_retries=1)
+CFG = StreamConfig(
+    backoff_initial=0.1, backoff_max=0.3, replay_retries=2, snapshot_backoff_max=0.8
+)
 
 
 def test_advance_moves_anchor_expected_and_horizon_together() -> None:
@@ -72,12 +74,18 @@ def test_replay_retries_back_off_and_run_out() -> None:
 
 def test_every_snapshot_counts_until_the_rank_is_synced() -> None:
     req = Requests(Phase.REPLAYING)
-    assert req.snapshot_allowed(0.0, CFG)
+    assert req.snapshot_allowed(0.0)
     req.snapshot(0.0, CFG, 0)
     req.snapshot_ended(0.5, CFG)  # applied, but the rank did not end in sequence
-    assert not req.snapshot_allowed(0.55, CFG) and req.snapshot_allowed(0.6, CFG)
+    assert not req.snapshot_allowed(0.55) and req.snapshot_allowed(0.6)
     req.snapshot(0.6, CFG, 0)
-    req.snapshot_ended(0.7, CFG)
-    assert not req.snapshot_allowed(5.0, CFG)  # snapshot_retries=1: two in all
+    req.snapshot_ended(0.7, CFG)  # the wait doubles ...
+    assert not req.snapshot_allowed(0.85) and req.snapshot_allowed(0.9)
+    for _ in range(10_000):  # ... up to snapshot_backoff_max, and never runs out
+        req.snapshot(0.0, CFG, 0)
+        req.snapshot_ended(10.0, CFG)
+    assert not req.snapshot_allowed(10.75) and req.snapshot_allowed(10.8)
     req.recovered()
-    assert req.snapshot_allowed(5.0, CFG)
+    req.snapshot(11.0, CFG, 0)
+    req.snapshot_ended(11.0, CFG)  # the backoff starts over
+    assert req.snapshot_allowed(11.1)
