@@ -14,7 +14,8 @@ from kvwire.subscriber.actions import RequestReplay, RequestSnapshot
 from kvwire.subscriber.state import RankState, StreamConfig
 
 if TYPE_CHECKING:
-    from kvwire.subscriber.stream import Judged, Phase
+    from kvwire.subscriber.phases import Phase
+    from kvwire.subscriber.stream import Judged
 
 __all__ = ["Replay", "Requests", "Snapshot"]
 

@@ -6,66 +6,20 @@ replay reply messages, connection events and the current time, and carries
 out the :mod:`~kvwire.subscriber.actions` it returns. Every rule is
 testable with plain lists of frames. The wire is ``docs/wire.md``.
 
-Phases
-------
+Phases and inputs
+-----------------
 
-A stream is always in exactly one :class:`Phase`, and only an :class:`Event`
-moves it: :data:`EVENTS` (the table below, written once as ``_EVENT_TABLE``) says
-where each event leads and from which phases it may happen; a move outside it
-is a bug, counted in ``internal_errors``. Besides the phase the stream keeps
-its position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
+A stream is always in exactly one :class:`~kvwire.subscriber.phases.Phase`,
+moved only by the events of :data:`~kvwire.subscriber.phases.EVENTS`; each
+input is handled by the method :data:`~kvwire.subscriber.phases.HANDLERS`
+names for the phase (both tables, and what each phase and event means, are in
+:mod:`kvwire.subscriber.phases`). Besides the phase the stream keeps its
+position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
 (:class:`~kvwire.subscriber.requests.Requests`), the publisher life it follows
-(epoch and topic, changed together with the position), and whether the view
-is *exact* (nothing lost since it was last known whole). The
-:class:`~kvwire.subscriber.RankState` a router reads is derived: STALE in phase
-STALE, else PARTIAL when not exact, else SYNCED in FOLLOWING, else SYNCING. A
-probe proves nothing until it ends: in PROBING the rank reads what it read when
-the probe began (SYNCED, STALE, or SYNCING when waiting for a live batch),
-until a live batch shows where the stream is.
+(epoch and topic, changed together with the position, in ``_adopt``), and
+whether the view is *exact*; the state a router reads, and whether the fast
+path applies, are derived from them once after each input (``_finish``).
 
-{EVENT_TABLE}
-
-What each event is: CONNECT, CONNECT_LIVE: the SUB socket connected, with and
-without a replay endpoint. ASK_START: a replay that must prove continuity
-before any live batch applies (a reconnect, a restart seen, its retry).
-ASK_GAP: a replay of a hole, live batches after it held. ASK_PROBE: a replay
-asked while idle. ASK_SNAPSHOT: a snapshot, the view being lost. RETRY_LATER:
-a replay failed and is asked again at a set time. FOLLOW: in sequence with
-nothing asked (a reply settled it, a live batch showed the position, a loss was
-given up on, the stream broke). WAIT_LIVE: only the next live batch can show
-the position. GO_STALE: nothing proves the view current. RESET: a bug met an
-input; the rank was cleared. DISCONNECT: the SUB socket lost its connection.
-
-What each phase is, and why it moves:
-
-- DISCONNECTED: no connection (the start); nothing is asked. A connection
-  moves it to STARTING (replay endpoint: prove continuity) or AWAIT_LIVE.
-- AWAIT_LIVE: connected, but only the next live batch tells where the stream
-  is (no replay endpoint, or a start replay gave up). A live batch moves it to
-  FOLLOWING; silence to PROBING (replay) or STALE (nothing can be asked).
-- STARTING: a (re)connect or post-restart replay is out and every live batch
-  is held until it proves continuity. Its reply ends at the tail (FOLLOWING,
-  STALE, or PROBING to look past a per-request cap), leaves more to fetch
-  (REPLAYING), times out (BACKOFF), gives up (AWAIT_LIVE), or shows a new
-  publisher life (STARTING again, for its history).
-- REPLAYING: a gap replay is out; later live batches are held. Moves like
-  STARTING, except that giving up follows live from the first held batch.
-- PROBING: idle; a replay asks what the silence hid while live batches apply
-  as usual. It ends FOLLOWING, or STALE where it proves nothing; a gap turns it
-  into REPLAYING, a loss with ``.snap`` into SNAPSHOTTING.
-- SNAPSHOTTING: a snapshot is out and every live batch is held. Applied, it
-  replays from its next seq (REPLAYING); failed, it follows live (FOLLOWING).
-- BACKOFF: a replay failed and is asked again at a set time (STARTING or
-  REPLAYING); a restart, a broken seq or a full held buffer moves it on.
-- FOLLOWING: in sequence, nothing asked. A gap moves it to REPLAYING, silence
-  to PROBING or STALE, a loss with ``.snap`` to SNAPSHOTTING.
-- STALE: nothing proves the view current (see RankState). A live batch moves
-  it to FOLLOWING; probing goes on for publishers without heartbeats.
-
-Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
-live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
-disconnect. An internal error (a bug) clears the rank and moves it to
-AWAIT_LIVE (RESET) from any connected phase.
 
 Rules
 -----
@@ -147,7 +101,6 @@ above it as a batch to wait for, followed once a replay gives up on the hole.
 from __future__ import annotations
 
 import collections
-import enum
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -161,6 +114,7 @@ from kvwire.subscriber.actions import (
     Reserve,
     StateChanged,
 )
+from kvwire.subscriber.phases import EVENTS, HANDLERS, TRANSITIONS, Event, Input, Phase
 from kvwire.subscriber.requests import Replay, Requests, Snapshot
 from kvwire.subscriber.seq import SeqTracker, StreamPosition
 from kvwire.subscriber.state import LossPolicy, RankCounters, RankState, RankStatus, StreamConfig
@@ -170,6 +124,7 @@ from kvwire.wire import (
     KVEventBatch,
     ReplayEnd,
     ReplayItem,
+    ReplayReply,
     SnapshotChunk,
     SnapshotEnd,
     SnapshotRefused,
@@ -180,7 +135,7 @@ from kvwire.wire import (
 )
 from kvwire.wire.heartbeat import MAX_SILENCE
 
-__all__ = ["EVENTS", "TRANSITIONS", "Event", "Phase", "RankStream"]
+__all__ = ["EVENTS", "HANDLERS", "TRANSITIONS", "Event", "Input", "Phase", "RankStream"]
 
 Frame = bytes | bytearray | memoryview
 Facts = tuple[int, int | None, bool]
@@ -207,96 +162,6 @@ _RETIRED_EPOCHS = 8  # publisher lives left behind whose late live messages are 
 _RECONNECT_HEARTBEATS = MAX_SILENCE + 1
 _STALE_HEARTBEATS = MAX_SILENCE + 2
 
-
-class Phase(enum.Enum):
-    """Where a rank's stream is; see the module's table."""
-
-    DISCONNECTED = "disconnected"
-    AWAIT_LIVE = "await_live"
-    STARTING = "starting"
-    REPLAYING = "replaying"
-    PROBING = "probing"
-    SNAPSHOTTING = "snapshotting"
-    BACKOFF = "backoff"
-    FOLLOWING = "following"
-    STALE = "stale"
-
-
-class Event(enum.Enum):
-    """What moves a stream from one phase to another; see the module's table."""
-
-    CONNECT = "connect"
-    CONNECT_LIVE = "connect_live"
-    ASK_START = "ask_start"
-    ASK_GAP = "ask_gap"
-    ASK_PROBE = "ask_probe"
-    ASK_SNAPSHOT = "ask_snapshot"
-    RETRY_LATER = "retry_later"
-    FOLLOW = "follow"
-    WAIT_LIVE = "wait_live"
-    GO_STALE = "go_stale"
-    RESET = "reset"
-    DISCONNECT = "disconnect"
-
-
-_EVENT_TABLE = """
-CONNECT       STARTING      DISCONNECTED
-CONNECT_LIVE  AWAIT_LIVE    DISCONNECTED
-ASK_START     STARTING      AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-ASK_GAP       REPLAYING     STARTING REPLAYING PROBING SNAPSHOTTING BACKOFF
-                            FOLLOWING STALE
-ASK_PROBE     PROBING       AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING STALE
-ASK_SNAPSHOT  SNAPSHOTTING  AWAIT_LIVE PROBING FOLLOWING STALE
-RETRY_LATER   BACKOFF       STARTING REPLAYING
-FOLLOW        FOLLOWING     AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-WAIT_LIVE     AWAIT_LIVE    STARTING
-GO_STALE      STALE         AWAIT_LIVE STARTING REPLAYING PROBING FOLLOWING
-RESET         AWAIT_LIVE    AWAIT_LIVE STARTING REPLAYING PROBING SNAPSHOTTING
-                            BACKOFF FOLLOWING STALE
-DISCONNECT    DISCONNECTED  DISCONNECTED AWAIT_LIVE STARTING REPLAYING PROBING
-                            SNAPSHOTTING BACKOFF FOLLOWING STALE
-"""
-
-
-def event_table(rows: str) -> dict[Phase, dict[Event, Phase]]:
-    """``_EVENT_TABLE``'s rows (the module docstring shows them), read: phase -> event -> phase.
-
-    A row names an event, the phase it moves to, then the phases it may
-    happen in; a row that starts with a blank continues the one above.
-    """
-    out: dict[Phase, dict[Event, Phase]] = {p: {} for p in Phase}
-    event = to = None
-    for row in rows.strip("\n").splitlines():
-        words = row.split()
-        if not row.startswith(" "):
-            event, to, words = Event[words[0]], Phase[words[1]], words[2:]
-        if event is None or to is None:
-            raise ValueError(f"a continuation row without a row above: {row!r}")
-        for name in words:
-            out[Phase[name]][event] = to
-    return out
-
-
-_RULE = "============  ============  " + "=" * 53
-if __doc__ is not None:  # the table is written once, above; the docstring shows it
-    __doc__ = __doc__.replace(
-        "{EVENT_TABLE}",
-        "\n".join(
-            (_RULE, f"{'event':<14}{'moves to':<14}from", _RULE, _EVENT_TABLE.strip("\n"), _RULE)
-        ),
-    )
-
-EVENTS: dict[Phase, dict[Event, Phase]] = event_table(_EVENT_TABLE)
-"""Where each event moves each phase it may happen in: the table of the module's
-docstring (rendered from ``_EVENT_TABLE``). Like h11's ``EVENT_TRIGGERED_TRANSITIONS``;
-``RankStream._move`` is the only writer of a stream's phase, and reads only this."""
-
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    p: frozenset(moves.values()) for p, moves in EVENTS.items()
-}
-"""Which phase may follow which (derived from :data:`EVENTS`)."""
 
 _ASK = {
     Phase.STARTING: Event.ASK_START,
@@ -342,7 +207,6 @@ class RankStream:
         self.rank = rank
         self.config = config if config is not None else StreamConfig()
         self.counters = RankCounters()
-        self._clear_on_loss = self.config.loss_policy is LossPolicy.CLEAR
         self._out: list[Action] = []
         self._now = 0.0
         self._phase = Phase.DISCONNECTED
@@ -499,12 +363,7 @@ class RankStream:
                 t.last_live = seq
                 t.advance(seq, payload)
                 return [action]
-        self._begin(now)
-        try:
-            self._on_live(bytes(topic), seq, payload)
-        except Exception as exc:
-            self._internal_error(exc)
-        return self._finish()
+        return self._step(now, Input.LIVE, bytes(topic), seq, payload)
 
     def beat_key(self) -> tuple[bytes, int, int] | None:
         """What the next heartbeats must carry to be taken by :meth:`beats`, or None.
@@ -541,31 +400,15 @@ class RankStream:
 
     def replay_reply(self, frames: Sequence[Frame], token: int, now: float) -> list[Action]:
         """A message read from the replay socket, with the token of its request."""
-        self._begin(now)
-        try:
-            self._on_reply(frames, token)
-        except Exception as exc:
-            self._internal_error(exc)
-        return self._finish()
+        return self._step(now, Input.REPLY, frames, token)
 
     def connected(self, now: float) -> list[Action]:
         """The SUB socket (re)connected to the publisher (its subscription is on its way)."""
-        self._begin(now)
-        try:
-            if self._phase is Phase.DISCONNECTED:
-                self._on_connect()
-        except Exception as exc:
-            self._internal_error(exc)
-        return self._finish()
+        return self._step(now, Input.CONNECT)
 
     def disconnected(self, now: float) -> list[Action]:
         """The SUB socket lost its connection: batches sent meanwhile are lost."""
-        self._begin(now)
-        if self._phase is not Phase.DISCONNECTED:
-            self._req.abandon()
-            self._move(Event.DISCONNECT)
-            self._reason = "disconnected from the publisher"
-        return self._finish()
+        return self._step(now, Input.DISCONNECT)
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: replay timeouts and deadlines, retries, idle probes, heartbeats."""
@@ -576,23 +419,11 @@ class RankStream:
             due = self._due = self.next_deadline()
             if due is None or now < due:
                 return []
-        self._begin(now)
-        try:
-            self._on_tick()
-        except Exception as exc:
-            self._internal_error(exc)
-        return self._finish()
+        return self._step(now, Input.TICK)
 
     def sink_failed(self, now: float, reason: str) -> list[Action]:
         """The sink raised while applying a batch: its view of the rank is suspect."""
-        self._begin(now)
-        self.counters.sink_errors += 1
-        try:
-            self._lose_view(f"sink failed: {reason}")
-            self._ensure_request()
-        except Exception as exc:
-            self._internal_error(exc)
-        return self._finish()
+        return self._step(now, Input.SINK_FAILED, reason)
 
     def position(self) -> StreamPosition | None:
         """Where the stream is, for a checkpoint or a clone; None unless the view is exact
@@ -628,6 +459,30 @@ class RankStream:
         self._reason = f"resumed at seq {pos.next_seq}: waiting for the connection"
 
     # --- phases -------------------------------------------------------------------
+
+    def _step(self, now: float, inp: Input, *args: object) -> list[Action]:
+        """Hand ``inp`` to its handler in the current phase (:data:`HANDLERS`); the
+        actions queued before an unexpected error are kept."""
+        self._out = []
+        self._now = now
+        try:
+            getattr(self, HANDLERS[self._phase][inp])(*args)
+        except Exception as exc:
+            self._internal_error(exc)
+        return self._finish()
+
+    def _nothing(self) -> None:
+        """An input with nothing to do in this phase."""
+
+    def _on_disconnect(self) -> None:
+        self._req.abandon()
+        self._move(Event.DISCONNECT)
+        self._reason = "disconnected from the publisher"
+
+    def _on_sink_failed(self, reason: str) -> None:
+        self.counters.sink_errors += 1
+        self._lose_view(f"sink failed: {reason}")
+        self._ensure_request()
 
     def _move(self, event: Event) -> None:
         """The only writer of the phase: where :data:`EVENTS` says ``event`` leads."""
@@ -741,11 +596,14 @@ class RankStream:
 
     # --- live ---------------------------------------------------------------------
 
+    def _live_first(self, topic: bytes, seq: int, payload: Frame) -> None:
+        """A live batch before the connection event: the data beat it."""
+        self._on_connect()
+        self._on_live(topic, seq, payload)
+
     def _on_live(self, topic: bytes, seq: int, payload: Frame) -> None:
         c = self.counters
         t = self._seq
-        if self._phase is Phase.DISCONNECTED:
-            self._on_connect()  # the data beat the connection event
         if topic != self._topic and not self._live_topic(topic):
             return
         batch = self._judge(payload)
@@ -860,45 +718,61 @@ class RankStream:
 
     # --- replies ------------------------------------------------------------------
 
-    def _on_reply(self, frames: Sequence[Frame], token: int) -> None:
+    def _no_request(self, frames: Sequence[Frame], token: int) -> None:
+        """A reply while nothing is asked: of a request since abandoned."""
+        assert self._req.active is None, "a request out in a phase that asks nothing"
+        self.counters.stale_replies += 1
+
+    def _replay_reply(self, frames: Sequence[Frame], token: int) -> None:
+        got = self._reply(frames, token)
+        if got is not None:
+            r, msg, same_epoch = got
+            assert isinstance(r, Replay)
+            if isinstance(msg, ReplayItem):
+                self._replay_item(r, msg.seq, msg.payload, same_epoch)
+            elif isinstance(msg, ReplayEnd):
+                self._replay_end(r)
+            else:  # a snapshot message answering a replay request
+                self.counters.decode_errors += 1
+            self._ensure_request()
+
+    def _snapshot_reply(self, frames: Sequence[Frame], token: int) -> None:
+        got = self._reply(frames, token)
+        if got is not None:
+            r, msg, _ = got
+            assert isinstance(r, Snapshot)
+            self._snapshot_message(r, msg)
+            self._ensure_request()
+
+    def _reply(
+        self, frames: Sequence[Frame], token: int
+    ) -> tuple[Replay | Snapshot, ReplayReply, bool] | None:
+        """The request a reply answers, the reply, and whether it shows the epoch
+        followed; None when that is all it was (stale, unreadable, a restart)."""
         c = self.counters
         r = self._req.active
         if r is None or token != r.token:
             c.stale_replies += 1
-            return
+            return None
         r.deadline = min(self._now + self.config.replay_timeout, r.hard_deadline)
         try:
             msg = parse_replay_reply(frames)
         except Exception:
             c.decode_errors += 1
-            return
+            return None
         topic = msg.topic
-        same_epoch = False
-        if topic is not None:
-            epoch = split_topic(topic)[1]
-            if epoch is not None:
-                if self._epoch is not None and epoch != self._epoch:
-                    self._restart(
-                        f"replay socket answers for epoch {epoch!r}, not {self._epoch!r}",
-                        0,
-                        (topic, epoch),
-                        retire=True,
-                    )
-                    return
-                if self._epoch is None:
-                    # Adopted, but what was applied before came without one: unproven.
-                    self._adopt((topic, epoch))
-                else:
-                    same_epoch = True
-        if isinstance(r, Snapshot):
-            self._snapshot_reply(r, msg)
-        elif isinstance(msg, ReplayItem):
-            self._replay_item(r, msg.seq, msg.payload, same_epoch)
-        elif isinstance(msg, ReplayEnd):
-            self._replay_end(r)
-        else:  # a snapshot message answering a replay request
-            c.decode_errors += 1
-        self._ensure_request()
+        epoch = split_topic(topic)[1] if topic is not None else None
+        if epoch is None:
+            return r, msg, False
+        if self._epoch is not None and epoch != self._epoch:
+            why = f"replay socket answers for epoch {epoch!r}, not {self._epoch!r}"
+            self._restart(why, 0, (topic, epoch), retire=True)  # type: ignore[arg-type]
+            return None
+        if self._epoch is None:
+            # Adopted, but what was applied before came without one: unproven.
+            self._adopt((topic, epoch))  # type: ignore[arg-type]
+            return r, msg, False
+        return r, msg, True
 
     def _replay_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
         if seq < r.start:
@@ -1080,11 +954,7 @@ class RankStream:
 
     # --- snapshots ----------------------------------------------------------------
 
-    def _snapshot_reply(
-        self,
-        r: Snapshot,
-        msg: ReplayItem | ReplayEnd | SnapshotChunk | SnapshotEnd | SnapshotRefused,
-    ) -> None:
+    def _snapshot_message(self, r: Snapshot, msg: ReplayReply) -> None:
         if isinstance(msg, SnapshotChunk):
             if r.next_seq < 0:
                 r.next_seq = msg.next_seq
@@ -1163,14 +1033,23 @@ class RankStream:
 
     # --- time -------------------------------------------------------------------------
 
-    def _on_tick(self) -> None:
-        now = self._now
-        req = self._req
-        r = req.active
-        if r is not None and now >= r.deadline:
+    def _tick_request(self) -> None:
+        """A request is out: has it timed out? Then the phase it leads to has its timers."""
+        r = self._req.active
+        if r is not None and self._now >= r.deadline:
             self._timed_out(r)
-        if self._phase is Phase.BACKOFF and now >= req.retry_at:
-            self._ask_replay(req.resume, anchored=None)
+            getattr(self, HANDLERS[self._phase][Input.TICK])()
+        else:
+            self._ensure_request()
+
+    def _tick_backoff(self) -> None:
+        if self._now >= self._req.retry_at:
+            self._ask_replay(self._req.resume, anchored=None)
+        self._ensure_request()
+
+    def _tick_idle(self) -> None:
+        """Nothing is out: an idle probe, a fresh connection, or STALE, when due."""
+        now = self._now
         due = self._probe_due_at()
         if due is not None and now >= due:
             self._ask_replay(Phase.PROBING, anchored=None)
@@ -1382,7 +1261,7 @@ class RankStream:
 
     def _lose_view(self, why: str) -> None:
         was_exact, self._exact = self._exact, False
-        if self._clear_on_loss:
+        if self.config.loss_policy is LossPolicy.CLEAR:
             self._reason = f"{why}: cleared"
             if not self._clean:
                 self.counters.resyncs += 1
@@ -1438,10 +1317,6 @@ class RankStream:
         if self._phase is not Phase.DISCONNECTED:
             self._move(Event.RESET)
         self._lose_view(f"internal error {type(exc).__name__}: {exc}")
-
-    def _begin(self, now: float) -> None:
-        self._out = []
-        self._now = now
 
     def _finish(self) -> list[Action]:
         out = self._out

@@ -277,7 +277,7 @@ class Harness:
         self.config = config
         self.pub = SimPublisher(buffer_steps, max_replay, seed, kind)
         self.payloads = payloads
-        self.stream = RankStream(rank=0, config=config, payloads=payloads)
+        self.stream = self.make_stream()
         self.sink = RecordingSink()
         self.contiguous = contiguous
         self.now = 0.0
@@ -287,6 +287,10 @@ class Harness:
         self.replies: collections.deque[list[bytes]] = collections.deque()
         self.channel_token = 0
         self.states: list[StateChanged] = []
+
+    def make_stream(self) -> RankStream:
+        """A new router's stream for this rank."""
+        return RankStream(rank=0, config=self.config, payloads=self.payloads)
 
     # --- feeding the stream ---------------------------------------------------------
 
@@ -469,7 +473,7 @@ class Harness:
         self.up = False
         self.pipe.clear()
         self.drop_replies()
-        self.stream = RankStream(rank=0, config=self.config, payloads=self.payloads)
+        self.stream = self.make_stream()
         if pos is None:
             self.clear("a cold start")
         else:

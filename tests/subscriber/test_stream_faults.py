@@ -28,8 +28,18 @@ from kvwire.subscriber import (
     StateChanged,
     StreamConfig,
 )
+from kvwire.subscriber import phases as phases_module
 from kvwire.subscriber import stream as stream_module
-from kvwire.subscriber.stream import EVENTS, TRANSITIONS, Event, Phase, event_table
+from kvwire.subscriber.phases import (
+    EVENTS,
+    HANDLERS,
+    TRANSITIONS,
+    Event,
+    Input,
+    Phase,
+    event_table,
+    input_table,
+)
 from kvwire.wire import (
     BlockRemoved,
     BlockStored,
@@ -130,17 +140,37 @@ def first_contact(r: Rank, topic: bytes, now: float = 0.0) -> None:
 # --- the phase table ---------------------------------------------------------------------
 
 
-def test_the_documented_event_table_is_the_one_enforced() -> None:
-    doc = (stream_module.__doc__ or "").splitlines()
+def _documented(table: int) -> str:
+    """The rows of the docstring's ``table``-th table (from 0)."""
+    doc = (phases_module.__doc__ or "").splitlines()
     rules = [i for i, line in enumerate(doc) if line.startswith("============")]
-    documented = "\n".join(doc[rules[1] + 1 : rules[2]])
-    assert event_table(documented) == EVENTS
+    return "\n".join(doc[rules[3 * table + 1] + 1 : rules[3 * table + 2]])
+
+
+def test_the_documented_event_table_is_the_one_enforced() -> None:
+    assert event_table(_documented(0)) == EVENTS
     assert set(EVENTS) == set(Phase)
     assert {e for moves in EVENTS.values() for e in moves} == set(Event)
     # Every event leads to one phase, wherever it happens; DISCONNECT from anywhere.
     for event in Event:
         assert len({moves[event] for moves in EVENTS.values() if event in moves}) == 1
     assert all(Phase.DISCONNECTED in TRANSITIONS[p] for p in Phase)
+
+
+def test_the_documented_input_table_is_the_one_dispatched() -> None:
+    """Every input has a handler in every phase, a method of RankStream taking what
+    the input's public method passes on."""
+    import inspect
+
+    assert input_table(_documented(1)) == HANDLERS
+    arity = {Input.LIVE: 3, Input.REPLY: 2, Input.SINK_FAILED: 1}
+    for phase in Phase:
+        assert set(HANDLERS[phase]) == set(Input)
+        for inp, name in HANDLERS[phase].items():
+            params = inspect.signature(getattr(RankStream, name)).parameters
+            assert len(params) - 1 == arity.get(inp, 0), (phase, inp, name)
+    with pytest.raises(ValueError, match="without a handler"):
+        input_table("LIVE  _on_live  *")
 
 
 def test_the_phase_is_written_only_by_the_event_table() -> None:

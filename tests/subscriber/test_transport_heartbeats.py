@@ -30,6 +30,7 @@ from kvwire.subscriber import (
     RankState,
     RankStream,
     StreamConfig,
+    StreamPosition,
     Subscriber,
     SubscriberConfig,
     receive,
@@ -211,6 +212,10 @@ class TwinStream(RankStream):
     def disconnected(self, now: float) -> list[Action]:
         return self.check(super().disconnected(now), self.plain.disconnected(now))
 
+    def resume(self, pos: StreamPosition) -> None:
+        super().resume(pos)
+        self.plain.resume(pos)
+
 
 class TwinHarness(Harness):
     """Live messages go through a real socket and drain_beats, as the transport reads them."""
@@ -219,11 +224,13 @@ class TwinHarness(Harness):
         self, cfg: StreamConfig, sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes]], **kw: Any
     ) -> None:
         super().__init__(cfg, **kw)
-        self.twin = TwinStream(cfg)
-        self.stream = self.twin
         self.tx, self.rx = sockets
         self.rng = random.Random(kw.get("seed", 0))
         self.counted = 0
+
+    def make_stream(self) -> RankStream:
+        self.twin = TwinStream(self.config)
+        return self.twin
 
     def deliver_live(self, n: int) -> None:
         while n > 0 and self.pipe:
