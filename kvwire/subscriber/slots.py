@@ -44,6 +44,7 @@ class ReplaySlots:
         self.per_source = limit if per_source is None else max(1, min(per_source, limit))
         self.open = 0
         self.peak = 0  # the most in flight at once
+        self.source_peak = 0  # the most in flight at once to one source
         self.waited = 0  # requests that waited for their turn
         self._cap = limit  # lowered while the process is out of files
         self._by_source: dict[str, int] = {}
@@ -61,8 +62,8 @@ class ReplaySlots:
             return False
         self.open += 1
         self._by_source[source] = held + 1
-        if self.open > self.peak:
-            self.peak = self.open
+        self.peak = max(self.peak, self.open)
+        self.source_peak = max(self.source_peak, held + 1)
         return True
 
     def _give(self, link: RankLink) -> None:
