@@ -250,7 +250,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=18_000, help="blocks a batch (18,000: ~1 MB)")
     ap.add_argument(
-        "--settings", nargs="+", choices=["unbounded", "defaults"], default=["unbounded", "defaults"]
+        "--settings",
+        nargs="+",
+        choices=["unbounded", "defaults"],
+        default=["unbounded", "defaults"],
     )
     args = ap.parse_args()
     BLOCKS = args.blocks
