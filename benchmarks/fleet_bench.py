@@ -442,7 +442,10 @@ def fleet(args: argparse.Namespace) -> None:
                 f"applied {sum(x.snapshots_applied for x in c)}, failed "
                 f"{sum(x.snapshots_failed for x in c)}; request timeouts "
                 f"{sum(x.replay_timeouts for x in c)}; most in flight {peak[0]} "
-                f"({peak[1]} to one engine)"
+                f"({peak[1]} to one engine); reconnects {sum(x.reconnects for x in c)} "
+                f"(SUBs reopened {env.reopens if env is not None else 0}), "
+                f"resyncs {sum(x.resyncs for x in c)}, held overflows "
+                f"{sum(x.held_overflows for x in c)}, restarts {sum(x.restarts for x in c)}"
             )
         print(
             f"router memory: +{(rss1 - rss0) / 2**20:.0f} MiB for {ranks} ranks ="

@@ -67,7 +67,8 @@ _FIRST_BATCH_BYTES = 64 << 10  # a rank's batch size until its first batch is re
 _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
 _RECONNECT_MAX_S = 1.0
 _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times its own
-_REPLY_READ_MIN = 4  # reply messages one service may read, at least (else the read chunk)
+_REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
+_FULL_DRAINS = 4  # a SUB found full this many drains in a row is throttled by its mark
 _RESERVE: type | None = getattr(_actions, "Reserve", None)
 """The stream's ``Reserve(blocks)`` action (its handler is ready before it lands)."""
 
@@ -138,6 +139,7 @@ class RankLink:
         "endpoints",
         "env",
         "fit_ranks",
+        "full_drains",
         "hwm",
         "keys",
         "live_blocked",
@@ -197,6 +199,7 @@ class RankLink:
         self.hwm = config.rank_hwm(env.ranks, self.batch_bytes)  # for the next socket made
         self.sub_hwm = 0  # the open SUB's mark
         self.reopen_due = False  # the open SUB's mark no longer fits: reopen it
+        self.full_drains = 0  # drains in a row that found the SUB at its mark
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
 
@@ -363,17 +366,29 @@ class RankLink:
             self.reopen_due = (open_mark + QUEUE_SLACK) * est > 2 * self.share
 
     def _misfit(self, read: int) -> None:
-        """A drain read ``read`` live messages: a SUB found full at a mark far below what
-        its batches allow is reopened (its small mark would throttle the rank)."""
+        """A drain read ``read`` live messages: a SUB found full, drain after drain, at a
+        mark far below what its batches allow is reopened (its mark throttles the rank)."""
         open_mark = self.sub_hwm
-        if read >= open_mark + QUEUE_SLACK and self.hwm >= _REOPEN_RATIO * open_mark:
+        if read < open_mark + QUEUE_SLACK:
+            self.full_drains = 0
+            return
+        self.full_drains += 1
+        if self.full_drains >= _FULL_DRAINS and self.hwm >= _REOPEN_RATIO * open_mark:
             self.reopen_due = True
+
+    def _may_reopen(self) -> bool:
+        """Not while a recovery is out or waiting (a reopen would abandon a snapshot
+        being served), unless the open mark breaks the byte bound."""
+        if not self.stream.replay_pending and self.queued is None:
+            return True
+        return self.sub_hwm > self.hwm  # batches that grew: the bound first
 
     def _reopen_sub(self) -> None:
         """Reopen the SUB with the mark its batch size asks for: to the stream, a
         reconnect (what the old socket still held is replayed). The mark of an open
         socket is never changed (see :meth:`_fit`)."""
         self.reopen_due = False
+        self.full_drains = 0
         if self.closed:
             return
         self.env.reopens += 1
@@ -426,7 +441,7 @@ class RankLink:
             if self.dealer is not None:
                 self._drain_replay()
                 self.schedule()
-            if self.reopen_due:
+            if self.reopen_due and self._may_reopen():
                 self._reopen_sub()
             self._resume_live()
         except Exception:
@@ -545,12 +560,12 @@ class RankLink:
         return n
 
     def _drain_replay(self) -> None:
-        """Read the replies queued, at most a read chunk (or a few messages) a turn: the
-        requests in flight share the router's rounds (``request_limit``)."""
+        """Read the replies queued, about one snapshot chunk's bytes a turn (at most a
+        read chunk): the requests in flight share the router's rounds (``request_limit``)."""
         applied = False
         dealer = self.dealer
         drain = self.env.receive.drain
-        left = max(self.chunk, _REPLY_READ_MIN)
+        left = max(1, min(self.chunk, _REPLY_TURN_BYTES // self.batch_bytes))
         while dealer is not None and self.dealer is dealer:
             chunk = min(self.chunk, left)
             if chunk < 1:
