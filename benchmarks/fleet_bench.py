@@ -435,7 +435,8 @@ def fleet(args: argparse.Namespace) -> None:
             engines_cpu = sum(e.ask("cpu")["cpu"] for e in engines) - engines_cpu0
             c = [st.counters for st in sub.status()]
             env = sub._env
-            peak = (env.replays.peak, env.replays.source_peak) if env is not None else (0, 0)
+            slots = env.replays if env is not None else None
+            peak = (getattr(slots, "peak", 0), getattr(slots, "source_peak", 0))
             print(
                 f"cold start of {ranks} ranks x {args.history:,} blocks: engines' CPU "
                 f"{engines_cpu:.1f} s; snapshots asked {sum(x.snapshots_requested for x in c)}, "
@@ -443,7 +444,7 @@ def fleet(args: argparse.Namespace) -> None:
                 f"{sum(x.snapshots_failed for x in c)}; request timeouts "
                 f"{sum(x.replay_timeouts for x in c)}; most in flight {peak[0]} "
                 f"({peak[1]} to one engine); reconnects {sum(x.reconnects for x in c)} "
-                f"(SUBs reopened {env.reopens if env is not None else 0}), "
+                f"(SUBs reopened {getattr(env, 'reopens', 0)}), "
                 f"resyncs {sum(x.resyncs for x in c)}, held overflows "
                 f"{sum(x.held_overflows for x in c)}, restarts {sum(x.restarts for x in c)}"
             )

@@ -45,7 +45,7 @@ from kvwire.subscriber.actions import (
 from kvwire.subscriber.config import QUEUE_SLACK, SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
 from kvwire.subscriber.memory import TrimAfter
-from kvwire.subscriber.reactor import Reactor
+from kvwire.subscriber.reactor import PACE_S, Reactor
 from kvwire.subscriber.receive import Receive
 from kvwire.subscriber.slots import CONTACT_S, FirstContacts, ReplaySlots
 from kvwire.subscriber.source import EngineSource, RankEndpoints
@@ -68,7 +68,7 @@ _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
 _RECONNECT_MAX_S = 1.0
 _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times its own
 _REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
-_FULL_DRAINS = 4  # a SUB found full this many drains in a row is throttled by its mark
+_RATE_WINDOW_S = 0.1  # a rank's live message rate is measured over this long, at least
 _RESERVE: type | None = getattr(_actions, "Reserve", None)
 """The stream's ``Reserve(blocks)`` action (its handler is ready before it lands)."""
 
@@ -139,7 +139,6 @@ class RankLink:
         "endpoints",
         "env",
         "fit_ranks",
-        "full_drains",
         "hwm",
         "keys",
         "live_blocked",
@@ -147,6 +146,8 @@ class RankLink:
         "monitor_fd",
         "queued",
         "rank",
+        "rate_read",
+        "rate_since",
         "reconnect_at",
         "reconnect_delay",
         "reopen_due",
@@ -199,7 +200,8 @@ class RankLink:
         self.hwm = config.rank_hwm(env.ranks, self.batch_bytes)  # for the next socket made
         self.sub_hwm = 0  # the open SUB's mark
         self.reopen_due = False  # the open SUB's mark no longer fits: reopen it
-        self.full_drains = 0  # drains in a row that found the SUB at its mark
+        self.rate_read = 0  # live messages read since rate_since
+        self.rate_since = 0.0
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
 
@@ -365,15 +367,20 @@ class RankLink:
             # Larger batches: the open SUB may hold more than twice the rank's share.
             self.reopen_due = (open_mark + QUEUE_SLACK) * est > 2 * self.share
 
-    def _misfit(self, read: int) -> None:
-        """A drain read ``read`` live messages: a SUB found full, drain after drain, at a
-        mark far below what its batches allow is reopened (its mark throttles the rank)."""
-        open_mark = self.sub_hwm
-        if read < open_mark + QUEUE_SLACK:
-            self.full_drains = 0
+    def _misfit(self, read: int, now: float) -> None:
+        """A drain read ``read`` live messages: a SUB whose messages come fast enough to
+        fill half its mark every paced round (:data:`PACE_S`), with a mark far below what
+        their size allows, is reopened with that mark (its first one throttles the rank).
+        A rank at an engine's step rate, far slower, keeps its SUB."""
+        self.rate_read += read
+        elapsed = now - self.rate_since
+        if elapsed < _RATE_WINDOW_S:
             return
-        self.full_drains += 1
-        if self.full_drains >= _FULL_DRAINS and self.hwm >= _REOPEN_RATIO * open_mark:
+        rate = self.rate_read / elapsed
+        self.rate_read = 0
+        self.rate_since = now
+        open_mark = self.sub_hwm
+        if 2 * rate * PACE_S >= open_mark and self.hwm >= _REOPEN_RATIO * open_mark:
             self.reopen_due = True
 
     def _may_reopen(self) -> bool:
@@ -388,7 +395,6 @@ class RankLink:
         reconnect (what the old socket still held is replayed). The mark of an open
         socket is never changed (see :meth:`_fit`)."""
         self.reopen_due = False
-        self.full_drains = 0
         if self.closed:
             return
         self.env.reopens += 1
@@ -524,11 +530,11 @@ class RankLink:
             if not beats and not messages:
                 trim.idle()
                 break
+            now = clock()
             if messages:
                 self._fit(_sample(messages))
-                self._misfit(beats + len(messages))
+                self._misfit(beats + len(messages), now)
                 trim.pending += len(messages) * self.batch_bytes
-            now = clock()
             if last is not None:
                 stream.beats(beats, last, now)
                 n += beats

@@ -267,3 +267,30 @@ def test_reserve_is_carried_out_to_a_sink_that_has_it(monkeypatch: pytest.Monkey
                     loop.call_soon_threadsafe(carry)
                     assert done.wait(10)  # raised inside: noted, the loop goes on
                     wait_for(lambda s=sub: s.status()[0].connected, 10, "still running")
+
+
+def test_a_sub_throttled_by_its_first_mark_is_reopened_with_a_higher_one() -> None:
+    """Opened at the mark of max_message_size (one message), a SUB whose small batches
+    come faster than that mark carries is reopened with the mark their size allows: a
+    reconnect to the stream, after which the rank is exact again, nothing lost for good."""
+    pub_config = PublisherConfig(buffer_steps=100_000, snapshot=False)
+    with EventPublisher(EPHEMERAL, EPHEMERAL, pub_config) as pub:
+        model = Engine(seed=21)
+        sink = BlockSetSink()
+        with Subscriber([bound_source("w", [pub])], sink, config=fast()) as sub:
+            wait_for(lambda: sub.status()[0].connected, 10, "connection")
+            (link,) = _marks(sub)
+            assert link.sub_hwm == 1
+            model.publish(pub, 20_000)
+
+            def exact() -> bool:
+                st = sub.status()[0]
+                return st.state is RankState.SYNCED and sink.blocks("w", 0) == model.truth
+
+            env = sub._env
+            assert env is not None
+            # Reopened once no recovery is out (a reopen never abandons one), then exact.
+            wait_for(lambda: env.reopens >= 1 and exact(), 60, "the SUB reopened, rank exact")
+            assert link.sub_hwm > 1
+            st = sub.status()[0]
+            assert st.counters.resyncs == 0 and st.counters.seqs_lost == 0, st
