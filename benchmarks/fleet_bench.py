@@ -559,14 +559,12 @@ def router_child(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         cmd, _, rest = line.partition(" ")
         if cmd.strip() == "check":
-            pauses = json.loads(rest)
-            ok = wait_for(
-                lambda pauses=pauses: all(
-                    exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses
-                ),
-                30,
-                0.1,
-            )
+            pauses: list[tuple[str, dict[str, Any]]] = json.loads(rest)
+
+            def all_exact(pauses: list[tuple[str, dict[str, Any]]] = pauses) -> bool:
+                return all(exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses)
+
+            ok = wait_for(all_exact, 30, 0.1)
             print(json.dumps({"exact": ok is not None}), flush=True)
         elif cmd.strip() == "quit":
             break

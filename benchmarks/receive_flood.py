@@ -291,7 +291,7 @@ def main() -> None:
     for setting, runs in results.items():
 
         def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
-            return statistics.median(r[key] for r in runs)
+            return float(statistics.median(r[key] for r in runs))
 
         print(
             f"{setting:<10} {med('baseline'):>9.0f} {med('peak'):>7.0f} "

@@ -7,6 +7,7 @@ carried out to the sink.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -23,6 +24,14 @@ from kvwire.subscriber.stream import Phase
 from kvwire.wire import KVEventBatch
 from tests.subscriber.helpers import EPHEMERAL, Engine, bound_source, fast, rank_status
 from tests.waiting import wait_for
+
+
+def _sent(pub: EventPublisher) -> bool:
+    return pub.queue_depth == 0 and pub.stats().mirror_pending == 0
+
+
+def _connected(sub: Subscriber) -> bool:
+    return sub.status()[0].connected
 
 
 class SlowSink(BlockSetSink):
@@ -51,11 +60,7 @@ def test_snapshots_are_paced_and_none_times_out_while_waiting() -> None:
             engines.append(ranks)
         for ranks in engines:
             for pub, _ in ranks:
-                wait_for(
-                    lambda p=pub: p.queue_depth == 0 and p.stats().mirror_pending == 0,
-                    10,
-                    "the history sent and mirrored",
-                )
+                wait_for(functools.partial(_sent, pub), 10, "the history sent and mirrored")
         sink = SlowSink()
         stream = msgspec.structs.replace(fast().stream, replay_timeout=0.2, idle_probe=None)
         sub_config = fast(stream=stream, max_requests=3, max_requests_per_source=2)
@@ -116,9 +121,10 @@ def test_request_limit_is_derived_from_what_the_router_applies() -> None:
     # Replies are read faster than a slower timeout needs: more may be in flight.
     slow = SubscriberConfig(stream=StreamConfig(replay_timeout=2.0))
     assert slow.request_limit() == min(c.max_replays, 2 * limit)
-    for bad in ({"max_requests": 0}, {"max_requests_per_source": 0}):
-        with pytest.raises(ValueError):
-            SubscriberConfig(**bad)
+    with pytest.raises(ValueError):
+        SubscriberConfig(max_requests=0)
+    with pytest.raises(ValueError):
+        SubscriberConfig(max_requests_per_source=0)
     # The reply size it assumes is the publisher's snapshot chunk.
     assert PublisherConfig().snapshot_chunk_blocks == REPLY_BLOCKS
 
@@ -248,7 +254,7 @@ def test_reserve_is_carried_out_to_a_sink_that_has_it(monkeypatch: pytest.Monkey
     with EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig()) as pub:
         for sink in (Reserving(), BlockSetSink()):
             with Subscriber([bound_source("w", [pub])], sink, config=fast()) as sub:
-                wait_for(lambda s=sub: s.status()[0].connected, 10, "connection")
+                wait_for(functools.partial(_connected, sub), 10, "connection")
                 (link,) = _marks(sub)
                 done = threading.Event()
 
@@ -266,7 +272,7 @@ def test_reserve_is_carried_out_to_a_sink_that_has_it(monkeypatch: pytest.Monkey
                     done.clear()
                     loop.call_soon_threadsafe(carry)
                     assert done.wait(10)  # raised inside: noted, the loop goes on
-                    wait_for(lambda s=sub: s.status()[0].connected, 10, "still running")
+                    wait_for(functools.partial(_connected, sub), 10, "still running")
 
 
 def test_a_sub_throttled_by_its_first_mark_is_reopened_with_a_higher_one() -> None:
