@@ -384,8 +384,11 @@ class RankLink:
             self.reopen_due = True
 
     def _may_reopen(self) -> bool:
-        """Not while a recovery is out or waiting (a reopen would abandon a snapshot
-        being served), unless the open mark breaks the byte bound."""
+        """Never without a replay endpoint (what the old socket held would be lost); not
+        while a recovery is out or waiting (a reopen would abandon a snapshot being
+        served), unless the open mark breaks the byte bound."""
+        if not self.stream.config.replay:
+            return False
         if not self.stream.replay_pending and self.queued is None:
             return True
         return self.sub_hwm > self.hwm  # batches that grew: the bound first
