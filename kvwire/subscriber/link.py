@@ -146,6 +146,7 @@ class RankLink:
         "monitor_fd",
         "queued",
         "rank",
+        "rate_busy",
         "rate_read",
         "rate_since",
         "reconnect_at",
@@ -201,6 +202,7 @@ class RankLink:
         self.sub_hwm = 0  # the open SUB's mark
         self.reopen_due = False  # the open SUB's mark no longer fits: reopen it
         self.rate_read = 0  # live messages read since rate_since
+        self.rate_busy = False  # the last window's rate throttled the open SUB
         self.rate_since = 0.0
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
@@ -371,7 +373,9 @@ class RankLink:
         """A drain read ``read`` live messages: a SUB whose messages come fast enough to
         fill half its mark every paced round (:data:`PACE_S`), with a mark far below what
         their size allows, is reopened with that mark (its first one throttles the rank).
-        A rank at an engine's step rate, far slower, keeps its SUB."""
+        A rank at an engine's step rate, far slower, keeps its SUB. The reopen waits for
+        a quieter window: a reconnect in the middle of a flood would hold the flood's
+        batches while its replay catches up (``max_held``)."""
         self.rate_read += read
         elapsed = now - self.rate_since
         if elapsed < _RATE_WINDOW_S:
@@ -380,7 +384,8 @@ class RankLink:
         self.rate_read = 0
         self.rate_since = now
         open_mark = self.sub_hwm
-        if 2 * rate * PACE_S >= open_mark and self.hwm >= _REOPEN_RATIO * open_mark:
+        self.rate_busy = 2 * rate * PACE_S >= open_mark
+        if self.rate_busy and self.hwm >= _REOPEN_RATIO * open_mark:
             self.reopen_due = True
 
     def _may_reopen(self) -> bool:
@@ -389,9 +394,9 @@ class RankLink:
         served), unless the open mark breaks the byte bound."""
         if not self.stream.config.replay:
             return False
-        if not self.stream.replay_pending and self.queued is None:
-            return True
-        return self.sub_hwm > self.hwm  # batches that grew: the bound first
+        if self.sub_hwm > self.hwm:
+            return True  # batches that grew: the bound first
+        return not self.rate_busy and not self.stream.replay_pending and self.queued is None
 
     def _reopen_sub(self) -> None:
         """Reopen the SUB with the mark its batch size asks for: to the stream, a
@@ -534,9 +539,9 @@ class RankLink:
                 trim.idle()
                 break
             now = clock()
+            self._misfit(beats + len(messages), now)
             if messages:
                 self._fit(_sample(messages))
-                self._misfit(beats + len(messages), now)
                 trim.pending += len(messages) * self.batch_bytes
             if last is not None:
                 stream.beats(beats, last, now)
