@@ -69,6 +69,7 @@ _RECONNECT_MAX_S = 1.0
 _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times its own
 _REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
 _RATE_WINDOW_S = 0.1  # a rank's live message rate is measured over this long, at least
+_QUIET_S = 1.0  # a SUB is reopened only with live messages that follow this long a silence
 _RESERVE: type | None = getattr(_actions, "Reserve", None)
 """The stream's ``Reserve(blocks)`` action (its handler is ready before it lands)."""
 
@@ -145,10 +146,11 @@ class RankLink:
         "monitor",
         "monitor_fd",
         "queued",
+        "quiet_before",
         "rank",
-        "rate_busy",
         "rate_read",
         "rate_since",
+        "read_at",
         "reconnect_at",
         "reconnect_delay",
         "reopen_due",
@@ -202,7 +204,8 @@ class RankLink:
         self.sub_hwm = 0  # the open SUB's mark
         self.reopen_due = False  # the open SUB's mark no longer fits: reopen it
         self.rate_read = 0  # live messages read since rate_since
-        self.rate_busy = False  # the last window's rate throttled the open SUB
+        self.read_at = 0.0  # when live messages were last read
+        self.quiet_before = 0.0  # the silence before the latest ones
         self.rate_since = 0.0
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
@@ -374,8 +377,12 @@ class RankLink:
         fill half its mark every paced round (:data:`PACE_S`), with a mark far below what
         their size allows, is reopened with that mark (its first one throttles the rank).
         A rank at an engine's step rate, far slower, keeps its SUB. The reopen waits for
-        a quieter window: a reconnect in the middle of a flood would hold the flood's
-        batches while its replay catches up (``max_held``)."""
+        messages that follow a second of silence (:meth:`_may_reopen`): a reconnect in the
+        middle of a flood would hold the flood's batches while its replay catches up, past
+        ``max_held``."""
+        if read:
+            self.quiet_before = now - self.read_at
+            self.read_at = now
         self.rate_read += read
         elapsed = now - self.rate_since
         if elapsed < _RATE_WINDOW_S:
@@ -384,8 +391,7 @@ class RankLink:
         self.rate_read = 0
         self.rate_since = now
         open_mark = self.sub_hwm
-        self.rate_busy = 2 * rate * PACE_S >= open_mark
-        if self.rate_busy and self.hwm >= _REOPEN_RATIO * open_mark:
+        if 2 * rate * PACE_S >= open_mark and self.hwm >= _REOPEN_RATIO * open_mark:
             self.reopen_due = True
 
     def _may_reopen(self) -> bool:
@@ -396,7 +402,9 @@ class RankLink:
             return False
         if self.sub_hwm > self.hwm:
             return True  # batches that grew: the bound first
-        return not self.rate_busy and not self.stream.replay_pending and self.queued is None
+        if self.quiet_before < _QUIET_S:
+            return False  # within a flood, or too soon to tell
+        return not self.stream.replay_pending and self.queued is None
 
     def _reopen_sub(self) -> None:
         """Reopen the SUB with the mark its batch size asks for: to the stream, a
