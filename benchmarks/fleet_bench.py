@@ -18,6 +18,13 @@ Figures (targets from the fleet-scale issue), in order:
    exact (target <= 2 s);
 5. memory per followed rank (router RSS growth / ranks).
 
+``--history B`` gives every rank B blocks (in batches of 1,000) before the router
+starts, with a replay buffer of 8 batches: first contact needs a snapshot of each
+rank (kvwire publishers serve them). The cold start then prints, besides the
+time to SYNCED, the engines' CPU while it ran and the snapshots asked, failed and
+timed out, and the most requests in flight (``--cold-start-only`` stops after the
+exactness check).
+
 ``--replicas N`` instead measures router replicas: N router processes (this
 script, ``--router-child``) follow the same engines; the engines' CPU per
 batch is measured with 0..N subscribers connected and each router must end
@@ -103,6 +110,17 @@ class RankModel:
         )
         return KVEventBatch(time.time(), events, self.rank)
 
+    def history(self, blocks: int) -> KVEventBatch:
+        """``blocks`` stored blocks in one batch, before the router starts."""
+        hashes = list(range(self.next_block, self.next_block + blocks))
+        self.next_block += blocks
+        self.truth.update(hashes)
+        tokens = [(h * 31 + i) % 50_000 for h in hashes for i in range(16)]
+        stored = BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=16
+        )
+        return KVEventBatch(time.time(), [stored], self.rank)
+
     def digest(self) -> list[int]:
         return [len(self.truth), sum(self.truth) & MASK]
 
@@ -115,13 +133,26 @@ def engine_main(args: argparse.Namespace) -> None:
         EventPublisher(
             f"tcp://127.0.0.1:{args.port}",
             f"tcp://127.0.0.1:{args.replay_port}",
-            PublisherConfig(heartbeat_s=args.heartbeat or None),
+            PublisherConfig(
+                heartbeat_s=args.heartbeat or None,
+                buffer_steps=8 if args.history else PublisherConfig().buffer_steps,
+            ),
             rank=r,
             context=ctx,
         ).start()
         for r in range(ranks)
     ]
     models = [RankModel(args.seed * 10 + args.life, r) for r in range(ranks)]
+    for p, m in zip(pubs, models, strict=True):
+        left = args.history
+        while left > 0:
+            p.publish(m.history(min(1000, left)))
+            left -= 1000
+    deadline = time.monotonic() + 300
+    while args.history and time.monotonic() < deadline:
+        if not any(p.queue_depth or p.stats().mirror_pending for p in pubs):
+            break
+        time.sleep(0.05)
     lock = threading.Lock()
     running = threading.Event()
     stop = threading.Event()
@@ -222,6 +253,8 @@ class Engine:
                 str(self.life),
                 "--heartbeat",
                 str(a.heartbeat),
+                "--history",
+                str(a.history),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -379,6 +412,7 @@ def fleet(args: argparse.Namespace) -> None:
         keys = [(e.worker_id, r) for e in engines for r in range(args.ranks_per_engine)]
         sink = BlockSetSink()
         rss0 = rss_bytes()
+        engines_cpu0 = sum(e.ask("cpu")["cpu"] for e in engines)
         t0 = time.monotonic()
         sub = Subscriber([e.source() for e in engines], sink).start(timeout=30)
         started = time.monotonic() - t0
@@ -397,10 +431,40 @@ def fleet(args: argparse.Namespace) -> None:
         else:
             verdict = "meets" if synced <= 10 else "MISSES"
             print(f"all {ranks} ranks SYNCED {synced:.2f} s after start()  ({verdict} <= 10 s)")
+        if args.history:
+            engines_cpu = sum(e.ask("cpu")["cpu"] for e in engines) - engines_cpu0
+            c = [st.counters for st in sub.status()]
+            env = sub._env
+            slots = env.replays if env is not None else None
+            peak = (getattr(slots, "peak", 0), getattr(slots, "source_peak", 0))
+            print(
+                f"cold start of {ranks} ranks x {args.history:,} blocks: engines' CPU "
+                f"{engines_cpu:.1f} s; snapshots asked {sum(x.snapshots_requested for x in c)}, "
+                f"applied {sum(x.snapshots_applied for x in c)}, failed "
+                f"{sum(x.snapshots_failed for x in c)}; request timeouts "
+                f"{sum(x.replay_timeouts for x in c)}; most in flight {peak[0]} "
+                f"({peak[1]} to one engine); reconnects {sum(x.reconnects for x in c)} "
+                f"(SUBs reopened {getattr(env, 'reopens', 0)}), "
+                f"resyncs {sum(x.resyncs for x in c)}, held overflows "
+                f"{sum(x.held_overflows for x in c)}, restarts {sum(x.restarts for x in c)}"
+            )
         print(
             f"router memory: +{(rss1 - rss0) / 2**20:.0f} MiB for {ranks} ranks ="
             f" {(rss1 - rss0) / ranks / 1024:.0f} KiB per rank (sockets, streams, sink contents)"
         )
+        if args.cold_start_only:
+            pauses = [e.ask("pause") for e in engines]
+            ok = wait_for(
+                lambda: all(
+                    exact(sub, sink, e.worker_id, p["seqs"], p["digests"])
+                    for e, p in zip(engines, pauses, strict=True)
+                ),
+                30,
+                0.1,
+            )
+            print("every rank exact" if ok is not None else "NOT exact 30 s after the pause")
+            sub.stop(timeout=30)
+            return
         time.sleep(1.0)  # let the first replays settle before measuring
         busy = [measure_cpu(args.window) for _ in range(args.repeats)]
         b = statistics.median(busy)
@@ -495,14 +559,12 @@ def router_child(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         cmd, _, rest = line.partition(" ")
         if cmd.strip() == "check":
-            pauses = json.loads(rest)
-            ok = wait_for(
-                lambda pauses=pauses: all(
-                    exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses
-                ),
-                30,
-                0.1,
-            )
+            pauses: list[tuple[str, dict[str, Any]]] = json.loads(rest)
+
+            def all_exact(pauses: list[tuple[str, dict[str, Any]]] = pauses) -> bool:
+                return all(exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses)
+
+            ok = wait_for(all_exact, 30, 0.1)
             print(json.dumps({"exact": ok is not None}), flush=True)
         elif cmd.strip() == "quit":
             break
@@ -619,6 +681,10 @@ def main() -> None:
     parser.add_argument(
         "--idle-settle", type=float, default=120.0, help="longest wait for idle probes to start"
     )
+    parser.add_argument(
+        "--history", type=int, default=0, help="blocks each rank holds before the router starts"
+    )
+    parser.add_argument("--cold-start-only", action="store_true")
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--router-child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -2,7 +2,7 @@
 
 16 ranks (kvwire ``EventPublisher``s, four per publisher process, on tcp
 loopback) send about 1 MB batches (18,000 blocks of 16 tokens, the same blocks
-again and again) as fast as their senders go for ``--seconds``, into one
+again and again; ``--blocks 30600`` for about 1.7 MB) as fast as their senders go for ``--seconds``, into one
 ``Subscriber`` (its own process, the router) whose sink is a ``PrefixIndex``.
 The router's RSS is printed at three points: its baseline (every rank SYNCED,
 before the flood), its peak (``ru_maxrss``) and after the drain (every rank
@@ -16,7 +16,8 @@ side, each in a fresh router process, alternated run by run:
 Also printed: whether the index ended exact (every rank holds its 18,000
 blocks, SYNCED) and the gaps and replays the bound cost.
 
-Run: ``.venv/bin/python benchmarks/receive_flood.py [--runs N] [--seconds S]``.
+Run: ``.venv/bin/python benchmarks/receive_flood.py [--runs N] [--seconds S] [--blocks B]
+[--settings defaults]``.
 Figures are medians over the runs.
 """
 
@@ -129,7 +130,10 @@ def router(setting: str, seconds: float, ranks: int) -> None:
         config = SubscriberConfig()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--role", "publishers", "--index", str(i)],
+            [
+                *(sys.executable, __file__, "--role", "publishers", "--index", str(i)),
+                *("--blocks", str(BLOCKS)),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -236,6 +240,7 @@ def with_suppressed(fn: Any, *args: Any) -> None:
 
 
 def main() -> None:
+    global BLOCKS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["main", "router", "publishers"], default="main")
     ap.add_argument("--setting", choices=["unbounded", "defaults"], default="defaults")
@@ -243,21 +248,30 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=18_000, help="blocks a batch (18,000: ~1 MB)")
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        choices=["unbounded", "defaults"],
+        default=["unbounded", "defaults"],
+    )
     args = ap.parse_args()
+    BLOCKS = args.blocks
     if args.role == "publishers":
         publishers(args.index)
         return
     if args.role == "router":
         router(args.setting, args.seconds, args.ranks)
         return
-    results: dict[str, list[dict[str, Any]]] = {"unbounded": [], "defaults": []}
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in args.settings}
     for run in range(args.runs):
-        order = ["unbounded", "defaults"] if run % 2 == 0 else ["defaults", "unbounded"]
+        order = list(args.settings) if run % 2 == 0 else list(reversed(args.settings))
         for setting in order:
             out = subprocess.run(
                 [
                     *(sys.executable, __file__, "--role", "router", "--setting", setting),
                     *("--seconds", str(args.seconds), "--ranks", str(args.ranks)),
+                    *("--blocks", str(BLOCKS)),
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
@@ -267,7 +281,7 @@ def main() -> None:
             results[setting].append(res)
             print(f"run {run + 1} {setting}: {res}", flush=True)
     print(
-        f"\n{args.ranks} ranks x ~1 MB batches for {args.seconds:g} s, "
+        f"\n{args.ranks} ranks x {BLOCKS:,}-block batches for {args.seconds:g} s, "
         f"medians of {args.runs} run(s); RSS in MB"
     )
     print(
@@ -277,7 +291,7 @@ def main() -> None:
     for setting, runs in results.items():
 
         def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
-            return statistics.median(r[key] for r in runs)
+            return float(statistics.median(r[key] for r in runs))
 
         print(
             f"{setting:<10} {med('baseline'):>9.0f} {med('peak'):>7.0f} "
