@@ -291,6 +291,8 @@ out:
 
 /* The typed path's scratch, kept between calls (under the GIL; a call made
  * while it is in use, which nothing does, scans into its own). */
+/* What the scratch keeps after a larger batch (events, hashes): under 0.5 MB. */
+#define SCRATCH_KEEP 4096
 static KvScan scratch;
 static int scratch_busy;
 
@@ -343,7 +345,7 @@ static PyObject *typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
 done:
     if (s == &own) kvs_free(&own);
-    else kvs_trim(s, KVS_KEEP);
+    else kvs_trim(s, SCRATCH_KEEP);
     scratch_busy = busy;
     return out;
 }
