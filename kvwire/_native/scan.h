@@ -120,11 +120,16 @@ struct KvScan {
     KvEv *ev; /* the events read (raw allocator) */
     Py_ssize_t ev_len, ev_cap;
     /* the last batch read: its rank (has_rank 0: nil or absent), whether it
-     * clears, its events' X_* bits together */
+     * clears, its events' X_* bits together, the forms its events took
+     * (KVS_MAPS, KVS_ARRAYS: together, a batch of both), whether a field
+     * the view does not hold (lora_id, kv_cache_spec_*) was given, its ts */
     uint64_t rank;
     int has_rank, rank_neg, cleared;
-    unsigned extras;
+    unsigned extras, forms, unviewed;
+    double ts;
 };
+
+enum { KVS_MAPS = 1, KVS_ARRAYS = 2 };
 
 /* The bytes an int takes by its head byte (0: not an int), as rd_int reads it. */
 static const unsigned char KVS_INT_WIDTH[256] = {
@@ -255,9 +260,13 @@ static inline __attribute__((always_inline)) int kvs_field(KvScan *s, Rd *r, int
             return 0;
         case F_LORA_ID:
         case F_WINDOW:
-            return rd_opt_int(r, &v, &neg, &has);
+            if (rd_opt_int(r, &v, &neg, &has)) return FALL;
+            s->unviewed |= has;
+            return 0;
         case F_KIND:
-            return rd_opt_str(r, &str, &n);
+            if (rd_opt_str(r, &str, &n)) return FALL;
+            s->unviewed |= n >= 0;
+            return 0;
         case F_MEDIUM:
             return rd_opt_str(r, &ev->medium, &ev->medium_len);
         case F_LORA_NAME:
@@ -302,6 +311,7 @@ static inline __attribute__((always_inline)) int kvs_event(KvScan *s, Rd *r, KvE
     int map = is_map_head(r->p[r->i]);
     if (map ? RD_MAP(r, &n) : RD_ARRAY(r, &n)) return FALL;
     if (n < 1) return FALL;
+    s->forms |= map ? KVS_MAPS : KVS_ARRAYS;
     if (map && (rd_str(r, &key, &len) || !str_is(key, len, "type"))) return FALL;
     if (rd_str(r, &tag, &len)) return FALL;
     int kind = event_kind(tag, len);
@@ -382,12 +392,21 @@ static inline int kvs_events(KvScan *s, Rd *r) {
     return 0;
 }
 
-/* The timestamp: a float. */
-static inline int kvs_ts(Rd *r) {
+/* The timestamp: a float (float32 or float64), into *ts. */
+static inline int kvs_ts(Rd *r, double *ts) {
     if (r->i >= r->n) return FALL;
     unsigned char c = r->p[r->i];
     Py_ssize_t w = c == 0xca ? 5 : c == 0xcb ? 9 : 0;
     if (!w || r->n - r->i < w) return FALL;
+    uint64_t bits = kvw_get_be(r->p + r->i + 1, (int)w - 1);
+    if (w == 5) {
+        uint32_t b32 = (uint32_t)bits;
+        float f;
+        memcpy(&f, &b32, 4);
+        *ts = f;
+    } else {
+        memcpy(ts, &bits, 8);
+    }
     r->i += w;
     return 0;
 }
@@ -399,7 +418,7 @@ static inline int kvs_batch(KvScan *s, Rd *r) {
     Py_ssize_t ev_len = s->ev_len, h_len = s->h_len, n;
     int rc = FALL;
     s->has_rank = s->rank_neg = s->cleared = 0;
-    s->extras = 0;
+    s->extras = s->forms = s->unviewed = 0;
     s->rank = 0;
     if (r->i < r->n && is_map_head(r->p[r->i])) {
         /* {"ts", "events", "data_parallel_rank"?}, in any order */
@@ -416,7 +435,7 @@ static inline int kvs_batch(KvScan *s, Rd *r) {
             else goto out;
             if (seen & (1u << f)) goto out;
             seen |= 1u << f;
-            rc = f == 0 ? kvs_ts(r)
+            rc = f == 0 ? kvs_ts(r, &s->ts)
                : f == 1 ? kvs_events(s, r)
                         : rd_opt_int(r, &s->rank, &s->rank_neg, &s->has_rank);
             if (rc) goto out;
@@ -424,7 +443,7 @@ static inline int kvs_batch(KvScan *s, Rd *r) {
         }
         if ((seen & 3) != 3) goto out;
     } else {
-        if (RD_ARRAY(r, &n) || n < 2 || n > 3 || kvs_ts(r)) goto out;
+        if (RD_ARRAY(r, &n) || n < 2 || n > 3 || kvs_ts(r, &s->ts)) goto out;
         if ((rc = kvs_events(s, r))) goto out;
         rc = FALL;
         if (n == 3 && rd_opt_int(r, &s->rank, &s->rank_neg, &s->has_rank)) goto out;

@@ -1,12 +1,14 @@
 """msgpack encoding and decoding of :class:`KVEventBatch` in every dialect.
 
-Decoding takes a typed fast path (one C-level pass of msgspec, map or
-positional events) for a payload the native reader (``kvwire/_native/scan.h``,
-the one every native consumer uses) vouches for, and a generic decode plus an
-explicit conversion, every rule checked in Python, for the rest: ``bytes``
-hashes, old SGLang's metadata map, non-ASCII strings, anything malformed.
-Both end in the same structs, with hashes normalised to unsigned 64-bit and
-token ids packed as received (:class:`TokenIds`).
+Decoding takes a typed fast path for a payload the native reader
+(``kvwire/_native/scan.h``, the one every native consumer uses) vouches for:
+the structs are built in C from the reader's flat view of the events (the
+bytes walked once), or, for the rarer fields the view does not hold, by
+msgspec. Any other payload goes the general way, a generic decode plus an
+explicit conversion, every rule checked in Python: ``bytes`` hashes, old
+SGLang's metadata map, non-ASCII strings, anything malformed. Both end in the
+same structs, with hashes normalised to unsigned 64-bit and token ids packed
+as received (:class:`TokenIds`).
 """
 
 from __future__ import annotations
@@ -302,8 +304,6 @@ _fast_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _fast_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
 _fast_array_decoder = msgspec.msgpack.Decoder(_ArrayEventsBatch)
 _set = msgspec.structs.force_setattr
-# msgpack type bytes that start an array: fixarray, array16, array32.
-_ARRAY_HEAD = [0x90 <= b <= 0x9F or b in (0xDC, 0xDD) for b in range(256)]
 _generic_decoder = msgspec.msgpack.Decoder()
 _raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
@@ -478,46 +478,14 @@ def decode_batch(
     whole, valid batch within ``limits`` (nesting too deep included): a
     missing required field, a key given twice, a token id that is not an
     integer among them. One answer for any payload: the typed fast path
-    (msgspec) is taken only for a payload the native reader
+    (structs built from the native reader's view, or msgspec for rarer
+    fields) is taken only for a payload the native reader
     (``kvwire/_native/scan.h``) vouches for, which checks every rule; any
     other goes the general way, where Python checks each. Token ids stay
     packed until first read (:class:`TokenIds`).
     """
     batch = _decode_typed(payload, limits)
     return _decode_generic(payload, limits) if batch is None else batch
-
-
-def _decode_typed(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch | None:
-    """The typed fast path, for a payload the native reader vouches for; else ``None``."""
-    if _scan.check(payload, limits) is None:
-        return None
-    try:
-        if _ARRAY_HEAD[memoryview(payload)[0]]:
-            try:
-                batch = _fast_decoder.decode(payload)
-            except msgspec.ValidationError:
-                batch = _from_arrays(_fast_array_decoder.decode(payload))
-        else:
-            m = _fast_map_decoder.decode(payload)
-            batch = KVEventBatch(m.ts, m.events, m.data_parallel_rank)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None  # a form only the general path reads (events of both forms, old SGLang's)
-    # Fix-ups in place, on events no one else has seen yet (every bound was
-    # checked by the native reader): wrap the packed token ids, and mask
-    # signed (int64) hashes, the TensorRT-LLM/SGLang form, to unsigned.
-    for e in batch.events:
-        kind = type(e)
-        if kind is BlockStored:
-            _set(e, "token_ids", TokenIds(e.token_ids))  # type: ignore[union-attr, arg-type]
-            parent = e.parent_block_hash  # type: ignore[union-attr]
-            if parent is not None and parent < 0:
-                _set(e, "parent_block_hash", parent & U64_MASK)
-        elif kind is not BlockRemoved:
-            continue
-        hashes = e.block_hashes  # type: ignore[union-attr]
-        if hashes and min(hashes) < 0:
-            _set(e, "block_hashes", [h & U64_MASK for h in hashes])
-    return batch
 
 
 def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
@@ -532,6 +500,32 @@ def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
         else:
             events.append(AllBlocksCleared())
     return KVEventBatch(b.ts, events, b.data_parallel_rank)
+
+
+def _from_map_envelope(payload: bytes | bytearray | memoryview) -> KVEventBatch:
+    m = _fast_map_decoder.decode(payload)
+    return KVEventBatch(m.ts, m.events, m.data_parallel_rank)
+
+
+# The typed path, in C (kvwire/wire/_scan.c): the native reader vouches for the
+# payload and the structs are built from its flat view; a batch with fields
+# the view does not hold (lora_id, extra_keys, ...) is decoded by msgspec (the
+# decoder for its envelope and event forms) and fixed up in place: packed token
+# ids wrapped (TokenIds), signed (int64) hashes, the TensorRT-LLM/SGLang form,
+# masked to unsigned. ``None``: a payload for the general path.
+_scan.bind(
+    _fast_decoder.decode,
+    lambda payload: _from_arrays(_fast_array_decoder.decode(payload)),
+    _from_map_envelope,
+    (msgspec.ValidationError, msgspec.DecodeError),
+    TokenIds,
+    msgspec.Raw,
+    KVEventBatch,
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+)
+_decode_typed = _scan.typed
 
 
 def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:

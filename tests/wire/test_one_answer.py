@@ -1,6 +1,7 @@
 """decode_batch gives one answer for any payload, whichever of its paths reads it.
 
-The typed path (msgspec) runs only for payloads the native reader
+The typed path (structs built from the native reader's view, msgspec for
+rarer fields) runs only for payloads the native reader
 (``kvwire/_native/scan.h``) vouches for; everything else is read by the
 general path. These are the payloads on which the two once disagreed.
 """
@@ -165,3 +166,63 @@ def test_an_unknown_field_is_skipped_unread_by_every_path() -> None:
     assert idx.blocks("w", 0) == {1, 2}
     with pytest.raises(WireError):  # a field that is read: refused
         decode_batch(batch_of(map_event([*STORE, ("medium", "x")]).replace(b"\xa1x", bad_utf8)))
+
+
+SIGNED = [-1, -(1 << 63), 5]  # int64 hashes, the TensorRT-LLM/SGLang form
+RARE = [
+    [],  # every field in the reader's view: the structs are built from it
+    [("lora_id", 3)],  # fields the view does not hold: msgspec reads the batch
+    [("extra_keys", ["a", 1])],
+    [("kv_cache_spec_kind", "full_attention"), ("kv_cache_spec_sliding_window", 8)],
+    [("lookahead_token_ids", [1, 2])],
+    [("cache_salt", "s")],
+]
+
+
+@pytest.mark.parametrize("rare", RARE)
+@pytest.mark.parametrize("positional", [False, True])
+def test_the_typed_path_reads_as_the_general_path_does(rare: list[tuple[str, Any]], positional: bool) -> None:
+    """Both ways the typed path builds its structs, map and positional events, signed hashes,
+    media given, nil and absent: the same events as the general path, re-encoded alike."""
+    fields = BlockStored.__struct_fields__
+    signed = [("block_hashes", SIGNED), ("parent_block_hash", -7), ("token_ids", [1, 2, 3, 4, 5, 6])]
+    nil_medium = [("block_hashes", [1 << 63]), ("parent_block_hash", None), ("token_ids", [9, 9])]
+    plain = [("block_hashes", [4]), ("parent_block_hash", 1 << 63), ("token_ids", [0, 300])]
+    stores: list[list[tuple[str, Any]]] = [
+        [*signed, ("block_size", 2), ("medium", "CPU"), *rare],
+        [*nil_medium, ("block_size", 2), ("medium", None), ("lora_name", "l"), ("group_idx", -2)],
+        [*plain, ("block_size", 2)],
+    ]
+    removed = [("block_hashes", [-3, 4]), ("medium", "GPU"), ("group_idx", 1)]
+    events = []
+    for store in stores:
+        if positional:
+            named = dict(store)
+            last = max(fields.index(k) for k in named)
+            events.append(enc(["BlockStored", *(named.get(f) for f in fields[: last + 1])]))
+        else:
+            events.append(map_event([("type", "BlockStored"), *store]))
+    if positional:
+        events += [enc(["BlockRemoved", [-3, 4], "GPU", 1]), enc(["AllBlocksCleared"])]
+    else:
+        events += [map_event([("type", "BlockRemoved"), *removed]), map_event([("type", "AllBlocksCleared")])]
+    payload = batch_of(*events)
+    assert _scan.check(payload, DEFAULT_LIMITS) is not None
+    typed = _decode_typed(payload, DEFAULT_LIMITS)
+    want = _decode_generic(payload, DEFAULT_LIMITS)
+    assert typed == want == decode_batch(payload)
+    assert typed.events[0].block_hashes == [(1 << 64) - 1, 1 << 63, 5]
+    assert typed.events[0].parent_block_hash == (1 << 64) - 7
+    assert typed.events[3].block_hashes == [(1 << 64) - 3, 4]
+    # omit_defaults leaves out a default medium by identity: equal strings are not enough
+    assert encode_batch(typed) == encode_batch(want)
+    assert [encode_batch(KVEventBatch(0.0, [e])) for e in typed.events] == [
+        encode_batch(KVEventBatch(0.0, [e])) for e in want.events
+    ]
+
+
+def test_a_batch_of_both_event_forms_is_read_alike() -> None:
+    payload = batch_of(map_event(STORE), enc(["BlockRemoved", [1]]))
+    assert decode_batch(payload) == _decode_generic(payload, DEFAULT_LIMITS)
+    payload = batch_of(map_event([*STORE, ("lora_id", 1)]), enc(["BlockRemoved", [1]]))
+    assert decode_batch(payload) == _decode_generic(payload, DEFAULT_LIMITS)
