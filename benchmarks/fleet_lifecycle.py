@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -332,7 +332,7 @@ def engine_child(spec: dict[str, Any]) -> None:
                 replays += st.replay_served
             else:
                 replays += rank.replays
-        return {"cpu": cpu_s(), "snapshots": snapshots, "replays": replays}
+        return {"cpu": cpu_s(), "snapshots": snapshots, "replays": replays, "rss": rss_bytes()}
 
     def command(line: str) -> None:
         nonlocal running, preload, next_t, quit_
@@ -479,7 +479,7 @@ class Fleet:
 
     def counters(self) -> dict[str, float]:
         replies = self.ask_all("cpu")
-        return {k: sum(r[k] for r in replies) for k in ("cpu", "snapshots", "replays")}
+        return {k: sum(r[k] for r in replies) for k in ("cpu", "snapshots", "replays", "rss")}
 
     def close(self) -> None:
         for c in self.children:
@@ -624,40 +624,47 @@ def router_child(spec: dict[str, Any]) -> None:
         settled=settled,
         cpu=cpu_s() - c0,
         rss_mb=(rss_bytes() - rss0) / 2**20,
+        index_mb=index.stats().memory_bytes / 2**20,
         synced_ranks=p.synced,
         partial=p.partial,
         syncing=p.syncing,
         stale=p.stale,
     )
 
-    def exact(pauses: dict[str, Any]) -> tuple[bool, int]:
+    def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
+        """Whether every rank is SYNCED at the pause and holds its truth; the ranks that
+        are not; the share of the truth's blocks the index holds."""
         by_rank = {(s.worker_id, s.rank): s for s in sub.status()}
-        bad = 0
+        bad = held = truth = 0
         for w, r in keys:
             st = by_rank.get((w, r))
             seq = pauses[w]["seqs"][r]
+            want = pauses[w]["digests"][r]
+            got = digest_of(index.blocks(w, r))
+            held += got[0]
+            truth += want[0]
             if (
                 st is None
                 or st.state is not RankState.SYNCED
                 or st.expected_seq < seq
-                or digest_of(index.blocks(w, r)) != pauses[w]["digests"][r]
+                or got != want
             ):
                 bad += 1
-        return bad == 0, bad
+        return bad == 0, bad, held / max(1, truth)
 
     for line in sys.stdin:
         cmd, _, rest = line.strip().partition(" ")
         if cmd == "check":
             wait, _, rest = rest.partition(" ")
             pauses = json.loads(rest)
-            bad = [len(keys)]
+            found: list[Any] = [len(keys), 0.0]
 
-            def check(pauses: dict[str, Any] = pauses, bad: list[int] = bad) -> bool:
-                ok, bad[0] = exact(pauses)
+            def check(pauses: dict[str, Any] = pauses, found: list[Any] = found) -> bool:
+                ok, found[0], found[1] = exact(pauses)
                 return ok
 
             took_exact = wait_for(check, float(wait), 0.2)
-            out(exact=took_exact is not None, bad=bad[0])
+            out(exact=took_exact is not None, bad=found[0], coverage=found[1])
         elif cmd == "cpu":
             out(cpu=cpu_s(), t=time.monotonic(), rss_mb=(rss_bytes() - rss0) / 2**20)
         elif cmd == "checkpoint":
@@ -722,7 +729,6 @@ class Row:
     engines_cpu: str = "-"
     delay: str = "-"
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:
@@ -744,6 +750,7 @@ class Bench:
         self.have = features()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvwire-lifecycle-"))
         self.taken: set[int] = set()
+        self.coverage = 0.0
 
     def endpoint(self) -> str:
         return f"tcp://127.0.0.1:{free_base(1, self.taken)}"
@@ -756,6 +763,7 @@ class Bench:
         pauses = fleet.pause()
         answer = router.ask(f"check {wait:g} " + json.dumps(pauses))
         fleet.ask_all("run")
+        self.coverage = answer["coverage"]
         return "yes" if answer["exact"] else f"NO ({answer['bad']} ranks)"
 
     def engine_rate(self, fleet: Fleet, window: float) -> float:
@@ -803,7 +811,8 @@ class Bench:
             held = fleet.preload()
             self.log(
                 f"kvwire fleet: {fleet.ranks} ranks hold {held:,} blocks "
-                f"({time.monotonic() - t:.1f} s to build)"
+                f"({time.monotonic() - t:.1f} s to build; engines' RSS "
+                f"{fleet.counters()['rss'] / 2**30:.2f} GiB)"
             )
             fleet.ask_all("run")
             idle_rate = self.engine_rate(fleet, a.window)
@@ -829,7 +838,7 @@ class Bench:
             row.delay = fmt_s(delay, " ms")
             row.note = (
                 f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served; "
-                f"router RSS +{res['rss_mb']:.0f} MB"
+                f"router RSS +{res['rss_mb']:.0f} MB (index {res['index_mb']:.0f} MB)"
             )
             row.exact = self.check(r1, fleet)
             if 1 in cases:
@@ -857,8 +866,10 @@ class Bench:
                 self.rows.append(self.clone_case(fleet, opts, "kvwire"))
             # 3. warm restart from the checkpoint
             if 3 in cases:
-                row, r1 = self.restart_case(fleet, r1, ckpt, "kvwire")
+                row, restarted = self.restart_case(fleet, r1, ckpt, "kvwire")
                 self.rows.append(row)
+                if restarted is not None:
+                    r1 = restarted
             r1.stop()
             # 5. four replicas at once
             if 5 in cases:
@@ -895,10 +906,12 @@ class Bench:
         self.log(f"case 4 ({kind}): {row}")
         return row
 
-    def restart_case(self, fleet: Fleet, router: Router, ckpt: str, kind: str) -> tuple[Row, Router]:
+    def restart_case(
+        self, fleet: Fleet, router: Router | None, ckpt: str, kind: str
+    ) -> tuple[Row, Router | None]:
         a = self.args
         row = Row(f"3 warm restart ({a.down:g} s down)", kind, fleet.ranks)
-        if not self.have["checkpoint"]:
+        if not self.have["checkpoint"] or router is None:
             row.note = "not available (no SubscriberConfig.checkpoint)"
             self.log(f"case 3 ({kind}): {row}")
             return row, router
@@ -971,7 +984,11 @@ class Bench:
             opts["serve_view"] = self.endpoint()
         reference: Router | None = None
         try:
-            if (3 in cases and self.have["checkpoint"]) or (4 in cases and self.have["clone"]):
+            if (
+                a.reference
+                or (3 in cases and self.have["checkpoint"])
+                or (4 in cases and self.have["clone"])
+            ):
                 # A router that follows the fleet from its first batch: the only way to an
                 # exact view of stock publishers' history, and the source of cases 3 and 4.
                 reference = Router("router-0", fleet, a.timeout, **opts)
@@ -1000,12 +1017,13 @@ class Bench:
                     f"settled in {settled:.2f} s: " if settled is not None else ""
                 ) + f"{res['synced_ranks']} SYNCED, {res['partial']} PARTIAL (no snapshot)"
                 row.exact = self.check(r2, fleet, wait=2.0)
+                row.note += f"; the index holds {100 * self.coverage:.1f}% of the blocks"
                 r2.stop()
                 self.rows.append(row)
                 self.log(f"case 2: {row}")
-            if reference is not None and 4 in cases:
+            if 4 in cases:
                 self.rows.append(self.clone_case(fleet, opts, "stock"))
-            if reference is not None and 3 in cases:
+            if 3 in cases:
                 row, reference = self.restart_case(fleet, reference, ckpt, "stock")
                 self.rows.append(row)
         finally:
@@ -1097,6 +1115,13 @@ def main() -> None:
     parser.add_argument("--case6-batches", type=int, default=8, help="history batches a rank")
     parser.add_argument("--case6-buffer", type=int, default=1000)
     parser.add_argument("--cases", default="1,2,3,4,5,6,7")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="stock fleet: follow it from its first batch with a router checked exact "
+        "(always, where cases 3 or 4 run)",
+    )
+    parser.add_argument("--json", help="also write the rows to this file, as JSON")
     parser.add_argument("--busy", action="store_true", help="a CPU hog on one core throughout")
     parser.add_argument("--engine-child", help=argparse.SUPPRESS)
     parser.add_argument("--router-child", help=argparse.SUPPRESS)
@@ -1134,6 +1159,9 @@ def main() -> None:
             hogger.kill()
             hogger.wait()
         bench.table()
+        if args.json:
+            rows = [{k: v for k, v in vars(r).items() if k != "extra"} for r in bench.rows]
+            Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
