@@ -17,8 +17,10 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
+from kvwire.subscriber.checkpoint import CheckpointError, CheckpointInfo, Restored
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.readiness import SyncProgress
+from kvwire.subscriber.seq import StreamPosition
 from kvwire.subscriber.sink import (
     Applied,
     BlockSetSink,
@@ -26,6 +28,7 @@ from kvwire.subscriber.sink import (
     EventSink,
     PayloadSink,
     SinkItem,
+    ViewSink,
 )
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import (
@@ -44,6 +47,8 @@ __all__ = [
     "Apply",
     "ApplyPayload",
     "BlockSetSink",
+    "CheckpointError",
+    "CheckpointInfo",
     "ClearRank",
     "Cleared",
     "EngineSource",
@@ -59,10 +64,13 @@ __all__ = [
     "RequestReplay",
     "RequestSnapshot",
     "ResourceLimitError",
+    "Restored",
     "SinkItem",
     "StateChanged",
     "StreamConfig",
+    "StreamPosition",
     "Subscriber",
     "SubscriberConfig",
     "SyncProgress",
+    "ViewSink",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvwire.security import ClientKeys
 from kvwire.subscriber.state import StreamConfig
 
 __all__ = ["QUEUE_SLACK", "SubscriberConfig"]
@@ -61,12 +62,40 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Items the async iterator (a Subscriber without a sink) holds before reading
     stops; the publishers' high-water marks then turn the excess into gaps."""
 
+    # --- a view that outlives the process: checkpoints and peer clones (docs/scaling.md) ---
+    checkpoint: str | None = None
+    """A checkpoint file (:mod:`kvwire.subscriber.checkpoint`): loaded at start when
+    valid (each rank resumes from its position and replays only what it missed),
+    written on a clean stop and every ``checkpoint_every`` seconds. Needs a
+    :class:`~kvwire.subscriber.ViewSink`."""
+    checkpoint_every: float | None = None
+    """Seconds between periodic checkpoint writes (None: only on stop and when asked)."""
+    clone_from: str | None = None
+    """A peer router's clone endpoint (``Subscriber.serve_view``): at start, before the
+    engines are connected, its view is copied and each rank resumes from the peer's
+    position; where the clone is refused, the checkpoint (if any) is loaded, else the
+    router starts cold."""
+    clone_keys: ClientKeys | None = None
+    """CURVE keys to reach a clone endpoint that has server keys (``kvwire.security``)."""
+    clone_timeout: float = 10.0
+    """Seconds a clone may go without receiving anything before it is refused."""
+    clone_max_bytes: int = 4 << 30
+    """The most bytes a clone receives: a larger view is refused."""
+
     def __post_init__(self) -> None:
         for name in ("hwm", "max_message_size", "max_replays", "backlog", "receive_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.probe_rate > 0:
             raise ValueError(f"probe_rate must be > 0, got {self.probe_rate}")
+        for name in ("checkpoint_every", "clone_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.checkpoint_every is not None and self.checkpoint is None:
+            raise ValueError("checkpoint_every needs a checkpoint path")
+        if self.clone_max_bytes < 1:
+            raise ValueError(f"clone_max_bytes must be >= 1, got {self.clone_max_bytes}")
 
     def rank_share(self, ranks: int) -> int:
         """Bytes one rank's queues may hold when ``ranks`` ranks are followed."""

@@ -11,13 +11,42 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import msgspec
 from sortedcontainers import SortedDict
 
-__all__ = ["Held", "SeqTracker"]
+__all__ = ["Held", "SeqTracker", "StreamPosition"]
 
 Frame = bytes | bytearray | memoryview
 
 _LOST_RANGES_KEPT = 64
+
+
+class StreamPosition(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an exact rank's stream was, for a checkpoint or a peer clone to resume from.
+
+    Taken by :meth:`~kvwire.subscriber.RankStream.position` together with the
+    sink's contents for the rank; :meth:`~kvwire.subscriber.RankStream.resume`
+    starts a new stream there, whose first connect is then a reconnect: an
+    anchored replay proves, by ``anchor`` byte for byte, that the publisher is
+    the one whose batches built the view.
+    """
+
+    topic: bytes
+    """The live topic followed (``b""``: none seen yet)."""
+    epoch: bytes | None
+    """The publisher life's epoch (None: it sends none)."""
+    next_seq: int
+    """The next seq to apply."""
+    anchor_seq: int
+    """The last batch applied (-1: none since the view was last rebuilt)."""
+    anchor: bytes
+    """That batch's payload bytes, which the resumed stream's replay must show."""
+
+    def __post_init__(self) -> None:
+        if self.next_seq < 0 or not -1 <= self.anchor_seq < self.next_seq:
+            raise ValueError(
+                f"need -1 <= anchor_seq < next_seq, got {self.anchor_seq} and {self.next_seq}"
+            )
 
 
 class Held(SortedDict):  # type: ignore[misc]
@@ -125,6 +154,14 @@ class SeqTracker:
     def lowest_held(self) -> int:
         """Where live goes on after a loss: the first batch held, else the horizon."""
         return self.held.peekitem(0)[0] if self.held else self.horizon
+
+    def resume(self, pos: StreamPosition) -> None:
+        """Take up ``pos``: as if its batches had been applied by this tracker."""
+        self.jump(pos.next_seq)
+        self.last_live = pos.next_seq - 1
+        if pos.anchor_seq >= 0:
+            self.anchor_seq = pos.anchor_seq
+            self.anchor_payload = pos.anchor
 
     def forget_anchor(self) -> None:
         self.anchor_seq = -1

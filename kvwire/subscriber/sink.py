@@ -6,7 +6,9 @@ from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodeLimits, KVEventBatch
 
-__all__ = ["Applied", "BlockSetSink", "Cleared", "EventSink", "PayloadSink", "SinkItem"]
+__all__ = [
+    "Applied", "BlockSetSink", "Cleared", "EventSink", "PayloadSink", "SinkItem", "ViewSink",
+]  # fmt: skip
 
 
 @runtime_checkable
@@ -54,6 +56,26 @@ class PayloadSink(EventSink, Protocol):
         payload: bytes | bytearray | memoryview,
         limits: DecodeLimits,
     ) -> None: ...
+
+
+@runtime_checkable
+class ViewSink(Protocol):
+    """A sink whose view of a rank can be saved and restored: checkpoints and peer clones.
+
+    ``export_rank`` returns the rank's contents as bytes and ``import_rank``
+    replaces the rank's contents with such bytes (raising ``ValueError``, with
+    nothing changed, on bytes it cannot read); both run on the subscriber's
+    thread, between its inputs, so a rank's bytes and its stream position are
+    taken at the same instant. ``view_format`` names the kind of view and
+    the parameters its bytes depend on (a block size, a hash): a checkpoint
+    or clone written by a sink of another format is refused, not misread.
+    """
+
+    def export_rank(self, worker_id: str, rank: int) -> bytes: ...
+
+    def import_rank(self, worker_id: str, rank: int, blob: bytes) -> None: ...
+
+    def view_format(self) -> bytes: ...
 
 
 class Applied(NamedTuple):

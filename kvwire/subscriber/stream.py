@@ -158,7 +158,7 @@ from kvwire.subscriber.actions import (
     StateChanged,
 )
 from kvwire.subscriber.requests import Replay, Requests, Snapshot
-from kvwire.subscriber.seq import SeqTracker
+from kvwire.subscriber.seq import SeqTracker, StreamPosition
 from kvwire.subscriber.state import LossPolicy, RankCounters, RankState, RankStatus, StreamConfig
 from kvwire.wire import (
     AllBlocksCleared,
@@ -590,6 +590,39 @@ class RankStream:
             self._internal_error(exc)
         return self._finish()
 
+    def position(self) -> StreamPosition | None:
+        """Where the stream is, for a checkpoint or a clone; None unless the view is exact
+        and in sequence with nothing held (SYNCED, as the fast path needs).
+
+        A rank without a position is left out and starts cold. Take it at the
+        same instant as the sink's contents for the rank.
+        """
+        t = self._seq
+        if not self._fast or (t.anchor_seq < 0 < t.expected and self._epoch is None):
+            return None  # (a position no replay could anchor, from a publisher without epoch)
+        return StreamPosition(
+            topic=self._topic or b"",
+            epoch=self._epoch,
+            next_seq=t.expected,
+            anchor_seq=t.anchor_seq,
+            anchor=bytes(t.anchor_payload) if t.anchor_seq >= 0 else b"",
+        )
+
+    def resume(self, pos: StreamPosition) -> None:
+        """Start from ``pos`` (another stream's :meth:`position`), before the first connect.
+
+        The caller has loaded the sink with the rank's contents as of ``pos``.
+        The first connect is then a reconnect: an anchored replay proves the
+        publisher is the same by the anchor byte for byte and fills the gap;
+        where it cannot (the anchor gone from the buffer, a new epoch, no
+        replay endpoint) the rules of a reconnect apply, clearing as they do.
+        """
+        if self._phase is not Phase.DISCONNECTED or self._ever_connected:
+            raise ValueError("resume() is only valid before the stream's first connect")
+        self._adopt((pos.topic, pos.epoch), start=pos)
+        self._clean = False  # the sink holds the rank's contents: a loss clears them
+        self._reason = f"resumed at seq {pos.next_seq}: waiting for the connection"
+
     # --- phases -------------------------------------------------------------------
 
     def _move(self, event: Event) -> None:
@@ -639,22 +672,37 @@ class RankStream:
 
     # --- publisher lives ----------------------------------------------------------
 
-    def _adopt(self, topic: bytes, epoch: bytes | None, *, retire: bool = False) -> None:
-        """Follow the life that sends ``topic`` (epoch ``epoch``); the position is the caller's.
+    def _adopt(
+        self,
+        life: tuple[bytes, bytes | None] | None,
+        *,
+        retire: bool = False,
+        start: int | StreamPosition | None = None,
+    ) -> None:
+        """Follow the publisher life that sends ``life`` (topic, epoch), from ``start``.
 
+        The one place where the epoch, its topic and the position change:
+        ``start`` is a new life's known horizon (its position from seq 0), a
+        position resumed from, or None (the same life: the position stays).
         ``retire``: the replay socket, which reaches the process bound now, showed
         the new epoch, so the old life's live messages still on their way are
         dropped. An epoch change seen live retires nothing: a late message of a
         life never followed would read as a change, and only a reply can tell.
         """
-        self._topic = topic
-        if epoch is not None and epoch != self._epoch:
-            if retire and self._epoch is not None and self._epoch not in self._retired:
-                self._retired.append(self._epoch)
-            if epoch in self._retired:
-                self._retired.remove(epoch)  # the replay socket says it is current after all
-            self._epoch = epoch
-            self._epoch_info = parse_epoch(epoch)
+        if life is not None:
+            topic, epoch = life
+            self._topic = topic
+            if epoch is not None and epoch != self._epoch:
+                if retire and self._epoch is not None and self._epoch not in self._retired:
+                    self._retired.append(self._epoch)
+                if epoch in self._retired:
+                    self._retired.remove(epoch)  # the replay socket says it is current after all
+                self._epoch = epoch
+                self._epoch_info = parse_epoch(epoch)
+        if isinstance(start, StreamPosition):
+            self._seq.resume(start)
+        elif start is not None:
+            self._seq.new_life(start)
 
     def _restart(
         self,
@@ -675,9 +723,7 @@ class RankStream:
         self._out.append(ClearRank(why))
         self._clean = True
         self._reason = why
-        if life is not None:
-            self._adopt(*life, retire=retire)
-        self._seq.new_life(known_horizon)
+        self._adopt(life, retire=retire, start=known_horizon)
         self._exact = True
         self._req.recovered()
         self._req.retries = 0
@@ -742,7 +788,7 @@ class RankStream:
             why = f"publisher epoch changed from {self._epoch!r} to {epoch!r}"
             self._restart(why, 0, (topic, epoch))
         else:
-            self._adopt(topic, epoch)
+            self._adopt((topic, epoch))
         return True
 
     def _behind(self, seq: int, payload: Frame) -> bool:
@@ -837,7 +883,7 @@ class RankStream:
                     return
                 if self._epoch is None:
                     # Adopted, but what was applied before came without one: unproven.
-                    self._adopt(topic, epoch)
+                    self._adopt((topic, epoch))
                 else:
                     same_epoch = True
         if isinstance(r, Snapshot):
@@ -1359,16 +1405,18 @@ class RankStream:
             self._move(Event.CONNECT)
             self._ask_replay(Phase.STARTING, anchored=None)
             self._reason = (
-                "first contact: replaying the publisher's history"
-                if first
-                else "reconnected: checking what the outage lost"
+                "reconnected: checking what the outage lost"
+                if not first
+                else "resumed: checking what was missed since"
+                if self._seq.expected or self._seq.anchor_seq >= 0
+                else "first contact: replaying the publisher's history"
             )
         else:
             self._move(Event.CONNECT_LIVE)
             self._reason = (
-                "first contact: waiting for the first batch"
-                if first
-                else "reconnected: waiting for the next batch"
+                "reconnected: waiting for the next batch"
+                if not first or self._seq.expected
+                else "first contact: waiting for the first batch"
             )
 
     # --- bookkeeping ----------------------------------------------------------------

@@ -12,10 +12,12 @@ reads elsewhere (:func:`kvwire.subscriber.receive.load`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any
@@ -24,14 +26,26 @@ import msgspec
 import zmq
 
 from kvwire.ratelog import RateLimitedLog
+from kvwire.security import SecurityError, ServerKeys
 from kvwire.subscriber import receive
+from kvwire.subscriber.checkpoint import (
+    BackgroundWrite,
+    CheckpointError,
+    CheckpointInfo,
+    Restored,
+    ViewStream,
+    load_file,
+    write_file,
+)
+from kvwire.subscriber.clone import CloneServer, clone_view
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
 from kvwire.subscriber.link import LinkEnv, RankLink
 from kvwire.subscriber.reactor import Reactor
 from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
-from kvwire.subscriber.sink import EventSink, SinkItem
+from kvwire.subscriber.seq import StreamPosition
+from kvwire.subscriber.sink import EventSink, SinkItem, ViewSink
 from kvwire.subscriber.source import EngineSource
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
 from kvwire.subscriber.stream import Phase, RankStream
@@ -73,6 +87,15 @@ class Subscriber:
     waits until a fraction of the ranks are SYNCED, :meth:`is_synced` says
     whether they are now, and :meth:`progress` counts the ranks per state and
     the recoveries still to come.
+
+    A view that outlives the process (a :class:`ViewSink`, ``docs/scaling.md``):
+    ``config.checkpoint`` is loaded at start when valid and written on
+    :meth:`stop` (and every ``config.checkpoint_every`` seconds, and when
+    :meth:`checkpoint` asks); ``config.clone_from`` copies a running peer's view
+    (:meth:`serve_view`) at start. Either way each rank resumes from where the
+    view was taken and asks its publisher's replay buffer only for what it
+    missed since; where the buffer no longer covers that, the rank recovers as
+    a fresh one would (snapshot, or PARTIAL).
     """
 
     def __init__(
@@ -110,6 +133,19 @@ class Subscriber:
         if context is not None:
             check_sockets(context, self._total_ranks(), config.max_replays)
         self._readiness = Readiness(self._total_ranks())
+        self._view_sink: ViewSink | None = sink if isinstance(sink, ViewSink) else None
+        if (config.checkpoint or config.clone_from) and self._view_sink is None:
+            raise TypeError(
+                "checkpoint and clone_from need a sink that exports and imports its view "
+                f"(a ViewSink: export_rank, import_rank, view_format), got {type(sink).__name__}"
+            )
+        self._resume_from: dict[tuple[str, int], StreamPosition] = {}
+        self._restored: Restored | None = None
+        self._refusals: list[str] = []
+        self._restore_cancel = threading.Event()
+        self._writing: BackgroundWrite | None = None
+        self._periodic: asyncio.TimerHandle | None = None
+        self._servers: list[CloneServer] = []
 
     @property
     def config(self) -> SubscriberConfig:
@@ -208,10 +244,11 @@ class Subscriber:
         check_sockets(env.ctx, self._total_ranks(), self._config.max_replays)
         config = self._rank_config(source)
         payloads = self._delivery.payload_sink is not None
-        links = [
-            RankLink(source, endpoints, RankStream(endpoints.rank, config, payloads=payloads), env)
-            for endpoints in source.rank_endpoints()
-        ]
+        links = []
+        for endpoints in source.rank_endpoints():
+            stream = RankStream(endpoints.rank, config, payloads=payloads)
+            self._resume(source.worker_id, endpoints.rank, stream)
+            links.append(RankLink(source, endpoints, stream, env))
         with self._lock:
             self._links[source.worker_id] = links
             for link in links:
@@ -219,6 +256,19 @@ class Subscriber:
         for link in links:
             self._readiness.opened(link, link.stream.state)
         env.contacts.add(links)
+
+    def _resume(self, worker_id: str, rank: int, stream: RankStream) -> None:
+        """Start the rank's stream where a loaded checkpoint or clone left its view."""
+        pos = self._resume_from.pop((worker_id, rank), None)
+        if pos is None:
+            return
+        try:
+            stream.resume(pos)
+        except ValueError as exc:  # the sink's view of the rank is of no position: drop it
+            self._log.note("resume", f"not resumed ({exc}): starting cold", f"worker {worker_id}")
+            sink = self._delivery.sink
+            if sink is not None:
+                sink.clear(worker_id, rank)
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
         with self._lock:
@@ -345,18 +395,31 @@ class Subscriber:
         delivery = self._delivery
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
         env.on_state = self._state_changed
-        delivery.on_backpressure(reactor.hold, self._resume)
+        delivery.on_backpressure(reactor.hold, self._read_on)
+        config = self._config
         try:
-            check_sockets(ctx, self._total_ranks(), self._config.max_replays)
+            check_sockets(ctx, self._total_ranks(), config.max_replays)
+            if config.checkpoint or config.clone_from:
+                self._thread_ready.set()  # start() returns; readiness says when it recovered
+                await asyncio.to_thread(self._restore, ctx)
             for source in self.sources:
                 self._open_source(source)
             self._thread_ready.set()
+            if config.checkpoint_every is not None:
+                self._periodic = loop.call_later(config.checkpoint_every, self._checkpoint_due)
             await self._stop_event.wait()
         finally:
             with self._lock:
                 self._running = False
                 self._finished = True
                 workers = list(self._links)
+            self._restore_cancel.set()
+            for server in self._servers:
+                server.close()
+            if self._periodic is not None:
+                self._periodic.cancel()
+            if config.checkpoint is not None:
+                self._final_checkpoint(config.checkpoint)
             env.contacts.running = False
             for worker_id in workers:
                 self._close_source(worker_id, False)
@@ -377,7 +440,7 @@ class Subscriber:
         env.contacts.more()
         self._log.flush()
 
-    def _resume(self, links: list[RankLink]) -> None:
+    def _read_on(self, links: list[RankLink]) -> None:
         """The iterator's reader caught up: read on from the ranks that waited (their
         monitors too: a signal taken before the wait is not given again)."""
         env = self._env
@@ -389,6 +452,7 @@ class Subscriber:
 
     def _request_stop(self) -> None:
         self._stop_requested = True
+        self._restore_cancel.set()
         if self._stop_event is not None:
             self._stop_event.set()
 
@@ -463,6 +527,219 @@ class Subscriber:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    # --- checkpoints and clones ---------------------------------------------------------
+
+    @property
+    def restored(self) -> Restored | None:
+        """What was loaded at start (a checkpoint or a peer's clone), or None: started cold."""
+        return self._restored
+
+    @property
+    def restore_refusals(self) -> list[str]:
+        """Why each checkpoint or clone offered at start was refused (nothing applied from it)."""
+        return list(self._refusals)
+
+    def _followed(self) -> set[tuple[str, int]]:
+        return {(s.worker_id, e.rank) for s in self.sources for e in s.rank_endpoints()}
+
+    def _restore(self, ctx: zmq.Context[Any]) -> None:
+        """At start, on a worker thread, before any rank connects: clone the peer's view,
+        or else load the checkpoint; the ranks imported resume where it was taken."""
+        config, sink = self._config, self._view_sink
+        assert sink is not None
+        followed = self._followed()
+        restored = None
+        if config.clone_from is not None:
+            try:
+                restored = clone_view(
+                    ctx,
+                    config.clone_from,
+                    sink,
+                    followed,
+                    keys=config.clone_keys,
+                    timeout=config.clone_timeout,
+                    max_bytes=config.clone_max_bytes,
+                    cancel=self._restore_cancel,
+                )
+            except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
+                self._refused(f"clone from {config.clone_from} refused: {exc}")
+        if restored is None and config.checkpoint is not None:
+            try:
+                restored = load_file(config.checkpoint, sink, followed)
+            except FileNotFoundError:
+                log.info("no checkpoint at %s yet: starting cold", config.checkpoint)
+            except (CheckpointError, OSError) as exc:
+                self._refused(f"checkpoint {config.checkpoint} refused: {exc}")
+        if restored is None:
+            return
+        self._restored = restored
+        self._resume_from = dict(restored.positions)
+        log.info(
+            "%s: %d ranks resume from a view %.1f s old (%d bytes in %.3f s; %d records of "
+            "ranks not followed skipped)",
+            restored.source, len(restored.positions), time.time() - restored.created,
+            restored.nbytes, restored.seconds, restored.skipped,
+        )  # fmt: skip
+
+    def _refused(self, why: str) -> None:
+        self._refusals.append(why)
+        log.warning("%s; nothing applied from it", why)
+
+    def _all_links(self) -> list[RankLink]:
+        with self._lock:
+            return [link for links in self._links.values() for link in links]
+
+    def checkpoint(self, path: str | None = None, timeout: float | None = 60.0) -> CheckpointInfo:
+        """Write a checkpoint now (to ``path``, else ``config.checkpoint``); from any thread
+        but the subscriber's loop (there: :meth:`acheckpoint`).
+
+        Every rank SYNCED in sequence is written with the sink's view of it, taken at
+        one instant between the subscriber's inputs, a few ranks at a time, and a
+        thread writes the file (atomically): the live path is not stalled. Returns
+        its size, ranks and duration; raises :class:`CheckpointError` when no rank
+        could be written (the previous checkpoint is kept).
+        """
+        loop = self._loop
+        if loop is None or not self._running:
+            raise RuntimeError("the subscriber is not running")
+        if _in_loop(loop):
+            raise RuntimeError(
+                "checkpoint() would block the subscriber's loop: await acheckpoint()"
+            )
+        out: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(self._begin_checkpoint, path, out)
+        return out.result(timeout)
+
+    async def acheckpoint(self, path: str | None = None) -> CheckpointInfo:
+        """:meth:`checkpoint` for coroutines, on any event loop."""
+        loop = self._loop
+        if loop is None or not self._running:
+            raise RuntimeError("the subscriber is not running")
+        out: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
+        if _in_loop(loop):
+            self._begin_checkpoint(path, out)
+        else:
+            loop.call_soon_threadsafe(self._begin_checkpoint, path, out)
+        return await asyncio.wrap_future(out)
+
+    def _begin_checkpoint(
+        self, path: str | None, out: concurrent.futures.Future[CheckpointInfo] | None
+    ) -> None:
+        """On the loop: start a background write, or queue behind the one under way."""
+        loop, sink = self._loop, self._view_sink
+        try:
+            target = path if path is not None else self._config.checkpoint
+            if target is None:
+                raise ValueError("no checkpoint path: give one, or set config.checkpoint")
+            if sink is None:
+                raise TypeError("checkpoints need a ViewSink (export_rank, import_rank)")
+            if not self._running or loop is None:
+                raise RuntimeError("the subscriber stopped")
+        except Exception as exc:
+            if out is not None:
+                out.set_exception(exc)
+            return
+        busy = self._writing
+        if busy is not None:
+            if out is None:
+                return  # a periodic write while one is under way: skipped
+            busy.future.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self._begin_checkpoint, target, out)
+            )
+            return
+        write = BackgroundWrite(loop.call_later, ViewStream(self._all_links(), sink), target)
+        self._writing = write
+
+        def done(f: concurrent.futures.Future[CheckpointInfo]) -> None:
+            loop.call_soon_threadsafe(self._written, write)
+            if out is not None:
+                exc = f.exception()
+                if exc is not None:
+                    out.set_exception(exc)
+                else:
+                    out.set_result(f.result())
+
+        write.future.add_done_callback(done)
+        write.step()
+
+    def _written(self, write: BackgroundWrite) -> None:
+        if self._writing is write:
+            self._writing = None
+        exc = write.future.exception()
+        if exc is not None:
+            log.warning("checkpoint not written: %s", exc)
+        else:
+            info = write.future.result()
+            log.info(
+                "checkpoint %s written: %d ranks (%d left out), %d bytes in %.3f s",
+                info.path, info.ranks, info.skipped, info.nbytes, info.seconds,
+            )  # fmt: skip
+
+    def _checkpoint_due(self) -> None:
+        every = self._config.checkpoint_every
+        if not self._running or every is None or self._loop is None:
+            return
+        self._begin_checkpoint(None, None)
+        self._periodic = self._loop.call_later(every, self._checkpoint_due)
+
+    def _final_checkpoint(self, path: str) -> None:
+        """On a clean stop, on the loop: the view of every rank written before it closes."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.abort()
+        sink = self._view_sink
+        if sink is None:
+            return
+        start = time.monotonic()
+        view = ViewStream(self._all_links(), sink)
+        try:
+            nbytes = write_file(path, view)
+        except (CheckpointError, OSError) as exc:
+            log.warning("checkpoint %s not written at stop: %s", path, exc)
+            return
+        log.info(
+            "checkpoint %s written at stop: %d ranks (%d left out), %d bytes in %.3f s",
+            path, view.records, view.skipped, nbytes, time.monotonic() - start,
+        )  # fmt: skip
+
+    def serve_view(
+        self, endpoint: str = "tcp://127.0.0.1:*", keys: ServerKeys | None = None,
+        timeout: float = 5.0,
+    ) -> str:  # fmt: skip
+        """Let peers clone this router's view (``config.clone_from``); returns the bound endpoint.
+
+        Binds a ROUTER on ``endpoint`` (loopback by default; anything reachable
+        beyond this host logs a warning, a loud one without ``keys``, the CURVE
+        server keys of :mod:`kvwire.security`). Each clone gets the checkpoint's
+        record stream, made a rank at a time as its credit allows; the engines pay
+        only the replay of what the clone missed. While running; any thread.
+        """
+        loop = self._loop
+        if loop is None or not self._running:
+            raise RuntimeError("serve_view() needs a running subscriber")
+        if self._view_sink is None:
+            raise TypeError("serving a view needs a ViewSink (export_rank, import_rank)")
+        if _in_loop(loop):
+            return self._serve(endpoint, keys)
+        out: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def serve() -> None:
+            try:
+                out.set_result(self._serve(endpoint, keys))
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        loop.call_soon_threadsafe(serve)
+        return out.result(timeout)
+
+    def _serve(self, endpoint: str, keys: ServerKeys | None) -> str:
+        env, loop, sink = self._env, self._loop, self._view_sink
+        if env is None or loop is None or sink is None or not self._running:
+            raise RuntimeError("the subscriber stopped")
+        server = CloneServer(loop, env.ctx, endpoint, self._all_links, sink, keys)
+        self._servers.append(server)
+        return server.endpoint
 
     # --- iterator output ----------------------------------------------------------------
 

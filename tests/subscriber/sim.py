@@ -276,6 +276,7 @@ class Harness:
     ) -> None:
         self.config = config
         self.pub = SimPublisher(buffer_steps, max_replay, seed, kind)
+        self.payloads = payloads
         self.stream = RankStream(rank=0, config=config, payloads=payloads)
         self.sink = RecordingSink()
         self.contiguous = contiguous
@@ -454,6 +455,27 @@ class Harness:
             self.connect()
             self.publish("store", "deliver")
 
+    def resume(self) -> None:
+        """The router stops and a new one starts from a checkpoint: the stream's position
+        and the sink's contents as of one instant, or cold (an empty view) where the
+        stream has no position. The new one connects afresh.
+
+        Without replay a restart under the same topic shows only in its first batch
+        (see :meth:`restart`): there the old router reads what reached it before it stops.
+        """
+        if not self.config.replay:
+            self.deliver_live(len(self.pipe))
+        pos = self.stream.position()
+        self.up = False
+        self.pipe.clear()
+        self.drop_replies()
+        self.stream = RankStream(rank=0, config=self.config, payloads=self.payloads)
+        if pos is None:
+            self.clear("a cold start")
+        else:
+            self.stream.resume(pos)
+        self.connect()
+
     def old_life(self) -> None:
         """A live message of the publisher's previous life arrives now (a half-open
         connection, a proxy in between): the one at the stream's next seq if that
@@ -506,6 +528,8 @@ class Harness:
             self.restart(same_epoch=True)
         elif name == "old_life":
             self.old_life()
+        elif name == "resume":
+            self.resume()
         else:
             raise AssertionError(f"unknown op {op!r}")
 

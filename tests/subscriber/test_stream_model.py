@@ -6,7 +6,9 @@ block the engine does not hold, or is STALE (only where the publisher can
 prove nothing about an idle tail) and holds no block beyond the last batch it
 applied. Along the way, batches of two publisher lives are never mixed
 without a clear, and applies are in seq order. Publishers are the engines'
-own (no epoch) or kvwire's, with and without heartbeats and snapshots.
+own (no epoch) or kvwire's, with and without heartbeats and snapshots. A router
+may stop and a new one resume from the stream's position and the sink's contents
+(a checkpoint): its applies must continue the same sequence.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def ops(replay: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
         st.just(("restart_same_epoch",)),
         st.just(("old_life",)),
         st.just(("early_data",)),
+        st.just(("resume",)),
     ]
     if replay:
         choices += [
@@ -121,7 +124,7 @@ _LONG_OPS = (
     ["publish"] * 3
     + ["deliver_live"] * 2
     + ["tick", "disconnect", "connect", "connect", "restart", "early_data"]
-    + ["restart_same_epoch", "old_life"]
+    + ["restart_same_epoch", "old_life", "resume"]
 )
 _REPLAY_OPS = ["serve", "serve", "deliver_replies", "deliver_replies"]
 _REPLAY_OPS += ["drop_replies", "stale_reply", "garbage_reply", "drop_chunk"]

@@ -1,0 +1,591 @@
+"""A router's view saved and restored: one record stream, written to a file or sent to a peer.
+
+The same bytes are a checkpoint file and a peer clone's stream
+(:mod:`kvwire.subscriber.clone`): one format, two transports. Version 1,
+integers big-endian::
+
+    MAGIC    8 bytes  b"KVWVIEW\\n"
+    VERSION  u16      1
+    frame*            kind (1 byte), length (u64), body (msgpack)
+      b"H"  header    Header: view_format, created, fleet [[worker_id, rank, endpoint]]
+      b"R"  record    Record: worker_id, rank, position (StreamPosition), blob
+      b"E"  end       End: records
+    CRC      u32      zlib.crc32 of every byte before it
+
+One header first, a record per rank whose stream had a position (SYNCED, in
+sequence, nothing held: :meth:`RankStream.position`), one end last. A
+record's position and blob (:meth:`ViewSink.export_rank`) are taken at the
+same instant on the subscriber's thread, rank by rank, so the file is
+consistent per rank without stopping the fleet; ranks are independent.
+
+Both sides stream: :class:`ViewStream` makes the bytes a piece (a frame) at a
+time, and :class:`Decoder` reads them from chunks of any size holding at most
+one frame, so a 1 GB view is never held whole. A file or stream that is not
+exactly this (another magic or version, a truncated or altered byte, a frame
+larger than allowed, a sink of another ``view_format``, no rank this router
+follows) raises :class:`CheckpointError` saying why, and nothing of it is
+applied: a file is checked whole before a record is imported, a clone's
+imports are cleared again (:class:`Restorer`).
+
+Files are written atomically (:func:`write_file`): a temporary file in the
+same directory, fsync, rename over the old one, fsync of the directory; a
+crash at any point leaves the old checkpoint (or none) in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import struct
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, cast
+
+import msgspec
+
+from kvwire.subscriber.seq import StreamPosition
+from kvwire.subscriber.sink import EventSink, ViewSink
+
+if TYPE_CHECKING:
+    from kvwire.subscriber.link import RankLink
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Decoder",
+    "End",
+    "Header",
+    "Record",
+    "Restored",
+    "Restorer",
+    "ViewStream",
+    "load_file",
+    "write_file",
+]
+
+log = logging.getLogger("kvwire.subscriber.checkpoint")
+
+MAGIC = b"KVWVIEW\n"
+VERSION = 1
+_PREAMBLE = struct.Struct(">8sH")
+_FRAME = struct.Struct(">cQ")
+_CRC = struct.Struct(">I")
+_HEADER, _RECORD, _END = b"H", b"R", b"E"
+MAX_FRAME = 4 << 30
+"""The largest frame a reader accepts unless told less: one rank's blob is at most this."""
+_READ_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or clone stream refused; the message says why. Nothing was applied."""
+
+
+class Header(msgspec.Struct, frozen=True, kw_only=True):
+    """What a view holds: the sink's format, when it was taken, and every rank followed."""
+
+    view_format: bytes
+    created: float
+    """Wall-clock seconds (``time.time()``) when the first record was taken."""
+    fleet: list[tuple[str, int, str]]
+    """Every rank the router followed: ``(worker_id, rank, endpoint)``."""
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's view as of one instant: its stream position and the sink's bytes."""
+
+    worker_id: str
+    rank: int
+    position: StreamPosition
+    blob: bytes
+
+
+class End(msgspec.Struct, frozen=True, kw_only=True):
+    records: int
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a write produced."""
+
+    path: str
+    nbytes: int
+    ranks: int
+    """Records written (ranks with a position)."""
+    skipped: int
+    """Ranks followed but left out (not SYNCED and in sequence): they start cold."""
+    seconds: float
+
+
+class Restored(msgspec.Struct, frozen=True, kw_only=True):
+    """What a load or clone applied."""
+
+    source: str
+    positions: dict[tuple[str, int], StreamPosition]
+    """The ranks whose views were imported, and where their streams resume."""
+    skipped: int
+    """Records of ranks this router does not follow."""
+    nbytes: int
+    seconds: float
+    created: float
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec_header = msgspec.msgpack.Decoder(Header)
+_dec_record = msgspec.msgpack.Decoder(Record)
+_dec_end = msgspec.msgpack.Decoder(End)
+
+
+class Encoder:
+    """Makes the format's pieces (one frame each) and keeps the running CRC."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+        self.nbytes = 0
+        self.records = 0
+
+    def _out(self, data: bytes) -> bytes:
+        self.crc = zlib.crc32(data, self.crc)
+        self.nbytes += len(data)
+        return data
+
+    def _frame(self, kind: bytes, body: bytes) -> bytes:
+        return _FRAME.pack(kind, len(body)) + body
+
+    def start(self, header: Header) -> bytes:
+        return self._out(_PREAMBLE.pack(MAGIC, VERSION) + self._frame(_HEADER, _enc.encode(header)))
+
+    def record(self, record: Record) -> bytes:
+        self.records += 1
+        return self._out(self._frame(_RECORD, _enc.encode(record)))
+
+    def end(self) -> bytes:
+        body = self._out(self._frame(_END, _enc.encode(End(records=self.records))))
+        trailer = _CRC.pack(self.crc)
+        self.nbytes += len(trailer)
+        return body + trailer
+
+
+Item = Header | Record | End
+
+
+class Decoder:
+    """Reads the format from chunks of any size (sans-I/O): :meth:`feed` returns what completed.
+
+    Holds at most one frame (``max_frame`` bytes) and the chunk being read.
+    ``records=False`` checks framing and CRC only (records are counted, not
+    decoded): a file's first pass. Raises :class:`CheckpointError`.
+    """
+
+    def __init__(self, *, max_frame: int = MAX_FRAME, records: bool = True) -> None:
+        self._buf = bytearray()
+        self._crc = 0
+        self._stage = 0  # 0 preamble, 1 header frame, 2 records/end, 3 crc, 4 done
+        self._max_frame = max_frame
+        self._decode_records = records
+        self.records = 0
+        self.nbytes = 0
+
+    @property
+    def done(self) -> bool:
+        """The whole stream was read and its CRC matched."""
+        return self._stage == 4
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Item]:
+        if self._stage == 4:
+            if len(data):
+                raise CheckpointError("bytes after the end of the view")
+            return []
+        self.nbytes += len(data)
+        buf = self._buf
+        buf += data
+        out: list[Item] = []
+        pos = 0
+        while True:
+            if self._stage == 0:
+                if len(buf) - pos < _PREAMBLE.size:
+                    if not MAGIC.startswith(bytes(buf[: len(MAGIC)])):
+                        raise CheckpointError("not a kvwire view (checkpoint) file: wrong magic")
+                    break
+                magic, version = _PREAMBLE.unpack_from(buf, pos)
+                if magic != MAGIC:
+                    raise CheckpointError("not a kvwire view (checkpoint) file: wrong magic")
+                if version != VERSION:
+                    raise CheckpointError(
+                        f"format version {version}, this kvwire reads version {VERSION} only"
+                    )
+                self._crc = zlib.crc32(buf[pos : pos + _PREAMBLE.size], self._crc)
+                pos += _PREAMBLE.size
+                self._stage = 1
+            elif self._stage == 3:
+                if len(buf) - pos < _CRC.size:
+                    break
+                (crc,) = _CRC.unpack_from(buf, pos)
+                pos += _CRC.size
+                if crc != self._crc:
+                    raise CheckpointError("checksum mismatch: the view was altered or damaged")
+                if len(buf) > pos:
+                    raise CheckpointError("bytes after the end of the view")
+                self._stage = 4
+                break
+            else:
+                if len(buf) - pos < _FRAME.size:
+                    break
+                kind, length = _FRAME.unpack_from(buf, pos)
+                if length > self._max_frame:
+                    raise CheckpointError(
+                        f"a frame of {length} bytes, more than the {self._max_frame} allowed "
+                        "(damaged, or another router's limits)"
+                    )
+                end = pos + _FRAME.size + length
+                if len(buf) < end:
+                    break
+                body = memoryview(buf)[pos + _FRAME.size : end]
+                try:
+                    item = self._frame(kind, body)
+                finally:
+                    body.release()
+                self._crc = zlib.crc32(memoryview(buf)[pos:end], self._crc)
+                pos = end
+                if item is not None:
+                    out.append(item)
+        del buf[:pos]
+        return out
+
+    def _frame(self, kind: bytes, body: memoryview) -> Item | None:
+        try:
+            if self._stage == 1:
+                if kind != _HEADER:
+                    raise CheckpointError("no header at the start of the view")
+                self._stage = 2
+                return _dec_header.decode(body)
+            if kind == _RECORD:
+                self.records += 1
+                return _dec_record.decode(body) if self._decode_records else None
+            if kind == _END:
+                end = _dec_end.decode(body)
+                if end.records != self.records:
+                    raise CheckpointError(
+                        f"the end says {end.records} records, {self.records} were read"
+                    )
+                self._stage = 3
+                return end
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"an unreadable {kind!r} frame: {exc}") from None
+        raise CheckpointError(f"an unknown frame kind {kind!r}")
+
+    def finish(self) -> None:
+        """The input ended: raise unless the stream was complete."""
+        if self._stage != 4:
+            raise CheckpointError(
+                f"truncated: the view ends after {self.nbytes} bytes, before its end"
+            )
+
+
+class Restorer:
+    """Applies a view's items to a sink as they are read, or undoes them all.
+
+    ``followed``: the (worker_id, rank) this router follows; records of other
+    ranks are skipped and counted, and a view with none of these is another
+    fleet's and refused. On any refusal :meth:`rollback` clears the ranks
+    imported so far, leaving the sink as it was at start.
+    """
+
+    def __init__(self, sink: ViewSink, followed: Iterable[tuple[str, int]], source: str) -> None:
+        self._sink = sink
+        self._followed = frozenset(followed)
+        self._source = source
+        self._imported: dict[tuple[str, int], StreamPosition] = {}
+        self._skipped = 0
+        self._header: Header | None = None
+        self._start = time.monotonic()
+        self._end: End | None = None
+
+    def check_header(self, header: Header) -> None:
+        want = self._sink.view_format()
+        if header.view_format != want:
+            raise CheckpointError(
+                f"written by a sink of view format {header.view_format!r}, this router's "
+                f"is {want!r}"
+            )
+        fleet = {(w, r) for w, r, _ in header.fleet}
+        if not fleet & self._followed:
+            raise CheckpointError(
+                f"another fleet's view: none of its {len(fleet)} ranks is followed here"
+            )
+        self._header = header
+
+    def take(self, item: Item) -> None:
+        if isinstance(item, Header):
+            self.check_header(item)
+        elif isinstance(item, Record):
+            key = (item.worker_id, item.rank)
+            if key not in self._followed:
+                self._skipped += 1
+                return
+            if key in self._imported:
+                raise CheckpointError(f"two records of worker {key[0]} rank {key[1]}")
+            try:
+                self._sink.import_rank(item.worker_id, item.rank, item.blob)
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"the sink refused worker {key[0]} rank {key[1]}'s view: {exc}"
+                ) from None
+            self._imported[key] = item.position
+        else:
+            self._end = item
+
+    def rollback(self) -> None:
+        for worker_id, rank in self._imported:
+            with contextlib.suppress(Exception):
+                cast(EventSink, self._sink).clear(worker_id, rank)
+        self._imported.clear()
+
+    def finish(self, nbytes: int) -> Restored:
+        if self._header is None or self._end is None:
+            raise CheckpointError("truncated: the view has no end")
+        if not self._imported and self._end.records:
+            raise CheckpointError(
+                f"another fleet's view: none of its {self._end.records} records is of a rank "
+                "followed here"
+            )
+        return Restored(
+            source=self._source,
+            positions=dict(self._imported),
+            skipped=self._skipped,
+            nbytes=nbytes,
+            seconds=time.monotonic() - self._start,
+            created=self._header.created,
+        )
+
+
+def _chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            yield chunk
+
+
+def load_file(
+    path: str, sink: ViewSink, followed: Iterable[tuple[str, int]], *, max_frame: int = MAX_FRAME
+) -> Restored:
+    """Check the checkpoint at ``path`` whole (framing and CRC), then import its records.
+
+    Raises :class:`CheckpointError` (nothing applied) for a file that is not a
+    valid checkpoint of this sink's format holding a rank in ``followed``, and
+    ``OSError`` when it cannot be read (``FileNotFoundError``: there is none).
+    """
+    size = os.path.getsize(path)
+    check = Decoder(max_frame=min(max_frame, size), records=False)
+    for chunk in _chunks(path):
+        check.feed(chunk)
+    check.finish()
+    restorer = Restorer(sink, followed, f"checkpoint {path}")
+    decoder = Decoder(max_frame=min(max_frame, size))
+    try:
+        for chunk in _chunks(path):
+            for item in decoder.feed(chunk):
+                restorer.take(item)
+        decoder.finish()  # (the file changed since it was checked)
+        return restorer.finish(decoder.nbytes)
+    except BaseException:
+        restorer.rollback()
+        raise
+
+
+def write_file(path: str, pieces: Iterable[bytes]) -> int:
+    """Write ``pieces`` to ``path`` atomically; the bytes written.
+
+    A temporary file in the same directory, fsync, rename over ``path``,
+    fsync of the directory. Any failure (or a crash) leaves what was at
+    ``path`` before; the temporary file is removed unless the process died.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    nbytes = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+                nbytes += len(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        _rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return nbytes
+
+
+def _rename(tmp: str, path: str) -> None:
+    os.replace(tmp, path)
+
+
+class ViewStream:
+    """The view of ``ranks`` as the format's pieces, made one at a time on the subscriber's thread.
+
+    Each :meth:`next` takes at most one rank: its position and the sink's
+    bytes for it at that instant. A rank without a position (not SYNCED in
+    sequence), or closed meanwhile, or whose export raises, is left out; a view
+    with no rank at all raises :class:`CheckpointError` at its end (so no empty
+    checkpoint replaces a useful one).
+    """
+
+    def __init__(self, ranks: Sequence[RankLink], sink: ViewSink) -> None:
+        self._ranks = list(ranks)
+        self._sink = sink
+        self._enc = Encoder()
+        self._i = 0
+        self._stage = 0
+        self.skipped = 0
+        self.header = Header(
+            view_format=sink.view_format(),
+            created=time.time(),
+            fleet=[(r.worker_id, r.rank, r.endpoints.endpoint) for r in self._ranks],
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self._enc.nbytes
+
+    @property
+    def records(self) -> int:
+        return self._enc.records
+
+    def next(self) -> bytes | None:
+        """The next piece, or None after the last (the end and its CRC)."""
+        if self._stage == 0:
+            self._stage = 1
+            return self._enc.start(self.header)
+        while self._i < len(self._ranks):
+            link = self._ranks[self._i]
+            self._i += 1
+            pos = None if link.closed else link.stream.position()
+            if pos is None:
+                self.skipped += 1
+                continue
+            try:
+                blob = self._sink.export_rank(link.worker_id, link.rank)
+            except Exception:
+                log.exception("export_rank failed for worker %s rank %s", link.worker_id, link.rank)
+                self.skipped += 1
+                continue
+            return self._enc.record(
+                Record(worker_id=link.worker_id, rank=link.rank, position=pos, blob=blob)
+            )
+        if self._stage == 1:
+            self._stage = 2
+            if not self._enc.records:
+                raise CheckpointError(
+                    f"no rank is SYNCED in sequence ({self.skipped} followed): nothing to save"
+                )
+            return self._enc.end()
+        return None
+
+    def __iter__(self) -> Iterator[bytes]:
+        while (piece := self.next()) is not None:
+            yield piece
+
+
+_SLICE_S = 0.002
+"""How long one slice of a background checkpoint takes ranks on the subscriber's thread."""
+_PENDING_BYTES = 64 << 20
+"""Bytes taken but not yet written, at most: past it, slices wait for the writer."""
+_WAIT_S = 0.005
+
+
+class BackgroundWrite:
+    """A checkpoint taken in slices on the loop and written by a thread of its own.
+
+    Each slice takes ranks for :data:`_SLICE_S` at most (between the
+    subscriber's inputs, so each rank's position and bytes are of one
+    instant); the writer thread writes them as they come (:func:`write_file`)
+    and at most :data:`_PENDING_BYTES` wait between the two. ``future``
+    gets the :class:`CheckpointInfo` or the error.
+    """
+
+    def __init__(
+        self,
+        call_later: Callable[[float, Callable[[], None]], object],
+        view: ViewStream,
+        path: str,
+    ) -> None:
+        self.future: Future[CheckpointInfo] = Future()
+        self._call_later = call_later
+        self._view = view
+        self._path = path
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._error: Exception | None = None
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._write, name="kvwire-checkpoint", daemon=True)
+        self._thread.start()
+
+    def step(self) -> None:
+        """One slice on the loop; schedules the next until the view is taken."""
+        if self._aborted:
+            return
+        deadline = time.monotonic() + _SLICE_S
+        while True:
+            with self._lock:
+                if self._pending > _PENDING_BYTES:
+                    break
+            try:
+                piece = self._view.next()
+            except Exception as exc:  # (no rank to save): the writer removes its file
+                self._error = exc
+                piece = None
+            if piece is None:
+                self._queue.put(None)
+                return
+            with self._lock:
+                self._pending += len(piece)
+            self._queue.put(piece)
+            if time.monotonic() >= deadline:
+                break
+        self._call_later(_WAIT_S if self._pending > _PENDING_BYTES else 0.0, self.step)
+
+    def abort(self) -> None:
+        """Stop taking ranks; the writer removes its temporary file."""
+        if not self._aborted:
+            self._aborted = True
+            self._queue.put(None)
+
+    def _pieces(self) -> Iterator[bytes]:
+        while (piece := self._queue.get()) is not None:
+            with self._lock:
+                self._pending -= len(piece)
+            yield piece
+        if self._error is not None:
+            raise self._error
+        if self._aborted:
+            raise CheckpointError("the checkpoint was abandoned (the subscriber stopped)")
+
+    def _write(self) -> None:
+        try:
+            nbytes = write_file(self._path, self._pieces())
+        except BaseException as exc:
+            self.future.set_exception(exc)
+            return
+        self.future.set_result(
+            CheckpointInfo(
+                path=self._path,
+                nbytes=nbytes,
+                ranks=self._view.records,
+                skipped=self._view.skipped,
+                seconds=time.monotonic() - self._start,
+            )
+        )

@@ -1,0 +1,271 @@
+"""Clone a running router's view (the ZeroMQ Guide's Clone pattern, with credit-based flow).
+
+The bytes are a checkpoint's (:mod:`kvwire.subscriber.checkpoint`): one
+format, two transports. A router that serves its view binds a ROUTER
+(:class:`CloneServer`, on the subscriber's loop); a new replica connects a
+DEALER (:func:`clone_view`, before it connects to the engines). Messages,
+each starting with :data:`PROTOCOL`::
+
+    client -> server   [PROTOCOL, b"OPEN"]             start a session: the view as of now
+                       [PROTOCOL, b"CREDIT", u32 n]    n more pieces may be sent
+    server -> client   [PROTOCOL, b"DATA", piece]      the next piece (one frame of the format)
+                       [PROTOCOL, b"END"]              no more pieces
+                       [PROTOCOL, b"ERROR", text]      refused (too many sessions, no view)
+
+The server makes each piece when a credit allows it, on the subscriber's
+thread and one rank at a time (as a background checkpoint does), so a view
+of 20 M blocks is never built whole and its ranks are each taken at one
+instant between the fleet's inputs. The client keeps at most
+``window`` pieces in flight (the Guide's credit-based flow control of its
+file-transfer example), stops at ``max_bytes`` in all and at ``timeout``
+seconds without a piece, and refuses a truncated or altered stream, another
+sink format or another fleet's view, clearing whatever it imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import zmq
+
+from kvwire.security import ClientKeys, ServerKeys, secure_client, secure_server, warn_if_exposed
+from kvwire.subscriber.checkpoint import (
+    CheckpointError,
+    Decoder,
+    Restored,
+    Restorer,
+    ViewStream,
+)
+from kvwire.subscriber.sink import ViewSink
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from kvwire.subscriber.link import RankLink
+
+__all__ = ["PROTOCOL", "CloneServer", "clone_view"]
+
+log = logging.getLogger("kvwire.subscriber.clone")
+
+PROTOCOL = b"kvw-clone/1"
+_OPEN, _CREDIT, _DATA, _END, _ERROR = b"OPEN", b"CREDIT", b"DATA", b"END", b"ERROR"
+_U32 = struct.Struct(">I")
+MAX_SESSIONS = 4
+"""Clones served at once; a further client is refused (it starts cold or from its checkpoint)."""
+SESSION_IDLE_S = 30.0
+"""A session whose client sends no credit for this long is dropped."""
+_MAX_CREDIT = 64  # pieces one client may have granted at once
+_SNDHWM = 2 * _MAX_CREDIT
+
+
+class _Session:
+    __slots__ = ("credit", "last", "view")
+
+    def __init__(self, view: ViewStream, now: float) -> None:
+        self.view = view
+        self.credit = 0
+        self.last = now
+
+
+class CloneServer:
+    """Serves the subscriber's view on ``endpoint`` to cloning peers, on ``loop``.
+
+    ``links``: the ranks followed now (called at each session's start);
+    ``keys``: CURVE server keys (:class:`kvwire.security.ServerKeys`). The
+    endpoint binds as given: a bind reachable beyond this host logs a warning
+    (:func:`kvwire.security.warn_if_exposed`), a loud one without keys.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        links: Callable[[], Sequence[RankLink]],
+        sink: ViewSink,
+        keys: ServerKeys | None = None,
+    ) -> None:
+        self._loop = loop
+        self._links = links
+        self._sink = sink
+        self._sessions: dict[bytes, _Session] = {}
+        sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            sock.setsockopt(zmq.RCVHWM, 1000)
+            sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # clients send only small requests
+            if keys is not None:
+                secure_server(sock, keys)
+            sock.bind(endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        warn_if_exposed(log, self.endpoint, "clone service (Subscriber.serve_view)",
+                        secured=keys is not None)  # fmt: skip
+        self.served = 0
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._readable)
+        self._timer = loop.call_later(SESSION_IDLE_S, self._expire)
+        self._closed = False
+        loop.call_soon(self._readable)  # (a ZeroMQ descriptor signals edges only)
+
+    def _readable(self) -> None:
+        sock = self._sock
+        while not self._closed and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self._on_request(frames)
+            except Exception:
+                log.exception("clone service: request failed")
+
+    def _send(self, ident: bytes, *frames: bytes) -> bool:
+        try:
+            self._sock.send_multipart([ident, PROTOCOL, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError:  # the client went away (or cannot take more): its session ends
+            self._sessions.pop(ident, None)
+            return False
+        return True
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) < 3 or frames[1] != PROTOCOL:
+            return  # not a clone client's: nothing to answer
+        ident, verb = frames[0], frames[2]
+        now = time.monotonic()
+        if verb == _OPEN:
+            self._sessions.pop(ident, None)
+            if len(self._sessions) >= MAX_SESSIONS:
+                self._send(ident, _ERROR, b"busy: too many clones served at once")
+                return
+            try:
+                view = ViewStream(self._links(), self._sink)
+            except Exception as exc:
+                self._send(ident, _ERROR, f"no view to serve: {exc}".encode())
+                return
+            self._sessions[ident] = _Session(view, now)
+            self.served += 1
+        elif verb == _CREDIT and len(frames) == 4 and len(frames[3]) == _U32.size:
+            session = self._sessions.get(ident)
+            if session is None:
+                return
+            session.credit = min(_MAX_CREDIT, session.credit + _U32.unpack(frames[3])[0])
+            session.last = now
+            self._pump(ident, session)
+
+    def _pump(self, ident: bytes, session: _Session) -> None:
+        """Send what the client's credit allows, each piece made now."""
+        while session.credit > 0:
+            try:
+                piece = session.view.next()
+            except CheckpointError as exc:
+                self._sessions.pop(ident, None)
+                self._send(ident, _ERROR, str(exc).encode())
+                return
+            if piece is None:
+                self._sessions.pop(ident, None)
+                self._send(ident, _END)
+                return
+            if not self._send(ident, _DATA, piece):
+                return
+            session.credit -= 1
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for ident, session in list(self._sessions.items()):
+            if now - session.last > SESSION_IDLE_S:
+                del self._sessions[ident]
+        self._timer = self._loop.call_later(SESSION_IDLE_S, self._expire)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._timer.cancel()
+        self._loop.remove_reader(self._fd)
+        self._sessions.clear()
+        self._sock.close(linger=0)
+
+
+def clone_view(
+    ctx: zmq.Context[Any],
+    endpoint: str,
+    sink: ViewSink,
+    followed: Iterable[tuple[str, int]],
+    *,
+    keys: ClientKeys | None = None,
+    timeout: float = 10.0,
+    max_bytes: int = 4 << 30,
+    window: int = 8,
+    cancel: threading.Event | None = None,
+) -> Restored:
+    """Copy the view served at ``endpoint`` into ``sink`` (blocking; not on a loop).
+
+    Returns the positions the ranks resume from. Raises
+    :class:`~kvwire.subscriber.checkpoint.CheckpointError` (with every rank it
+    imported cleared again) when the peer is silent for ``timeout`` seconds,
+    refuses, sends more than ``max_bytes``, or sends anything but a complete
+    view of this sink's format holding a rank in ``followed``.
+    """
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, min(max_bytes + 64, 2**63 - 1))
+    sock.setsockopt(zmq.RCVHWM, window + 2)
+    restorer = Restorer(sink, followed, f"clone from {endpoint}")
+    decoder = Decoder(max_frame=max_bytes)
+    received = 0
+    try:
+        if keys is not None:
+            secure_client(sock, keys)
+        sock.connect(endpoint)
+        sock.send_multipart([PROTOCOL, _OPEN])
+        sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(window)])
+        silent_since = time.monotonic()
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise CheckpointError("the clone was abandoned (the subscriber stopped)")
+            if not sock.poll(100):
+                if time.monotonic() - silent_since > timeout:
+                    raise CheckpointError(
+                        f"the peer sent nothing for {timeout} s after {received} bytes "
+                        "(it died, stalled or is not serving its view)"
+                    )
+                continue
+            frames = sock.recv_multipart()
+            silent_since = time.monotonic()
+            if len(frames) < 2 or frames[0] != PROTOCOL:
+                raise CheckpointError("the peer does not speak the clone protocol")
+            verb = frames[1]
+            if verb == _DATA and len(frames) == 3:
+                piece = frames[2]
+                received += len(piece)
+                if received > max_bytes:
+                    raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
+                for item in decoder.feed(piece):
+                    restorer.take(item)
+                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
+            elif verb == _END:
+                decoder.finish()
+                return restorer.finish(received)
+            elif verb == _ERROR:
+                text = frames[2].decode(errors="replace") if len(frames) > 2 else ""
+                raise CheckpointError(f"the peer refused: {text}")
+            else:
+                raise CheckpointError(f"an unknown clone message {verb!r}")
+    except BaseException:
+        restorer.rollback()
+        raise
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.close(linger=0)
