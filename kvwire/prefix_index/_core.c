@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __linux__
@@ -512,7 +513,16 @@ typedef struct {
     size_t bytes; /* of memory behind a (at least cap * rs) */
     Arena *arena; /* where its mid-sized arrays come from (below), or NULL */
     int in_arena; /* a is one */
+    size_t *acct; /* the index's running count of table bytes (arena chunks apart), or NULL */
 } Table;
+
+/* What a table adds to its index's memory: its array, unless an arena chunk
+ * (counted whole) holds it. */
+static inline size_t t_own_bytes(const Table *t) { return t->in_arena ? 0 : t->bytes; }
+
+static inline void t_account(const Table *t, size_t before) {
+    if (t->acct) *t->acct += t_own_bytes(t) - before; /* wraps back when it shrinks */
+}
 
 /* A growing index allocates a table twice the size at every doubling, and
  * faulting its fresh pages in one at a time, as the inserts first touch
@@ -764,6 +774,7 @@ static int shift_for(size_t cap) {
  * their old slot at a doubling: one sequential pass over both tables, no
  * cache or TLB miss per record. */
 __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap, Occupied occ) {
+    const size_t before = t_own_bytes(t);
     if (cap == 0) {
         t_free(t);
         t->a = NULL;
@@ -771,6 +782,7 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
         t->cap = 0;
         t->count = 0;
         t->bytes = 0;
+        t_account(t, before);
         return 0;
     }
     size_t bytes = cap * t->rs;
@@ -800,6 +812,7 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
     t->shift = shift;
     t->bytes = bytes;
     t->in_arena = in_arena;
+    t_account(t, before);
     return 0;
 }
 
@@ -946,8 +959,12 @@ typedef struct {
     Table entries;
     Table multi;
     size_t detached;
-    int over_cap; /* a store was refused at max_entries since the last clear */
+    int over_cap; /* CAP_BLOCKS | CAP_BYTES: why stores were refused since the last clear */
+    size_t hint;  /* blocks reserve() said the rank will hold (0: none); kept over clears */
 } Rank;
+
+#define CAP_BLOCKS 1 /* a store would have taken the rank past max_entries */
+#define CAP_BYTES 2  /* a store would have taken the index past max_bytes */
 
 
 typedef struct {
@@ -959,6 +976,9 @@ typedef struct {
     size_t nranks;
     size_t max_entries; /* engine hashes a rank may hold; 0: no bound */
     size_t expected;    /* blocks a rank is expected to hold (tables presized); 0: none */
+    size_t max_bytes;   /* the tables' memory budget; 0: none */
+    size_t mem;         /* bytes of every table array outside the arena (Table.acct) */
+    size_t hinted;      /* sum over ranks of what reserve() asked past `expected` */
     Arena arena; /* the rank tables' mid-sized arrays */
     Scratch tok, keys, hashes;
     /* apply_payload's first pass: hashes, block sums, events */
@@ -980,8 +1000,9 @@ typedef struct {
     PyObject *limits;
     KvLimits lim;
     int lim_bad; /* a bound the native path does not read: the general way */
-    /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused */
-    Py_ssize_t counts[5];
+    /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused;
+     * and refusals at max_bytes (any path: the Python one adds none) */
+    Py_ssize_t counts[6];
 } Index;
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -993,15 +1014,17 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->tiers = 1;
     self->nodes.rs = NODE_HEAD + 8;
     self->nodes.homed = 1;
+    self->nodes.acct = &self->mem;
     return (PyObject *)self;
 }
 
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"max_entries", "expected_blocks_per_rank", NULL};
-    Py_ssize_t max_entries = 0, expected = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n$n", kwlist, &max_entries, &expected)) return -1;
-    if (max_entries < 0) {
-        PyErr_SetString(PyExc_ValueError, "max_entries must be >= 0 (0: no bound)");
+    static char *kwlist[] = {"max_entries", "expected_blocks_per_rank", "max_bytes", NULL};
+    Py_ssize_t max_entries = 0, expected = 0, max_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|n$nn", kwlist, &max_entries, &expected, &max_bytes))
+        return -1;
+    if (max_entries < 0 || max_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_entries and max_bytes must be >= 0 (0: no bound)");
         return -1;
     }
     /* Memory is taken for it up front (90-140 B a block a rank): a hint is
@@ -1012,6 +1035,7 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     }
     self->max_entries = (size_t)max_entries;
     self->expected = (size_t)expected;
+    self->max_bytes = (size_t)max_bytes;
     return 0;
 }
 
@@ -1020,6 +1044,13 @@ static void rank_free(Rank *r) {
     t_rehash(&r->multi, 0, multi_occ);
     r->detached = 0;
     r->over_cap = 0;
+}
+
+/* The shared table's floor: a node for every block the ranks are expected
+ * (expected_blocks_per_rank) or hinted (reserve) to hold. */
+static void nodes_floor_update(Index *self) {
+    size_t want = self->expected * self->nranks + self->hinted;
+    self->nodes.floor = want ? cap_for(want) : 0;
 }
 
 static void Index_dealloc(Index *self) {
@@ -1060,9 +1091,11 @@ static int relayout(Index *self, size_t words, size_t tiers) {
                 for (size_t k = 0; k < self->tiers; k++) nm[w * tiers + k] = om[w * self->tiers + k];
             }
         }
+        const size_t before = t_own_bytes(t);
         table_free(t->a, t->bytes);
         t->a = a;
         t->bytes = bytes;
+        t_account(t, before);
     }
     t->rs = rs;
     self->words = words;
@@ -1155,33 +1188,56 @@ static int check_sid(Index *self, PyObject *o, size_t *sid) {
     return 0;
 }
 
-/* ensure_rank(sid): make room for rank slot sid. */
-static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
-    Py_ssize_t s = PyLong_AsSsize_t(arg);
-    if (s == -1 && PyErr_Occurred()) return NULL;
-    if (s < 0 || s > (1 << 24)) {
-        PyErr_Format(PyExc_ValueError, "rank slot %zd out of range", s);
-        return NULL;
-    }
-    size_t need = (size_t)s + 1;
+/* The floor of a rank's table: for expected_blocks_per_rank, or its hint. */
+static size_t rank_floor(const Index *self, const Rank *rk) {
+    size_t n = rk->hint > self->expected ? rk->hint : self->expected;
+    return n ? cap_for(n) : 0;
+}
+
+/* A rank slot, as it is before any use. */
+static void rank_init(Index *self, Rank *rk) {
+    memset(rk, 0, sizeof *rk);
+    rk->entries.rs = sizeof(Entry);
+    rk->entries.arena = &self->arena;
+    rk->entries.floor = rank_floor(self, rk);
+    rk->entries.acct = &self->mem;
+    rk->multi.rs = sizeof(Multi);
+    rk->multi.acct = &self->mem;
+}
+
+/* Room for rank slot s (a valid slot number; 0, or -1 with an exception). */
+static int ensure_slot(Index *self, size_t s) {
+    size_t need = s + 1;
     if (need > self->nranks) {
         Rank *r = PyMem_Realloc(self->ranks, need * sizeof(Rank));
-        if (!r) return PyErr_NoMemory();
-        memset(r + self->nranks, 0, (need - self->nranks) * sizeof(Rank));
-        for (size_t i = self->nranks; i < need; i++) {
-            r[i].entries.rs = sizeof(Entry);
-            r[i].entries.arena = &self->arena;
-            r[i].entries.floor = self->expected ? cap_for(self->expected) : 0;
-            r[i].multi.rs = sizeof(Multi);
-        }
+        if (!r) { PyErr_NoMemory(); return -1; }
+        for (size_t i = self->nranks; i < need; i++) rank_init(self, &r[i]);
         self->ranks = r;
         self->nranks = need;
         /* A key is a node once however many ranks hold it: at most one per
          * expected block of every rank. Allocated at the next store. */
-        if (self->expected) self->nodes.floor = cap_for(self->expected * need);
+        nodes_floor_update(self);
     }
     size_t words = (need + 63) >> 6;
-    if (words > self->words && relayout(self, words, self->tiers) < 0) return NULL;
+    if (words > self->words && relayout(self, words, self->tiers) < 0) return -1;
+    return 0;
+}
+
+static int slot_arg(PyObject *arg, size_t *out) {
+    Py_ssize_t s = PyLong_AsSsize_t(arg);
+    if (s == -1 && PyErr_Occurred()) return -1;
+    if (s < 0 || s > (1 << 24)) {
+        PyErr_Format(PyExc_ValueError, "rank slot %zd out of range", s);
+        return -1;
+    }
+    *out = (size_t)s;
+    return 0;
+}
+
+/* ensure_rank(sid): make room for rank slot sid. */
+static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
+    size_t s;
+    if (slot_arg(arg, &s) < 0 || ensure_slot(self, s) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1210,6 +1266,49 @@ static u64 *read_hashes(Index *self, PyObject *obj, Py_ssize_t *n) {
 #define ORPHAN 1
 #define MALFORMED 2
 #define OVER_CAP 4
+#define OVER_BUDGET 8 /* with OVER_CAP: refused at max_bytes */
+
+/* The tables' memory as the memory getter reports it. */
+static size_t index_memory(const Index *self) { return self->mem + self->arena.n * HUGE_MIN; }
+
+#if TABLE_MMAP
+/* Whether the arena has a free slot of this size (no chunk to map for it). */
+static int arena_has_room(const Arena *ar, size_t size) {
+    const u32 full = (u32)(((u64)1 << (HUGE_MIN / size)) - 1);
+    for (size_t i = 0; i < ar->n; i++)
+        if (ar->c[i].size == size && ar->c[i].used != full) return 1;
+    return 0;
+}
+#endif
+
+/* What an array of `bytes` adds to the index's memory once table t takes it,
+ * placed as t_alloc places it. */
+static size_t placed_bytes(const Table *t, size_t bytes, int presized) {
+#if TABLE_MMAP
+    if (t->arena && arena_fits(bytes)) return arena_has_room(t->arena, bytes) ? 0 : HUGE_MIN;
+    if (presized && bytes >= HUGE_MIN / 2) bytes = (bytes + HUGE_MIN - 1) & ~(HUGE_MIN - 1);
+#else
+    (void)t;
+    (void)presized;
+#endif
+    return bytes;
+}
+
+/* What t_reserve(t, more) would add to the index's memory, the array it
+ * frees taken off (an arena chunk it may free is not): 0 without a rehash. */
+static int64_t t_growth(const Table *t, size_t more) {
+    size_t need = t->count + more;
+    if (need * 10 <= t->cap * 7 && t->cap >= t->floor) return 0;
+    size_t cap = t->cap > t->floor ? t->cap : t->floor;
+    if (cap < MIN_CAP) cap = MIN_CAP;
+    while (need * 10 > cap * 7) cap *= 2;
+    return (int64_t)placed_bytes(t, cap * t->rs, cap <= t->floor) - (int64_t)t_own_bytes(t);
+}
+
+/* Whether memory growing by g bytes would take the index past max_bytes. */
+static int past_budget(const Index *self, int64_t g) {
+    return self->max_bytes && g > 0 && index_memory(self) + (size_t)g > self->max_bytes;
+}
 
 /* Whether storing these hashes would take the rank past max_entries. */
 static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssize_t n) {
@@ -1223,8 +1322,8 @@ static int over_cap(const Index *self, const Rank *rk, const u64 *hashes, Py_ssi
 
 /* store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags
  *
- * OVER_CAP alone: refused whole, nothing changed (the rank would pass
- * max_entries).
+ * OVER_CAP: refused whole, nothing changed but the rank's over-cap mark
+ * (the rank would pass max_entries; with OVER_BUDGET, the index max_bytes).
  * One BlockStored: resolve the parent in the rank's table (unknown: a
  * detached chain under it), key every block from its tokens (unusable
  * tokens: unmatchable keys from the hashes), count one more copy of every
@@ -1242,8 +1341,15 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
 
     Rank *rk = &self->ranks[sid];
     if (over_cap(self, rk, hashes, n)) {
-        rk->over_cap = 1;
+        rk->over_cap |= CAP_BLOCKS;
         return OVER_CAP;
+    }
+    /* The two tables store_core grows below, as far as it grows them. */
+    if (self->max_bytes &&
+        past_budget(self, t_growth(&rk->entries, (size_t)n) + t_growth(&self->nodes, (size_t)n))) {
+        rk->over_cap |= CAP_BYTES;
+        self->counts[5]++;
+        return OVER_CAP | OVER_BUDGET;
     }
     int64_t d0 = 0;
     int detached = 0;
@@ -1476,13 +1582,359 @@ static PyObject *Index_blocks(Index *self, PyObject *arg) {
     return out;
 }
 
-/* rank_stats(sid) -> (entries, detached entries, over cap) */
+/* rank_stats(sid) -> (entries, detached entries, over-cap mark: CAP_BLOCKS | CAP_BYTES) */
 static PyObject *Index_rank_stats(Index *self, PyObject *arg) {
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     Rank *rk = &self->ranks[sid];
-    return Py_BuildValue("nnO", (Py_ssize_t)rk->entries.count, (Py_ssize_t)rk->detached,
-                         rk->over_cap ? Py_True : Py_False);
+    return Py_BuildValue("nni", (Py_ssize_t)rk->entries.count, (Py_ssize_t)rk->detached, rk->over_cap);
+}
+
+/* ------------------------------------------------------------------------ */
+/* A rank's view as bytes (router checkpoints, peer clones), and its hints.  */
+/*
+ * Little-endian: a VIEW_HEAD-byte header, "KVIX", the layout version (u16),
+ * the rank's over-cap mark (u16: CAP_BLOCKS | CAP_BYTES), the entry count
+ * (u64), a checksum of everything else (u64); then a VIEW_REC-byte record
+ * per engine hash, the layout of an Entry: hash u64, store counts per tier
+ * u16 x 3, 0 u16, position i32 (~position on a detached chain), the top
+ * half of the key's home hash u32, key u64. The multi-key table and the
+ * holder bits follow from the entries, so an import rebuilds them.
+ */
+#define VIEW_MAGIC "KVIX"
+#define VIEW_VERSION 1
+#define VIEW_HEAD 24
+#define VIEW_REC 32
+_Static_assert(offsetof(Entry, c) == 8 && offsetof(Entry, depth) == 16 && offsetof(Entry, hh_hi) == 20 &&
+                   offsetof(Entry, key) == 24, "a view record is an Entry");
+
+static inline void put_le(unsigned char *p, u64 v, int bytes) {
+    for (int i = 0; i < bytes; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline u64 get_le(const unsigned char *p, int bytes) {
+    u64 v = 0;
+    for (int i = 0; i < bytes; i++) v |= (u64)p[i] << (8 * i);
+    return v;
+}
+
+/* The checksum: four lanes, one per word of a record, each (lane ^ word) *
+ * odd: a bijection of the lane, so a change confined to one lane's words
+ * (any one flipped byte, any one word) always changes the sum. */
+#define CK_MUL 0x9E3779B97F4A7C15ULL
+typedef struct {
+    u64 l[4];
+} Ck;
+
+static inline void ck_rec(Ck *c, const unsigned char *r) {
+    for (int k = 0; k < 4; k++) c->l[k] = (c->l[k] ^ get_le(r + 8 * k, 8)) * CK_MUL;
+}
+
+/* Lanes seeded with the header's first 16 bytes (magic, version, mark, count). */
+static void ck_begin(Ck *c, const unsigned char *head) {
+    unsigned char r[VIEW_REC] = {0};
+    memcpy(r, head, 16);
+    c->l[0] = F1;
+    c->l[1] = F2;
+    c->l[2] = GOLDEN;
+    c->l[3] = ~GOLDEN;
+    ck_rec(c, r);
+}
+
+static u64 ck_end(const Ck *c) {
+    return fmix64(c->l[0]) ^ fmix64(c->l[1] ^ 1) ^ fmix64(c->l[2] ^ 2) ^ fmix64(c->l[3] ^ 3);
+}
+
+static void entry_to_rec(const Entry *e, unsigned char *q) {
+    put_le(q, e->h, 8);
+    for (int k = 0; k < 3; k++) put_le(q + 8 + 2 * k, e->c[k], 2);
+    put_le(q + 14, 0, 2);
+    put_le(q + 16, (u32)e->depth, 4);
+    put_le(q + 20, e->hh_hi, 4);
+    put_le(q + 24, e->key, 8);
+}
+
+/* export_rank(sid) -> bytes: the rank's view (None: an empty one), in one
+ * pass over its table. */
+static PyObject *Index_export_rank(Index *self, PyObject *arg) {
+    const Rank *rk = NULL;
+    if (arg != Py_None) {
+        size_t sid;
+        if (check_sid(self, arg, &sid) < 0) return NULL;
+        rk = &self->ranks[sid];
+    }
+    const size_t n = rk ? rk->entries.count : 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(VIEW_HEAD + n * VIEW_REC));
+    if (!out) return NULL;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    memcpy(p, VIEW_MAGIC, 4);
+    put_le(p + 4, VIEW_VERSION, 2);
+    put_le(p + 6, rk ? (u64)rk->over_cap : 0, 2);
+    put_le(p + 8, n, 8);
+    Ck ck;
+    ck_begin(&ck, p);
+    unsigned char *q = p + VIEW_HEAD;
+    if (n) {
+        const Table *t = &rk->entries;
+        for (size_t j = 0; j < t->cap; j++) {
+            const Entry *e = (const Entry *)(t->a + j * t->rs);
+            if (!entry_occ((const char *)e, t->rs)) continue;
+            entry_to_rec(e, q);
+            ck_rec(&ck, q);
+            q += VIEW_REC;
+        }
+    }
+    put_le(p + 16, ck_end(&ck), 8);
+    return out;
+}
+
+/* The import's table of distinct keys: key, full home hash, entries with
+ * the key and how many are present in each tier. Occupied while n[0] > 0. */
+typedef struct {
+    u64 key;
+    u64 hh;
+    u32 n[4];
+} KeyRec;
+
+static int keyrec_occ(const char *r, size_t rs) { return ((const KeyRec *)r)->n[0] != 0; }
+
+#define IMPORT_AHEAD 16
+
+static int view_refuse(const char *why) { return refuse(PyExc_ValueError, why); }
+
+/* The records read, checked and put in tables of their own (*e: the rank's
+ * entries; *k: its distinct keys; *m: its multi-key table); nothing shared
+ * is touched. *det: entries on detached chains, *tiers: a non-GPU count
+ * seen. 0, or -1 with ValueError (a bad record) or MemoryError. */
+static int view_tables(Index *self, const unsigned char *recs, size_t n, Table *e, Table *k, Table *m,
+                       size_t *det, int *tiers) {
+    if (n && (t_reserve(e, (Py_ssize_t)n, entry_occ) < 0 || t_reserve(k, (Py_ssize_t)n, keyrec_occ) < 0))
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        if (i + IMPORT_AHEAD < n) {
+            const unsigned char *f = recs + (i + IMPORT_AHEAD) * VIEW_REC;
+            t_prefetch_probe(e, get_le(f, 8));
+            t_prefetch_probe(k, get_le(f + 24, 8));
+        }
+        const unsigned char *r = recs + i * VIEW_REC;
+        Entry v;
+        v.h = get_le(r, 8);
+        for (int t = 0; t < 3; t++) v.c[t] = (u16)get_le(r + 8 + 2 * t, 2);
+        v.depth = (i32)(u32)get_le(r + 16, 4);
+        v.hh_hi = (u32)get_le(r + 20, 4);
+        v.key = get_le(r + 24, 8);
+        if (!(v.c[0] | v.c[1] | v.c[2])) return view_refuse("a rank view entry has no store count");
+        if (get_le(r + 14, 2)) return view_refuse("a rank view entry's padding is not zero");
+        int64_t pos = v.depth >= 0 ? v.depth : ~(int64_t)v.depth;
+        if (pos >= DEPTH_LIMIT) return view_refuse("a rank view entry's position is out of range");
+        /* A detached key, and a chain's key at a multiple of 8 positions, is its own home. */
+        if ((v.depth < 0 || (v.depth & 7) == 0) && v.hh_hi != (u32)(own_home(v.key) >> 32))
+            return view_refuse("a rank view entry's home hash does not match its key");
+        if (v.c[1] | v.c[2]) *tiers = 1;
+        if (v.depth < 0) (*det)++;
+        int added;
+        Entry *slot = (Entry *)t_upsert(e, v.h, entry_occ, &added);
+        if (!slot) return -1;
+        if (!added) {
+            PyErr_Format(PyExc_ValueError, "a rank view holds engine hash %llu twice", (unsigned long long)v.h);
+            return -1;
+        }
+        *slot = v;
+        const u64 hh = entry_hh(&v);
+        KeyRec *kr = (KeyRec *)t_upsert(k, v.key, keyrec_occ, &added);
+        if (!kr) return -1;
+        if (added) kr->hh = hh;
+        else if (kr->hh != hh) return view_refuse("a rank view gives one key two home hashes");
+        kr->n[0]++;
+        for (int t = 0; t < 3; t++) kr->n[1 + t] += v.c[t] != 0;
+    }
+    /* Keys that several engine hashes share: the rank's multi-key table. */
+    if (k->count < n) {
+        for (size_t j = 0; j < k->cap; j++) {
+            const KeyRec *kr = (const KeyRec *)(k->a + j * k->rs);
+            if (kr->n[0] < 2) continue;
+            int added;
+            Multi *mu = (Multi *)t_upsert(m, kr->key, multi_occ, &added);
+            if (!mu) return -1;
+            memcpy(mu->n, kr->n, sizeof mu->n);
+        }
+    }
+    return 0;
+}
+
+/* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET
+ *
+ * Rank slot sid (a new one too) holds exactly what `view` (export_rank's
+ * bytes) says, as if the events behind it had been applied here. A view
+ * that is not one, or that this index cannot hold (past max_entries),
+ * raises ValueError with nothing changed; MemoryError also changes nothing.
+ * A view that would take the index past max_bytes leaves the rank cleared
+ * and marked over cap (what a refused store does), and says so. */
+static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
+    size_t sid;
+    if (slot_arg(args[0], &sid) < 0) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[1], &v, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *result = NULL;
+    const unsigned char *p = v.buf;
+    Table e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem};
+    Table k = {.rs = sizeof(KeyRec)};
+    Table m = {.rs = sizeof(Multi), .acct = &self->mem};
+    const size_t len = (size_t)v.len;
+    if (len < VIEW_HEAD) {
+        PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes is shorter than its %d-byte header",
+                     len, VIEW_HEAD);
+        goto done;
+    }
+    if (memcmp(p, VIEW_MAGIC, 4) != 0) {
+        view_refuse("not a prefix index rank view (bad magic)");
+        goto done;
+    }
+    const u64 version = get_le(p + 4, 2), mark = get_le(p + 6, 2), n = get_le(p + 8, 8);
+    if (version != VIEW_VERSION) {
+        PyErr_Format(PyExc_ValueError, "a rank view of layout version %llu; this index reads version %d",
+                     (unsigned long long)version, VIEW_VERSION);
+        goto done;
+    }
+    if (mark & ~(u64)(CAP_BLOCKS | CAP_BYTES)) {
+        view_refuse("a rank view's over-cap mark has unknown bits");
+        goto done;
+    }
+    if (n > (len - VIEW_HEAD) / VIEW_REC || (len - VIEW_HEAD) != n * VIEW_REC) {
+        PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes cannot hold the %llu entries its header gives",
+                     len, (unsigned long long)n);
+        goto done;
+    }
+    Ck ck;
+    ck_begin(&ck, p);
+    for (size_t i = 0; i < n; i++) ck_rec(&ck, p + VIEW_HEAD + i * VIEW_REC);
+    if (ck_end(&ck) != get_le(p + 16, 8)) {
+        view_refuse("a rank view's checksum does not match its contents (corrupt)");
+        goto done;
+    }
+    if (self->max_entries && n > self->max_entries) {
+        PyErr_Format(PyExc_ValueError, "a rank view of %llu blocks is past this index's max_blocks_per_rank (%zu)",
+                     (unsigned long long)n, self->max_entries);
+        goto done;
+    }
+    /* Sized for the view's entries (or the rank's floor) up front. */
+    Rank fresh;
+    rank_init(self, &fresh);
+    const Rank *cur = sid < self->nranks ? &self->ranks[sid] : &fresh;
+    e.floor = rank_floor(self, cur);
+    size_t det = 0;
+    int tiers = 0;
+    if (view_tables(self, p + VIEW_HEAD, (size_t)n, &e, &k, &m, &det, &tiers) < 0) goto done;
+
+    /* Nothing below refuses the view; only memory can fail, before the rank changes. */
+    if (ensure_slot(self, sid) < 0) goto done;
+    if (tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
+    Rank *rk = &self->ranks[sid];
+    Table *nodes = &self->nodes;
+    if (self->max_bytes) {
+        /* The view's tables exist already; the rank's own go. */
+        int64_t g = t_growth(nodes, k.count) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
+        if (past_budget(self, g)) {
+            clear_core(self, sid); /* frees only: cannot fail */
+            rk->over_cap = CAP_BYTES;
+            self->counts[4]++;
+            self->counts[5]++;
+            result = PyLong_FromLong(OVER_CAP | OVER_BUDGET);
+            goto done;
+        }
+    }
+    if (k.count && t_reserve(nodes, (Py_ssize_t)k.count, node_occ) < 0) goto done;
+    /* From here the shared table neither grows nor shrinks (its floor held
+     * at its size): the rank's old bits go, the view's come, nothing fails. */
+    const size_t floor = nodes->floor;
+    nodes->floor = nodes->cap;
+    const Table *old = &rk->entries;
+    for (size_t j = 0; j < old->cap; j++) {
+        if (j + CLEAR_AHEAD < old->cap) {
+            const Entry *f = (const Entry *)(old->a + (j + CLEAR_AHEAD) * old->rs);
+            if (entry_occ((const char *)f, old->rs)) t_prefetch_h(nodes, entry_hh(f));
+        }
+        const Entry *x = (const Entry *)(old->a + j * old->rs);
+        if (!entry_occ((const char *)x, old->rs)) continue;
+        char *r = t_find_h(nodes, x->key, entry_hh(x), node_occ);
+        if (r) node_drop(self, r, sid);
+    }
+    rank_free(rk);
+    for (size_t j = 0; j < k.cap; j++) {
+        if (j + CLEAR_AHEAD < k.cap) {
+            const KeyRec *f = (const KeyRec *)(k.a + (j + CLEAR_AHEAD) * k.rs);
+            if (f->n[0]) t_prefetch_h(nodes, f->hh);
+        }
+        const KeyRec *kr = (const KeyRec *)(k.a + j * k.rs);
+        if (!kr->n[0]) continue;
+        int added, pa = (kr->n[1] != 0) | ((kr->n[2] != 0) << 1) | ((kr->n[3] != 0) << 2);
+        char *r = t_upsert_h(nodes, kr->key, kr->hh, node_occ, &added);
+        node_set_bits(self, r, sid, pa);
+    }
+    nodes->floor = floor;
+    rk->entries = e;
+    rk->multi = m;
+    e.a = m.a = NULL; /* the rank's now */
+    e.cap = m.cap = 0;
+    rk->detached = det;
+    rk->over_cap = (int)mark;
+    result = PyLong_FromLong(0);
+done:
+    if (e.a) t_rehash(&e, 0, entry_occ);
+    if (m.a) t_rehash(&m, 0, multi_occ);
+    if (k.a) t_rehash(&k, 0, keyrec_occ);
+    PyBuffer_Release(&v);
+    return result;
+}
+
+/* reserve(sid, blocks) -> whether taken: the rank will hold about `blocks`
+ * (at most max_entries and 2**24). Its table, and the shared table's share,
+ * are sized for it at its next store, and its table stays at least that
+ * size (over clears too) until the next hint or forget_rank. Not taken where
+ * the index could not make that room within max_bytes. */
+static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 2, "reserve") < 0) return NULL;
+    size_t sid;
+    if (check_sid(self, args[0], &sid) < 0) return NULL;
+    Py_ssize_t blocks = PyLong_AsSsize_t(args[1]);
+    if (blocks == -1 && PyErr_Occurred()) return NULL;
+    if (blocks < 0) {
+        PyErr_SetString(PyExc_ValueError, "blocks must be >= 0");
+        return NULL;
+    }
+    size_t hint = (size_t)blocks;
+    if (hint > ((size_t)1 << 24)) hint = (size_t)1 << 24;
+    if (self->max_entries && hint > self->max_entries) hint = self->max_entries;
+    Rank *rk = &self->ranks[sid];
+    const size_t x = self->expected;
+    const size_t hinted = self->hinted - (rk->hint > x ? rk->hint - x : 0) + (hint > x ? hint - x : 0);
+    if (self->max_bytes) {
+        Table te = rk->entries, tn = self->nodes;
+        te.floor = cap_for(hint > x ? hint : x);
+        size_t want = x * self->nranks + hinted;
+        tn.floor = want ? cap_for(want) : 0;
+        if (past_budget(self, t_growth(&te, 0) + t_growth(&tn, 0))) Py_RETURN_FALSE;
+    }
+    rk->hint = hint;
+    self->hinted = hinted;
+    rk->entries.floor = rank_floor(self, rk);
+    nodes_floor_update(self);
+    Py_RETURN_TRUE;
+}
+
+/* forget_rank(sid): clear_rank, and the slot's hint dropped (it is free). */
+static PyObject *Index_forget_rank(Index *self, PyObject *arg) {
+    size_t sid;
+    if (check_sid(self, arg, &sid) < 0) return NULL;
+    Rank *rk = &self->ranks[sid];
+    /* The floors first, so that the clear frees what they no longer keep. */
+    if (rk->hint > self->expected) self->hinted -= rk->hint - self->expected;
+    rk->hint = 0;
+    rk->entries.floor = rank_floor(self, rk);
+    nodes_floor_update(self);
+    if (clear_core(self, sid) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static void record_lost(u64 lost, size_t base, i32 *depth, i32 at) {
@@ -2633,10 +3085,20 @@ static PyObject *Index_get_nodes(Index *self, void *c) {
 
 static PyObject *Index_get_counters(Index *self, void *c) {
     const Py_ssize_t *n = self->counts;
-    return Py_BuildValue("nnnnn", n[0], n[1], n[2], n[3], n[4]);
+    return Py_BuildValue("nnnnnn", n[0], n[1], n[2], n[3], n[4], n[5]);
 }
 
+static PyObject *Index_get_max_bytes(Index *self, void *c) {
+    return PyLong_FromSize_t(self->max_bytes);
+}
+
+/* The running count (O(1): the budget reads it per growing store). */
 static PyObject *Index_get_memory(Index *self, void *c) {
+    return PyLong_FromSize_t(index_memory(self));
+}
+
+/* The same, summed table by table: what the running count must equal (tests). */
+static PyObject *Index_get_memory_summed(Index *self, void *c) {
     size_t total = self->nodes.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
     total += self->arena.n * HUGE_MIN; /* its chunks, in use or not */
@@ -2650,6 +3112,12 @@ static PyMethodDef Index_methods[] = {
     {"remove", (PyCFunction)(void (*)(void))Index_remove, METH_FASTCALL,
      "remove(sid, hashes, tier) -> unknown removals"},
     {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
+    {"forget_rank", (PyCFunction)Index_forget_rank, METH_O, "forget_rank(sid): clear_rank, and its hint dropped"},
+    {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
+     "reserve(sid, blocks) -> whether taken: the rank's tables sized for that many blocks"},
+    {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
+    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
+     "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
     {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
     {"configure", (PyCFunction)(void (*)(void))Index_configure, METH_FASTCALL,
@@ -2671,8 +3139,11 @@ static PyGetSetDef Index_getset[] = {
     {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
     {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
+    {"memory_summed", (getter)Index_get_memory_summed, NULL, "memory, summed table by table (tests)", NULL},
+    {"max_bytes", (getter)Index_get_max_bytes, NULL, "the tables' memory budget (0: none)", NULL},
     {"counters", (getter)Index_get_counters, NULL,
-     "apply_payload's (orphans, unknown removals, ignored, malformed, refused)", NULL},
+     "apply_payload's (orphans, unknown removals, ignored, malformed, refused), and refusals at max_bytes",
+     NULL},
     {NULL},
 };
 
@@ -2706,7 +3177,11 @@ PyMODINIT_FUNC PyInit__core(void) {
     }
     if (PyModule_AddIntConstant(m, "ORPHAN", ORPHAN) < 0 ||
         PyModule_AddIntConstant(m, "OVER_CAP", OVER_CAP) < 0 ||
-        PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0) {
+        PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0 ||
+        PyModule_AddIntConstant(m, "OVER_BUDGET", OVER_BUDGET) < 0 ||
+        PyModule_AddIntConstant(m, "CAP_BLOCKS", CAP_BLOCKS) < 0 ||
+        PyModule_AddIntConstant(m, "CAP_BYTES", CAP_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "VIEW_VERSION", VIEW_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -37,8 +37,17 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.prefix_index._core import MALFORMED, ORPHAN, OVER_CAP, Index, Matches
-from kvwire.prefix_index.keys import KeyScheme, key_scheme, token_source
+from kvwire.prefix_index._core import (
+    CAP_BLOCKS,
+    CAP_BYTES,
+    MALFORMED,
+    ORPHAN,
+    OVER_CAP,
+    VIEW_VERSION,
+    Index,
+    Matches,
+)
+from kvwire.prefix_index.keys import KEY_SCHEME_VERSION, KeyScheme, key_scheme, token_source
 from kvwire.wire import (
     DEFAULT_LIMITS,
     AllBlocksCleared,
@@ -132,8 +141,10 @@ class IndexStats:
     ``blocks`` counts distinct keys, ``holders`` (block, rank) pairs and
     ``detached`` those on detached chains; they and ``memory_bytes`` (the
     index's tables) return to zero when everything is removed.
-    ``refused_stores`` counts stores refused at a rank's block cap, and
-    ``ranks_over_cap`` the ranks whose view is incomplete because of one.
+    ``refused_stores`` counts stores (and imports) refused at a rank's block
+    cap or at the index's memory budget (``refused_over_budget`` of them at
+    the budget), and ``ranks_over_cap`` the ranks whose view is incomplete
+    because of one.
     """
 
     blocks: int
@@ -147,6 +158,7 @@ class IndexStats:
     memory_bytes: int
     refused_stores: int = 0
     ranks_over_cap: int = 0
+    refused_over_budget: int = 0
 
 
 class PrefixIndex:
@@ -170,6 +182,15 @@ class PrefixIndex:
       refused whole and the rank is marked over cap (:meth:`over_cap`) until
       it is cleared. Its view then lacks blocks it may hold but never claims
       one it does not: a router treats it like a PARTIAL rank.
+    - ``max_bytes`` (default ``None``: no bound): a budget for the whole
+      index's tables (``IndexStats.memory_bytes``, which counts their arrays,
+      not the few objects around them). A store whose table growth would take
+      the index past it is refused whole and its rank marked over cap, as at
+      ``max_blocks_per_rank`` (:meth:`cap_reason` says which); stores that
+      need no growth still apply, so the tables stay within the budget and
+      no view is silently wrong. The shared table doubles as it grows: the
+      rank whose store meets a doubling is the one refused. Capacity hints
+      (``expected_blocks_per_rank``, :meth:`reserve`) count against it.
 
     ``expected_blocks_per_rank`` (default 0: none) is a capacity hint, e.g. an
     engine's number of KV-cache blocks (vLLM's ``num_gpu_blocks``): each rank's
@@ -178,6 +199,11 @@ class PrefixIndex:
     not pay for growing them (a fifth to a third of the cost of a store into a
     fresh index). It costs that memory up front (90-140 B a block a rank);
     a rank may still hold more. At most ``max_blocks_per_rank`` and 2**24.
+    :meth:`reserve` gives one rank such a hint later (a snapshot's block count).
+
+    A rank's view travels as bytes (router checkpoints, peer clones):
+    :meth:`export_rank` and :meth:`import_rank`, refused by an index whose
+    :meth:`view_format` differs.
     """
 
     def __init__(
@@ -189,11 +215,14 @@ class PrefixIndex:
         max_block_size: int = DEFAULT_LIMITS.max_block_size,
         max_blocks_per_rank: int | None = 1 << 21,
         expected_blocks_per_rank: int = 0,
+        max_bytes: int | None = None,
     ) -> None:
         if not 1 <= block_size <= max_block_size:
             raise ValueError(f"block_size must be in 1..{max_block_size}, got {block_size}")
         if max_blocks_per_rank is not None and max_blocks_per_rank < 1:
             raise ValueError(f"max_blocks_per_rank must be >= 1, got {max_blocks_per_rank}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 (None: no bound), got {max_bytes}")
         if expected_blocks_per_rank < 0:
             raise ValueError(f"expected_blocks_per_rank must be >= 0, got {expected_blocks_per_rank}")
         if max_blocks_per_rank is not None:
@@ -201,13 +230,20 @@ class PrefixIndex:
         self.block_size = block_size
         self.max_block_size = max_block_size
         self.max_blocks_per_rank = max_blocks_per_rank
+        self.max_bytes = max_bytes
         self.seed = seed & _MASK
         self._scheme: KeyScheme = key_scheme(self.seed, block_size)
         self._root = self._scheme.root()
         self._groups = frozenset(groups)
         self._lock = threading.Lock()
-        self._core = Index(max_blocks_per_rank or 0, expected_blocks_per_rank=expected_blocks_per_rank)
+        self._core = Index(
+            max_blocks_per_rank or 0,
+            expected_blocks_per_rank=expected_blocks_per_rank,
+            max_bytes=max_bytes or 0,
+        )
         self._sids: dict[RankKey, int] = {}
+        # reserve() hints of ranks not seen yet: taken when the rank is.
+        self._hints: dict[RankKey, int] = {}
         # Rank slot -> name (None: free), what the native match reports by.
         self._names: list[RankKey | None] = []
         self._free_sids: list[int] = []
@@ -282,13 +318,83 @@ class PrefixIndex:
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and all its ranks."""
         with self._lock:
+            for name in [k for k in self._hints if k[0] == worker_id]:
+                del self._hints[name]
             for sid in sorted(self._workers.pop(worker_id, ())):
-                self._core.clear_rank(sid)
+                self._core.forget_rank(sid)
                 name = self._names[sid]
                 assert name is not None
                 del self._sids[name]
                 self._names[sid] = None
                 heapq.heappush(self._free_sids, sid)
+
+    def reserve(self, worker_id: str, rank: int, blocks: int) -> None:
+        """A capacity hint: ``(worker_id, rank)`` is about to hold about ``blocks``.
+
+        What a snapshot (or a checkpoint, a clone, a replay) announces before
+        its events: the rank's table, and the shared table's share, are sized
+        for that many blocks at its next store, so a fresh rank's load runs at
+        the presized speed of ``expected_blocks_per_rank`` instead of growing
+        its tables a doubling at a time. The rank's table keeps at least that
+        size (over clears too) until its next hint or its removal. A hint for
+        a rank not seen yet waits for its first event; one the memory budget
+        has no room for is dropped (a hint, never a refusal).
+        """
+        if blocks < 0:
+            raise ValueError(f"blocks must be >= 0, got {blocks}")
+        with self._lock:
+            sid = self._sids.get((worker_id, rank))
+            if sid is None:
+                self._hints[(worker_id, rank)] = blocks
+            else:
+                self._core.reserve(sid, blocks)
+
+    # --- a rank's view as bytes ------------------------------------------------
+
+    def view_format(self) -> bytes:
+        """What :meth:`export_rank`'s bytes mean: the view's kind and layout, and the
+        key parameters (block size, seed, groups, key scheme). A view is only
+        meaningful to an index whose format is equal: a loader compares them."""
+        groups = sorted(self._groups, key=lambda g: (g is not None, repr(g)))
+        return (
+            f"kvwire.PrefixIndex rank view {VIEW_VERSION}; keys {KEY_SCHEME_VERSION}; "
+            f"block_size {self.block_size}; seed {self.seed}; groups {groups!r}"
+        ).encode()
+
+    def export_rank(self, worker_id: str, rank: int) -> bytes:
+        """Everything the index holds for ``(worker_id, rank)``, as bytes, in one native pass.
+
+        Per engine hash: its key, position and store count per tier; and the
+        rank's over-cap mark. An unknown rank gives an empty view. 32 B a
+        block and a 24 B header, little-endian, checksummed (layout in
+        ``_core.c``); :meth:`import_rank` reads it.
+        """
+        with self._lock:
+            return self._core.export_rank(self._sids.get((worker_id, rank)))
+
+    def import_rank(self, worker_id: str, rank: int, view: bytes | bytearray | memoryview) -> None:
+        """Replace what ``(worker_id, rank)`` holds with an :meth:`export_rank` view.
+
+        The index then answers, and later events apply, exactly as if the
+        events behind the view had been applied here (its lifetime counters
+        apart: they count events this index saw). The view is checked whole
+        first: a truncated, corrupt or foreign one, or one past
+        ``max_blocks_per_rank``, raises ``ValueError`` with the index as it
+        was. The caller must have compared :meth:`view_format` (a view of
+        another block size or seed reads as valid and matches nothing). One
+        that would take the index past ``max_bytes`` leaves the rank empty
+        and over cap, like a refused store.
+        """
+        name = (worker_id, rank)
+        with self._lock:
+            sid = self._sids.get(name)
+            if sid is not None:
+                self._core.import_rank(sid, view)
+            else:
+                # The slot the rank will take, named only once the view is in.
+                sid = self._free_sids[0] if self._free_sids else len(self._names)
+                self._core.import_rank(sid, view)
+                self._add_rank(worker_id, rank)
 
     # --- queries ---------------------------------------------------------------
 
@@ -412,16 +518,25 @@ class PrefixIndex:
             return 0 if sid is None else self._core.rank_stats(sid)[0]
 
     def over_cap(self, worker_id: str, rank: int) -> bool:
-        """Whether a store of this rank was refused at ``max_blocks_per_rank`` since its
-        last clear: its view is incomplete (never wrong in what it claims)."""
+        """Whether a store of this rank was refused at ``max_blocks_per_rank`` or
+        ``max_bytes`` since its last clear: its view is incomplete (never wrong in
+        what it claims)."""
         sid = self._sids.get((worker_id, rank))
-        return sid is not None and self._core.rank_stats(sid)[2]
+        return sid is not None and self._core.rank_stats(sid)[2] != 0
+
+    def cap_reason(self, worker_id: str, rank: int) -> str | None:
+        """Why the rank is over cap: ``"max_blocks_per_rank"``, ``"max_bytes"`` or
+        both (comma-separated); ``None`` when it is not."""
+        sid = self._sids.get((worker_id, rank))
+        mark = 0 if sid is None else self._core.rank_stats(sid)[2]
+        why = [n for bit, n in ((CAP_BLOCKS, "max_blocks_per_rank"), (CAP_BYTES, "max_bytes")) if mark & bit]
+        return ", ".join(why) or None
 
     def stats(self) -> IndexStats:
         """Current sizes and lifetime counters."""
         with self._lock:
             per_rank = [self._core.rank_stats(sid) for sid in self._sids.values()]
-            orphans, unknown, ignored, malformed, refused = self._core.counters
+            orphans, unknown, ignored, malformed, refused, over_budget = self._core.counters
             return IndexStats(
                 blocks=self._core.nodes,
                 holders=sum(entries for entries, _, _ in per_rank),
@@ -433,7 +548,8 @@ class PrefixIndex:
                 malformed_stores=self._malformed + malformed,
                 memory_bytes=self._core.memory,
                 refused_stores=self._refused + refused,
-                ranks_over_cap=sum(over for _, _, over in per_rank),
+                ranks_over_cap=sum(1 for _, _, over in per_rank if over),
+                refused_over_budget=over_budget,
             )
 
     # --- applying events ---------------------------------------------------------
@@ -449,6 +565,9 @@ class PrefixIndex:
         self._core.ensure_rank(sid)
         self._sids[name] = sid
         self._workers.setdefault(worker_id, set()).add(sid)
+        hint = self._hints.pop(name, None)
+        if hint is not None:
+            self._core.reserve(sid, hint)
         return sid
 
     def _store(self, sid: int, ev: BlockStored) -> None:

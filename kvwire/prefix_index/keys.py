@@ -39,7 +39,18 @@ import numpy.typing as npt
 from kvwire.prefix_index._core import KeyChain
 from kvwire.wire import TokenIds
 
-__all__ = ["KeyScheme", "as_token_array", "block_keys", "key_scheme", "token_source"]
+__all__ = [
+    "KEY_SCHEME_VERSION",
+    "KeyScheme",
+    "as_token_array",
+    "block_keys",
+    "key_scheme",
+    "token_source",
+]
+
+KEY_SCHEME_VERSION = 1
+"""The key function's version (the formula above and its constants): keys of another
+version never equal these, so a saved view of another version is refused."""
 
 U64 = npt.NDArray[np.uint64]
 

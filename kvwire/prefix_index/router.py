@@ -10,8 +10,9 @@ where ``credit`` is the candidate's matched prefix weighted by tier (GPU 1.0,
 CPU 0.75, storage 0.5 by default: a block loaded from a slower tier saves less
 prefill than one already on the GPU). A candidate whose rank is not fully
 synced (PARTIAL, still SYNCING, unknown to the subscriber), whose view is
-incomplete (over the index's per-rank block cap) or that never sent an event
-gets no credit: it stays routable on its load alone.
+incomplete (over the index's per-rank block cap or its memory budget) or that
+never sent an event gets no credit: it stays routable on its load alone. A rank
+found over cap is logged once as it goes over (rate limited across ranks).
 
 Temperature 0 takes the cheapest candidate, ties going to the least loaded; a
 positive temperature samples ``softmax(-normalised_cost / temperature)`` with
@@ -20,6 +21,7 @@ costs normalised to [0, 1], spreading load across near-equal candidates.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +30,10 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from kvwire.prefix_index.index import PrefixIndex, RankKey, TierDepths
 from kvwire.prefix_index.keys import token_source
+from kvwire.ratelog import RateLimitedLog
 from kvwire.subscriber.state import RankState
+
+log = logging.getLogger("kvwire.router")
 
 __all__ = ["Candidate", "Decision", "KvRouter", "Load", "RankStateSource", "RankStates"]
 
@@ -131,6 +136,8 @@ class KvRouter:
             rank_states.rank_state if isinstance(rank_states, RankStateSource) else rank_states
         )
         self.rng = rng if rng is not None else random.Random(seed)
+        self._log = RateLimitedLog(log)
+        self._over_cap: set[RankKey] = set()  # ranks logged as over cap, until seen under
 
     def _no_credit(self, key: RankKey) -> str | None:
         """Why a candidate gets no cache credit; None when it does."""
@@ -141,8 +148,18 @@ class KvRouter:
             state = self._state_of(*key)
             if state is not RankState.SYNCED:
                 return "no rank status" if state is None else state.name
-        if index.over_cap(*key):
-            return "over the index's block cap"
+        why = index.cap_reason(*key)
+        if why is not None:
+            if key not in self._over_cap:
+                self._over_cap.add(key)
+                self._log.note(
+                    "index-over-cap",
+                    f"the prefix index refused a store at its {why}: the rank's view is "
+                    "incomplete, so it is routed on load alone until it is cleared",
+                    _name(key),
+                )
+            return f"over the index's {why}"
+        self._over_cap.discard(key)
         return None
 
     def choose(
@@ -158,6 +175,7 @@ class KvRouter:
         """Score every candidate and pick one (see the module docstring)."""
         if not candidates:
             raise ValueError("no candidates to route to")
+        self._log.flush()
         temp = self.temperature if temperature is None else temperature
         if temp < 0:
             raise ValueError(f"temperature must be >= 0, got {temp}")

@@ -133,3 +133,33 @@ class BlockSetSink:
     def ranks(self) -> list[tuple[str, int]]:
         """Every (worker, rank) that holds at least one block."""
         return [key for key, held in self._blocks.items() if held]
+
+    # A rank's view as bytes (checkpoints and clones; the prefix index's contract):
+    # b"KVBS", version u16, 0 u16, count u64, then the hashes as u64, ascending,
+    # little-endian. Sorted, so a view has one form and a repeated hash is refused.
+
+    def view_format(self) -> bytes:
+        """What :meth:`export_rank`'s bytes mean; a loader refuses a view of another format."""
+        return b"kvwire.BlockSetSink rank view 1"
+
+    def export_rank(self, worker_id: str, rank: int) -> bytes:
+        """The rank's block hashes as bytes (an unknown rank: an empty view)."""
+        held = sorted(self._blocks.get((worker_id, rank), ()))
+        head = b"KVBS" + (1).to_bytes(2, "little") + bytes(2) + len(held).to_bytes(8, "little")
+        return head + b"".join(h.to_bytes(8, "little") for h in held)
+
+    def import_rank(self, worker_id: str, rank: int, view: bytes | bytearray | memoryview) -> None:
+        """Replace the rank's hashes with an :meth:`export_rank` view's; ``ValueError``
+        (nothing changed) for anything else."""
+        data = bytes(view)
+        if len(data) < 16:
+            raise ValueError(f"a rank view of {len(data)} bytes is shorter than its 16-byte header")
+        if data[:8] != b"KVBS\x01\x00\x00\x00":
+            raise ValueError("not a BlockSetSink rank view of version 1")
+        count = int.from_bytes(data[8:16], "little")
+        if len(data) != 16 + 8 * count:
+            raise ValueError(f"a rank view of {len(data)} bytes cannot hold the {count} hashes it gives")
+        hashes = [int.from_bytes(data[i : i + 8], "little") for i in range(16, len(data), 8)]
+        if any(a >= b for a, b in zip(hashes, hashes[1:])):
+            raise ValueError("a rank view's hashes are not strictly ascending (repeated or corrupt)")
+        self._blocks[(worker_id, rank)] = set(hashes)

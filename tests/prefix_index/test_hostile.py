@@ -131,14 +131,22 @@ def test_index_before_init_is_an_empty_valid_index() -> None:
                 call()
             except ValueError as exc:
                 print(exc)
+        other = Index.__new__(Index)
+        other.import_rank(3, idx.export_rank(0))
+        print(other.match(keys, ["a", "b", "c", "d"], None), other.rank_stats(3), other.reserve(3, 10))
+        other.forget_rank(3)
+        print(other.nodes, other.memory, other.export_rank(None) == idx.export_rank(None))
         """
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split("\n")[:4] == [
+    assert proc.stdout.split("\n")[:7] == [
         "{}",
-        "{'a': 2} 2 (2, 0, False)",
+        "{'a': 2} 2 (2, 0, 0)",
         "Index used before configure()",
         "Index used before configure()",
+        "{'d': 2} (2, 0, 0) True",
+        "0 0 True",
+        "",
     ]
 
 
