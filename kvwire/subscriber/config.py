@@ -96,6 +96,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("checkpoint_every needs a checkpoint path")
         if self.clone_max_bytes < 1:
             raise ValueError(f"clone_max_bytes must be >= 1, got {self.clone_max_bytes}")
+        self._check_pacing()
 
     def rank_share(self, ranks: int) -> int:
         """Bytes one rank's queues may hold when ``ranks`` ranks are followed."""
@@ -116,3 +117,65 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     def read_chunk(self, ranks: int, batch_bytes: int, most: int) -> int:
         """Messages of ``batch_bytes`` read from one rank in one go: its share, ``most`` at most."""
         return max(1, min(most, self.rank_share(ranks) // max(1, batch_bytes)))
+
+    # --- pacing: replay and snapshot requests in flight (helper "pacing") -------------------
+
+    max_requests: int | None = None
+    """Replay and snapshot requests in flight at once across all ranks (each holds a
+    replay socket, so never more than ``max_replays``); the others wait their turn,
+    oldest first, and a request's deadlines run from when it is sent. ``None``:
+    :meth:`request_limit`, what the router can apply."""
+    max_requests_per_source: int | None = None
+    """The same for the ranks of one source (one engine process serves them all).
+    ``None``: a quarter of :meth:`request_limit` (:meth:`source_request_limit`)."""
+
+    def _check_pacing(self) -> None:
+        for name in ("max_requests", "max_requests_per_source"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+
+    def request_limit(self) -> int:
+        """Requests in flight at once: ``max_requests``, or what the router can apply.
+
+        In-flight requests share the router's one reading thread: a round of reading
+        gives each one reply message, at most a snapshot chunk of
+        :data:`REPLY_BLOCKS` blocks, applied at about :data:`APPLY_BLOCKS_PER_S`. The
+        round must stay well within a request's inactivity deadline
+        (``stream.replay_timeout``; :data:`ROUND_SHARE` of it) and the publisher's
+        patience with a client that does not read, or requests time out because
+        others are ahead of them: ``replay_timeout * ROUND_SHARE * APPLY_BLOCKS_PER_S
+        / REPLY_BLOCKS`` (61 at the defaults). More in flight would not go faster:
+        the router's apply speed is the bound.
+        """
+        if self.max_requests is not None:
+            return min(self.max_requests, self.max_replays)
+        fit = self.stream.replay_timeout * ROUND_SHARE * APPLY_BLOCKS_PER_S / REPLY_BLOCKS
+        return max(1, min(self.max_replays, int(fit)))
+
+    def source_request_limit(self) -> int:
+        """Requests in flight at once to one source: ``max_requests_per_source``, or a
+        quarter of :meth:`request_limit`.
+
+        Serving a chunk costs an engine about half what applying it costs the router
+        (snapshots: 0.54 us a block served against about 1 us applied), so a source
+        with a quarter of the router's requests spends at most about 14% of a core
+        serving them, however many of its ranks ask, and at least four engines share
+        the router's turns when they all ask.
+        """
+        if self.max_requests_per_source is not None:
+            return min(self.max_requests_per_source, self.request_limit())
+        return max(1, self.request_limit() // SOURCE_SHARE)
+
+
+APPLY_BLOCKS_PER_S = 1_000_000
+"""Blocks a router applies per second from snapshots, rounded down for a busy host (a
+cold start measured 20.5 M blocks in 14.8 s, 1.4 M/s, on the 2-core machine of
+``benchmarks/README.md``)."""
+REPLY_BLOCKS = 4096
+"""The largest reply message, in blocks: a kvwire publisher's snapshot chunk
+(``PublisherConfig.snapshot_chunk_blocks``; a replayed batch is smaller)."""
+ROUND_SHARE = 0.25
+"""The part of ``replay_timeout`` one round over every in-flight request may take."""
+SOURCE_SHARE = 4
+"""One source gets at most this fraction (1 / SOURCE_SHARE) of the requests in flight."""

@@ -31,6 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.ratelog import RateLimitedLog
 from kvwire.security import secure_client
+from kvwire.subscriber import actions as _actions
 from kvwire.subscriber.actions import (
     Action,
     Apply,
@@ -41,7 +42,7 @@ from kvwire.subscriber.actions import (
     RequestSnapshot,
     StateChanged,
 )
-from kvwire.subscriber.config import SubscriberConfig
+from kvwire.subscriber.config import QUEUE_SLACK, SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
 from kvwire.subscriber.memory import TrimAfter
 from kvwire.subscriber.reactor import Reactor
@@ -65,6 +66,10 @@ _REPLAY_HWM = 1024  # replay reply messages queued unread per rank, at most
 _FIRST_BATCH_BYTES = 64 << 10  # a rank's batch size until its first batch is read
 _RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
 _RECONNECT_MAX_S = 1.0
+_REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times its own
+_REPLY_READ_MIN = 4  # reply messages one service may read, at least (else the read chunk)
+_RESERVE: type | None = getattr(_actions, "Reserve", None)
+"""The stream's ``Reserve(blocks)`` action (its handler is ready before it lands)."""
 
 
 def _ignore(link: RankLink) -> None:
@@ -84,6 +89,7 @@ class LinkEnv:
         "ranks",
         "reactor",
         "receive",
+        "reopens",
         "replays",
         "trim",
     )
@@ -103,12 +109,13 @@ class LinkEnv:
         self.delivery = delivery
         self.receive = receive
         self.log = log
-        self.replays = ReplaySlots(config.max_replays)
+        self.replays = ReplaySlots(config.request_limit(), config.source_request_limit())
         self.contacts = FirstContacts(config.max_replays)
         self.on_state: Callable[[RankLink], object] = _ignore
         """Called on the loop after a rank's state changed (the subscriber's readiness)."""
         self.ranks = 0  # links open: what each rank's share of the receive budget divides by
         self.trim = TrimAfter(config.receive_budget_bytes)
+        self.reopens = 0  # SUBs reopened for a mark their batch size no longer fits
 
 
 def _sample(messages: list[tuple[bytes, ...]]) -> int:
@@ -133,15 +140,21 @@ class RankLink:
         "fit_ranks",
         "hwm",
         "keys",
+        "live_blocked",
         "monitor",
         "monitor_fd",
         "queued",
         "rank",
         "reconnect_at",
         "reconnect_delay",
+        "reopen_due",
+        "share",
+        "sized",
+        "slot",
         "stream",
         "sub",
         "sub_fd",
+        "sub_hwm",
         "subject",
         "timer",
         "timer_at",
@@ -167,6 +180,7 @@ class RankLink:
         self.dealer: zmq.Socket[bytes] | None = None
         self.dealer_fd = -1
         self.dealer_token = 0
+        self.slot = False  # holds one of the requests in flight (ReplaySlots)
         self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
@@ -175,10 +189,16 @@ class RankLink:
         self.reconnect_at: float | None = None  # when to connect the SUB again ourselves
         self.reconnect_delay = 0.0  # grows while connections fail before their handshake
         env.ranks += 1
+        config = env.config
         self.batch_bytes = _FIRST_BATCH_BYTES  # recent batch size, from what was read
+        self.sized = False  # batch_bytes is still a guess
         self.fit_ranks = env.ranks
-        self.hwm = env.config.rank_hwm(env.ranks, self.batch_bytes)  # the sockets' marks
-        self.chunk = env.config.read_chunk(env.ranks, self.batch_bytes, BURST)
+        self.share = config.rank_share(env.ranks)
+        self.hwm = config.rank_hwm(env.ranks, self.batch_bytes)  # for the next socket made
+        self.sub_hwm = 0  # the open SUB's mark
+        self.reopen_due = False  # the open SUB's mark no longer fits: reopen it
+        self.live_blocked = False  # live reading waits for held batches to go
+        self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
 
     def note(self, kind: str, message: str, exc_info: Any = None) -> None:
         """A problem of this rank, logged at most once an interval per kind for all ranks."""
@@ -211,8 +231,14 @@ class RankLink:
         return True
 
     def _open_sub(self) -> None:
+        config = self.env.config
+        # Until its batches are seen, a rank's may be as large as max_message_size: the
+        # mark that keeps those within its share holds the bound from the first message.
+        first = config.rank_hwm(self.env.ranks, config.max_message_size)
+        mark = self.hwm if self.sized else first
         sub = self._socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, self.hwm)
+        sub.setsockopt(zmq.RCVHWM, mark)
+        self.sub_hwm = mark
         sub.setsockopt(zmq.TCP_KEEPALIVE, 1)  # how a dead publisher is noticed
         sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
         sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
@@ -244,19 +270,23 @@ class RankLink:
         self.sub = self.monitor = None
 
     def _open_dealer(self) -> bool:
+        """A replay socket, in the rank's request slot (taken here if it holds none)."""
         replays = self.env.replays
-        if not replays.take():
-            return False
+        if not self.slot:
+            if not replays.take(self):
+                return False
+            self.slot = True
         assert self.endpoints.replay_endpoint is not None
         try:
             dealer = self._socket(zmq.DEALER)
         except Exception as exc:  # out of sockets or files: wait for one to close
-            replays.refused()
+            self.slot = False
+            replays.refused(self)
             self.note(
                 "replay-socket", f"replay socket not opened ({exc}): waiting for one to close"
             )
             return False
-        self.dealer = dealer  # from here on, closing it gives its slot back
+        self.dealer = dealer
         # Bounded: a reply flows as fast as it is read (the publisher waits on a full
         # pipe), and a hostile replay socket cannot queue more than this in the router.
         dealer.setsockopt(zmq.RCVHWM, min(self.hwm, _REPLAY_HWM))
@@ -264,15 +294,17 @@ class RankLink:
         self.dealer_fd = self.env.reactor.watch(dealer, self)
         return True
 
-    def _close_dealer(self) -> None:
+    def _close_dealer(self, keep_slot: bool = False) -> None:
+        """Close the replay socket; its request slot goes too, unless ``keep_slot``."""
         dealer = self.dealer
-        if dealer is None:
-            return
-        self.dealer = None
-        self.env.reactor.unwatch(self.dealer_fd)
-        self.dealer_fd = -1
-        dealer.close(linger=0)
-        self.env.replays.release()
+        if dealer is not None:
+            self.dealer = None
+            self.env.reactor.unwatch(self.dealer_fd)
+            self.dealer_fd = -1
+            dealer.close(linger=0)
+        if self.slot and not keep_slot:
+            self.slot = False
+            self.env.replays.release(self)
 
     def _release_dealer(self) -> None:
         """Close the replay socket once the stream waits for no reply."""
@@ -295,6 +327,8 @@ class RankLink:
         self.reconnect_at = None
         sub = self.sub
         if sub is None:
+            if not self.closed and self.connecting_since is None and self.sub_hwm:
+                self._reopen_sub()  # a reopen that could not open its socket: again
             return
         with contextlib.suppress(zmq.ZMQError):
             sub.disconnect(self.endpoints.endpoint)
@@ -309,18 +343,63 @@ class RankLink:
         """
         est = self.batch_bytes
         env = self.env
-        if est >> 1 <= sample <= est and self.fit_ranks == env.ranks:
+        if est >> 1 <= sample <= est and self.fit_ranks == env.ranks and self.sized:
             return
-        est = sample if sample > est else max(sample, est >> 1, 1)
+        est = sample if sample > est or not self.sized else max(sample, est >> 1, 1)
+        self.sized = True
         self.batch_bytes = est
         self.fit_ranks = ranks = env.ranks
         config = env.config
+        self.share = config.rank_share(ranks)
         self.chunk = config.read_chunk(ranks, est, BURST)
         mark = config.rank_hwm(ranks, est)
-        # Taken by the next socket made (a replay socket, a reconnect), never set on an
+        # Taken by the next socket made (a replay socket, a reopened SUB), never set on an
         # open one: libzmq 4.3.5's I/O thread crashed (SIGSEGV, about one run in three of
         # the 200 MB oversized-payload test) when RCVHWM changed under a message in flight.
         self.hwm = mark
+        open_mark = self.sub_hwm
+        if self.sub is not None and mark < open_mark:
+            # Larger batches: the open SUB may hold more than twice the rank's share.
+            self.reopen_due = (open_mark + QUEUE_SLACK) * est > 2 * self.share
+
+    def _misfit(self, read: int) -> None:
+        """A drain read ``read`` live messages: a SUB found full at a mark far below what
+        its batches allow is reopened (its small mark would throttle the rank)."""
+        open_mark = self.sub_hwm
+        if read >= open_mark + QUEUE_SLACK and self.hwm >= _REOPEN_RATIO * open_mark:
+            self.reopen_due = True
+
+    def _reopen_sub(self) -> None:
+        """Reopen the SUB with the mark its batch size asks for: to the stream, a
+        reconnect (what the old socket still held is replayed). The mark of an open
+        socket is never changed (see :meth:`_fit`)."""
+        self.reopen_due = False
+        if self.closed:
+            return
+        self.env.reopens += 1
+        if self.sub is not None:
+            self._close_sub()
+            self.carry_out(self.stream.disconnected(time.monotonic()))
+        self.reconnect_delay = 0.0
+        if not self.connect():  # out of files: again shortly
+            self.reconnect_at = time.monotonic() + _RECONNECT_MAX_S
+        self.schedule()
+
+    def _live_room(self) -> int:
+        """Live messages the rank may read now: while its stream holds batches, those
+        and the SUB's queue (its mark and slack, of the rank's batch size) share the
+        rank's share of the receive budget; reading waits once they fill it."""
+        held = self.stream.held_bytes
+        if not held:
+            return self.chunk
+        est = self.batch_bytes
+        return (self.share - held) // est - (self.sub_hwm + QUEUE_SLACK)
+
+    def _resume_live(self) -> None:
+        """Held batches went: read the SUB again (it will not signal what it holds)."""
+        if self.live_blocked and self._live_room() > 0 and not self.closed:
+            self.live_blocked = False
+            self.env.reactor.again(self)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -347,6 +426,9 @@ class RankLink:
             if self.dealer is not None:
                 self._drain_replay()
                 self.schedule()
+            if self.reopen_due:
+                self._reopen_sub()
+            self._resume_live()
         except Exception:
             # A bug, not bad input (RankStream never raises on input): keep going.
             self.note("loop-error", "subscriber loop error", exc_info=True)
@@ -374,7 +456,7 @@ class RankLink:
             elif event == zmq.EVENT_DISCONNECTED:
                 # The old connection's batches belong before the disconnect.
                 if self.sub is not None:
-                    self._drain_live(_DRAIN_BEFORE_DISCONNECT)
+                    self._drain_live(_DRAIN_BEFORE_DISCONNECT, bounded=False)
                 self.carry_out(self.stream.disconnected(time.monotonic()))
                 # libzmq does not reconnect after a protocol error (a message over
                 # max_message_size, a refused handshake): connect again ourselves, at
@@ -388,12 +470,13 @@ class RankLink:
                 continue
             self.schedule()
 
-    def _drain_live(self, budget: int) -> int:
+    def _drain_live(self, budget: int, bounded: bool = True) -> int:
         """Read up to ``budget`` live messages into the stream; how many were read.
 
         With a sink, the heartbeats in sequence at the head of the socket are
         counted by the drain and taken by the stream in one call (they change
-        nothing a sink holds); everything else goes through ``live``.
+        nothing a sink holds); everything else goes through ``live``. ``bounded``:
+        stop while held batches fill the rank's share (:meth:`_live_room`).
         """
         sub = self.sub
         assert sub is not None
@@ -412,6 +495,12 @@ class RankLink:
         trim = env.trim
         while n < budget:
             chunk = min(self.chunk, budget - n)
+            if bounded and stream.held_bytes:
+                room = self._live_room()
+                if room < 1:
+                    self.live_blocked = True  # _resume_live reads on once they go
+                    break
+                chunk = min(chunk, room)
             key = stream.beat_key() if sink is not None else None
             if key is None:
                 beats, last, messages = 0, None, drain(sub, chunk, _LIVE_FRAMES)
@@ -422,6 +511,7 @@ class RankLink:
                 break
             if messages:
                 self._fit(_sample(messages))
+                self._misfit(beats + len(messages))
                 trim.pending += len(messages) * self.batch_bytes
             now = clock()
             if last is not None:
@@ -455,12 +545,19 @@ class RankLink:
         return n
 
     def _drain_replay(self) -> None:
+        """Read the replies queued, at most a read chunk (or a few messages) a turn: the
+        requests in flight share the router's rounds (``request_limit``)."""
         applied = False
         dealer = self.dealer
         drain = self.env.receive.drain
+        left = max(self.chunk, _REPLY_READ_MIN)
         while dealer is not None and self.dealer is dealer:
-            chunk = self.chunk
+            chunk = min(self.chunk, left)
+            if chunk < 1:
+                self.env.reactor.again(self)  # more may wait: the socket will not signal it
+                break
             messages = drain(dealer, chunk, _REPLY_FRAMES)
+            left -= len(messages)
             if messages:
                 self._fit(_sample(messages))
             for frames in messages:
@@ -505,6 +602,12 @@ class RankLink:
         return self.stream.silence_deadline()
 
     def on_timer(self, now: float) -> None:
+        if self.dealer is not None and not self.env.delivery.paused:
+            # A reply waiting unread is the router's delay, not the publisher's silence:
+            # read it before a deadline is judged.
+            if self.service(True):
+                self.env.reactor.again(self)
+            now = time.monotonic()
         if self.connecting_since is not None and now - self.connecting_since > CONTACT_S:
             self.env.contacts.done(self)  # its publisher may be down: others go on meanwhile
         if self.reconnect_at is not None and now >= self.reconnect_at:
@@ -515,6 +618,7 @@ class RankLink:
                 self.carry_out(actions)
             if not self.closed:
                 self._release_dealer()
+                self._resume_live()
         except Exception:
             self.note("timer-error", "subscriber timer error", exc_info=True)
 
@@ -544,6 +648,8 @@ class RankLink:
                 self._send_request(snapshot_request_frames(), action.token, action.fresh)
             elif kind is Reconnect:
                 self._reconnect()
+            elif kind is _RESERVE:
+                self._reserve(getattr(action, "blocks", 0))
             elif kind is StateChanged:
                 assert isinstance(action, StateChanged)
                 if self.connecting_since is not None and action.new is not RankState.SYNCING:
@@ -558,22 +664,36 @@ class RankLink:
         if timed:
             self.schedule()
 
+    def _reserve(self, blocks: int) -> None:
+        """The stream announced ``blocks`` blocks to come (a snapshot, a replay): a sink
+        with ``reserve(worker_id, rank, blocks)`` sizes its tables for them."""
+        reserve = getattr(self.env.delivery.sink, "reserve", None)
+        if reserve is None:
+            return
+        try:
+            reserve(self.worker_id, self.rank, blocks)
+        except Exception as exc:  # only a hint: the batches apply all the same
+            self.note("sink-reserve", f"sink.reserve raised {exc!r}", exc_info=exc)
+
     def sink_failed(self, exc: Exception) -> None:
         """The sink raised on this rank's batch: the stream decides what the view is worth."""
         self.note("sink-apply", f"sink.apply raised {exc!r}", exc_info=exc)
         self.carry_out(self.stream.sink_failed(time.monotonic(), repr(exc)))
 
-    def _send_request(self, frames: list[bytes], token: int, fresh: bool) -> None:
-        """Send a replay or snapshot request; ``fresh`` needs a new socket (no late replies)."""
+    def _send_request(self, frames: list[bytes], token: int, fresh: bool) -> bool:
+        """Send a replay or snapshot request, or queue it for its turn (False); ``fresh``
+        needs a new socket (no late replies). A rank holding a request slot keeps it."""
         self.dealer_token = token
         if fresh or self.dealer is None:
-            self._close_dealer()
+            self._close_dealer(keep_slot=True)
             if not self._open_dealer():
-                # Wait for a replay socket to close (at the cap, or out of files).
+                # Wait for a turn (the bounds on requests in flight, or out of files);
+                # the stream's deadlines for it start when it is sent.
                 if self.queued is None:
                     self.env.replays.wait(self)
                 self.queued = (frames, token)
-                return
+                self.stream.request_waiting(token)
+                return False
             self.queued = None
         dealer = self.dealer
         assert dealer is not None
@@ -581,11 +701,16 @@ class RankLink:
             dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the request times out and is retried
             self.note("replay-not-sent", f"replay request not sent: {exc}")
+        return True
 
     def send_queued(self) -> None:
-        """A replay socket is free: send the request that waited for one."""
+        """The rank's turn: send the request that waited for it (if still wanted)."""
         request, self.queued = self.queued, None
         if request is None or self.closed or self.dealer is not None:
             return
+        if not self.stream.replay_pending:
+            return  # given up meanwhile (a disconnect): the next one asks anew
         frames, token = request
-        self._send_request(frames, token, fresh=False)
+        if self._send_request(frames, token, fresh=False):
+            self.stream.request_sent(token, time.monotonic())
+            self.schedule()

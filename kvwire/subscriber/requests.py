@@ -8,6 +8,7 @@ backoff of failing recoveries. It decides nothing about the phase.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from kvwire.subscriber.actions import RequestReplay, RequestSnapshot
@@ -143,6 +144,24 @@ class Requests:
     def snapshot_allowed(self, now: float, config: StreamConfig) -> bool:
         """Whether another snapshot may be asked now (its retries and backoff)."""
         return self.recoveries <= config.snapshot_retries and now >= self.recovery_after
+
+    def waiting(self, token: int) -> bool:
+        """Request ``token`` waits for its turn to be sent: no deadline runs meanwhile."""
+        r = self.active
+        if r is None or r.token != token:
+            return False
+        r.deadline = r.hard_deadline = math.inf
+        return True
+
+    def sent(self, token: int, now: float, config: StreamConfig) -> bool:
+        """Request ``token`` was sent at ``now`` (after waiting): its deadlines start here."""
+        r = self.active
+        if r is None or r.token != token:
+            return False
+        overall = config.snapshot_deadline if isinstance(r, Snapshot) else config.replay_deadline
+        r.hard_deadline = now + overall
+        r.deadline = min(now + config.replay_timeout, r.hard_deadline)
+        return True
 
     def recovered(self) -> None:
         """The rank is exact and in sequence: the recovery backoff starts over."""

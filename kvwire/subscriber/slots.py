@@ -1,9 +1,13 @@
-"""Bounds shared by every rank of a subscriber: replay sockets, and first contacts.
+"""Bounds shared by every rank of a subscriber: requests in flight, and first contacts.
 
-A rank's first contact is a replay of its publisher's history, and a replay
-needs a socket; thousands at once would only queue for replay sockets (and
-file descriptors) and time out. Both are bounded by ``max_replays``, and a
-rank that finds the bound reached waits in line, oldest first.
+A rank's first contact is a replay of its publisher's history, a lost view a
+snapshot; thousands asked at once would only share the router's reading (and
+the engines' serving) so thinly that they time out, each then served again from
+its start. Requests in flight are bounded per subscriber and per source
+(:meth:`SubscriberConfig.request_limit <kvwire.subscriber.config.SubscriberConfig.request_limit>`);
+a request that finds the bound reached waits its turn, oldest first, and its
+deadlines start only when it is sent. First contacts are bounded by
+``max_replays``.
 """
 
 from __future__ import annotations
@@ -26,39 +30,89 @@ CONTACT_S = 5.0
 
 
 class ReplaySlots:
-    """Replay sockets open at once: at most ``limit``, fewer while the process is out of files."""
+    """Requests in flight, each holding a replay socket: at most ``limit`` at once (fewer
+    while the process is out of files) and ``per_source`` to one source; the others
+    wait their turn, oldest first among the sources that have room.
 
-    def __init__(self, limit: int) -> None:
+    A rank keeps its slot while its stream has a request out or due (a replay that
+    follows a snapshot goes on in the same slot) and gives it back when its replay
+    socket closes.
+    """
+
+    def __init__(self, limit: int, per_source: int | None = None) -> None:
         self.limit = limit
+        self.per_source = limit if per_source is None else max(1, min(per_source, limit))
         self.open = 0
+        self.peak = 0  # the most in flight at once
+        self.source_peak = 0  # the most in flight at once to one source
+        self.waited = 0  # requests that waited for their turn
         self._cap = limit  # lowered while the process is out of files
-        self._waiting: deque[RankLink] = deque()
+        self._by_source: dict[str, int] = {}
+        self._waiting: dict[str, deque[tuple[int, RankLink]]] = {}
+        self._ticket = 0
 
-    def take(self) -> bool:
-        """Count one more socket, if one may open now."""
-        if self.open >= self._cap:
+    def in_flight(self, source: str) -> int:
+        return self._by_source.get(source, 0)
+
+    def take(self, link: RankLink) -> bool:
+        """Count one more request of ``link``, if one may go out now."""
+        source = link.worker_id
+        held = self._by_source.get(source, 0)
+        if self.open >= self._cap or held >= self.per_source:
             return False
         self.open += 1
+        self._by_source[source] = held + 1
+        self.peak = max(self.peak, self.open)
+        self.source_peak = max(self.source_peak, held + 1)
         return True
 
-    def refused(self) -> None:
-        """The socket could not open (out of files): hold further ones to those open."""
+    def _give(self, link: RankLink) -> None:
         self.open -= 1
+        source = link.worker_id
+        left = self._by_source[source] - 1
+        if left:
+            self._by_source[source] = left
+        else:
+            del self._by_source[source]
+
+    def refused(self, link: RankLink) -> None:
+        """The socket could not open (out of files): hold further ones to those open."""
+        self._give(link)
         self._cap = max(1, self.open)
 
     def wait(self, link: RankLink) -> None:
-        self._waiting.append(link)
+        """``link`` has a request waiting for its turn (:meth:`RankLink.send_queued`)."""
+        self._ticket += 1
+        self.waited += 1
+        self._waiting.setdefault(link.worker_id, deque()).append((self._ticket, link))
 
-    def release(self) -> None:
-        """A replay socket closed: send the oldest request that waited for one."""
-        self.open -= 1
+    def release(self, link: RankLink) -> None:
+        """A request's socket closed: send the oldest waiting ones that may go now."""
+        self._give(link)
         if self._cap < self.limit:
             self._cap += 1
+        self._grant()
+
+    def _grant(self) -> None:
         waiting = self._waiting
-        for _ in range(len(waiting)):  # a refused socket puts its rank back in line
-            if self.open >= self._cap:
-                break
-            waiting.popleft().send_queued()
+        while self.open < self._cap and waiting:
+            best: tuple[int, str] | None = None
+            for source in list(waiting):
+                queue = waiting[source]
+                while queue and (queue[0][1].closed or queue[0][1].queued is None):
+                    queue.popleft()  # closed, or its request went out another way
+                if not queue:
+                    del waiting[source]
+                elif self._by_source.get(source, 0) < self.per_source and (
+                    best is None or queue[0][0] < best[0]
+                ):
+                    best = (queue[0][0], source)
+            if best is None:
+                return
+            link = waiting[best[1]].popleft()[1]
+            if not waiting[best[1]]:
+                del waiting[best[1]]
+            link.send_queued()  # a refused socket puts its rank back in line, lowers the cap
 
 
 class FirstContacts:

@@ -390,6 +390,11 @@ class RankStream:
         return len(self._seq.held)
 
     @property
+    def held_bytes(self) -> int:
+        """Payload bytes of the :attr:`held` batches."""
+        return self._seq.held.nbytes
+
+    @property
     def is_connected(self) -> bool:
         return self._phase is not Phase.DISCONNECTED
 
@@ -578,6 +583,17 @@ class RankStream:
         except Exception as exc:
             self._internal_error(exc)
         return self._finish()
+
+    def request_waiting(self, token: int) -> None:
+        """The transport holds request ``token`` until its turn (requests are paced):
+        it cannot time out meanwhile; :meth:`request_sent` starts its deadlines."""
+        if self._req.waiting(token):
+            self._due = self.next_deadline()
+
+    def request_sent(self, token: int, now: float) -> None:
+        """The transport sent request ``token``, which waited its turn, at ``now``."""
+        if self._req.sent(token, now, self.config):
+            self._due = self.next_deadline()
 
     def sink_failed(self, now: float, reason: str) -> list[Action]:
         """The sink raised while applying a batch: its view of the rank is suspect."""

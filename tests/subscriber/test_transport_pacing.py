@@ -1,0 +1,269 @@
+"""Requests paced across a fleet: bounded in flight, never timed out while waiting their turn.
+
+Also the byte bound of the receive path (a SUB's mark from ``max_message_size``,
+held batches counted against the rank's share) and the stream's ``Reserve``
+carried out to the sink.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvwire.publisher import EventPublisher, PublisherConfig
+from kvwire.subscriber import BlockSetSink, RankState, RankStream, StreamConfig, Subscriber
+from kvwire.subscriber import link as link_module
+from kvwire.subscriber.config import QUEUE_SLACK, REPLY_BLOCKS, SubscriberConfig
+from kvwire.subscriber.requests import Requests
+from kvwire.subscriber.stream import Phase
+from kvwire.wire import KVEventBatch
+from tests.subscriber.helpers import EPHEMERAL, Engine, bound_source, fast, rank_status
+from tests.waiting import wait_for
+
+
+class SlowSink(BlockSetSink):
+    """A router that applies slowly: requests queue far longer than a replay timeout."""
+
+    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+        time.sleep(0.002)
+        super().apply(worker_id, rank, batch)
+
+
+def test_snapshots_are_paced_and_none_times_out_while_waiting() -> None:
+    """16 ranks of two engines, each needing a snapshot on first contact (its history is
+    far older than its replay buffer), at most 3 requests in flight and 2 per engine,
+    through a router so slow that a rank's turn comes seconds after it asked (a replay
+    timeout is 0.2 s). None times out, each snapshot is served once, all end exact."""
+    config = PublisherConfig(buffer_steps=4, snapshot_chunk_blocks=64)
+    engines: list[list[tuple[EventPublisher, Engine]]] = []
+    try:
+        for e in range(2):
+            ranks = []
+            for r in range(8):
+                pub = EventPublisher(EPHEMERAL, EPHEMERAL, config, rank=r).start()
+                model = Engine(seed=100 * e + r, rank=r)
+                model.publish(pub, 30, blocks=40)  # 1,200 blocks: about 19 chunks
+                ranks.append((pub, model))
+            engines.append(ranks)
+        for ranks in engines:
+            for pub, _ in ranks:
+                wait_for(
+                    lambda p=pub: p.queue_depth == 0 and p.stats().mirror_pending == 0,
+                    10,
+                    "the history sent and mirrored",
+                )
+        sink = SlowSink()
+        stream = msgspec.structs.replace(fast().stream, replay_timeout=0.2, idle_probe=None)
+        sub_config = fast(stream=stream, max_requests=3, max_requests_per_source=2)
+        sources = [bound_source(f"e{e}", [p for p, _ in ranks]) for e, ranks in enumerate(engines)]
+        with Subscriber(sources, sink, config=sub_config) as sub:
+
+            def all_exact() -> bool:
+                return all(s.state is RankState.SYNCED for s in sub.status()) and all(
+                    sink.blocks(f"e{e}", r) == model.truth
+                    for e, ranks in enumerate(engines)
+                    for r, (_, model) in enumerate(ranks)
+                )
+
+            wait_for(all_exact, 60, "every rank exact")
+            env = sub._env
+            assert env is not None
+            assert env.replays.peak <= 3 and env.replays.source_peak <= 2
+            assert env.replays.waited > 0, "no request waited: the test shows nothing"
+            for st in sub.status():
+                c = st.counters
+                assert c.replay_timeouts == 0, st
+                assert c.snapshots_failed == 0, st
+                assert c.snapshots_requested == 1 and c.snapshots_applied == 1, st
+        for ranks in engines:
+            for pub, _ in ranks:
+                assert pub.stats().snapshots_served == 1
+    finally:
+        for ranks in engines:
+            for pub, _ in ranks:
+                pub.close()
+
+
+def test_a_waiting_request_has_no_deadline_until_it_is_sent() -> None:
+    """The stream side of pacing: asked, waiting (no deadline), sent (deadlines from then)."""
+    config = StreamConfig(replay_timeout=1.0, snapshot_deadline=30.0)
+    req = Requests(Phase.REPLAYING)
+    action = req.snapshot(0.0, config, 0)
+    assert req.active is not None and req.active.deadline == 1.0
+    assert req.waiting(action.token)
+    assert req.active.deadline == float("inf") and req.active.hard_deadline == float("inf")
+    assert not req.waiting(action.token + 1)  # not the request out
+    assert req.sent(action.token, 50.0, config)
+    assert req.active.deadline == 51.0 and req.active.hard_deadline == 80.0
+    s = RankStream(0, config)
+    assert s.tick(1e9) == []  # nothing asked, nothing due
+    s.request_waiting(99)  # no such request: nothing changes
+    assert s.next_deadline() is None
+
+
+def test_request_limit_is_derived_from_what_the_router_applies() -> None:
+    c = SubscriberConfig()
+    limit = c.request_limit()
+    assert 1 <= limit <= c.max_replays
+    assert limit == int(c.stream.replay_timeout * 0.25 * 1_000_000 / REPLY_BLOCKS)
+    assert c.source_request_limit() == limit // 4
+    assert SubscriberConfig(max_requests=500).request_limit() == c.max_replays
+    assert SubscriberConfig(max_requests_per_source=1000).source_request_limit() == limit
+    # Replies are read faster than a slower timeout needs: more may be in flight.
+    slow = SubscriberConfig(stream=StreamConfig(replay_timeout=2.0))
+    assert slow.request_limit() == min(c.max_replays, 2 * limit)
+    for bad in ({"max_requests": 0}, {"max_requests_per_source": 0}):
+        with pytest.raises(ValueError):
+            SubscriberConfig(**bad)
+    # The reply size it assumes is the publisher's snapshot chunk.
+    assert PublisherConfig().snapshot_chunk_blocks == REPLY_BLOCKS
+
+
+# --- the byte bound -------------------------------------------------------------------
+
+
+def _marks(sub: Subscriber) -> list[Any]:
+    links = [link for ranks in sub._links.values() for link in ranks]
+    assert links
+    return links
+
+
+def test_a_flood_stays_within_the_receive_budget() -> None:
+    """Four ranks flooded with ~200 KB batches into a router that stalls (its sink
+    blocks) then drains: the SUB's mark, from max_message_size before any batch is
+    seen, keeps each rank's queue within its share from the first message; what the
+    flood cannot put in the queues waits at the publishers or is lost there and
+    replayed. Accounting: marks and held bytes, checked while stalled."""
+    budget = 4 << 20
+    pub_config = PublisherConfig(hwm=8, buffer_steps=4096, snapshot=False)
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, pub_config).start() for _ in range(4)]
+    gate = threading.Event()
+    gate.set()
+
+    class Gated(BlockSetSink):
+        def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+            gate.wait(30)
+            super().apply(worker_id, rank, batch)
+
+    sink = Gated()
+    config = fast(receive_budget_bytes=budget, max_message_size=8 << 20)
+    try:
+        models = [Engine(seed=50 + i) for i in range(4)]
+        sources = [bound_source(f"w{i}", [p]) for i, p in enumerate(pubs)]
+        with Subscriber(sources, sink, config=config) as sub:
+            wait_for(lambda: all(s.connected for s in sub.status()), 10, "connections")
+            share = config.rank_share(4)
+            for link in _marks(sub):
+                # Opened before any batch: the mark that fits max_message_size.
+                assert link.sub_hwm == config.rank_hwm(4, config.max_message_size)
+            gate.clear()
+            for pub, model in zip(pubs, models, strict=True):
+                model.publish(pub, 1)
+            for _ in range(3):
+                for pub, model in zip(pubs, models, strict=True):
+                    model.publish(pub, 30, blocks=3000)  # ~60 KB each
+            wait_for(lambda: all(p.queue_depth == 0 for p in pubs), 10, "the flood sent")
+            for link in _marks(sub):
+                queued = (link.sub_hwm + QUEUE_SLACK) * max(link.batch_bytes, 1)
+                assert queued <= max(share, (1 + QUEUE_SLACK) * link.batch_bytes)
+                assert link.stream.held_bytes <= share
+            gate.set()
+
+            def done() -> bool:
+                return all(s.state is RankState.SYNCED for s in sub.status()) and all(
+                    sink.blocks(f"w{i}", 0) == model.truth for i, model in enumerate(models)
+                )
+
+            wait_for(done, 60, "the flood repaired")
+            for i, model in enumerate(models):
+                assert sink.blocks(f"w{i}", 0) == model.truth
+                st = rank_status(sub.status(), f"w{i}", 0)
+                assert st.counters.resyncs == 0, st
+    finally:
+        for pub in pubs:
+            pub.close()
+
+
+def test_held_batches_count_against_the_share() -> None:
+    """While a rank holds batches, reading its SUB stops once they and its queue fill
+    its share, and goes on when they are applied."""
+    budget = 2 << 20
+    config = fast(receive_budget_bytes=budget)
+    pub_config = PublisherConfig(buffer_steps=4096, snapshot=False)
+    with EventPublisher(EPHEMERAL, EPHEMERAL, pub_config) as pub:
+        model = Engine(seed=9)
+        sink = BlockSetSink()
+        with Subscriber([bound_source("w", [pub])], sink, config=config) as sub:
+            wait_for(lambda: sub.status()[0].connected, 10, "connection")
+            model.publish(pub, 1)
+            wait_for(lambda: sub.status()[0].expected_seq == 1, 10, "first batch")
+            (link,) = _marks(sub)
+            share = config.rank_share(1)
+            link.batch_bytes = 100_000
+            link.sized = True
+            link.share = share
+            # A stream holding bytes near its share leaves no room to read.
+            room_free = link._live_room()
+            assert room_free == link.chunk
+            link.stream._seq.held.nbytes = share  # as if a gap held this much
+            assert link._live_room() < 1
+            link.stream._seq.held.nbytes = 0
+            assert link._live_room() == link.chunk
+
+
+def test_reserve_is_carried_out_to_a_sink_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream's ``Reserve(blocks)``: a sink's ``reserve(worker_id, rank, blocks)``
+    is called in order with the other actions; a sink without one is left alone, and
+    one that raises is noted, not fatal."""
+
+    class Reserve(msgspec.Struct, frozen=True):  # a stand-in until the stream's lands
+        blocks: int
+
+    from kvwire.subscriber import actions
+
+    monkeypatch.setattr(link_module, "_RESERVE", getattr(actions, "Reserve", Reserve))
+    Stand = link_module._RESERVE
+    assert Stand is not None
+
+    calls: list[tuple[str, int, int] | str] = []
+
+    class Reserving(BlockSetSink):
+        fail = False
+
+        def reserve(self, worker_id: str, rank: int, blocks: int) -> None:
+            if self.fail:
+                raise RuntimeError("no room")
+            calls.append((worker_id, rank, blocks))
+
+        def clear(self, worker_id: str, rank: int) -> None:
+            calls.append("clear")
+            super().clear(worker_id, rank)
+
+    from kvwire.subscriber.actions import ClearRank
+
+    with EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig()) as pub:
+        for sink in (Reserving(), BlockSetSink()):
+            with Subscriber([bound_source("w", [pub])], sink, config=fast()) as sub:
+                wait_for(lambda s=sub: s.status()[0].connected, 10, "connection")
+                (link,) = _marks(sub)
+                done = threading.Event()
+
+                def carry(lk: Any = link, ev: threading.Event = done) -> None:
+                    lk.carry_out([ClearRank("test"), Stand(blocks=20_000)])
+                    ev.set()
+
+                loop = sub._loop
+                assert loop is not None
+                loop.call_soon_threadsafe(carry)
+                assert done.wait(10)
+                if isinstance(sink, Reserving):
+                    assert calls == ["clear", ("w", 0, 20_000)]
+                    sink.fail = True
+                    done.clear()
+                    loop.call_soon_threadsafe(carry)
+                    assert done.wait(10)  # raised inside: noted, the loop goes on
+                    wait_for(lambda s=sub: s.status()[0].connected, 10, "still running")
