@@ -18,7 +18,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MASK = (1 << 64) - 1
@@ -31,9 +31,15 @@ class Child:
         self.name = name
         self.proc: subprocess.Popen[str] | None = None
 
-    def spawn(self, argv: Sequence[str]) -> None:
+    def spawn(self, argv: Sequence[str], stderr: IO[Any] | None = None) -> None:
+        """Start it; ``stderr``: where its log goes (by default this process's stderr)."""
         self.proc = subprocess.Popen(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=ROOT,
         )
 
     def send(self, command: str) -> None:

@@ -61,7 +61,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +80,15 @@ BLOCK_SIZE = 16
 TOKEN_MUL = np.uint64(2654435761)
 TOKEN_STEP = np.arange(BLOCK_SIZE, dtype=np.uint64) * np.uint64(40503)
 VOCAB = np.uint64(50_000)
+
+
+class _Log:
+    """Where the children's logs go: a file, so that the table stays readable."""
+
+    file: IO[Any] | None = None
+
+
+LOG = _Log()
 
 
 # --- what each rank holds -------------------------------------------------------------
@@ -449,7 +458,7 @@ class Fleet:
                 "life": 0,
             }
             child = Child(f"{tag} engines {p}")
-            child.spawn([sys.executable, __file__, "--engine-child", json.dumps(spec)])
+            child.spawn([sys.executable, __file__, "--engine-child", json.dumps(spec)], LOG.file)
             self.children.append(child)
 
     @property
@@ -616,7 +625,7 @@ def router_child(spec: dict[str, Any]) -> None:
     t0 = time.monotonic()
     sub = make_subscriber(sources, index, options).start(timeout=60)
     if spec.get("serve_view"):
-        sub.serve_view(spec["serve_view"])  # type: ignore[attr-defined]
+        sub.serve_view(spec["serve_view"])
     deadline = t0 + spec["timeout"]
     settled = None
     while time.monotonic() < deadline:
@@ -686,7 +695,7 @@ def router_child(spec: dict[str, Any]) -> None:
             base = percentile(index.delays, 0.99)
             index.delays = []
             w0 = time.monotonic()
-            sub.checkpoint()  # type: ignore[attr-defined]
+            sub.checkpoint()
             wrote = time.monotonic() - w0
             time.sleep(window)
             index.timing = False
@@ -712,7 +721,7 @@ class Router(Child):
     def __init__(self, name: str, fleet: Fleet, timeout: float, **options: Any) -> None:
         super().__init__(name)
         spec = {"sources": fleet.sources(), "timeout": timeout, **options}
-        self.spawn([sys.executable, __file__, "--router-child", json.dumps(spec)])
+        self.spawn([sys.executable, __file__, "--router-child", json.dumps(spec)], LOG.file)
         self.result: dict[str, Any] = {}
 
     def wait(self) -> dict[str, Any]:
@@ -864,7 +873,8 @@ class Bench:
                     ans = r1.ask(f"checkpoint {a.window / 2:g}")
                     row.synced = "-"
                     row.delay = (
-                        f"{fmt_s(ans['p99_ms'], ' ms')} (before: {fmt_s(ans['base_p99_ms'], ' ms')})"
+                        f"router {fmt_s(ans['p99_ms'], ' ms')} "
+                        f"(before: {fmt_s(ans['base_p99_ms'], ' ms')})"
                     )
                     size = ans["size"]
                     row.note = f"wrote in {ans['duration']:.2f} s, " + (
@@ -1158,6 +1168,8 @@ def main() -> None:
         f"{have}" + ("; a CPU hog on one core" if args.busy else ""),
         flush=True,
     )
+    log_path = bench.tmp / "children.log"
+    LOG.file = open(log_path, "w")  # noqa: SIM115 (open for the whole run)
     hogger = None
     if args.busy:
         hogger = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -1170,6 +1182,9 @@ def main() -> None:
             hogger.kill()
             hogger.wait()
         bench.table()
+        LOG.file.close()
+        lines = log_path.read_text().splitlines()
+        print(f"\nthe engines' and routers' logs: {log_path} ({len(lines)} lines)")
         if args.json:
             rows = [{k: v for k, v in vars(r).items() if k != "extra"} for r in bench.rows]
             Path(args.json).write_text(json.dumps(rows, indent=1))
