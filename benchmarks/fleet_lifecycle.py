@@ -1183,6 +1183,8 @@ def main() -> None:
             hogger.wait()
         bench.table()
         LOG.file.close()
+        for ckpt in bench.tmp.glob("*.ckpt*"):
+            ckpt.unlink()
         lines = log_path.read_text().splitlines()
         print(f"\nthe engines' and routers' logs: {log_path} ({len(lines)} lines)")
         if args.json:
