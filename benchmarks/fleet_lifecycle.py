@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import logging
 import os
 import resource
 import select
@@ -58,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -608,13 +609,14 @@ def make_subscriber(
 
 def router_child(spec: dict[str, Any]) -> None:
     """One router: follows the sources, answers the orchestrator's commands on stdout."""
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s router {os.getpid()} %(message)s"
+    )
     sources = [EngineSource(w, ep, rep, ranks=n) for w, ep, rep, n in spec["sources"]]
     keys = [(s.worker_id, r) for s in sources for r in range(s.ranks)]
     index = TimedIndex(BLOCK_SIZE)
     index.delays = []
-    options = {
-        k: spec[k] for k in ("checkpoint", "checkpoint_every", "clone_from") if spec.get(k)
-    }
+    options = {k: spec[k] for k in ("checkpoint", "checkpoint_every", "clone_from") if spec.get(k)}
 
     def out(**kw: Any) -> None:
         sys.stdout.write(json.dumps(kw) + "\n")
@@ -639,7 +641,11 @@ def router_child(spec: dict[str, Any]) -> None:
         time.sleep(0.01)
     took = time.monotonic() - t0
     p = sub.progress()
+    why = Counter(
+        f"{st.state.value}: {st.reason}" for st in sub.status() if st.state is not RankState.SYNCED
+    )
     out(
+        why=why.most_common(3),
         synced=took if p.synced == p.ranks else None,
         settled=settled,
         cpu=cpu_s() - c0,
@@ -751,6 +757,13 @@ class Row:
     note: str = ""
 
 
+def reasons(result: dict[str, Any]) -> str:
+    """The commonest reasons ranks were not SYNCED, when some were not."""
+    if not result.get("why"):
+        return ""
+    return "; not SYNCED: " + ", ".join(f"{n} x {why}" for why, n in result["why"])
+
+
 def fmt_s(x: float | None, unit: str = " s") -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
@@ -795,26 +808,30 @@ class Bench:
 
     def start_fleet(self, kind: str, *, tag: str, router_first: bool = False) -> Fleet:
         a = self.args
-        fleet = Fleet(
-            kind,
-            a.engines,
-            1,
-            a.ranks_per_engine,
-            a,
-            blocks=a.blocks,
-            buffer=a.buffer,
-            preload_runs=a.preload_runs,
-            tag=tag,
-        ) if kind == "kvwire" else Fleet(
-            kind,
-            1,
-            a.engines,
-            a.ranks_per_engine,
-            a,
-            blocks=a.blocks,
-            buffer=a.buffer,
-            preload_runs=a.preload_runs,
-            tag=tag,
+        fleet = (
+            Fleet(
+                kind,
+                a.engines,
+                1,
+                a.ranks_per_engine,
+                a,
+                blocks=a.blocks,
+                buffer=a.buffer,
+                preload_runs=a.preload_runs,
+                tag=tag,
+            )
+            if kind == "kvwire"
+            else Fleet(
+                kind,
+                1,
+                a.engines,
+                a.ranks_per_engine,
+                a,
+                blocks=a.blocks,
+                buffer=a.buffer,
+                preload_runs=a.preload_runs,
+                tag=tag,
+            )
         )
         return fleet
 
@@ -859,7 +876,7 @@ class Bench:
             row.note = (
                 f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served; "
                 f"router RSS +{res['rss_mb']:.0f} MB (index {res['index_mb']:.0f} MB)"
-            )
+            ) + reasons(res)
             row.exact = self.check(r1, fleet)
             if 1 in cases:
                 self.rows.append(row)
@@ -921,7 +938,7 @@ class Bench:
         row.note = (
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
             f"{c1['replays'] - c0['replays']:.0f} replays served"
-        )
+        ) + reasons(res)
         row.exact = self.check(r4, fleet)
         r4.stop()
         self.log(f"case 4 ({kind}): {row}")
@@ -948,8 +965,10 @@ class Bench:
         row.router_cpu = fmt_s(res["cpu"])
         row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
         row.note = (
-            f"checkpoint {size / 2**20:.1f} MiB; " if size is not None else ""
-        ) + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            (f"checkpoint {size / 2**20:.1f} MiB; " if size is not None else "")
+            + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            + reasons(res)
+        )
         row.exact = self.check(r3, fleet)
         self.log(f"case 3 ({kind}): {row}")
         return row, r3
@@ -976,7 +995,9 @@ class Bench:
                 + ("meets" if delay is not None and delay <= 10 else "MISSES")
                 + " <= 10)"
             )
-            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served" + "".join(
+                reasons(r) for r in results
+            )
             pauses = fleet.pause()
             for r in routers:
                 r.send("check 30 " + json.dumps(pauses))
@@ -1088,7 +1109,7 @@ class Bench:
             row.note = (
                 f"then {100 * share:.1f}% of a core at {fleet.ranks * a.rate:.0f} batches/s; "
                 f"RSS +{y['rss_mb']:.0f} MB"
-            )
+            ) + reasons(res)
             row.exact = self.check(r6, fleet)
             r6.stop()
             self.rows.append(row)
@@ -1098,13 +1119,29 @@ class Bench:
 
     def table(self) -> None:
         head = [
-            "case", "publishers", "ranks", "all SYNCED", "exact", "PARTIAL",
-            "router CPU", "engines' CPU", "live delay p99", "note",
+            "case",
+            "publishers",
+            "ranks",
+            "all SYNCED",
+            "exact",
+            "PARTIAL",
+            "router CPU",
+            "engines' CPU",
+            "live delay p99",
+            "note",
         ]
         body = [
             [
-                r.case, r.publishers, f"{r.ranks:,}", r.synced, r.exact, r.partial,
-                r.router_cpu, r.engines_cpu, r.delay, r.note,
+                r.case,
+                r.publishers,
+                f"{r.ranks:,}",
+                r.synced,
+                r.exact,
+                r.partial,
+                r.router_cpu,
+                r.engines_cpu,
+                r.delay,
+                r.note,
             ]
             for r in sorted(self.rows, key=lambda r: r.case)
         ]
@@ -1126,7 +1163,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20_000, help="blocks each rank holds")
     parser.add_argument("--run", type=int, default=16, help="blocks per content-chained run")
     parser.add_argument("--preload-runs", type=int, default=10, help="runs per history batch")
-    parser.add_argument("--buffer", type=int, default=32, help="replay buffer, batches")
+    parser.add_argument("--buffer", type=int, default=64, help="replay buffer, batches")
     parser.add_argument("--rate", type=float, default=1.0, help="batches per rank per second")
     parser.add_argument("--down", type=float, default=10.0, help="case 3: seconds down")
     parser.add_argument("--window", type=float, default=4.0, help="CPU windows, seconds")
@@ -1146,6 +1183,17 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="a CPU hog on one core throughout")
     parser.add_argument("--engine-child", help=argparse.SUPPRESS)
     parser.add_argument("--router-child", help=argparse.SUPPRESS)
+    if parser.parse_known_args()[0].quick:  # smaller defaults; explicit options still win
+        parser.set_defaults(
+            engines=2,
+            ranks_per_engine=32,
+            blocks=2_000,
+            preload_runs=1,
+            down=3.0,
+            window=2.0,
+            timeout=30.0,
+            case6_ranks=64,
+        )
     args = parser.parse_args()
     if args.engine_child:
         engine_child(json.loads(args.engine_child))
@@ -1153,10 +1201,6 @@ def main() -> None:
     if args.router_child:
         router_child(json.loads(args.router_child))
         return
-    if args.quick:
-        args.engines, args.ranks_per_engine, args.blocks = 2, 32, 2_000
-        args.down, args.window, args.timeout, args.preload_runs = 3.0, 2.0, 30.0, 2
-        args.case6_ranks = 64
     args.cases = {int(c) for c in args.cases.split(",") if c}
     bench = Bench(args)
     have = ", ".join(k for k, v in bench.have.items() if v) or "none"
