@@ -757,11 +757,15 @@ class Row:
     note: str = ""
 
 
-def reasons(result: dict[str, Any]) -> str:
-    """The commonest reasons ranks were not SYNCED, when some were not."""
-    if not result.get("why"):
+def reasons(*results: dict[str, Any]) -> str:
+    """The commonest reasons ranks were not SYNCED (over every router given), if any."""
+    why: Counter[str] = Counter()
+    for result in results:
+        for text, n in result.get("why", ()):
+            why[text] += n
+    if not why:
         return ""
-    return "; not SYNCED: " + ", ".join(f"{n} x {why}" for why, n in result["why"])
+    return "; not SYNCED: " + ", ".join(f"{n} x {text}" for text, n in why.most_common(3))
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:
@@ -934,7 +938,7 @@ class Bench:
         row.partial = str(res["partial"])
         row.router_cpu = fmt_s(res["cpu"])
         extra = (c1["cpu"] - c0["cpu"]) - rate * elapsed
-        row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s (+{extra:.2f} s)"
+        row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s ({extra:+.2f} s)"
         row.note = (
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
             f"{c1['replays'] - c0['replays']:.0f} replays served"
@@ -953,7 +957,9 @@ class Bench:
             row.note = "not available (no SubscriberConfig.checkpoint)"
             self.log(f"case 3 ({kind}): {row}")
             return row, router
+        t = time.monotonic()
         router.stop()  # a clean stop writes the checkpoint
+        stopped = time.monotonic() - t
         size = os.path.getsize(ckpt) if os.path.exists(ckpt) else None
         time.sleep(a.down)  # traffic goes on meanwhile
         c0 = fleet.counters()
@@ -965,7 +971,8 @@ class Bench:
         row.router_cpu = fmt_s(res["cpu"])
         row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
         row.note = (
-            (f"checkpoint {size / 2**20:.1f} MiB; " if size is not None else "")
+            f"stopped in {stopped:.1f} s (final checkpoint "
+            + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
             + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
             + reasons(res)
         )
@@ -995,8 +1002,8 @@ class Bench:
                 + ("meets" if delay is not None and delay <= 10 else "MISSES")
                 + " <= 10)"
             )
-            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served" + "".join(
-                reasons(r) for r in results
+            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served" + reasons(
+                *results
             )
             pauses = fleet.pause()
             for r in routers:
