@@ -196,9 +196,9 @@ class Engine(Child):
         self.worker_id = self.name
         self.life = 0
 
-    def spawn(self, argv: Any = None) -> None:
+    def launch(self) -> None:
         a = self.args
-        super().spawn(
+        self.spawn(
             [
                 sys.executable,
                 __file__,
@@ -236,7 +236,7 @@ def start_engines(args: argparse.Namespace) -> list[Engine]:
         base = free_base(2 * args.ranks_per_engine, taken)
         engines.append(Engine(i, base, base + args.ranks_per_engine, args))
     for e in engines:
-        e.spawn()
+        e.launch()
     for e in engines:
         e.ask("")  # ready
     return engines
@@ -374,7 +374,7 @@ def fleet(args: argparse.Namespace) -> None:
         victim = engines[0]
         victim.kill()
         victim.life += 1
-        victim.spawn()
+        victim.launch()
         victim.ask("")
         burst = victim.ask("burst")
         resumed = burst["t0"]
@@ -414,14 +414,12 @@ def router_child(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         cmd, _, rest = line.partition(" ")
         if cmd.strip() == "check":
-            pauses = json.loads(rest)
-            ok = wait_for(
-                lambda pauses=pauses: all(
-                    exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses
-                ),
-                30,
-                0.1,
-            )
+            pauses: list[tuple[str, dict[str, Any]]] = json.loads(rest)
+
+            def all_exact(pauses: list[tuple[str, dict[str, Any]]] = pauses) -> bool:
+                return all(exact(sub, sink, w, p["seqs"], p["digests"]) for w, p in pauses)
+
+            ok = wait_for(all_exact, 30, 0.1)
             print(json.dumps({"exact": ok is not None}), flush=True)
         elif cmd.strip() == "quit":
             break
