@@ -37,44 +37,39 @@ Run: ``.venv/bin/python benchmarks/fleet_bench.py`` (1,024 ranks),
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zmq  # noqa: E402
+import zmq
+from _fleet import MASK, ROOT, Child, cpu_s, free_base, rss_bytes, wait_for
 
-from kvwire.publisher import EventPublisher, PublisherConfig  # noqa: E402
-from kvwire.subscriber import (  # noqa: E402
+from kvwire.publisher import EventPublisher, PublisherConfig
+from kvwire.subscriber import (
     BlockSetSink,
     EngineSource,
     RankState,
     Subscriber,
     SubscriberConfig,
 )
-from kvwire.wire import (  # noqa: E402
+from kvwire.wire import (
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
 )
-from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S, TRAILING_GAP  # noqa: E402
+from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S, TRAILING_GAP
 
-MASK = (1 << 64) - 1
 PROBE_RATE = SubscriberConfig().probe_rate
 
 
@@ -220,21 +215,21 @@ def engine_main(args: argparse.Namespace) -> None:
     ctx.term()
 
 
-class Engine:
+class Engine(Child):
     """Handle on one engine process."""
 
     def __init__(self, index: int, port: int, replay_port: int, args: argparse.Namespace) -> None:
+        super().__init__(f"engine-{index}")
         self.index = index
         self.port = port
         self.replay_port = replay_port
         self.args = args
-        self.worker_id = f"engine-{index}"
-        self.proc: subprocess.Popen[str] | None = None
+        self.worker_id = self.name
         self.life = 0
 
-    def spawn(self) -> None:
+    def launch(self) -> None:
         a = self.args
-        self.proc = subprocess.Popen(
+        self.spawn(
             [
                 sys.executable,
                 __file__,
@@ -255,23 +250,8 @@ class Engine:
                 str(a.heartbeat),
                 "--history",
                 str(a.history),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
+            ]
         )
-
-    def ask(self, command: str) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin and self.proc.stdout
-        if command:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.worker_id} died")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
 
     def source(self) -> EngineSource:
         return EngineSource(
@@ -281,46 +261,6 @@ class Engine:
             ranks=self.args.ranks_per_engine,
         )
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-            for f in (self.proc.stdin, self.proc.stdout):
-                if f is not None:
-                    f.close()
-            self.proc = None
-
-    def close(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(RuntimeError, BrokenPipeError, ValueError):
-            self.ask("quit")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        self.kill()
-
-
-def free_base(span: int, taken: set[int]) -> int:
-    """A base port with ``span`` consecutive free ports, none in ``taken``."""
-    for _ in range(500):
-        base = random.randrange(10_000, 32_768 - span)  # below the ephemeral range
-        if any(p in taken for p in range(base, base + span)):
-            continue
-        socks = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        taken.update(range(base, base + span))
-        return base
-    raise RuntimeError("no free port range")
-
 
 def start_engines(args: argparse.Namespace) -> list[Engine]:
     taken: set[int] = set()
@@ -329,34 +269,13 @@ def start_engines(args: argparse.Namespace) -> list[Engine]:
         base = free_base(2 * args.ranks_per_engine, taken)
         engines.append(Engine(i, base, base + args.ranks_per_engine, args))
     for e in engines:
-        e.spawn()
+        e.launch()
     for e in engines:
         e.ask("")  # ready
     return engines
 
 
 # --- router side ---------------------------------------------------------------------
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> float | None:
-    """Seconds until ``predicate`` held, or None after ``timeout``."""
-    start = time.monotonic()
-    while True:
-        if predicate():
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            return None
-        time.sleep(poll)
 
 
 def all_synced(sub: Subscriber, keys: list[tuple[str, int]]) -> bool:
@@ -519,7 +438,7 @@ def fleet(args: argparse.Namespace) -> None:
         victim = engines[0]
         victim.kill()
         victim.life += 1
-        victim.spawn()
+        victim.launch()
         victim.ask("")
         burst = victim.ask("burst")
         resumed = burst["t0"]

@@ -31,7 +31,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvwire.ratelog import RateLimitedLog
 from kvwire.security import secure_client
-from kvwire.subscriber import actions as _actions
 from kvwire.subscriber.actions import (
     Action,
     Apply,
@@ -40,6 +39,7 @@ from kvwire.subscriber.actions import (
     Reconnect,
     RequestReplay,
     RequestSnapshot,
+    Reserve,
     StateChanged,
 )
 from kvwire.subscriber.config import QUEUE_SLACK, SubscriberConfig
@@ -70,8 +70,6 @@ _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times 
 _REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
 _RATE_WINDOW_S = 0.1  # a rank's live message rate is measured over this long, at least
 _QUIET_S = 1.0  # a SUB is reopened only with live messages that follow this long a silence
-_RESERVE: type | None = getattr(_actions, "Reserve", None)
-"""The stream's ``Reserve(blocks)`` action (its handler is ready before it lands)."""
 
 
 def _ignore(link: RankLink) -> None:
@@ -685,8 +683,9 @@ class RankLink:
                 self._send_request(snapshot_request_frames(), action.token, action.fresh)
             elif kind is Reconnect:
                 self._reconnect()
-            elif kind is _RESERVE:
-                self._reserve(getattr(action, "blocks", 0))
+            elif kind is Reserve:
+                assert isinstance(action, Reserve)
+                self._reserve(action.blocks)
             elif kind is StateChanged:
                 assert isinstance(action, StateChanged)
                 if self.connecting_since is not None and action.new is not RankState.SYNCING:

@@ -17,7 +17,6 @@ import pytest
 
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import BlockSetSink, RankState, RankStream, StreamConfig, Subscriber
-from kvwire.subscriber import link as link_module
 from kvwire.subscriber.config import QUEUE_SLACK, REPLY_BLOCKS, SubscriberConfig
 from kvwire.subscriber.requests import Requests
 from kvwire.subscriber.stream import Phase
@@ -221,19 +220,11 @@ def test_held_batches_count_against_the_share() -> None:
             assert link._live_room() == link.chunk
 
 
-def test_reserve_is_carried_out_to_a_sink_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reserve_is_carried_out_to_a_sink_that_has_it() -> None:
     """The stream's ``Reserve(blocks)``: a sink's ``reserve(worker_id, rank, blocks)``
     is called in order with the other actions; a sink without one is left alone, and
     one that raises is noted, not fatal."""
-
-    class Reserve(msgspec.Struct, frozen=True):  # a stand-in until the stream's lands
-        blocks: int
-
-    from kvwire.subscriber import actions
-
-    monkeypatch.setattr(link_module, "_RESERVE", getattr(actions, "Reserve", Reserve))
-    Stand = link_module._RESERVE
-    assert Stand is not None
+    from kvwire.subscriber.actions import Reserve as Stand
 
     calls: list[tuple[str, int, int] | str] = []
 

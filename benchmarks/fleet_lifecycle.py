@@ -1,0 +1,1247 @@
+"""A router's life with a fleet: cold starts, warm restarts, clones, replicas, checkpoints.
+
+The script starts the engines itself on loopback and prints one table, each
+case side by side: time until every rank is SYNCED, whether the view is exact
+(every rank's blocks in the router's ``PrefixIndex`` == the blocks its engine
+holds, checked after a pause), the PARTIAL ranks left, router and engines' CPU,
+and the engines' live delay p99 where the case asks for it. Traffic goes on
+through every case (one batch per rank per second by default).
+
+Engines (child processes, one thread of traffic each), of two kinds:
+
+- ``kvwire``: one ``EventPublisher`` per rank (snapshots and heartbeats on);
+- ``stock``: a simulator of the engines' own publishers (vLLM 0.33's
+  ``ZmqEventPublisher``): per rank a PUB sending ``[topic, seq, payload]`` and
+  a ROUTER replay buffer answering ``[b"", topic, seq, payload]``... then the
+  END marker; no snapshot, no epoch, no heartbeat. One thread polls every
+  rank's sockets, so one process serves up to 1,024 ranks.
+
+Each rank holds ``--blocks`` blocks of 16 tokens in content-chained runs of
+``--run`` blocks; the replay buffers (``--buffer`` batches) are far shorter
+than that history. Every engine keeps the truth as block ranges and reports
+each rank's (count, sum, xor) of block hashes at a pause.
+
+Cases (``--cases``):
+
+1. cold start, kvwire publishers: all SYNCED and exact (target 20 s);
+2. cold start, stock publishers: the PARTIAL ranks it leaves (no snapshot);
+3. warm restart from the router's checkpoint after ``--down`` s down
+   (target: SYNCED and exact 3 s after start), both kinds;
+4. clone from a running replica (target 3 s), both kinds; engines' extra CPU;
+5. 4 replicas started at once: the engines' live delay p99 (target 10 ms);
+6. fresh router, ``--case6-procs`` stock simulator processes x 1,024 ranks
+   (target: SYNCED and exact within 10 s);
+7. a checkpoint written by a running router: duration, size, and the router's
+   own event delay p99 around it.
+
+Cases 3, 4 and 7 need ``SubscriberConfig(checkpoint=..., clone_from=...)``,
+``Subscriber.checkpoint()`` and ``Subscriber.serve_view()``; where those are
+missing the row says "not available".
+
+Run: ``.venv/bin/python benchmarks/fleet_lifecycle.py`` (1,024 ranks x 20,000
+blocks), ``--quick`` (64 ranks x 2,000 blocks), ``--busy`` (a CPU hog on one
+core throughout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import logging
+import os
+import resource
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import zmq
+from _fleet import MASK, Child, cpu_s, free_base, percentile, rss_bytes, wait_for
+
+from kvwire.prefix_index import PrefixIndex
+from kvwire.publisher import EventPublisher, PublisherConfig
+from kvwire.subscriber import EngineSource, RankState, Subscriber, SubscriberConfig
+from kvwire.wire import END_SEQ, DecodeLimits, Dialect
+from kvwire.wire.codec import RemovedParts, StoredParts, encode_parts, pack_int_array
+
+BLOCK_SIZE = 16
+TOKEN_MUL = np.uint64(2654435761)
+TOKEN_STEP = np.arange(BLOCK_SIZE, dtype=np.uint64) * np.uint64(40503)
+VOCAB = np.uint64(50_000)
+
+
+class _Log:
+    """Where the children's logs go: a file, so that the table stays readable."""
+
+    file: IO[Any] | None = None
+
+
+LOG = _Log()
+
+
+# --- what each rank holds -------------------------------------------------------------
+
+
+def _xor_upto(n: int) -> int:
+    """0 ^ 1 ^ ... ^ n (0 for n < 0)."""
+    if n < 0:
+        return 0
+    return (n, 1, n + 1, 0)[n % 4]
+
+
+class RankModel:
+    """One rank's cache as ranges of consecutive block hashes, one range per chain.
+
+    Stores add chains of ``run`` blocks (parent: none); evictions take blocks
+    from the tail of the oldest chain, leaves first, as an LRU cache does. The
+    truth is the ranges, so a digest costs one step per chain, not per block.
+    """
+
+    def __init__(self, engine: int, rank: int, life: int, run: int) -> None:
+        self.rank = rank
+        self.run = run
+        self.next = ((engine + 1) << 52) | (rank << 40) | ((life & 15) << 36)
+        self.chains: deque[list[int]] = deque()  # [first hash, length]
+        self.held = 0
+
+    def _store(self) -> StoredParts:
+        first = self.next
+        self.next += self.run
+        self.chains.append([first, self.run])
+        self.held += self.run
+        hashes = np.arange(first, first + self.run, dtype=np.uint64)
+        tokens = (hashes[:, None] * TOKEN_MUL + TOKEN_STEP) % VOCAB
+        return StoredParts(
+            pack_int_array(hashes, hashes="unsigned"),
+            None,
+            pack_int_array(tokens.ravel()),
+            BLOCK_SIZE,
+            None,
+            "GPU",
+            None,
+        )
+
+    def _evict(self, n: int) -> RemovedParts | None:
+        gone: list[np.ndarray[Any, np.dtype[np.uint64]]] = []
+        while n > 0 and self.chains:
+            chain = self.chains[0]
+            k = min(n, chain[1])
+            end = chain[0] + chain[1]
+            gone.append(np.arange(end - k, end, dtype=np.uint64))
+            chain[1] -= k
+            if not chain[1]:
+                self.chains.popleft()
+            self.held -= k
+            n -= k
+        if not gone:
+            return None
+        return RemovedParts(pack_int_array(np.concatenate(gone), hashes="unsigned"), "GPU")
+
+    def payload(self, runs: int, keep: int) -> bytes:
+        """One batch storing ``runs`` chains, evicting down to ``keep`` blocks first."""
+        events: list[Any] = []
+        excess = self.held + runs * self.run - keep
+        removed = self._evict(excess) if excess > 0 else None
+        if removed is not None:
+            events.append(removed)
+        events.extend(self._store() for _ in range(runs))
+        return encode_parts(time.time(), events, self.rank)
+
+    def digest(self) -> list[int]:
+        """[count, sum mod 2**64, xor] of the block hashes held."""
+        total = 0
+        x = 0
+        for first, n in self.chains:
+            total += (2 * first + n - 1) * n // 2
+            x ^= _xor_upto(first + n - 1) ^ _xor_upto(first - 1)
+        return [self.held, total & MASK, x]
+
+
+def digest_of(blocks: set[int]) -> list[int]:
+    """[count, sum mod 2**64, xor] of a set of block hashes."""
+    if not blocks:
+        return [0, 0, 0]
+    a = np.fromiter(blocks, dtype=np.uint64, count=len(blocks))
+    return [len(blocks), int(a.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(a))]
+
+
+# --- engines (child processes) --------------------------------------------------------
+
+
+class Encoded:
+    """A batch already encoded: handed to ``EventPublisher.publish`` as a pending batch."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def encode(self, dialect: Dialect) -> bytes:
+        return self.payload
+
+
+class KvwireRank:
+    """A rank published by kvwire's ``EventPublisher`` (snapshots, heartbeats, epoch)."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], port: int, replay_port: int, rank: int, buffer: int
+    ) -> None:
+        self.pub = EventPublisher(
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{replay_port}",
+            PublisherConfig(buffer_steps=buffer, snapshot=True),
+            rank=rank,
+            context=ctx,
+        ).start()
+
+    def publish(self, payload: bytes) -> None:
+        self.pub.publish(Encoded(payload))
+
+    @property
+    def next_seq(self) -> int:
+        return self.pub.last_seq + 1
+
+    def busy(self) -> bool:
+        return self.pub.queue_depth > 0 or self.pub.stats().mirror_pending > 0
+
+    def close(self) -> None:
+        self.pub.close(timeout=1.0)
+
+
+class StockRank:
+    """A rank published as vLLM 0.33's ``ZmqEventPublisher`` does, on the caller's thread.
+
+    Live ``[topic, seq, payload]`` on a PUB; the last ``buffer`` batches kept for
+    replay; a request ``[b"", start_seq]`` on the ROUTER is answered with every
+    buffered batch from ``start_seq`` as ``[b"", topic, seq, payload]``, then
+    ``[b"", b"", END_SEQ, b""]``. Older seqs are silently not there.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context[Any], port: int, replay_port: int, rank: int, buffer: int
+    ) -> None:
+        port += rank
+        replay_port += rank
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
+        self.seq = 0
+        self.replays = 0
+
+    def publish(self, payload: bytes) -> None:
+        seq = self.seq.to_bytes(8, "big")
+        self.pub.send_multipart((b"", seq, payload), copy=False)
+        self.buffer.append((self.seq, seq, payload))
+        self.seq += 1
+
+    def serve(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                continue  # vLLM logs "Invalid replay request" and answers nothing
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            self.replays += 1
+            for seq, seq_bytes, payload in self.buffer:
+                if seq >= first:
+                    self.router.send_multipart((client, b"", b"", seq_bytes, payload), copy=False)
+            self.router.send_multipart((client, b"", b"", END_SEQ, b""), copy=False)
+
+    @property
+    def next_seq(self) -> int:
+        return self.seq
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def engine_child(spec: dict[str, Any]) -> None:
+    """Engines of one process: a single thread runs traffic, preload and (stock) replays."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    kind = spec["kind"]
+    engines = spec["engines"]  # [worker_id, port, replay_port, ranks, index]
+    total = sum(e[3] for e in engines)
+    ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    ctx.set(zmq.MAX_SOCKETS, 4 * total + 64)
+    ranks: list[KvwireRank | StockRank] = []
+    models: list[RankModel] = []
+    names: list[tuple[str, int]] = []
+    for worker, port, replay_port, n, index in engines:
+        for r in range(n):
+            make = KvwireRank if kind == "kvwire" else StockRank
+            ranks.append(make(ctx, port, replay_port, r, spec["buffer"]))
+            models.append(RankModel(index, r, spec["life"], spec["run"]))
+            names.append((worker, r))
+    keep = spec["blocks"]
+    preload_runs = spec["preload_runs"]
+    step = 1.0 / (spec["rate"] * total)
+
+    def out(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    # One epoll set over stdin and every ROUTER's ZeroMQ descriptor: zmq_poll over a
+    # thousand sockets costs about 0.5 ms a call, epoll nothing while they are idle.
+    # The descriptors signal edges, so each wake-up drains its socket, and a sweep
+    # once a second covers an edge consumed by a send.
+    stdin = sys.stdin.fileno()
+    poller = select.epoll()
+    poller.register(stdin, select.EPOLLIN)
+    by_fd: dict[int, StockRank] = {}
+    for rank in ranks:
+        if isinstance(rank, StockRank):
+            fd = rank.router.getsockopt(zmq.FD)
+            poller.register(fd, select.EPOLLIN)
+            by_fd[fd] = rank
+    swept = time.monotonic()
+    running = False
+    preload: deque[int] | None = None
+    pending = b""
+    next_t = time.monotonic()
+    cursor = 0
+    quit_ = False
+
+    def drained() -> None:
+        deadline = time.monotonic() + 30
+        while any(r.busy() for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def report() -> dict[str, Any]:
+        per: dict[str, dict[str, list[Any]]] = {}
+        for (worker, _), rank, model in zip(names, ranks, models, strict=True):
+            entry = per.setdefault(worker, {"seqs": [], "digests": []})
+            entry["seqs"].append(rank.next_seq)
+            entry["digests"].append(model.digest())
+        return per
+
+    def counters() -> dict[str, Any]:
+        snapshots = replays = 0
+        for rank in ranks:
+            if isinstance(rank, KvwireRank):
+                st = rank.pub.stats()
+                snapshots += st.snapshots_served
+                replays += st.replay_served
+            else:
+                replays += rank.replays
+        return {"cpu": cpu_s(), "snapshots": snapshots, "replays": replays, "rss": rss_bytes()}
+
+    def command(line: str) -> None:
+        nonlocal running, preload, next_t, quit_
+        cmd = line.strip()
+        if cmd == "preload":
+            # Each rank's history, in batches of ``preload_runs`` chains, ranks round-robin.
+            need = -(-keep // (spec["run"] * preload_runs))
+            preload = deque(i for _ in range(need) for i in range(len(ranks)))
+        elif cmd == "run":
+            running = True
+            next_t = time.monotonic()
+            out(ok=True)
+        elif cmd == "pause":
+            running = False
+            drained()
+            out(pause=report())
+        elif cmd == "cpu":
+            out(**counters())
+        elif cmd == "quit":
+            quit_ = True
+
+    while not quit_:
+        now = time.monotonic()
+        if preload:
+            timeout = 0
+        elif running:
+            timeout = max(5, int(1000 * (next_t - now)))
+        else:
+            timeout = 100
+        for fd, _ in poller.poll(timeout / 1000):
+            if fd == stdin:
+                chunk = os.read(stdin, 65536)
+                if not chunk:
+                    quit_ = True
+                    break
+                pending += chunk
+                while b"\n" in pending:
+                    line, _, pending = pending.partition(b"\n")
+                    command(line.decode())
+            else:
+                by_fd[fd].serve()
+        if by_fd and time.monotonic() - swept > 1.0:
+            swept = time.monotonic()
+            for rank in by_fd.values():
+                rank.serve()
+        if preload:
+            for _ in range(min(256, len(preload))):
+                i = preload.popleft()
+                ranks[i].publish(models[i].payload(preload_runs, keep))
+            if not preload:
+                preload = None
+                drained()
+                out(preloaded=sum(m.held for m in models))
+        if running:
+            now = time.monotonic()
+            while next_t <= now:
+                ranks[cursor].publish(models[cursor].payload(1, keep))
+                cursor = (cursor + 1) % len(ranks)
+                next_t += step
+            if now - next_t > 1.0:
+                next_t = now  # fell behind: do not burst to catch up
+    for rank in ranks:
+        rank.close()
+    ctx.term()
+
+
+class Fleet:
+    """Engine processes of one kind, each serving ``engines_per_proc`` engines of ranks."""
+
+    def __init__(
+        self,
+        kind: str,
+        procs: int,
+        engines_per_proc: int,
+        ranks_per_engine: int,
+        args: argparse.Namespace,
+        *,
+        blocks: int,
+        buffer: int,
+        preload_runs: int,
+        tag: str,
+    ) -> None:
+        self.kind = kind
+        self.ranks_per_engine = ranks_per_engine
+        taken: set[int] = set()
+        self.layout: list[list[list[Any]]] = []
+        index = 0
+        for _ in range(procs):
+            engines = []
+            for _ in range(engines_per_proc):
+                base = free_base(2 * ranks_per_engine, taken)
+                engines.append(
+                    [f"{tag}-{index}", base, base + ranks_per_engine, ranks_per_engine, index]
+                )
+                index += 1
+            self.layout.append(engines)
+        self.children: list[Child] = []
+        for p, engines in enumerate(self.layout):
+            spec = {
+                "kind": kind,
+                "engines": engines,
+                "blocks": blocks,
+                "run": args.run,
+                "preload_runs": preload_runs,
+                "buffer": buffer,
+                "rate": args.rate,
+                "life": 0,
+            }
+            child = Child(f"{tag} engines {p}")
+            child.spawn([sys.executable, __file__, "--engine-child", json.dumps(spec)], LOG.file)
+            self.children.append(child)
+
+    @property
+    def ranks(self) -> int:
+        return sum(e[3] for engines in self.layout for e in engines)
+
+    def sources(self) -> list[list[Any]]:
+        return [
+            [w, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", n]
+            for engines in self.layout
+            for w, port, rport, n, _ in engines
+        ]
+
+    def live_endpoints(self, most: int) -> list[str]:
+        """Live endpoints of up to ``most`` ranks spread over the fleet (for the delay probe)."""
+        every = [
+            f"tcp://127.0.0.1:{port + r}"
+            for engines in self.layout
+            for _, port, _, n, _ in engines
+            for r in range(n)
+        ]
+        stride = max(1, len(every) // most)
+        return every[::stride][:most]
+
+    def ask_all(self, command: str) -> list[dict[str, Any]]:
+        for c in self.children:
+            c.send(command)
+        return [c.reply() for c in self.children]
+
+    def preload(self) -> int:
+        return sum(r["preloaded"] for r in self.ask_all("preload"))
+
+    def pause(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for r in self.ask_all("pause"):
+            merged.update(r["pause"])
+        return merged
+
+    def counters(self) -> dict[str, float]:
+        replies = self.ask_all("cpu")
+        return {k: sum(r[k] for r in replies) for k in ("cpu", "snapshots", "replays", "rss")}
+
+    def close(self) -> None:
+        for c in self.children:
+            c.close()
+
+
+# --- the engines' live delay, seen from a plain SUB ---------------------------------------
+
+
+class DelayProbe:
+    """Reads a sample of ranks' live streams; records receive time - the batch's ts."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.socks = []
+        for ep in endpoints:
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            self.socks.append(s)
+        self.samples: list[float] = []
+        self.recording = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="delay-probe", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in self.socks:
+            poller.register(s, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(100):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    now = time.time()
+                    payload = frames[-1]
+                    if self.recording and len(payload) >= 10 and payload[1] == 0xCB:
+                        self.samples.append(now - struct.unpack_from(">d", payload, 2)[0])
+
+    def start(self) -> None:
+        self.samples = []
+        self.recording = True
+
+    def p99_ms(self) -> float | None:
+        self.recording = False
+        p = percentile(self.samples, 0.99)
+        return None if p is None else 1000 * p
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for s in self.socks:
+            s.close(0)
+        self.ctx.term()
+
+
+# --- routers (child processes) --------------------------------------------------------
+
+
+class TimedIndex(PrefixIndex):
+    """A ``PrefixIndex`` that can sample each applied batch's delay (apply time - ts)."""
+
+    timing = False
+    delays: list[float]
+
+    def apply_payload(
+        self,
+        worker_id: str,
+        rank: int,
+        payload: bytes | bytearray | memoryview,
+        limits: DecodeLimits | None = None,
+    ) -> None:
+        if limits is None:
+            super().apply_payload(worker_id, rank, payload)
+        else:
+            super().apply_payload(worker_id, rank, payload, limits)
+        if self.timing and len(payload) >= 10 and payload[1] == 0xCB:
+            self.delays.append(time.time() - struct.unpack_from(">d", payload, 2)[0])
+
+
+def features() -> dict[str, bool]:
+    """Which of the recovery features this tree has."""
+    fields = set(SubscriberConfig.__struct_fields__)
+    params = set(inspect.signature(Subscriber.__init__).parameters)
+    have = fields | params
+    return {
+        "checkpoint": "checkpoint" in have and hasattr(Subscriber, "checkpoint"),
+        "clone": "clone_from" in have and hasattr(Subscriber, "serve_view"),
+    }
+
+
+def make_subscriber(
+    sources: list[EngineSource], sink: PrefixIndex, options: dict[str, Any]
+) -> Subscriber:
+    """A Subscriber with ``options`` given where this tree takes them (config or keyword)."""
+    fields = set(SubscriberConfig.__struct_fields__)
+    in_config = {k: v for k, v in options.items() if k in fields}
+    rest = {k: v for k, v in options.items() if k not in fields}
+    config = SubscriberConfig(**in_config)
+    return Subscriber(sources, sink, config=config, **rest)
+
+
+def router_child(spec: dict[str, Any]) -> None:
+    """One router: follows the sources, answers the orchestrator's commands on stdout."""
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s router {os.getpid()} %(message)s"
+    )
+    sources = [EngineSource(w, ep, rep, ranks=n) for w, ep, rep, n in spec["sources"]]
+    keys = [(s.worker_id, r) for s in sources for r in range(s.ranks)]
+    index = TimedIndex(BLOCK_SIZE)
+    index.delays = []
+    options = {k: spec[k] for k in ("checkpoint", "checkpoint_every", "clone_from") if spec.get(k)}
+
+    def out(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    rss0 = rss_bytes()
+    c0 = cpu_s()
+    t0 = time.monotonic()
+    sub = make_subscriber(sources, index, options).start(timeout=60)
+    if spec.get("serve_view"):
+        sub.serve_view(spec["serve_view"])
+    deadline = t0 + spec["timeout"]
+    settled = None
+    while time.monotonic() < deadline:
+        if sub.is_synced():
+            break
+        if spec.get("settle") and time.monotonic() - t0 > 1.0:
+            p = sub.progress()
+            if p.syncing == 0 and p.replaying == 0 and p.snapshotting == 0:
+                settled = time.monotonic() - t0
+                break
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    p = sub.progress()
+    why = Counter(
+        f"{st.state.value}: {st.reason}" for st in sub.status() if st.state is not RankState.SYNCED
+    )
+    out(
+        why=why.most_common(3),
+        synced=took if p.synced == p.ranks else None,
+        settled=settled,
+        cpu=cpu_s() - c0,
+        rss_mb=(rss_bytes() - rss0) / 2**20,
+        index_mb=index.stats().memory_bytes / 2**20,
+        synced_ranks=p.synced,
+        partial=p.partial,
+        syncing=p.syncing,
+        stale=p.stale,
+    )
+
+    def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
+        """Whether every rank is SYNCED at the pause and holds its truth; the ranks that
+        are not; the share of the truth's blocks the index holds."""
+        by_rank = {(s.worker_id, s.rank): s for s in sub.status()}
+        bad = held = truth = 0
+        for w, r in keys:
+            st = by_rank.get((w, r))
+            seq = pauses[w]["seqs"][r]
+            want = pauses[w]["digests"][r]
+            got = digest_of(index.blocks(w, r))
+            held += got[0]
+            truth += want[0]
+            if (
+                st is None
+                or st.state is not RankState.SYNCED
+                or st.expected_seq < seq
+                or got != want
+            ):
+                bad += 1
+        return bad == 0, bad, held / max(1, truth)
+
+    for line in sys.stdin:
+        cmd, _, rest = line.strip().partition(" ")
+        if cmd == "check":
+            wait, _, rest = rest.partition(" ")
+            pauses = json.loads(rest)
+            found: list[Any] = [len(keys), 0.0]
+
+            def check(pauses: dict[str, Any] = pauses, found: list[Any] = found) -> bool:
+                ok, found[0], found[1] = exact(pauses)
+                return ok
+
+            took_exact = wait_for(check, float(wait), 0.2)
+            out(exact=took_exact is not None, bad=found[0], coverage=found[1])
+        elif cmd == "cpu":
+            out(cpu=cpu_s(), t=time.monotonic(), rss_mb=(rss_bytes() - rss0) / 2**20)
+        elif cmd == "checkpoint":
+            window = float(rest or 1.0)
+            index.delays = []
+            index.timing = True
+            time.sleep(window)
+            base = percentile(index.delays, 0.99)
+            index.delays = []
+            w0 = time.monotonic()
+            sub.checkpoint()
+            wrote = time.monotonic() - w0
+            time.sleep(window)
+            index.timing = False
+            during = percentile(index.delays, 0.99)
+            size = os.path.getsize(spec["checkpoint"]) if spec.get("checkpoint") else None
+            out(
+                duration=wrote,
+                size=size,
+                base_p99_ms=None if base is None else 1000 * base,
+                p99_ms=None if during is None else 1000 * during,
+            )
+        elif cmd == "quit":
+            t = time.monotonic()
+            sub.stop(timeout=60)
+            out(stopped=time.monotonic() - t)
+            return
+    sub.stop(timeout=60)
+
+
+class Router(Child):
+    """A router process; ``result`` is its first answer (SYNCED or not, CPU, RSS)."""
+
+    def __init__(self, name: str, fleet: Fleet, timeout: float, **options: Any) -> None:
+        super().__init__(name)
+        spec = {"sources": fleet.sources(), "timeout": timeout, **options}
+        self.spawn([sys.executable, __file__, "--router-child", json.dumps(spec)], LOG.file)
+        self.result: dict[str, Any] = {}
+
+    def wait(self) -> dict[str, Any]:
+        self.result = self.reply()
+        return self.result
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError, BrokenPipeError, OSError):
+            self.ask("quit")
+        self.close(60)
+
+
+# --- the cases -------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    case: str
+    publishers: str
+    ranks: int
+    synced: str = "-"
+    exact: str = "-"
+    partial: str = "-"
+    router_cpu: str = "-"
+    engines_cpu: str = "-"
+    delay: str = "-"
+    note: str = ""
+
+
+def reasons(*results: dict[str, Any]) -> str:
+    """The commonest reasons ranks were not SYNCED (over every router given), if any."""
+    why: Counter[str] = Counter()
+    for result in results:
+        for text, n in result.get("why", ()):
+            why[text] += n
+    if not why:
+        return ""
+    return "; not SYNCED: " + ", ".join(f"{n} x {text}" for text, n in why.most_common(3))
+
+
+def fmt_s(x: float | None, unit: str = " s") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def verdict(took: float | None, target: float | None) -> str:
+    if took is None:
+        return "NOT all"
+    if target is None:
+        return f"{took:.2f} s"
+    return f"{took:.2f} s ({'meets' if took <= target else 'MISSES'} <= {target:g})"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows: list[Row] = []
+        self.have = features()
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvwire-lifecycle-"))
+        self.taken: set[int] = set()
+        self.coverage = 0.0
+
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{free_base(1, self.taken)}"
+
+    def log(self, text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def check(self, router: Router, fleet: Fleet, wait: float = 30.0) -> str:
+        """Pause the traffic, ask whether the router's view equals the truth, resume."""
+        pauses = fleet.pause()
+        answer = router.ask(f"check {wait:g} " + json.dumps(pauses))
+        fleet.ask_all("run")
+        self.coverage = answer["coverage"]
+        return "yes" if answer["exact"] else f"NO ({answer['bad']} ranks)"
+
+    def engine_rate(self, fleet: Fleet, window: float) -> float:
+        """The engines' CPU per second of traffic with the routers that are connected now."""
+        a = fleet.counters()
+        time.sleep(window)
+        b = fleet.counters()
+        return (b["cpu"] - a["cpu"]) / window
+
+    def start_fleet(self, kind: str, *, tag: str, router_first: bool = False) -> Fleet:
+        a = self.args
+        fleet = (
+            Fleet(
+                kind,
+                a.engines,
+                1,
+                a.ranks_per_engine,
+                a,
+                blocks=a.blocks,
+                buffer=a.buffer,
+                preload_runs=a.preload_runs,
+                tag=tag,
+            )
+            if kind == "kvwire"
+            else Fleet(
+                kind,
+                1,
+                a.engines,
+                a.ranks_per_engine,
+                a,
+                blocks=a.blocks,
+                buffer=a.buffer,
+                preload_runs=a.preload_runs,
+                tag=tag,
+            )
+        )
+        return fleet
+
+    # kvwire publishers: cases 1, 7, 4, 3, 5
+    def kvwire_cases(self) -> None:
+        a = self.args
+        cases = a.cases
+        if not cases & {1, 3, 4, 5, 7}:
+            return
+        fleet = self.start_fleet("kvwire", tag="kv")
+        probe = DelayProbe(fleet.live_endpoints(64))
+        try:
+            t = time.monotonic()
+            held = fleet.preload()
+            self.log(
+                f"kvwire fleet: {fleet.ranks} ranks hold {held:,} blocks "
+                f"({time.monotonic() - t:.1f} s to build; engines' RSS "
+                f"{fleet.counters()['rss'] / 2**30:.2f} GiB)"
+            )
+            fleet.ask_all("run")
+            idle_rate = self.engine_rate(fleet, a.window)
+            self.log(f"engines' CPU with no router: {100 * idle_rate:.1f}% of a core")
+            ckpt = str(self.tmp / "kv.ckpt")
+            opts: dict[str, Any] = {}
+            if self.have["checkpoint"]:
+                opts["checkpoint"] = ckpt
+            if self.have["clone"]:
+                opts["serve_view"] = self.endpoint()
+            # 1. cold start (snapshots)
+            c0 = fleet.counters()
+            probe.start()
+            r1 = Router("router-1", fleet, a.timeout, **opts)
+            res = r1.wait()
+            delay = probe.p99_ms()
+            c1 = fleet.counters()
+            row = Row("1 cold start", "kvwire", fleet.ranks)
+            row.synced = verdict(res["synced"], 20)
+            row.partial = str(res["partial"])
+            row.router_cpu = fmt_s(res["cpu"])
+            row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
+            row.delay = fmt_s(delay, " ms")
+            row.note = (
+                f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served; "
+                f"router RSS +{res['rss_mb']:.0f} MB (index {res['index_mb']:.0f} MB)"
+            ) + reasons(res)
+            row.exact = self.check(r1, fleet)
+            if 1 in cases:
+                self.rows.append(row)
+                self.log(f"case 1: {row}")
+            # 7. checkpoint write
+            if 7 in cases:
+                row = Row("7 checkpoint write", "kvwire", fleet.ranks)
+                if not self.have["checkpoint"]:
+                    row.note = "not available (no Subscriber.checkpoint)"
+                else:
+                    ans = r1.ask(f"checkpoint {a.window / 2:g}")
+                    row.synced = "-"
+                    row.delay = (
+                        f"router {fmt_s(ans['p99_ms'], ' ms')} "
+                        f"(before: {fmt_s(ans['base_p99_ms'], ' ms')})"
+                    )
+                    size = ans["size"]
+                    row.note = f"wrote in {ans['duration']:.2f} s, " + (
+                        f"{size / 2**20:.1f} MiB" if size is not None else "size unknown"
+                    )
+                self.rows.append(row)
+                self.log(f"case 7: {row}")
+            # 4. clone from the running replica
+            if 4 in cases:
+                self.rows.append(self.clone_case(fleet, opts, "kvwire"))
+            # 3. warm restart from the checkpoint
+            if 3 in cases:
+                row, restarted = self.restart_case(fleet, r1, ckpt, "kvwire")
+                self.rows.append(row)
+                if restarted is not None:
+                    r1 = restarted
+            r1.stop()
+            # 5. four replicas at once
+            if 5 in cases:
+                self.rows.append(self.replicas_case(fleet, probe))
+        finally:
+            probe.close()
+            fleet.close()
+
+    def clone_case(self, fleet: Fleet, opts: dict[str, Any], kind: str) -> Row:
+        a = self.args
+        row = Row("4 clone from a replica", kind, fleet.ranks)
+        if not self.have["clone"]:
+            row.note = "not available (no Subscriber.serve_view / clone_from)"
+            self.log(f"case 4 ({kind}): {row}")
+            return row
+        rate = self.engine_rate(fleet, a.window)  # with the source router connected
+        c0 = fleet.counters()
+        t0 = time.monotonic()
+        r4 = Router("router-4", fleet, a.timeout, clone_from=opts["serve_view"])
+        res = r4.wait()
+        elapsed = time.monotonic() - t0
+        c1 = fleet.counters()
+        row.synced = verdict(res["synced"], 3)
+        row.partial = str(res["partial"])
+        row.router_cpu = fmt_s(res["cpu"])
+        extra = (c1["cpu"] - c0["cpu"]) - rate * elapsed
+        row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s ({extra:+.2f} s)"
+        row.note = (
+            f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
+            f"{c1['replays'] - c0['replays']:.0f} replays served"
+        ) + reasons(res)
+        row.exact = self.check(r4, fleet)
+        r4.stop()
+        self.log(f"case 4 ({kind}): {row}")
+        return row
+
+    def restart_case(
+        self, fleet: Fleet, router: Router | None, ckpt: str, kind: str
+    ) -> tuple[Row, Router | None]:
+        a = self.args
+        row = Row(f"3 warm restart ({a.down:g} s down)", kind, fleet.ranks)
+        if not self.have["checkpoint"] or router is None:
+            row.note = "not available (no SubscriberConfig.checkpoint)"
+            self.log(f"case 3 ({kind}): {row}")
+            return row, router
+        t = time.monotonic()
+        router.stop()  # a clean stop writes the checkpoint
+        stopped = time.monotonic() - t
+        size = os.path.getsize(ckpt) if os.path.exists(ckpt) else None
+        time.sleep(a.down)  # traffic goes on meanwhile
+        c0 = fleet.counters()
+        r3 = Router("router-3", fleet, a.timeout, checkpoint=ckpt)
+        res = r3.wait()
+        c1 = fleet.counters()
+        row.synced = verdict(res["synced"], 3)
+        row.partial = str(res["partial"])
+        row.router_cpu = fmt_s(res["cpu"])
+        row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
+        row.note = (
+            f"stopped in {stopped:.1f} s (final checkpoint "
+            + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
+            + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            + reasons(res)
+        )
+        row.exact = self.check(r3, fleet)
+        self.log(f"case 3 ({kind}): {row}")
+        return row, r3
+
+    def replicas_case(self, fleet: Fleet, probe: DelayProbe) -> Row:
+        a = self.args
+        row = Row("5 four replicas at once", "kvwire", fleet.ranks)
+        c0 = fleet.counters()
+        probe.start()
+        routers = [Router(f"replica-{i}", fleet, a.timeout) for i in range(4)]
+        try:
+            results = [r.wait() for r in routers]
+            delay = probe.p99_ms()
+            c1 = fleet.counters()
+            took = [r["synced"] for r in results]
+            row.synced = (
+                f"{max(took):.2f} s (slowest)" if all(t is not None for t in took) else "NOT all"
+            )
+            row.partial = str(sum(r["partial"] for r in results))
+            row.router_cpu = f"{sum(r['cpu'] for r in results):.2f} s (4 routers)"
+            row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
+            row.delay = (
+                f"{fmt_s(delay, ' ms')} ("
+                + ("meets" if delay is not None and delay <= 10 else "MISSES")
+                + " <= 10)"
+            )
+            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served" + reasons(
+                *results
+            )
+            pauses = fleet.pause()
+            for r in routers:
+                r.send("check 30 " + json.dumps(pauses))
+            verdicts = [r.reply() for r in routers]
+            fleet.ask_all("run")
+            good = sum(1 for v in verdicts if v["exact"])
+            row.exact = "yes" if good == len(routers) else f"NO ({good}/{len(routers)})"
+        finally:
+            for r in routers:
+                r.stop()
+        self.log(f"case 5: {row}")
+        return row
+
+    # stock publishers: cases 2, 4, 3
+    def stock_cases(self) -> None:
+        a = self.args
+        cases = a.cases
+        if not cases & {2, 3, 4}:
+            return
+        fleet = self.start_fleet("stock", tag="vllm")
+        opts: dict[str, Any] = {}
+        ckpt = str(self.tmp / "stock.ckpt")
+        if self.have["checkpoint"]:
+            opts["checkpoint"] = ckpt
+        if self.have["clone"]:
+            opts["serve_view"] = self.endpoint()
+        reference: Router | None = None
+        try:
+            if (
+                a.reference
+                or (3 in cases and self.have["checkpoint"])
+                or (4 in cases and self.have["clone"])
+            ):
+                # A router that follows the fleet from its first batch: the only way to an
+                # exact view of stock publishers' history, and the source of cases 3 and 4.
+                reference = Router("router-0", fleet, a.timeout, **opts)
+                reference.wait()
+            t = time.monotonic()
+            held = fleet.preload()
+            fleet.ask_all("run")
+            self.log(
+                f"stock fleet: {fleet.ranks} ranks hold {held:,} blocks "
+                f"({time.monotonic() - t:.1f} s to build)"
+            )
+            if reference is not None:
+                self.log(f"reference router exact: {self.check(reference, fleet)}")
+            if 2 in cases:
+                c0 = fleet.counters()
+                r2 = Router("router-2", fleet, a.timeout, settle=True)
+                res = r2.wait()
+                c1 = fleet.counters()
+                row = Row("2 cold start", "stock", fleet.ranks)
+                row.synced = verdict(res["synced"], None)
+                row.partial = str(res["partial"])
+                row.router_cpu = fmt_s(res["cpu"])
+                row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
+                settled = res["settled"]
+                row.note = (
+                    f"settled in {settled:.2f} s: " if settled is not None else ""
+                ) + f"{res['synced_ranks']} SYNCED, {res['partial']} PARTIAL (no snapshot)"
+                row.exact = self.check(r2, fleet, wait=2.0)
+                row.note += f"; the index holds {100 * self.coverage:.1f}% of the blocks"
+                r2.stop()
+                self.rows.append(row)
+                self.log(f"case 2: {row}")
+            if 4 in cases:
+                self.rows.append(self.clone_case(fleet, opts, "stock"))
+            if 3 in cases:
+                row, reference = self.restart_case(fleet, reference, ckpt, "stock")
+                self.rows.append(row)
+        finally:
+            if reference is not None:
+                reference.stop()
+            fleet.close()
+
+    def fresh_4096(self) -> None:
+        a = self.args
+        if 6 not in a.cases:
+            return
+        per_proc = a.case6_ranks // a.ranks_per_engine
+        fleet = Fleet(
+            "stock",
+            a.case6_procs,
+            per_proc,
+            a.ranks_per_engine,
+            a,
+            blocks=a.run * a.case6_batches,
+            buffer=a.case6_buffer,
+            preload_runs=1,
+            tag="big",
+        )
+        try:
+            held = fleet.preload()
+            fleet.ask_all("run")
+            self.log(f"case 6 fleet: {fleet.ranks} stock ranks hold {held:,} blocks")
+            c0 = fleet.counters()
+            r6 = Router("router-6", fleet, a.timeout)
+            res = r6.wait()
+            c1 = fleet.counters()
+            row = Row("6 fresh router", "stock", fleet.ranks)
+            row.synced = verdict(res["synced"], 10)
+            row.partial = str(res["partial"])
+            row.router_cpu = fmt_s(res["cpu"])
+            row.engines_cpu = fmt_s(c1["cpu"] - c0["cpu"])
+            x = r6.ask("cpu")
+            time.sleep(a.window)
+            y = r6.ask("cpu")
+            share = (y["cpu"] - x["cpu"]) / (y["t"] - x["t"])
+            row.note = (
+                f"then {100 * share:.1f}% of a core at {fleet.ranks * a.rate:.0f} batches/s; "
+                f"RSS +{y['rss_mb']:.0f} MB"
+            ) + reasons(res)
+            row.exact = self.check(r6, fleet)
+            r6.stop()
+            self.rows.append(row)
+            self.log(f"case 6: {row}")
+        finally:
+            fleet.close()
+
+    def table(self) -> None:
+        head = [
+            "case",
+            "publishers",
+            "ranks",
+            "all SYNCED",
+            "exact",
+            "PARTIAL",
+            "router CPU",
+            "engines' CPU",
+            "live delay p99",
+            "note",
+        ]
+        body = [
+            [
+                r.case,
+                r.publishers,
+                f"{r.ranks:,}",
+                r.synced,
+                r.exact,
+                r.partial,
+                r.router_cpu,
+                r.engines_cpu,
+                r.delay,
+                r.note,
+            ]
+            for r in sorted(self.rows, key=lambda r: r.case)
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+        line = " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
+        print()
+        print(line)
+        print("-+-".join("-" * w for w in widths))
+        for b in body:
+            print(" | ".join(str(x).ljust(w) for x, w in zip(b, widths, strict=True)))
+
+
+def main() -> None:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 ranks x 2,000 blocks")
+    parser.add_argument("--engines", type=int, default=8, help="engines (kvwire: processes)")
+    parser.add_argument("--ranks-per-engine", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=20_000, help="blocks each rank holds")
+    parser.add_argument("--run", type=int, default=16, help="blocks per content-chained run")
+    parser.add_argument("--preload-runs", type=int, default=10, help="runs per history batch")
+    parser.add_argument("--buffer", type=int, default=64, help="replay buffer, batches")
+    parser.add_argument("--rate", type=float, default=1.0, help="batches per rank per second")
+    parser.add_argument("--down", type=float, default=10.0, help="case 3: seconds down")
+    parser.add_argument("--window", type=float, default=4.0, help="CPU windows, seconds")
+    parser.add_argument("--timeout", type=float, default=60.0, help="longest wait for SYNCED")
+    parser.add_argument("--case6-procs", type=int, default=4)
+    parser.add_argument("--case6-ranks", type=int, default=1024, help="ranks per process")
+    parser.add_argument("--case6-batches", type=int, default=8, help="history batches a rank")
+    parser.add_argument("--case6-buffer", type=int, default=1000)
+    parser.add_argument("--cases", default="1,2,3,4,5,6,7")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="stock fleet: follow it from its first batch with a router checked exact "
+        "(always, where cases 3 or 4 run)",
+    )
+    parser.add_argument("--json", help="also write the rows to this file, as JSON")
+    parser.add_argument("--busy", action="store_true", help="a CPU hog on one core throughout")
+    parser.add_argument("--engine-child", help=argparse.SUPPRESS)
+    parser.add_argument("--router-child", help=argparse.SUPPRESS)
+    if parser.parse_known_args()[0].quick:  # smaller defaults; explicit options still win
+        parser.set_defaults(
+            engines=2,
+            ranks_per_engine=32,
+            blocks=2_000,
+            preload_runs=1,
+            down=3.0,
+            window=2.0,
+            timeout=30.0,
+            case6_ranks=64,
+        )
+    args = parser.parse_args()
+    if args.engine_child:
+        engine_child(json.loads(args.engine_child))
+        return
+    if args.router_child:
+        router_child(json.loads(args.router_child))
+        return
+    args.cases = {int(c) for c in args.cases.split(",") if c}
+    bench = Bench(args)
+    have = ", ".join(k for k, v in bench.have.items() if v) or "none"
+    ranks = args.engines * args.ranks_per_engine
+    print(
+        f"fleet lifecycle: {ranks} ranks ({args.engines} engines x {args.ranks_per_engine}) x "
+        f"{args.blocks:,} blocks of {BLOCK_SIZE} tokens, chains of {args.run}, replay buffers "
+        f"{args.buffer} batches, {args.rate:g} batch/rank/s throughout; recovery features: "
+        f"{have}" + ("; a CPU hog on one core" if args.busy else ""),
+        flush=True,
+    )
+    log_path = bench.tmp / "children.log"
+    LOG.file = open(log_path, "w")  # noqa: SIM115 (open for the whole run)
+    hogger = None
+    if args.busy:
+        hogger = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        bench.kvwire_cases()
+        bench.stock_cases()
+        bench.fresh_4096()
+    finally:
+        if hogger is not None:
+            hogger.kill()
+            hogger.wait()
+        bench.table()
+        LOG.file.close()
+        for ckpt in bench.tmp.glob("*.ckpt*"):
+            ckpt.unlink()
+        lines = log_path.read_text().splitlines()
+        print(f"\nthe engines' and routers' logs: {log_path} ({len(lines)} lines)")
+        if args.json:
+            rows = [{k: v for k, v in vars(r).items() if k != "extra"} for r in bench.rows]
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
