@@ -118,7 +118,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Messages of ``batch_bytes`` read from one rank in one go: its share, ``most`` at most."""
         return max(1, min(most, self.rank_share(ranks) // max(1, batch_bytes)))
 
-    # --- pacing: replay and snapshot requests in flight (helper "pacing") -------------------
+    # --- pacing: replay and snapshot requests in flight ---------------------------------------
 
     max_requests: int | None = None
     """Replay and snapshot requests in flight at once across all ranks (each holds a
