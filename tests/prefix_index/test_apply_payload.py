@@ -189,7 +189,7 @@ def aligned(ev: Any) -> Any:
     return ev
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(st.integers(0, 2), st.lists(event, max_size=6)), min_size=1, max_size=12),
     st.sampled_from(["map", "array"]),
@@ -228,7 +228,7 @@ def mutate(payload: bytes, rnd: random.Random) -> bytes:
     return bytes(b)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(event, min_size=1, max_size=4), min_size=1, max_size=6),
        st.sampled_from(["map", "array"]), st.integers(0, 2**32))  # fmt: skip
 def test_hostile_payloads_are_refused_or_applied_as_decode_batch_does(

@@ -321,7 +321,7 @@ def test_masks_cover_many_ranks() -> None:
     assert MASK == (1 << 64) - 1
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.integers(0, 2**32), st.sampled_from([40, 70, 140]))
 def test_long_prompts_over_many_ranks_match_the_model(seed: int, ranks: int) -> None:
     """Prompts of many 8-block groups held to random depths by up to 140 ranks (one

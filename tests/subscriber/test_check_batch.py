@@ -181,7 +181,7 @@ def test_what_the_check_accepts_decode_batch_accepts_and_reads_alike(
     assert got == facts(batch)
 
 
-@settings(PROPERTY, max_examples=300)
+@settings(PROPERTY, max_examples=examples(300))
 @given(batch=batches(), dialect=st.sampled_from(["map", "array"]))
 def test_the_batches_engines_send_are_read_natively(batch: KVEventBatch, dialect: str) -> None:
     payload = encode_batch(batch, dialect=dialect)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from kvwire.wire import (
     encode_batch,
 )
 from kvwire.wire.codec import DEFAULT_LIMITS, DecodeLimits, pack_int_array
+from tests.budget import examples
 
 ENVELOPE = b"\x93\xcb" + b"\0" * 8  # [0.0, ...
 
@@ -99,7 +100,7 @@ VALID = [
 ]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
                                         min_size=1, max_size=6))  # fmt: skip
 def test_mutated_payloads_decode_or_raise_wire_error(base: bytes, edits: list[tuple[int, int]]) -> None:
