@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from kvwire.settings import check_fields
+from kvwire.wire.framing import SNAPSHOT_CHUNK_BLOCKS
 from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S
 
 __all__ = [
@@ -108,7 +109,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     epoch: bool = True
     heartbeat_s: HeartbeatSeconds | None = DEFAULT_INTERVAL_S
     snapshot: bool = True
-    snapshot_chunk_blocks: Positive = 4096
+    snapshot_chunk_blocks: Positive = SNAPSHOT_CHUNK_BLOCKS
     mirror_backlog: Positive = 100_000
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import msgspec
 
 from kvwire.security import ClientKeys
 from kvwire.subscriber.state import StreamConfig
+from kvwire.wire.framing import SNAPSHOT_CHUNK_BLOCKS
 
 __all__ = ["QUEUE_SLACK", "SubscriberConfig"]
 
@@ -172,7 +173,7 @@ APPLY_BLOCKS_PER_S = 1_000_000
 """Blocks a router applies per second from snapshots, rounded down for a busy host (a
 cold start measured 20.5 M blocks in 14.8 s, 1.4 M/s, on the 2-core machine of
 ``benchmarks/README.md``)."""
-REPLY_BLOCKS = 4096
+REPLY_BLOCKS = SNAPSHOT_CHUNK_BLOCKS
 """The largest reply message, in blocks: a kvwire publisher's snapshot chunk
 (``PublisherConfig.snapshot_chunk_blocks``; a replayed batch is smaller)."""
 ROUND_SHARE = 0.25
