@@ -31,14 +31,20 @@ engine-wheels: $(STAMP)
 
 # The native tests under the sanitizers first (about 3 min), on the other CPython
 # versions this machine has (about 1 min, side by side), then the whole suite.
+# Two pytest workers: the suite waits on sockets and timers about 40% of the time,
+# so a second worker uses the idle core. A file's tests share a worker, so the
+# containerised tests build their image once.
+JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -ra -n $(JOBS) --dist loadfile
+
 test: $(STAMP) lint engine-wheels asan other-pythons
-	$(PY) -m pytest -q -ra
+	$(PYTEST)
 
 unit: $(STAMP) engine-wheels
-	$(PY) -m pytest -q -ra -m "not e2e"
+	$(PYTEST) -m "not e2e"
 
 e2e: $(STAMP)
-	$(PY) -m pytest -q -ra -m e2e
+	$(PYTEST) -m e2e
 
 # The C extensions rebuilt with AddressSanitizer and UBSan, under their tests
 # and the short fuzz run; part of `make test`, so CI (.ci/run) runs it.

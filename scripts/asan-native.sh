@@ -25,7 +25,7 @@ print(" ".join(next(e["sources"] for e in tomllib.load(open("pyproject.toml", "r
 done
 KVWIRE_EXAMPLES_SCALE=0.2 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc \
-    "$PY" -m pytest -q -p no:cacheprovider tests/publisher/test_packed_ints.py \
+    "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-2}" tests/publisher/test_packed_ints.py \
     tests/publisher/test_collector.py tests/publisher/test_native_sender.py \
     tests/publisher/test_publisher.py tests/publisher/test_epoch_heartbeat.py \
     tests/publisher/test_snapshot.py tests/publisher/test_native_mirror.py \

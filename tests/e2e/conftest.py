@@ -7,6 +7,7 @@ If any step fails the tests fail with the reason; they are never skipped.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,6 +43,9 @@ def _build_wheels() -> Path:
         stamp.write_text(want)
     for old in WHEELS.glob("kvwire-*.whl"):
         old.unlink()
+    # an interrupted build leaves its staging folder behind, and the next build refuses it
+    for stale in (REPO / "build").glob("bdist.*"):
+        shutil.rmtree(stale, ignore_errors=True)
     _run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(WHEELS), "."],
         "building the kvwire wheel",

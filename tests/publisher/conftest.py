@@ -40,7 +40,10 @@ def connect_sub(
         if time.monotonic() > end:
             raise AssertionError("subscriber never received a ping")
     wait_for(lambda: pub.stats().queue_depth == 0, what="pings sent")
-    while sub.poll(50):
+    # Drain what the pings left, for a bounded time: a publisher heartbeating every
+    # 50 ms would otherwise keep the socket readable (and this loop going) for ever.
+    end = time.monotonic() + 1.0
+    while sub.poll(50) and time.monotonic() < end:
         sub.recv_multipart()
     return sub, pub.last_seq + 1
 
