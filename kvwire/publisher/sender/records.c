@@ -301,17 +301,11 @@ static const char CHANGED[] =
  * it is one), or NULL with ValueError. */
 static PyObject *exact_int(PyObject *o, const char *what) {
     IntV v;
+    u64 bits;
+    int is_unsigned;
     if (PyLong_CheckExact(o) && read_int(o, &v) == 0) return Py_NewRef(o);
-    if (!PyLong_Check(o) && !(Py_TYPE(o)->tp_as_number && Py_TYPE(o)->tp_as_number->nb_index)) {
-        PyErr_Format(PyExc_ValueError, "%s %R is not an int", what, o);
-        return NULL;
-    }
-    PyObject *x = PyNumber_Index(o);
-    if (x && read_int(x, &v) < 0) {
-        PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, x);
-        Py_CLEAR(x);
-    }
-    return x;
+    if (kvw_int_bits(o, &bits, &is_unsigned, what) < 0) return NULL;
+    return is_unsigned ? PyLong_FromUnsignedLongLong(bits) : PyLong_FromLongLong((long long)bits);
 }
 
 /* An array's values: a new reference to an object with an integer buffer (values, or what
