@@ -90,7 +90,6 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None
 
 
-_ARRAY_CLEARED = ("AllBlocksCleared",)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -162,14 +161,8 @@ def encode_parts(
         return _encoder.encode(_Envelope(ts, events, data_parallel_rank))
     if dialect != "array":
         raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
-    out: list[Any] = []
-    for e in events:
-        if type(e) is _MapBlockStored:
-            out.append(("BlockStored", *_astuple(e)[:_ARRAY_STORED_LEN]))
-        elif type(e) is _MapBlockRemoved:
-            out.append(("BlockRemoved", *_astuple(e)[:_ARRAY_REMOVED_LEN]))
-        else:
-            out.append(_ARRAY_CLEARED)
+    # each event [tag, field...], as many fields as POSITIONAL_FIELDS says
+    out = [(type(e).__struct_config__.tag, *_astuple(e)[: POSITIONAL_FIELDS[type(e)]]) for e in events]
     return _encoder.encode(_Envelope(ts, out, data_parallel_rank))
 
 
@@ -435,17 +428,16 @@ def decode_batch(
     return _decode_generic(payload, limits) if batch is None else batch
 
 
+_FROM_ARRAYS: dict[type, type[KVEvent]] = {
+    _ArrayStored: BlockStored,
+    _ArrayRemoved: BlockRemoved,
+    _ArrayCleared: AllBlocksCleared,
+}
+
+
 def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
     """The positional dialect's batch as the event structs."""
-    events: list[KVEvent] = []
-    for e in b.events:
-        kind = type(e)
-        if kind is _ArrayStored:
-            events.append(BlockStored(*_astuple(e)))
-        elif kind is _ArrayRemoved:
-            events.append(BlockRemoved(*_astuple(e)))
-        else:
-            events.append(AllBlocksCleared())
+    events = [_FROM_ARRAYS[type(e)](*_astuple(e)) for e in b.events]
     return KVEventBatch(b.ts, events, b.data_parallel_rank)
 
 
