@@ -33,46 +33,13 @@ from kvwire.reference.control import ControlClient
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
-from kvwire.subscriber import EngineSource, RankStatus, Subscriber
+from kvwire.subscriber import RankStatus, Subscriber
 
 __all__ = ["main"]
 
 RankKey = tuple[str, int]
 BLOCK_SIZE = 16
 TARGET = 0.95
-
-
-@dataclass
-class LocalEngine:
-    """An engine server process on loopback, on ports it picks itself."""
-
-    worker_id: str
-    ranks: int
-    num_blocks: int
-    process: EngineProcess | None = None
-
-    @property
-    def source(self) -> EngineSource:
-        assert self.process is not None, "engine not started"
-        return self.process.source(self.worker_id)
-
-    @property
-    def control_endpoint(self) -> str:
-        assert self.process is not None, "engine not started"
-        return self.process.control_endpoint
-
-    def spawn(self, log_dir: Path) -> None:
-        config = EngineConfig(ranks=self.ranks, num_blocks=self.num_blocks, block_size=BLOCK_SIZE)
-        self.process = EngineProcess(config, log_dir / f"{self.worker_id}.log")
-        self.process.spawn()
-
-    def wait_ready(self) -> None:
-        assert self.process is not None, "engine not started"
-        self.process.wait_ready(60.0)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
 
 @dataclass
@@ -93,14 +60,15 @@ Chooser = Callable[[list[int], dict[RankKey, Load]], RankKey]
 
 
 class Cluster:
-    """The engines, their control clients, and the router following them."""
+    """The engines (by worker id), their control clients, and the router following them."""
 
-    def __init__(self, engines: list[LocalEngine], clients: dict[str, ControlClient]) -> None:
-        self.engines = engines
+    def __init__(self, engines: dict[str, EngineProcess], clients: dict[str, ControlClient]) -> None:
         self.clients = clients
         self.index = PrefixIndex(BLOCK_SIZE)
-        self.subscriber = Subscriber([e.source for e in engines], self.index)
-        self.keys: list[RankKey] = [(e.worker_id, r) for e in engines for r in range(e.ranks)]
+        self.subscriber = Subscriber([e.source(w) for w, e in engines.items()], self.index)
+        self.keys: list[RankKey] = [
+            (w, r) for w, e in engines.items() for r in range(e.config.ranks)
+        ]
         self.router = KvRouter(self.index, rank_states=self.subscriber)
 
     def status(self) -> dict[RankKey, RankStatus]:
@@ -108,9 +76,8 @@ class Cluster:
 
     def reset_all(self, timeout: float = 20.0) -> None:
         """Clear every rank's cache and wait until the index agrees (it holds nothing)."""
-        for e in self.engines:
-            for r in range(e.ranks):
-                self.clients[e.worker_id].reset(r)
+        for worker, rank in self.keys:
+            self.clients[worker].reset(rank)
         deadline = time.monotonic() + timeout
         while any(self.index.blocks(*k) for k in self.keys):
             if time.monotonic() > deadline:
@@ -269,17 +236,20 @@ def _plot(runs: list[PolicyRun], path: Path) -> Path | None:
 
 
 @contextmanager
-def _cluster(engines: list[LocalEngine], log_dir: Path) -> Iterator[Cluster]:
+def _cluster(workers: list[str], num_blocks: int, log_dir: Path) -> Iterator[Cluster]:
+    """Two-rank engine servers on loopback, on ports they pick themselves, and the router."""
+    config = EngineConfig(ranks=2, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    engines = {w: EngineProcess(config, log_dir / f"{w}.log") for w in workers}
     with ExitStack() as stack:
-        for e in engines:
-            e.spawn(log_dir)
+        for e in engines.values():
+            e.spawn()
             stack.callback(e.stop)
         clients = {}
-        for e in engines:
-            e.wait_ready()
+        for worker, e in engines.items():
+            e.wait_ready(60.0)
             client = ControlClient(e.control_endpoint, timeout=10.0)
             stack.callback(client.close)
-            clients[e.worker_id] = client
+            clients[worker] = client
         cluster = Cluster(engines, clients)
         cluster.subscriber.start()
         stack.callback(cluster.subscriber.stop)
@@ -295,10 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("out"), help="where the plot and logs go")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    engines = [LocalEngine(f"engine-{c}", 2, args.num_blocks) for c in "ab"]
     started = time.monotonic()
     print("starting 2 engines x 2 ranks on loopback, and the router ...", flush=True)
-    with _cluster(engines, args.out) as cluster:
+    with _cluster(["engine-a", "engine-b"], args.num_blocks, args.out) as cluster:
         view = LiveView(cluster)
         view.start()
         try:

@@ -1,6 +1,6 @@
 /* 1-D buffers of native integers (numpy arrays, array.array, typed memoryviews), for the
- * C extensions that read them: which buffer formats are ints, and one item's value.
- * Include after Python.h. */
+ * C extensions that read them: which buffer formats are ints, and one item's value; and
+ * any Python int (or object with __index__) as 64 bits. Include after Python.h. */
 #ifndef KVWIRE_INTBUF_H
 #define KVWIRE_INTBUF_H
 
@@ -48,6 +48,44 @@ static inline uint64_t kvw_buffer_item(const Py_buffer *v, Py_ssize_t i, int is_
         case 16: { int64_t x; memcpy(&x, p, 8); return (uint64_t)x; }
         default: { uint64_t x; memcpy(&x, p, 8); return x; }
     }
+}
+
+/* Any int, or object with __index__ (numpy scalars), `what` of a value: its 64-bit pattern
+ * in *bits, *is_unsigned when it is above 2**63 - 1. 0, or -1 with ValueError (not an int,
+ * or outside [-2**63, 2**64)) or __index__'s own error. */
+static inline int kvw_int_bits(PyObject *o, uint64_t *bits, int *is_unsigned, const char *what) {
+    PyObject *idx = NULL;
+    if (!PyLong_Check(o)) {
+        if (!Py_TYPE(o)->tp_as_number || !Py_TYPE(o)->tp_as_number->nb_index) {
+            PyErr_Format(PyExc_ValueError, "%s %R is not an int", what, o);
+            return -1;
+        }
+        idx = PyNumber_Index(o);
+        if (!idx) return -1;
+        o = idx;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    int rc = 0;
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) rc = -1;
+        *bits = (uint64_t)v;
+        *is_unsigned = 0;
+    } else if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
+            rc = -1;
+        }
+        *bits = u;
+        *is_unsigned = 1;
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
+        rc = -1;
+    }
+    Py_XDECREF(idx);
+    return rc;
 }
 
 #endif /* KVWIRE_INTBUF_H */

@@ -102,22 +102,26 @@ class EngineEventPublisher:
 
     def __init__(
         self,
-        rank: int,
-        endpoint: str,
-        replay_endpoint: str | None,
-        buffer_steps: int | None,
-        hwm: int | None,
-        max_queue_size: int | None,
-        topic: str,
-        config: IntegrationConfig,
-        ignored: dict[str, Any] | None = None,
+        rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int | None = None,
+        hwm: int | None = None,
+        max_queue_size: int | None = None,
+        topic: str = "",
+        bind: bool | None = None,
+        *,
+        config: IntegrationConfig | None = None,
+        **later_fields: Any,
     ) -> None:
-        """The engine's own settings (``None``: the publisher's default) and kvwire's.
-
-        ``ignored``: the engine's settings newer than this publisher, logged and left out.
-        """
-        if ignored:
-            log.info("kvwire publisher ignores %s settings %s", self.engine, sorted(ignored))
+        """The engine's own settings, in its constructor's order (``None``: the publisher's
+        default; ``bind``, the engine's choice to bind or connect, is read by
+        :func:`factory_for`), and kvwire's (``config``, by default from the ``KVWIRE_*``
+        variables). ``later_fields``: the engine's settings newer than this publisher,
+        logged and left out."""
+        if later_fields:
+            log.info("kvwire publisher ignores %s settings %s", self.engine, sorted(later_fields))
+        config = config or IntegrationConfig.from_env()
         self.rank = rank
         pub, replay = bind_addresses(endpoint, replay_endpoint, config)
         self.publisher = EventPublisher(

@@ -89,15 +89,13 @@ from kvwire.publisher.config import (
 from kvwire.publisher.publisher import DEFAULT_ENDPOINT
 from kvwire.security import ServerKeys
 from kvwire.settings import read_env
+from kvwire.wire import local_endpoint
 
 __all__ = [
     "IntegrationConfig", "RelayConfig", "bind_address", "bind_addresses", "plugin_enabled",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-_WILDCARDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]"}
-
 
 def _variable(field: str) -> str:
     """The environment variable of a setting."""
@@ -168,19 +166,19 @@ class IntegrationConfig(_Switch, frozen=True, kw_only=True, rename=_variable):
         buffer_steps: int | None = None,
         hwm: int | None = None,
         max_queue_size: int | None = None,
-        topic: str = "",
+        topic: str | None = None,
     ) -> PublisherConfig:
-        """The publisher's settings: the engine's own (``None``: the publisher's default)
-        and what the variables add. What they do not ask for is off, so the wire
+        """The publisher's settings: the engine's own (``None``: not given) and what the
+        variables add. What is not given is the relay's own setting (:class:`RelayConfig`)
+        or the publisher's default; what the variables do not ask for is off, so the wire
         carries the engine's own bytes."""
-        given: dict[str, Any] = {
-            "buffer_steps": buffer_steps,
-            "hwm": hwm,
-            "max_queue_size": max_queue_size,
-            "send_coalesce_s": None if self.coalesce_ms is None else self.coalesce_ms / 1000,
-        }
+        own = msgspec.structs.asdict(self)
+        engine = {"buffer_steps": buffer_steps, "hwm": hwm, "max_queue_size": max_queue_size,
+                  "topic": topic}  # fmt: skip
+        given: dict[str, Any] = {k: own.get(k) if v is None else v for k, v in engine.items()}
+        if self.coalesce_ms is not None:
+            given["send_coalesce_s"] = self.coalesce_ms / 1000
         return PublisherConfig(
-            topic=topic,
             max_replay_batches=self.max_replay_batches,
             epoch=self.epoch,
             heartbeat_s=self.heartbeat_s,
@@ -202,22 +200,6 @@ class RelayConfig(IntegrationConfig, frozen=True, kw_only=True, rename=_variable
     hwm: Hwm | None = None
     topic: str = ""
 
-    def publisher_config(
-        self,
-        buffer_steps: int | None = None,
-        hwm: int | None = None,
-        max_queue_size: int | None = None,
-        topic: str = "",
-    ) -> PublisherConfig:
-        """As :meth:`IntegrationConfig.publisher_config`, the relay's own settings
-        filling what is not given."""
-        return super().publisher_config(
-            self.buffer_steps if buffer_steps is None else buffer_steps,
-            self.hwm if hwm is None else hwm,
-            self.max_queue_size if max_queue_size is None else max_queue_size,
-            topic or self.topic,
-        )
-
 
 def plugin_enabled(engine: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether ``KVWIRE_PUBLISHER`` turns an engine plugin on; reads no other variable.
@@ -234,20 +216,6 @@ def plugin_enabled(engine: str, env: Mapping[str, str] | None = None) -> bool:
         return False
 
 
-def _host_port(endpoint: str) -> tuple[str, str] | None:
-    """A tcp endpoint's host and port (``None`` for ipc, inproc and the rest)."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    return host, port
-
-
-def _wildcard(endpoint: str) -> bool:
-    """Whether ``endpoint`` binds every interface (``*``, ``0.0.0.0``, ``::``)."""
-    parts = _host_port(endpoint)
-    return parts is not None and parts[0] in _WILDCARDS
-
-
 def bind_address(endpoint: str, config: IntegrationConfig) -> str:
     """Where kvwire binds an engine's configured endpoint.
 
@@ -255,15 +223,11 @@ def bind_address(endpoint: str, config: IntegrationConfig) -> str:
     guard the socket (:attr:`IntegrationConfig.keyed`: the keys decide who
     reads); tcp port 0 (the engines' "any port") becomes ``*``.
     """
-    parts = _host_port(endpoint)
-    if parts is None:
+    if not endpoint.startswith("tcp://"):
         return endpoint
-    host, port = parts
-    if port == "0":
-        port = "*"
-    if not (config.expose or config.keyed):
-        host = _WILDCARDS.get(host, host)
-    return f"tcp://{host}:{port}"
+    if endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    return endpoint if config.expose or config.keyed else local_endpoint(endpoint)
 
 
 def bind_addresses(
@@ -279,7 +243,7 @@ def bind_addresses(
     pub = bind_address(endpoint, config)
     replay = None if replay_endpoint is None else bind_address(replay_endpoint, config)
     given = [e for e in (endpoint, replay_endpoint) if e is not None]
-    if not any(_wildcard(e) for e in given):
+    if all(local_endpoint(e) == e for e in given):  # no wildcard host
         return pub, replay
     if config.keyed:
         log.info(

@@ -28,32 +28,6 @@ class SglangEventPublisher(EngineEventPublisher):
     rank_field = "attn_dp_rank"
     engine = "SGLang"
 
-    def __init__(
-        self,
-        attn_dp_rank: int = 0,
-        endpoint: str = "tcp://*:5557",
-        replay_endpoint: str | None = None,
-        buffer_steps: int | None = None,
-        hwm: int | None = None,
-        max_queue_size: int | None = None,
-        topic: str = "",
-        bind: bool | None = None,
-        *,
-        config: IntegrationConfig | None = None,
-        **later_fields: Any,
-    ) -> None:
-        super().__init__(
-            attn_dp_rank,
-            endpoint,
-            replay_endpoint,
-            buffer_steps,
-            hwm,
-            max_queue_size,
-            topic,
-            config or IntegrationConfig.from_env(),
-            later_fields,
-        )
-
     def describe_local_source(self, block_size: int) -> dict[str, Any] | None:
         """Where a process on this host subscribes (SGLang advertises it in /server_info)."""
         source: dict[str, Any] = {

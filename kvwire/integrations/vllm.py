@@ -28,31 +28,6 @@ class VllmEventPublisher(EngineEventPublisher):
     rank_field = "data_parallel_rank"
     engine = "vLLM"
 
-    def __init__(
-        self,
-        data_parallel_rank: int = 0,
-        endpoint: str = "tcp://*:5557",
-        replay_endpoint: str | None = None,
-        buffer_steps: int | None = None,
-        hwm: int | None = None,
-        max_queue_size: int | None = None,
-        topic: str = "",
-        *,
-        config: IntegrationConfig | None = None,
-        **later_fields: Any,
-    ) -> None:
-        super().__init__(
-            data_parallel_rank,
-            endpoint,
-            replay_endpoint,
-            buffer_steps,
-            hwm,
-            max_queue_size,
-            topic,
-            config or IntegrationConfig.from_env(),
-            later_fields,
-        )
-
     def get_publisher_config(self) -> Any:
         """What vLLM's own publisher reports: its resolved (bound) configuration."""
         config = self.publisher.config

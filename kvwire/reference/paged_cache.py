@@ -194,10 +194,6 @@ class PagedKVCache:
     def active_requests(self) -> int:
         return len(self._requests)
 
-    def request_blocks(self, request_id: str) -> tuple[int, ...]:
-        """The physical blocks of an admitted request, in token order."""
-        return tuple(self._requests[request_id].block_ids)
-
     def read_kv(self, request_id: str) -> Any:
         """Keys and values of an admitted request's tokens: ``(layers, 2, tokens, heads, dim)``."""
         req = self._requests[request_id]

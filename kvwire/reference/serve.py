@@ -35,7 +35,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args
 
@@ -124,20 +124,16 @@ class EngineConfig:
         return f"tcp://{self.host}:{port or '*'}"
 
     def argv(self) -> list[str]:
-        """The ``python -m kvwire.reference.serve`` flags that start this configuration."""
-        flags = [
-            "--ranks", str(self.ranks),
-            "--host", self.host,
-            "--port", str(self.port),
-            *(["--no-replay"] if self.replay_port is None else ["--replay-port", str(self.replay_port)]),
-            "--control-port", str(self.control_port),
-            "--num-blocks", str(self.num_blocks),
-            "--block-size", str(self.block_size),
-            "--hash-seed", str(self.hash_seed),
-            *_publisher_argv(self.publisher),
-        ]  # fmt: skip
-        if self.device is not None:
-            flags += ["--device", self.device]
+        """The ``python -m kvwire.reference.serve`` flags that start this configuration
+        (a flag per field that differs from its default)."""
+        flags: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("publisher", "control_keys") or value == f.default:
+                continue
+            # (the one None that is not a default: replay_port's, no replay)
+            flags += ["--no-replay"] if value is None else [_flag(f.name), str(value)]
+        flags += _publisher_argv(self.publisher)
         if self.control_keys is not None:
             flags += [
                 "--control-secret-key", str(self.control_keys.secret_key_file),
@@ -395,18 +391,19 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
     p = argparse.ArgumentParser(
         prog="python -m kvwire.reference.serve", description="kvwire reference engine server"
     )
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument(
-        "--port", type=int, default=0, help="event PUB base port (rank r: port + r); 0: ephemeral"
-    )
-    p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER base port; 0: ephemeral")
-    p.add_argument("--no-replay", action="store_true", help="serve no replay")
-    p.add_argument("--control-port", type=int, default=0, help="control ROUTER port; 0: ephemeral")
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
-    p.add_argument("--hash-seed", type=int, default=0)
+    # EngineConfig's fields: an absent flag leaves the field's default (not restated here).
+    e = p.add_argument_group("the engine (EngineConfig)", argument_default=argparse.SUPPRESS)
+    e.add_argument("--ranks", type=int)
+    e.add_argument("--host", help="address to bind (default loopback only)")
+    e.add_argument("--port", type=int, help="event PUB base port (rank r: port + r); 0: ephemeral")
+    e.add_argument("--replay-port", type=int, help="replay ROUTER base port; 0: ephemeral")
+    e.add_argument("--no-replay", dest="replay_port", action="store_const", const=None,
+                   help="serve no replay")  # fmt: skip
+    e.add_argument("--control-port", type=int, help="control ROUTER port; 0: ephemeral")
+    e.add_argument("--num-blocks", type=int)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--device", help="torch device (default: cuda when available)")
+    e.add_argument("--hash-seed", type=int)
     p.add_argument("--drive-rate", type=float, default=0.0, help="self-driven requests per second")
     p.add_argument("--drive-seed", type=int, default=0)
     p.add_argument("--drive-hold", type=int, default=8)
@@ -417,18 +414,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[EngineConfig, argparse.Namespace
                    help="directory of the public keys of clients allowed to control the engine")
     _add_publisher_flags(p)
     args = p.parse_args(argv)
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     config = EngineConfig(
-        ranks=args.ranks,
-        host=args.host,
-        port=args.port,
-        replay_port=None if args.no_replay else args.replay_port,
-        control_port=args.control_port,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        publisher=_publisher_config(p, args),
-        device=args.device,
-        hash_seed=args.hash_seed,
-        control_keys=_control_keys(p, args),
+        **given, publisher=_publisher_config(p, args), control_keys=_control_keys(p, args)
     )
     return config, args
 

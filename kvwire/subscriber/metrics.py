@@ -71,6 +71,19 @@ _COUNTER_HELP = {
 }
 
 
+_GAUGES: tuple[tuple[str, str, Callable[[RankStatus], float]], ...] = (
+    ("expected_seq", "The next sequence number a rank expects", lambda st: st.expected_seq),
+    ("held_batches", "Later batches held while a gap is repaired", lambda st: st.held),
+    ("connected", "1 while the rank's SUB socket is connected", lambda st: st.connected),
+    (
+        "replay_pending",
+        "1 while a replay or snapshot of the rank is out or due",
+        lambda st: st.replay_pending,
+    ),
+)
+"""The per-rank gauges besides the state: name, help, and the value of a rank's status."""
+
+
 def _prometheus() -> Any:
     try:
         import prometheus_client.core as core
@@ -103,82 +116,61 @@ class SubscriberCollector:
     def describe(self) -> list[Any]:
         return []  # collected lazily: the set of ranks changes at run time
 
+    def _gauge(self, name: str, text: str, labels: list[str] | None = None) -> Any:
+        return self._core.GaugeMetricFamily(f"{_PREFIX}_{name}", text, labels=labels)
+
     def collect(self) -> Iterator[Any]:
-        core = self._core
-        statuses = self._status()
         labels = ["worker", "rank"]
         counters = {
-            name: core.CounterMetricFamily(f"{_PREFIX}_{name}", help_text, labels=labels)
+            name: self._core.CounterMetricFamily(f"{_PREFIX}_{name}", help_text, labels=labels)
             for name, help_text in _COUNTER_HELP.items()
         }
-        state = core.GaugeMetricFamily(
-            f"{_PREFIX}_rank_state",
+        state = self._gauge(
+            "rank_state",
             "1 for the rank's current state (syncing, synced, partial), else 0",
-            labels=[*labels, "state"],
+            [*labels, "state"],
         )
-        expected = core.GaugeMetricFamily(
-            f"{_PREFIX}_expected_seq", "The next sequence number a rank expects", labels=labels
-        )
-        held = core.GaugeMetricFamily(
-            f"{_PREFIX}_held_batches", "Later batches held while a gap is repaired", labels=labels
-        )
-        connected = core.GaugeMetricFamily(
-            f"{_PREFIX}_connected", "1 while the rank's SUB socket is connected", labels=labels
-        )
-        pending = core.GaugeMetricFamily(
-            f"{_PREFIX}_replay_pending",
-            "1 while a replay or snapshot of the rank is out or due",
-            labels=labels,
-        )
-        for st in statuses:
+        gauges = [(self._gauge(name, text, labels), value) for name, text, value in _GAUGES]
+        for st in self._status():
             key = [st.worker_id, str(st.rank)]
             for name, family in counters.items():
                 family.add_metric(key, float(getattr(st.counters, name)))
             for s in RankState:
                 state.add_metric([*key, s.value], 1.0 if st.state is s else 0.0)
-            expected.add_metric(key, float(st.expected_seq))
-            held.add_metric(key, float(st.held))
-            connected.add_metric(key, 1.0 if st.connected else 0.0)
-            pending.add_metric(key, 1.0 if st.replay_pending else 0.0)
+            for family, value in gauges:
+                family.add_metric(key, float(value(st)))
         yield from counters.values()
-        yield from (state, expected, held, connected, pending)
+        yield state
+        yield from (family for family, _ in gauges)
         if self._progress is not None:
             yield from self._recovery(self._progress())
         if self._restore is not None:
             yield from self._restoring(self._restore())
 
     def _restoring(self, progress: RestoreProgress) -> Iterator[Any]:
-        core = self._core
-        nbytes = core.GaugeMetricFamily(
-            f"{_PREFIX}_restore_bytes",
+        nbytes = self._gauge(
+            "restore_bytes",
             "Bytes of the checkpoint or clone read at start, and expected (0: unknown)",
-            labels=["kind"],
+            ["kind"],
         )
         nbytes.add_metric(["received"], float(progress.bytes_received))
         nbytes.add_metric(["expected"], float(progress.bytes_expected))
-        ranks = core.GaugeMetricFamily(
-            f"{_PREFIX}_restore_ranks", "Ranks imported from the checkpoint or clone at start"
-        )
+        ranks = self._gauge("restore_ranks", "Ranks imported from the checkpoint or clone at start")
         ranks.add_metric([], float(progress.ranks_imported))
-        done = core.GaugeMetricFamily(
-            f"{_PREFIX}_restore_done", "1 once the start-up restore is over (or none was asked)"
+        done = self._gauge(
+            "restore_done", "1 once the start-up restore is over (or none was asked)"
         )
         done.add_metric([], 1.0 if progress.done or not progress.source else 0.0)
         yield from (nbytes, ranks, done)
 
     def _recovery(self, progress: SyncProgress) -> Iterator[Any]:
-        core = self._core
-        ranks = core.GaugeMetricFamily(
-            f"{_PREFIX}_ranks",
-            "Ranks in each state (those not yet contacted count as syncing)",
-            labels=["state"],
+        ranks = self._gauge(
+            "ranks", "Ranks in each state (those not yet contacted count as syncing)", ["state"]
         )
         for s in RankState:
             ranks.add_metric([s.value], float(getattr(progress, s.value)))
-        recoveries = core.GaugeMetricFamily(
-            f"{_PREFIX}_recoveries",
-            "Ranks with a start or gap replay, or a snapshot, still to come",
-            labels=["kind"],
+        recoveries = self._gauge(
+            "recoveries", "Ranks with a start or gap replay, or a snapshot, still to come", ["kind"]
         )
         recoveries.add_metric(["replay"], float(progress.replaying))
         recoveries.add_metric(["snapshot"], float(progress.snapshotting))

@@ -34,42 +34,6 @@ static inline unsigned char *put_mode(unsigned char *p, u64 bits, int is_unsigne
     return kvw_put_int(p, bits, neg);
 }
 
-/* One Python int into (bits, is_unsigned); -1 with an exception set. */
-static int read_int(PyObject *o, u64 *bits, int *is_unsigned, const char *what) {
-    PyObject *idx = NULL;
-    if (!PyLong_Check(o)) {
-        if (!Py_TYPE(o)->tp_as_number || !Py_TYPE(o)->tp_as_number->nb_index) {
-            PyErr_Format(PyExc_ValueError, "%s %R is not an int", what, o);
-            return -1;
-        }
-        idx = PyNumber_Index(o);
-        if (!idx) return -1;
-        o = idx;
-    }
-    int overflow;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    int rc = 0;
-    if (overflow == 0) {
-        if (v == -1 && PyErr_Occurred()) rc = -1;
-        *bits = (u64)v;
-        *is_unsigned = 0;
-    } else if (overflow > 0) {
-        unsigned long long u = PyLong_AsUnsignedLongLong(o);
-        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
-            rc = -1;
-        }
-        *bits = u;
-        *is_unsigned = 1;
-    } else {
-        PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, o);
-        rc = -1;
-    }
-    Py_XDECREF(idx);
-    return rc;
-}
-
 /* Room for n packed ints: header, 9 bytes an int at most, 8 bytes of slack. */
 static PyObject *out_for(Py_ssize_t n) {
     if (n > (PY_SSIZE_T_MAX - 13) / 9) return PyErr_NoMemory();
@@ -110,7 +74,7 @@ static PyObject *pack_seq(PyObject *seq, int mode, const char *what) {
 #endif
         int foreign = !PyLong_Check(o);
         if (foreign) Py_INCREF(o);
-        rc = read_int(o, &bits, &is_unsigned, what);
+        rc = kvw_int_bits(o, &bits, &is_unsigned, what);
         if (foreign) {
             Py_DECREF(o);
             if (rc == 0 && PySequence_Fast_GET_SIZE(seq) != n) {

@@ -219,7 +219,20 @@ out:
     return rc;
 }
 
-static PyObject *opt_str(const char *p, Py_ssize_t n);
+static PyObject *opt_str(const char *p, Py_ssize_t n) {
+    return n < 0 ? Py_NewRef(Py_None) : PyUnicode_FromStringAndSize(p, n);
+}
+
+/* An event's hashes as a new list of ints (none for a clear). */
+static PyObject *hashes_of(const KvScan *s, const KvEv *ev) {
+    PyObject *out = PyList_New(ev->n);
+    for (Py_ssize_t j = 0; out && j < ev->n; j++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(s->h[ev->hoff + j]);
+        if (!h) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, h);
+    }
+    return out;
+}
 
 /* A store's packed token ids as decode_batch hands them out: TokenIds(Raw). */
 static PyObject *token_ids_of(const KvEv *ev) {
@@ -240,12 +253,7 @@ static PyObject *event_of(const KvScan *s, const KvEv *ev, const Py_buffer *payl
     if (ev->kind == EV_CLEARED) return PyObject_CallNoArgs(cleared_type);
     PyObject *v[F_GROUP + 1] = {NULL}, *e = NULL;
     int stored = ev->kind == EV_STORED;
-    if (!(v[F_HASHES] = PyList_New(ev->n))) goto out;
-    for (Py_ssize_t j = 0; j < ev->n; j++) {
-        PyObject *h = PyLong_FromUnsignedLongLong(s->h[ev->hoff + j]);
-        if (!h) goto out;
-        PyList_SET_ITEM(v[F_HASHES], j, h);
-    }
+    if (!(v[F_HASHES] = hashes_of(s, ev))) goto out;
     /* none given: the view's medium is not in the payload */
     const char *p = payload->buf;
     int given = ev->medium_len < 0 || (ev->medium >= p && ev->medium < p + payload->len);
@@ -350,10 +358,6 @@ done:
     return out;
 }
 
-static PyObject *opt_str(const char *p, Py_ssize_t n) {
-    return n < 0 ? Py_NewRef(Py_None) : PyUnicode_FromStringAndSize(p, n);
-}
-
 /* view(payload, limits) -> [event] | None, an event (kind, hashes, parent,
  * tokens, block_size, medium, lora_name, group_idx, extras). */
 static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -371,12 +375,7 @@ static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *out = PyList_New(s.ev_len);
     for (Py_ssize_t k = 0; out && k < s.ev_len; k++) {
         const KvEv *ev = &s.ev[k];
-        PyObject *hashes = PyList_New(ev->kind == EV_CLEARED ? 0 : ev->n);
-        for (Py_ssize_t j = 0; hashes && ev->kind != EV_CLEARED && j < ev->n; j++) {
-            PyObject *h = PyLong_FromUnsignedLongLong(s.h[ev->hoff + j]);
-            if (!h) Py_CLEAR(hashes);
-            else PyList_SET_ITEM(hashes, j, h);
-        }
+        PyObject *hashes = hashes_of(&s, ev);
         PyObject *item = hashes == NULL ? NULL
             : Py_BuildValue("(sNNNnNNNI)", kinds[ev->kind], hashes,
                             ev->has_parent ? PyLong_FromUnsignedLongLong(ev->parent) : Py_NewRef(Py_None),
@@ -393,23 +392,24 @@ static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+/* The names of n fields of the table (ids; NULL: the first n), as a new tuple. */
+static PyObject *names_of(const int *ids, int n) {
+    PyObject *out = PyTuple_New(n);
+    for (int k = 0; out && k < n; k++) {
+        int f = ids ? ids[k] : k;
+        PyObject *name = PyUnicode_FromStringAndSize(FIELD_NAMES[f].s, FIELD_NAMES[f].n);
+        if (!name) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, k, name);
+    }
+    return out;
+}
+
 /* fields() -> (BlockStored's fields, BlockRemoved's): the scanner's table. */
 static PyObject *fields(PyObject *self, PyObject *unused) {
-    PyObject *stored = PyTuple_New(N_STORED), *removed = PyTuple_New(N_REMOVED);
-    for (int f = 0; stored && removed && f < N_STORED; f++) {
-        PyObject *name = PyUnicode_FromStringAndSize(FIELD_NAMES[f].s, FIELD_NAMES[f].n);
-        if (!name) Py_CLEAR(stored);
-        else PyTuple_SET_ITEM(stored, f, name);
-    }
-    for (int k = 0; stored && removed && k < N_REMOVED; k++) {
-        int f = REMOVED_FIELDS[k];
-        PyObject *name = PyUnicode_FromStringAndSize(FIELD_NAMES[f].s, FIELD_NAMES[f].n);
-        if (!name) Py_CLEAR(removed);
-        else PyTuple_SET_ITEM(removed, k, name);
-    }
-    if (!stored || !removed) {
+    PyObject *stored = names_of(NULL, N_STORED);
+    PyObject *removed = stored ? names_of(REMOVED_FIELDS, N_REMOVED) : NULL;
+    if (!removed) {
         Py_XDECREF(stored);
-        Py_XDECREF(removed);
         return NULL;
     }
     return Py_BuildValue("(NN)", stored, removed);

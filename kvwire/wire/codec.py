@@ -13,7 +13,6 @@ as received (:class:`TokenIds`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
 import msgspec
@@ -27,6 +26,7 @@ from kvwire.wire.events import (
     KVEvent,
     KVEventBatch,
     TokenIds,
+    packed_count,
 )
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "IntArray",
     "RemovedParts",
     "StoredParts",
-    "concat_int_arrays",
     "decode_batch",
     "encode_batch",
     "encode_parts",
@@ -91,7 +90,6 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None
 
 
-_ARRAY_CLEARED = ("AllBlocksCleared",)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -163,36 +161,9 @@ def encode_parts(
         return _encoder.encode(_Envelope(ts, events, data_parallel_rank))
     if dialect != "array":
         raise ValueError(f"unknown dialect {dialect!r}: expected 'map' or 'array'")
-    out: list[Any] = []
-    for e in events:
-        if type(e) is _MapBlockStored:
-            out.append(("BlockStored", *_astuple(e)[:_ARRAY_STORED_LEN]))
-        elif type(e) is _MapBlockRemoved:
-            out.append(("BlockRemoved", *_astuple(e)[:_ARRAY_REMOVED_LEN]))
-        else:
-            out.append(_ARRAY_CLEARED)
+    # each event [tag, field...], as many fields as POSITIONAL_FIELDS says
+    out = [(type(e).__struct_config__.tag, *_astuple(e)[: POSITIONAL_FIELDS[type(e)]]) for e in events]
     return _encoder.encode(_Envelope(ts, out, data_parallel_rank))
-
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-def _split_array(raw: msgspec.Raw) -> tuple[int, memoryview]:
-    """(length, body) of a packed msgpack array."""
-    view = memoryview(raw)
-    first = view[0]
-    if 0x90 <= first <= 0x9F:
-        return first & 0x0F, view[1:]
-    if first == 0xDC:
-        return int.from_bytes(view[1:3], "big"), view[3:]
-    if first == 0xDD:
-        return int.from_bytes(view[1:5], "big"), view[5:]
-    raise ValueError(f"packed value is not a msgpack array (first byte 0x{first:02x})")
 
 
 _PACK_MODES = {None: 0, "unsigned": 1, "signed": 2}
@@ -213,27 +184,6 @@ def pack_int_array(
     64 bits, raises ``ValueError`` naming it as ``what``.
     """
     return msgspec.Raw(_pack.pack_ints(values, _PACK_MODES[hashes], what))
-
-
-def concat_int_arrays(parts: Sequence[IntArray]) -> IntArray:
-    """Join int arrays end to end, packed or not, into one array for the encoder."""
-    if len(parts) == 1:
-        return parts[0]
-    if not any(type(p) is msgspec.Raw for p in parts):
-        out: list[int] = []
-        for p in parts:
-            out.extend(p)
-        return out
-    total = 0
-    bodies: list[bytes | memoryview] = []
-    for p in parts:
-        if type(p) is msgspec.Raw:
-            n, body = _split_array(p)
-        else:
-            n, body = _split_array(msgspec.Raw(_encoder.encode(p)))
-        total += n
-        bodies.append(body)
-    return msgspec.Raw(_array_header(total) + b"".join(bodies))
 
 
 # --- decoding -----------------------------------------------------------------
@@ -338,29 +288,26 @@ def normalise_hash(h: object) -> int:
     raise WireError(f"block hash must be an int or bytes, not {type(h).__name__}")
 
 
-def _map_len(raw: bytes | memoryview) -> int | None:
-    """The number of pairs a packed msgpack map declares (``None``: not a map)."""
-    first = raw[0] if len(raw) else 0
-    if 0x80 <= first <= 0x8F:
-        return first & 0x0F
-    if first == 0xDE:
-        return int.from_bytes(raw[1:3], "big")
-    if first == 0xDF:
-        return int.from_bytes(raw[1:5], "big")
-    return None
+def _named(packed: memoryview, what: str) -> dict[str, msgspec.Raw] | None:
+    """A packed map's values by key (``None``: not a map); a key that is not a string, or
+    one given twice, is a :class:`WireError` naming ``what``."""
+    n = packed_count(packed, 0x80)
+    if n is None:
+        return None
+    try:
+        named = _map_values.decode(packed)
+    except msgspec.ValidationError:
+        raise WireError(f"{what} has a key that is not a string") from None
+    if len(named) != n:
+        raise WireError(f"{what} gives a key twice")
+    return named
 
 
 def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
     packed = memoryview(raw)
-    n = _map_len(packed)
-    named: dict[str, msgspec.Raw]
-    if n is not None:
-        try:
-            named = _map_values.decode(packed)
-        except msgspec.ValidationError:
-            raise WireError(f"event {index} has a key that is not a string") from None
-        if len(named) != n:
-            raise WireError(f"event {index} gives a key twice")
+    named = _named(packed, f"event {index}")
+    is_map = named is not None
+    if named is not None:
         kind = _generic_decoder.decode(named.pop("type")) if "type" in named else None
     else:
         try:
@@ -384,7 +331,7 @@ def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
             fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
         if cls is not BlockStored:
             return msgspec.convert(fields, cls)
-        if n is None and isinstance(fields.get("lora_name"), dict):
+        if not is_map and isinstance(fields.get("lora_name"), dict):
             # Old SGLang: a metadata map (cache_salt) where lora_name now is.
             fields["cache_salt"] = fields.pop("lora_name").get("cache_salt")
         if fields.get("parent_block_hash") is not None:
@@ -396,9 +343,7 @@ def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
         e = msgspec.convert(fields, _ListBlockStored)
         _set(e, "token_ids", tokens)
         return BlockStored(*msgspec.structs.astuple(e))
-    except WireError as exc:
-        raise WireError(f"event {index} ({kind}): {exc}") from None
-    except msgspec.ValidationError as exc:
+    except (WireError, msgspec.ValidationError) as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
 
 
@@ -428,13 +373,8 @@ def _decode_generic(payload: bytes | bytearray | memoryview, limits: DecodeLimit
 
 def _generic_batch(payload: memoryview) -> KVEventBatch:
     rank: Any = None
-    if _map_len(payload) is not None:
-        try:
-            envelope = _map_values.decode(payload)
-        except msgspec.ValidationError:
-            raise WireError("envelope map has a key that is not a string") from None
-        if len(envelope) != _map_len(payload):
-            raise WireError("envelope gives a key twice")
+    envelope = _named(payload, "envelope map")
+    if envelope is not None:
         missing = [k for k in ("ts", "events") if k not in envelope]
         if missing:
             raise WireError(f"envelope map lacks {', '.join(missing)}")
@@ -488,17 +428,16 @@ def decode_batch(
     return _decode_generic(payload, limits) if batch is None else batch
 
 
+_FROM_ARRAYS: dict[type, type[KVEvent]] = {
+    _ArrayStored: BlockStored,
+    _ArrayRemoved: BlockRemoved,
+    _ArrayCleared: AllBlocksCleared,
+}
+
+
 def _from_arrays(b: _ArrayEventsBatch) -> KVEventBatch:
     """The positional dialect's batch as the event structs."""
-    events: list[KVEvent] = []
-    for e in b.events:
-        kind = type(e)
-        if kind is _ArrayStored:
-            events.append(BlockStored(*_astuple(e)))
-        elif kind is _ArrayRemoved:
-            events.append(BlockRemoved(*_astuple(e)))
-        else:
-            events.append(AllBlocksCleared())
+    events = [_FROM_ARRAYS[type(e)](*_astuple(e)) for e in b.events]
     return KVEventBatch(b.ts, events, b.data_parallel_rank)
 
 

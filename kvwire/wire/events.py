@@ -27,6 +27,18 @@ __all__ = [
 _token_decoder = msgspec.msgpack.Decoder(list[int])
 
 
+def packed_count(packed: bytes | memoryview, fix: int) -> int | None:
+    """The item count a packed msgpack array (``fix`` 0x90) or map (0x80) declares in its
+    header; ``None``: the bytes start no such container."""
+    first = packed[0] if len(packed) else 0
+    if fix <= first <= fix + 15:
+        return first & 0x0F
+    wide = 0xDC if fix == 0x90 else 0xDE  # then the 32-bit form, wide + 1
+    if first in (wide, wide + 1):
+        return int.from_bytes(packed[1 : 3 if first == wide else 5], "big")
+    return None
+
+
 class TokenIds(Sequence[int]):
     """A decoded event's token ids, still in their msgpack form until first read.
 
@@ -57,16 +69,10 @@ class TokenIds(Sequence[int]):
         if self._list is not None:
             return len(self._list)
         head = memoryview(self.raw)
-        if len(head) == 0:
-            raise WireError("token_ids is empty, not an array")
-        first = head[0]
-        if 0x90 <= first <= 0x9F:
-            return first & 0x0F
-        if first == 0xDC:
-            return int.from_bytes(head[1:3], "big")
-        if first == 0xDD:
-            return int.from_bytes(head[1:5], "big")
-        raise WireError(f"token_ids is not an array (msgpack type byte 0x{first:02x})")
+        n = packed_count(head, 0x90)
+        if n is None:
+            raise WireError(f"token_ids is not an array (it starts {bytes(head[:1])!r})")
+        return n
 
     @overload
     def __getitem__(self, index: int) -> int: ...

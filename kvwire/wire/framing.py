@@ -226,9 +226,9 @@ def split_topic(topic: bytes) -> tuple[bytes, bytes | None]:
 # --- snapshots ----------------------------------------------------------------------
 
 SNAPSHOT_MARK = b"kvwire-snapshot"
+"""The second frame of every snapshot request and reply message."""
 SNAPSHOT_CHUNK_BLOCKS = 4096
 """Blocks in one snapshot chunk by default: the largest reply message a router reads."""
-"""The second frame of every snapshot request and reply message."""
 
 
 def snapshot_request_frames() -> list[bytes]:

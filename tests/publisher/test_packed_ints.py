@@ -16,7 +16,6 @@ from kvwire.wire._pack import snapshot
 from kvwire.wire.codec import (
     RemovedParts,
     StoredParts,
-    concat_int_arrays,
     encode_parts,
     pack_int_array,
 )
@@ -102,18 +101,6 @@ def test_numpy_scalars_and_other_index_types_pack_as_ints() -> None:
     assert bytes(pack_int_array(values)) == enc.encode([5, 2**64 - 1, 1, 7])
     with pytest.raises(TypeError, match="list, a tuple or an integer array"):
         pack_int_array({1, 2})
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=6), min_size=1, max_size=5), st.data())
-def test_concat_mixes_lists_and_packed(parts: list[list[int]], data: st.DataObject) -> None:
-    pieces: list[Any] = []
-    for p in parts:
-        as_raw = data.draw(st.booleans())
-        pieces.append(msgspec.Raw(enc.encode(p)) if as_raw else p)
-    joined = concat_int_arrays(pieces)
-    flat = [v for p in parts for v in p]
-    assert enc.encode(joined) == enc.encode(flat)
 
 
 def test_encode_parts_equals_encode_batch_in_both_dialects() -> None:

@@ -200,6 +200,14 @@ void ints_free(void *v) {
 
 void buf_free_zmq(void *data, void *hint) { buf_unref((Buf *)hint); }
 
+/* A payload as new bytes, the buffer released (None for NULL: nothing encoded natively). */
+PyObject *buf_bytes(Buf *b) {
+    if (!b) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
+    buf_unref(b);
+    return out;
+}
+
 /* A payload as Python sees it: a read-only buffer over a Buf, holding a reference. */
 typedef struct {
     PyObject_HEAD

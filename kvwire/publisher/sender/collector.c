@@ -81,16 +81,8 @@ static int collector_traverse(Collector *c, visitproc visit, void *arg) {
     Py_VISIT(c->capture);
     Py_VISIT(c->device);
     Py_VISIT(c->mark);
-    for (size_t i = 0; i < c->n; i++) {
-        Rec *r = &c->recs[i];
-        Py_VISIT(r->hashes);
-        Py_VISIT(r->parent);
-        Py_VISIT(r->tokens);
-        Py_VISIT(r->lora);
-        Py_VISIT(r->medium);
-        Py_VISIT(r->extra);
-        Py_VISIT(r->group);
-    }
+    for (size_t i = 0; i < c->n; i++)
+        for (int j = 0; j < REC_OBJECTS; j++) Py_VISIT(c->recs[i].obj[j]);
     return 0;
 }
 
@@ -231,8 +223,9 @@ static PyObject *collector_stored(Collector *c, PyObject *const *args, Py_ssize_
     if (collector_capture(c, &hs, S_block_hashes) < 0 ||
         collector_capture(c, &toks, S_token_ids) < 0)
         goto fail;
-    Rec r = {T_STORE,          hs, Py_NewRef(a[1]), toks, Py_NewRef(a[3] ? a[3] : Py_None),
-             Py_NewRef(a[4] ? a[4] : S_GPU), keys, Py_NewRef(a[6] ? a[6] : Py_None)};
+    Rec r = {.tag = T_STORE, .hashes = hs, .parent = Py_NewRef(a[1]), .tokens = toks,
+             .lora = Py_NewRef(a[3] ? a[3] : Py_None), .medium = Py_NewRef(a[4] ? a[4] : S_GPU),
+             .extra = keys, .group = Py_NewRef(a[6] ? a[6] : Py_None)};
     /* lists and tuples of ints read now, while hot (not arrays' snapshots) */
     rec_copy(&r, c->sender ? c->sender->vpool : NULL);
     if (collector_append(c, r) < 0) return NULL;

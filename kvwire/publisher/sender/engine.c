@@ -285,10 +285,7 @@ static PyObject *engine_format_encode(EngineFormat *f, PyObject *batch) {
     EBatch *eb = ebatch_read(f, batch, NULL);
     Buf *b = eb ? encode_engine(eb, NULL) : NULL;
     ebatch_free(eb);
-    if (!b) Py_RETURN_NONE;
-    PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
-    buf_unref(b);
-    return out;
+    return buf_bytes(b);
 }
 
 static PyMethodDef engine_format_methods[] = {

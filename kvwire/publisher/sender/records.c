@@ -12,6 +12,25 @@
 
 static PyObject *S_ts, *S_records, *S_rank, *S_block_size, *S_signed, *S_numpy;
 
+/* A store's parent as an exact int in range (its bits in *pv: 0 for None); 0, or -1. */
+static int rec_parent_bits(const Rec *r, IntV *pv) {
+    *pv = (IntV){0, 0};
+    return r->tag == T_STORE && r->parent != Py_None ? read_int(r->parent, pv) : 0;
+}
+
+/* The record now holds its hashes, token ids and parent as copied values (v, ended):
+ * their references go. */
+static void rec_hold(Rec *r, u64 *v, size_t nh, size_t nt, IntV pv) {
+    r->vals = v;
+    r->nh = nh;
+    r->nt = nt;
+    r->pv = pv.bits;
+    r->has_parent = r->tag == T_STORE && r->parent != Py_None;
+    Py_CLEAR(r->hashes);
+    Py_CLEAR(r->tokens);
+    Py_CLEAR(r->parent);
+}
+
 /* Copy a record's hashes, token ids and parent into r->vals and drop those references,
  * when they are lists or tuples of exact ints in range (hashes and the parent within
  * [-2**63, 2**64), token ids within [0, 2**32)); otherwise (or out of memory) leave the
@@ -19,10 +38,8 @@ static PyObject *S_ts, *S_records, *S_rank, *S_block_size, *S_signed, *S_numpy;
  * forms, and Python's _hash_int, are functions of it. */
 void rec_copy(Rec *r, Pool *pool) {
     PyObject *hs = r->hashes, *tk = r->tokens;
-    if (!exact_seq(hs) || (tk && !exact_seq(tk))) return;
-    IntV pv = {0, 0};
-    int has_parent = r->tag == T_STORE && r->parent != Py_None;
-    if (has_parent && read_int(r->parent, &pv) < 0) return;
+    IntV pv;
+    if (!exact_seq(hs) || (tk && !exact_seq(tk)) || rec_parent_bits(r, &pv) < 0) return;
     size_t nh = (size_t)seq_len(hs), nt = tk ? (size_t)seq_len(tk) : 0;
     size_t bytes = nh * sizeof(u64) + nt * sizeof(uint32_t);
     u64 *v = ints_alloc(pool, bytes);
@@ -33,27 +50,13 @@ void rec_copy(Rec *r, Pool *pool) {
         return;
     }
     ints_end(v, bytes);
-    r->vals = v;
-    r->nh = nh;
-    r->nt = nt;
-    r->pv = pv.bits;
-    r->has_parent = has_parent;
-    Py_CLEAR(r->hashes);
-    Py_CLEAR(r->tokens);
-    Py_CLEAR(r->parent);
+    rec_hold(r, v, nh, nt, pv);
 }
-
 
 void rec_release(Rec *r) {
     ints_free(r->vals);
     r->vals = NULL;
-    Py_XDECREF(r->hashes);
-    Py_XDECREF(r->parent);
-    Py_XDECREF(r->tokens);
-    Py_XDECREF(r->lora);
-    Py_XDECREF(r->medium);
-    Py_XDECREF(r->extra);
-    Py_XDECREF(r->group);
+    for (int j = 0; j < REC_OBJECTS; j++) Py_XDECREF(r->obj[j]);
 }
 
 void cbatch_free(CBatch *b) {
@@ -88,7 +91,7 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *names[] = {"kind",   "block_hashes", "parent_hash", "token_ids", "lora_name",
                             "medium", "extra_keys",   "group_idx",   NULL};
     long kind;
-    PyObject *f[7] = {NULL};
+    PyObject *f[REC_OBJECTS] = {NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "l|$OOOOOOO:Record", names, &kind, &f[0], &f[1],
                                      &f[2], &f[3], &f[4], &f[5], &f[6]))
         return NULL;
@@ -97,8 +100,8 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
     /* which fields each kind has: hashes parent tokens lora medium extra group */
-    static const int has[3][7] = {{1, 1, 1, 1, 1, 1, 1}, {1, 0, 0, 0, 1, 0, 1}, {0}};
-    for (int j = 0; j < 7; j++) {
+    static const int has[3][REC_OBJECTS] = {{1, 1, 1, 1, 1, 1, 1}, {1, 0, 0, 0, 1, 0, 1}, {0}};
+    for (int j = 0; j < REC_OBJECTS; j++) {
         if (f[j] && !has[kind][j]) {
             PyErr_Format(PyExc_TypeError, "a record of kind %ld has no %s", kind, names[j + 1]);
             return NULL;
@@ -112,11 +115,9 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
     RecordObject *o = (RecordObject *)type->tp_alloc(type, 0);
     if (!o) return NULL;
-    PyObject **slots[7] = {&o->rec.hashes, &o->rec.parent, &o->rec.tokens, &o->rec.lora,
-                           &o->rec.medium, &o->rec.extra,  &o->rec.group};
     o->rec.tag = kind;
-    for (int j = 0; j < 7; j++)
-        if (has[kind][j]) *slots[j] = Py_NewRef(f[j] ? f[j] : Py_None);
+    for (int j = 0; j < REC_OBJECTS; j++)
+        if (has[kind][j]) o->rec.obj[j] = Py_NewRef(f[j] ? f[j] : Py_None);
     return (PyObject *)o;
 }
 
@@ -184,7 +185,8 @@ static PyObject *record_from(const Rec *r) {
     if (!o) return NULL;
     Rec *c = &o->rec;
     c->tag = r->tag;
-    if (r->vals) {
+    for (int j = 0; j < REC_OBJECTS; j++) c->obj[j] = Py_XNewRef(r->obj[j]);
+    if (r->vals) { /* (copied: hashes, tokens and parent NULL until made here) */
         c->hashes = vals_list(r->vals, NULL, r->nh);
         if (r->tag == T_STORE) {
             c->tokens = vals_list(NULL, rec_tokens(r), r->nt);
@@ -194,15 +196,7 @@ static PyObject *record_from(const Rec *r) {
             Py_DECREF(o);
             return NULL;
         }
-    } else {
-        c->hashes = Py_XNewRef(r->hashes);
-        c->tokens = Py_XNewRef(r->tokens);
-        c->parent = Py_XNewRef(r->parent);
     }
-    c->lora = Py_XNewRef(r->lora);
-    c->medium = Py_XNewRef(r->medium);
-    c->extra = Py_XNewRef(r->extra);
-    c->group = Py_XNewRef(r->group);
     return (PyObject *)o;
 }
 
@@ -236,13 +230,7 @@ static CBatch *cbatch_from_list(PyObject *records, int strict) {
             return NULL;
         }
         Rec r = ((RecordObject *)rec)->rec;
-        Py_XINCREF(r.hashes);
-        Py_XINCREF(r.parent);
-        Py_XINCREF(r.tokens);
-        Py_XINCREF(r.lora);
-        Py_XINCREF(r.medium);
-        Py_XINCREF(r.extra);
-        Py_XINCREF(r.group);
+        for (int j = 0; j < REC_OBJECTS; j++) Py_XINCREF(r.obj[j]);
         b->recs[b->n++] = r;
     }
     return b;
@@ -313,17 +301,11 @@ static const char CHANGED[] =
  * it is one), or NULL with ValueError. */
 static PyObject *exact_int(PyObject *o, const char *what) {
     IntV v;
+    u64 bits;
+    int is_unsigned;
     if (PyLong_CheckExact(o) && read_int(o, &v) == 0) return Py_NewRef(o);
-    if (!PyLong_Check(o) && !(Py_TYPE(o)->tp_as_number && Py_TYPE(o)->tp_as_number->nb_index)) {
-        PyErr_Format(PyExc_ValueError, "%s %R is not an int", what, o);
-        return NULL;
-    }
-    PyObject *x = PyNumber_Index(o);
-    if (x && read_int(x, &v) < 0) {
-        PyErr_Format(PyExc_ValueError, "%s %R does not fit in 64 bits", what, x);
-        Py_CLEAR(x);
-    }
-    return x;
+    if (kvw_int_bits(o, &bits, &is_unsigned, what) < 0) return NULL;
+    return is_unsigned ? PyLong_FromUnsignedLongLong(bits) : PyLong_FromLongLong((long long)bits);
 }
 
 /* An array's values: a new reference to an object with an integer buffer (values, or what
@@ -396,9 +378,8 @@ static int rec_copy_arrays(Rec *r) {
     Py_ssize_t len[2] = {0, 0};
     const char *what[2] = {"block hash", "token id"};
     u64 *v = NULL;
-    IntV pv = {0, 0};
-    int has_parent = r->tag == T_STORE && r->parent != Py_None;
-    if (has_parent && read_int(r->parent, &pv) < 0) return 0;
+    IntV pv;
+    if (rec_parent_bits(r, &pv) < 0) return 0;
     for (int k = 0; k < 2; k++) {
         if (!src[k]) continue;
         if (exact_seq(src[k])) {
@@ -434,15 +415,8 @@ static int rec_copy_arrays(Rec *r) {
         goto done;
     }
     ints_end(v, bytes);
-    r->vals = v;
+    rec_hold(r, v, (size_t)len[0], (size_t)len[1], pv);
     v = NULL;
-    r->nh = (size_t)len[0];
-    r->nt = (size_t)len[1];
-    r->pv = pv.bits;
-    r->has_parent = has_parent;
-    Py_CLEAR(r->hashes);
-    Py_CLEAR(r->tokens);
-    Py_CLEAR(r->parent);
     rc = 1;
 done:
     ints_free(v);
@@ -545,12 +519,7 @@ PyObject *encode_collected(PyObject *module, PyObject *const *args, Py_ssize_t n
         if (rec_normalize(&b->recs[i], b->block_size, args[2]) < 0) goto done;
     b->normalized = 1;
     Buf *payload = encode_batch(b, (EngineFormat *)args[1], NULL);
-    if (!payload) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize((const char *)payload->data, (Py_ssize_t)payload->len);
-    buf_unref(payload);
+    out = payload ? buf_bytes(payload) : PyErr_NoMemory();
 done:
     cbatch_free(b);
     return out;

@@ -99,19 +99,25 @@ static double heartbeat_due(double last_sent, double interval, double now, doubl
 
 /* --- the queue, done list, ring and feed (all under mu) ------------------------------- */
 
+/* Item i of the queue, entry i of the replay ring (from the oldest). */
+static inline Item *queue_at(Sender *s, size_t i) { return &s->q[(s->qhead + i) % s->qcap]; }
+static inline FeedEntry *ring_at(Sender *s, size_t i) {
+    return &s->ring[(s->ring_head + i) % s->buffer_steps];
+}
+
 static int queue_push(Sender *s, const Item *it) {
     if (s->qlen == s->qcap) {
         size_t cap = s->qcap ? s->qcap * 2 : 256;
         Item *q = malloc(cap * sizeof(Item));
         if (!q) return -1;
-        for (size_t i = 0; i < s->qlen; i++) q[i] = s->q[(s->qhead + i) % s->qcap];
+        for (size_t i = 0; i < s->qlen; i++) q[i] = *queue_at(s, i);
         free(s->q);
         s->q = q;
         s->qcap = cap;
         s->qhead = 0;
     }
-    s->q[(s->qhead + s->qlen) % s->qcap] = *it;
     s->qlen++;
+    *queue_at(s, s->qlen - 1) = *it;
     if (it->mirror_only) s->q_mirror_only++;
     else s->q_send++;
     return 0;
@@ -171,6 +177,31 @@ static Done take_done(Sender *s) {
     return d;
 }
 
+/* The queue, taken from the sender (under mu) to be released holding the GIL, not mu. */
+typedef struct Queue {
+    Item *q;
+    size_t len, head, cap;
+} Queue;
+
+static Queue take_queue(Sender *s) {
+    Queue q = {s->q, s->qlen, s->qhead, s->qcap};
+    s->q = NULL;
+    s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
+    return q;
+}
+
+static void release_item(Item *it) {
+    Py_XDECREF(it->obj);
+    cbatch_free(it->batch);
+    ebatch_free(it->engine);
+    buf_unref(it->payload);
+}
+
+static void release_queue(Queue q) {
+    for (size_t i = 0; i < q.len; i++) release_item(&q.q[(q.head + i) % q.cap]);
+    free(q.q);
+}
+
 static void release_done(Done d) {
     for (size_t i = 0; i < d.n; i++) Py_DECREF(d.objs[i]);
     free(d.objs);
@@ -193,8 +224,8 @@ static void ring_push(Sender *s, i64 seq, Buf *b) {
         s->ring[s->ring_head] = (FeedEntry){seq, b};
         s->ring_head = (s->ring_head + 1) % s->buffer_steps;
     } else {
-        s->ring[(s->ring_head + s->ring_len) % s->buffer_steps] = (FeedEntry){seq, b};
         s->ring_len++;
+        *ring_at(s, s->ring_len - 1) = (FeedEntry){seq, b};
     }
 }
 
@@ -222,14 +253,6 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
 }
 
 /* --- the sender thread ---------------------------------------------------------------- */
-
-static void release_item(Item *it) {
-    Py_XDECREF(it->obj);
-    cbatch_free(it->batch);
-    ebatch_free(it->engine);
-    buf_unref(it->payload);
-}
-
 
 static void take_gil(Sender *s, PyThreadState *ts, int *have) {
     if (*have) return;
@@ -475,15 +498,11 @@ static void *run(void *arg) {
     /* What is left after the deadline is dropped and counted, then released here. */
     s->flushed = s->q_send == 0;
     s->dropped_closed += (i64)s->q_send;
-    Item *q = s->q;
-    size_t qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
-    s->q = NULL;
-    s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
+    Queue q = take_queue(s);
     Done done = take_done(s);
     pthread_mutex_unlock(&s->mu);
     PyEval_RestoreThread(ts);
-    for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
-    free(q);
+    release_queue(q);
     release_done(done);
     PyGILState_Release(g);
     return NULL;
@@ -584,12 +603,9 @@ static int sender_clear(Sender *s) {
 static void sender_dealloc(Sender *s) {
     /* A started thread holds a reference until close() joined it: never running here. */
     PyObject_GC_UnTrack(s);
-    for (size_t i = 0; i < s->qlen; i++) release_item(&s->q[(s->qhead + i) % s->qcap]);
-    free(s->q);
+    release_queue(take_queue(s));
     release_done(take_done(s));
-    if (s->ring)
-        for (size_t i = 0; i < s->ring_len; i++)
-            buf_unref(s->ring[(s->ring_head + i) % s->buffer_steps].buf);
+    for (size_t i = 0; s->ring && i < s->ring_len; i++) buf_unref(ring_at(s, i)->buf);
     free(s->ring);
     for (size_t i = 0; i < s->feed_len; i++) buf_unref(s->feed[i].buf);
     free(s->feed);
@@ -736,18 +752,13 @@ static PyObject *sender_close(Sender *s, PyObject *arg) {
         s->waiting = s->napping = 0;
         pthread_cond_signal(&s->cv);
     }
-    Item *q = NULL;
-    size_t qlen = 0, qhead = 0, qcap = 0;
+    Queue q = {NULL, 0, 0, 0};
     if (!s->started) { /* never started: what was queued is discarded */
         s->flushed = s->q_send == 0;
-        q = s->q;
-        qlen = s->qlen, qhead = s->qhead, qcap = s->qcap;
-        s->q = NULL;
-        s->qlen = s->qcap = s->qhead = s->q_send = s->q_mirror_only = 0;
+        q = take_queue(s);
     }
     pthread_mutex_unlock(&s->mu);
-    for (size_t i = 0; i < qlen; i++) release_item(&q[(qhead + i) % qcap]);
-    free(q);
+    release_queue(q);
     int joined = !s->started || s->joined;
     if (running) joined = join_thread(s, wall_now() + timeout + 1.0);
     pthread_mutex_lock(&s->mu);
@@ -804,6 +815,22 @@ static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* [(seq, Payload | None)] for n entries, each entry's reference to its buffer released. */
+static PyObject *entries_list(FeedEntry *e, size_t n) {
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; i < n; i++) {
+        PyObject *t = NULL;
+        if (out) {
+            PyObject *p = e[i].buf ? payload_wrap(e[i].buf) : Py_NewRef(Py_None);
+            t = p ? Py_BuildValue("(LN)", (long long)e[i].seq, p) : NULL;
+        }
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+        buf_unref(e[i].buf);
+    }
+    return out;
+}
+
 /* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
  * first whose seq is >= start_seq. */
 static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -822,23 +849,15 @@ static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_
     size_t lo = 0, hi = s->ring_len; /* seqs ascend along the ring */
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
-        if (s->ring[(s->ring_head + mid) % s->buffer_steps].seq < start) lo = mid + 1;
+        if (ring_at(s, mid)->seq < start) lo = mid + 1;
         else hi = mid;
     }
     for (size_t i = lo; i < s->ring_len && n < want; i++, n++) {
-        got[n] = s->ring[(s->ring_head + i) % s->buffer_steps];
+        got[n] = *ring_at(s, i);
         buf_ref(got[n].buf);
     }
     pthread_mutex_unlock(&s->mu);
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = out ? payload_wrap(got[i].buf) : NULL;
-        PyObject *t = p ? Py_BuildValue("(LN)", (long long)got[i].seq, p) : NULL;
-        if (!t) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, t);
-        buf_unref(got[i].buf);
-    }
-    return out;
+    return entries_list(got, (size_t)n);
 }
 
 /* take_feed() -> [(seq, Payload | None)]: the mirror feed so far, in seq order. */
@@ -849,17 +868,7 @@ static PyObject *sender_take_feed(Sender *s, PyObject *unused) {
     s->feed = NULL;
     s->feed_len = s->feed_cap = 0;
     pthread_mutex_unlock(&s->mu);
-    PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = NULL;
-        if (out) {
-            PyObject *p = f[i].buf ? payload_wrap(f[i].buf) : Py_NewRef(Py_None);
-            t = p ? Py_BuildValue("(LN)", (long long)f[i].seq, p) : NULL;
-        }
-        if (!t) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
-        buf_unref(f[i].buf);
-    }
+    PyObject *out = entries_list(f, n);
     free(f);
     return out;
 }
@@ -893,8 +902,7 @@ static PyObject *sender_seqs(Sender *s, PyObject *which) {
     size_t n = ring ? s->ring_len : s->qlen;
     i64 *seqs = malloc((n ? n : 1) * sizeof(i64));
     for (size_t i = 0; seqs && i < n; i++)
-        seqs[i] = ring ? s->ring[(s->ring_head + i) % s->buffer_steps].seq
-                       : s->q[(s->qhead + i) % s->qcap].seq;
+        seqs[i] = ring ? ring_at(s, i)->seq : queue_at(s, i)->seq;
     pthread_mutex_unlock(&s->mu);
     if (!seqs) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
@@ -914,10 +922,7 @@ static PyObject *sender_encode(Sender *s, PyObject *batch) {
     CBatch *cb = read_collected(batch);
     Buf *b = cb && s->wire ? encode_batch(cb, s->wire, NULL) : NULL;
     cbatch_free(cb);
-    if (!b) Py_RETURN_NONE;
-    PyObject *out = PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len);
-    buf_unref(b);
-    return out;
+    return buf_bytes(b);
 }
 
 /* slabs() -> ((made, mapped), (made, mapped)): the payload and copied-int pools' slabs mapped

@@ -67,6 +67,7 @@ void ints_free(void *v);
 
 extern PyTypeObject PayloadType;
 PyObject *payload_wrap(Buf *b);
+PyObject *buf_bytes(Buf *b);
 
 /* --- a collector batch's records (records.c) ------------------------------------------- */
 
@@ -81,9 +82,15 @@ typedef struct {
  * parent, read on the engine thread during the hook call (hashes, tokens and parent NULL):
  * the sender then touches none of the engine's lists or ints, and frees vals itself once
  * the batch is encoded. */
+#define REC_OBJECTS 7
 typedef struct Rec {
     long tag;
-    PyObject *hashes, *parent, *tokens, *lora, *medium, *extra, *group;
+    union {
+        struct {
+            PyObject *hashes, *parent, *tokens, *lora, *medium, *extra, *group;
+        };
+        PyObject *obj[REC_OBJECTS]; /* the same fields, for what is done to each of them */
+    };
     u64 *vals;  /* nh hashes (modulo 2**64: their wire form is set at encoding), then nt token
                  * ids as uint32 (rec_tokens) */
     size_t nh, nt;

@@ -79,41 +79,33 @@ static int check_recs(const Rec *recs, size_t n, long bs, int normalized, const 
     size_t total = 64;
     for (size_t i = 0; i < n; i++) {
         const Rec *r = &recs[i];
+        total += fmt->ev[r->tag].fixed;
+        if (r->tag == T_CLEAR) continue;
         const char *s;
-        Py_ssize_t slen, slen2;
+        Py_ssize_t slen, slen2 = 0, nt = 0, extra = 0;
         IntV v;
         int present;
+        Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
+        if (nh <= 0 || rec_str(r->medium, &s, &slen, normalized) < 0 ||
+            read_opt_int(r->group, &v, &present) < 0)
+            return -1;
         if (r->tag == T_STORE) {
-            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
-            Py_ssize_t nt = r->vals ? (Py_ssize_t)r->nt : check_ints(r->tokens);
-            if (nh <= 0 || nt < 0 || nt != nh * bs) return -1;
+            nt = r->vals ? (Py_ssize_t)r->nt : check_ints(r->tokens);
+            if (nt < 0 || nt != nh * bs) return -1;
             if (!r->vals && r->parent != Py_None && read_int(r->parent, &v) < 0) return -1;
-            if (rec_str(r->lora, &s, &slen, normalized) < 0) return -1;
-            if (rec_str(r->medium, &s, &slen2, normalized) < 0) return -1;
-            Py_ssize_t extra = 0; /* extra_keys: packed (a msgpack array) with the GIL */
-            if (r->extra != Py_None) {
+            if (rec_str(r->lora, &s, &slen2, normalized) < 0) return -1;
+            if (r->extra != Py_None) { /* extra_keys: packed (a msgpack array) with the GIL */
                 const unsigned char *body;
                 if (!normalized || !PyBytes_CheckExact(r->extra) || array_body(r->extra, &body) < 0)
                     return -1;
                 extra = PyBytes_GET_SIZE(r->extra) + 16;
             }
-            if (read_opt_int(r->group, &v, &present) < 0) return -1;
-            total += fmt->ev[T_STORE].fixed + 9 * (size_t)(nh + nt) + (size_t)(slen + slen2 + extra) + 32;
-        } else if (r->tag == T_REMOVE) {
-            Py_ssize_t nh = r->vals ? (Py_ssize_t)r->nh : check_ints(r->hashes);
-            if (nh <= 0) return -1;
-            if (rec_str(r->medium, &s, &slen, normalized) < 0) return -1;
-            if (read_opt_int(r->group, &v, &present) < 0) return -1;
-            total += fmt->ev[T_REMOVE].fixed + 9 * (size_t)nh + (size_t)slen + 16;
-        } else {
-            total += fmt->ev[T_CLEAR].fixed;
         }
+        total += 9 * (size_t)(nh + nt) + (size_t)(slen + slen2 + extra) + 32;
     }
     *size = total;
     return 0;
 }
-
-
 
 #define PREFETCH 8 /* ints ahead: their objects lie anywhere in memory */
 
@@ -133,7 +125,7 @@ static unsigned char *put_ints(unsigned char *p, PyObject *seq, int hashes, int 
     return p;
 }
 
-/* Copied hashes, in the wire's form. */
+/* Copied hashes, in the wire's form (signed: those above 2**63 - 1 written negative). */
 static unsigned char *put_hash_vals(unsigned char *p, const u64 *v, size_t n, int hash_signed) {
     for (size_t i = 0; i < n; i++) p = kvw_put_int(p, v[i], hash_signed && (i64)v[i] < 0);
     return p;
@@ -156,16 +148,6 @@ static unsigned char *put_opt_str(unsigned char *p, PyObject *o) {
     Py_ssize_t n;
     rec_str(o, &s, &n, 1);
     return kvw_put_str(p, s, (size_t)n);
-}
-
-static unsigned char *put_opt_int(unsigned char *p, PyObject *o) {
-    if (o == Py_None) {
-        *p++ = 0xc0;
-        return p;
-    }
-    IntV v;
-    read_int(o, &v);
-    return put_intv(p, v);
 }
 
 /* The last hash of a store record, in the wire's form. */
@@ -267,25 +249,9 @@ Py_ssize_t value_size(PyObject *v) {
     return -1;
 }
 
-static unsigned char *put_value(unsigned char *p, PyObject *v);
-
-/* An engine batch's value: a copied list (v NULL) or an object. */
-static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l,
-                                const unsigned char *ints) {
-    if (v) return put_value(p, v);
-    p = kvw_put_array_header(p, (size_t)l->n);
-    if (l->narrow) return put_token_vals(p, (const uint32_t *)(ints + l->off), (size_t)l->n);
-    const u64 *x = (const u64 *)(ints + l->off);
-    for (Py_ssize_t i = 0; i < l->n; i++) p = kvw_put_int(p, x[i], l->neg && (i64)x[i] < 0);
-    return p;
-}
-
+/* A value value_size() took: None, a str, a list of ints or an int. */
 static unsigned char *put_value(unsigned char *p, PyObject *v) {
-    if (v == Py_None) {
-        *p++ = 0xc0;
-        return p;
-    }
-    if (PyUnicode_CheckExact(v)) return put_opt_str(p, v);
+    if (v == Py_None || PyUnicode_CheckExact(v)) return put_opt_str(p, v);
     if (PyList_CheckExact(v)) {
         p = kvw_put_array_header(p, (size_t)seq_len(v));
         return put_ints(p, v, 0, 0);
@@ -294,6 +260,16 @@ static unsigned char *put_value(unsigned char *p, PyObject *v) {
     read_int(v, &iv);
     return put_intv(p, iv);
 }
+
+/* An engine batch's value: a copied list (v NULL) or an object. */
+static unsigned char *put_field(unsigned char *p, PyObject *v, const EList *l,
+                                const unsigned char *ints) {
+    if (v) return put_value(p, v);
+    p = kvw_put_array_header(p, (size_t)l->n);
+    if (l->narrow) return put_token_vals(p, (const uint32_t *)(ints + l->off), (size_t)l->n);
+    return put_hash_vals(p, (const u64 *)(ints + l->off), (size_t)l->n, l->neg);
+}
+
 
 /* --- one event, as its layout says ----------------------------------------------------- */
 
@@ -338,7 +314,7 @@ static unsigned char *put_src(unsigned char *p, const EvLayout *lay, int j, cons
         case R_EXTRA:
             if (r->extra != Py_None) return put_extra_run(p, s->recs, s->i, s->end);
             break;
-        case R_GROUP: return put_opt_int(p, r->group);
+        case R_GROUP: return put_value(p, r->group); /* None or an exact int */
     }
     *p++ = 0xc0; /* None */
     return p;
