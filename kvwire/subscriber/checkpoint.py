@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import queue
 import struct
@@ -82,7 +83,6 @@ _CRC = struct.Struct(">I")
 _HEADER, _RECORD, _END = b"H", b"R", b"E"
 MAX_FRAME = 4 << 30
 """The largest frame a reader accepts unless told less: one rank's blob is at most this."""
-_READ_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -100,12 +100,16 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True):
-    """One rank's view as of one instant: its stream position and the sink's bytes."""
+    """One rank's view as of one instant: its stream position and the sink's bytes.
+
+    A record read from a file or a clone's message holds its blob as a
+    ``memoryview`` of those bytes (no copy of a 20 M-block view on the way in).
+    """
 
     worker_id: str
     rank: int
     position: StreamPosition
-    blob: bytes
+    blob: bytes | memoryview
 
 
 class End(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,7 +159,24 @@ class Restored(msgspec.Struct, frozen=True, kw_only=True):
 
 _enc = msgspec.msgpack.Encoder()
 _dec_header = msgspec.msgpack.Decoder(Header)
-_dec_record = msgspec.msgpack.Decoder(Record)
+
+
+class _RecordBytes(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    rank: int
+    position: StreamPosition
+    blob: bytes
+
+
+class _RecordView(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    rank: int
+    position: StreamPosition
+    blob: memoryview
+
+
+_dec_record = msgspec.msgpack.Decoder(_RecordBytes)
+_dec_record_view = msgspec.msgpack.Decoder(_RecordView)
 _dec_end = msgspec.msgpack.Decoder(End)
 
 
@@ -202,6 +223,7 @@ class Decoder:
 
     def __init__(self, *, max_frame: int = MAX_FRAME, records: bool = True) -> None:
         self._buf = bytearray()
+        self._view = False
         self._crc = 0
         self._stage = 0  # 0 preamble, 1 header frame, 2 records/end, 3 crc, 4 done
         self._max_frame = max_frame
@@ -214,14 +236,22 @@ class Decoder:
         """The whole stream was read and its CRC matched."""
         return self._stage == 4
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Item]:
+    def feed(self, data: bytes | bytearray | memoryview | mmap.mmap) -> list[Item]:
         if self._stage == 4:
             if len(data):
                 raise CheckpointError("bytes after the end of the view")
             return []
         self.nbytes += len(data)
-        buf = self._buf
-        buf += data
+        if self._buf:
+            buf: bytearray | memoryview = self._buf
+            self._buf += data
+            self._view = False
+        else:
+            # Nothing buffered: frames are read where they lie, and a record's blob
+            # is a view of ``data`` (which it keeps alive); only a partial frame at
+            # the end is copied, to wait for the rest.
+            buf = memoryview(data).cast("B")
+            self._view = True
         out: list[Item] = []
         pos = 0
         while True:
@@ -267,12 +297,16 @@ class Decoder:
                 try:
                     item = self._frame(kind, body)
                 finally:
-                    body.release()
+                    if not self._view:
+                        body.release()
                 self._crc = zlib.crc32(memoryview(buf)[pos:end], self._crc)
                 pos = end
                 if item is not None:
                     out.append(item)
-        del buf[:pos]
+        if self._view:
+            self._buf = bytearray(buf[pos:])
+        else:
+            del self._buf[:pos]
         return out
 
     def _frame(self, kind: bytes, body: memoryview) -> Item | None:
@@ -284,7 +318,11 @@ class Decoder:
                 return _dec_header.decode(body)
             if kind == _RECORD:
                 self.records += 1
-                return _dec_record.decode(body) if self._decode_records else None
+                if not self._decode_records:
+                    return None
+                # From the caller's bytes the blob is a view of them; from the buffer, a copy.
+                r = (_dec_record_view if self._view else _dec_record).decode(body)
+                return Record(worker_id=r.worker_id, rank=r.rank, position=r.position, blob=r.blob)
             if kind == _END:
                 end = _dec_end.decode(body)
                 if end.records != self.records:
@@ -310,8 +348,12 @@ class Restorer:
 
     ``followed``: the (worker_id, rank) this router follows; records of other
     ranks are skipped and counted, and a view with none of these is another
-    fleet's and refused. On any refusal :meth:`rollback` clears the ranks
-    imported so far, leaving the sink as it was at start.
+    fleet's and refused. Records are imported ``batch`` at a time (None: all
+    at :meth:`finish`, so a refused view applied nothing), in one call of a
+    sink's ``import_ranks`` where it has one (:meth:`PrefixIndex.import_ranks
+    <kvwire.prefix_index.PrefixIndex.import_ranks>`: one native pass, its
+    tables sized once), else rank by rank. On any refusal :meth:`rollback`
+    clears the ranks imported so far, leaving the sink as it was at start.
     """
 
     def __init__(
@@ -320,11 +362,15 @@ class Restorer:
         followed: Iterable[tuple[str, int]],
         source: str,
         progress: RestoreProgress | None = None,
+        batch: int | None = None,
     ) -> None:
         self._sink = sink
         self._progress = progress if progress is not None else RestoreProgress()
         self._followed = frozenset(followed)
         self._source = source
+        self._batch = batch
+        self._pending: list[Record] = []
+        self._seen: set[tuple[str, int]] = set()
         self._imported: dict[tuple[str, int], StreamPosition] = {}
         self._skipped = 0
         self._header: Header | None = None
@@ -353,20 +399,44 @@ class Restorer:
             if key not in self._followed:
                 self._skipped += 1
                 return
-            if key in self._imported:
+            if key in self._seen:
                 raise CheckpointError(f"two records of worker {key[0]} rank {key[1]}")
-            try:
-                self._sink.import_rank(item.worker_id, item.rank, item.blob)
-            except ValueError as exc:
-                raise CheckpointError(
-                    f"the sink refused worker {key[0]} rank {key[1]}'s view: {exc}"
-                ) from None
-            self._imported[key] = item.position
-            self._progress.ranks_imported += 1
+            self._seen.add(key)
+            self._pending.append(item)
+            if self._batch is not None and len(self._pending) >= self._batch:
+                self._import()
         else:
             self._end = item
 
+    def _import(self) -> None:
+        records, self._pending = self._pending, []
+        if not records:
+            return
+        bulk = getattr(self._sink, "import_ranks", None)
+        if bulk is not None:
+            try:
+                bulk([(r.worker_id, r.rank, r.blob) for r in records])
+            except ValueError as exc:
+                why, i = exc.args if len(exc.args) == 2 else (exc, None)
+                r = None if i is None else records[i]
+                whose = "a rank" if r is None else f"worker {r.worker_id} rank {r.rank}"
+                raise CheckpointError(f"the sink refused {whose}'s view: {why}") from None
+            for r in records:
+                self._imported[(r.worker_id, r.rank)] = r.position
+            self._progress.ranks_imported += len(records)
+            return
+        for r in records:
+            try:
+                self._sink.import_rank(r.worker_id, r.rank, r.blob)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"the sink refused worker {r.worker_id} rank {r.rank}'s view: {exc}"
+                ) from None
+            self._imported[(r.worker_id, r.rank)] = r.position
+            self._progress.ranks_imported += 1
+
     def rollback(self) -> None:
+        self._pending.clear()
         for worker_id, rank in self._imported:
             with contextlib.suppress(Exception):
                 cast(EventSink, self._sink).clear(worker_id, rank)
@@ -376,11 +446,12 @@ class Restorer:
     def finish(self, nbytes: int) -> Restored:
         if self._header is None or self._end is None:
             raise CheckpointError("truncated: the view has no end")
-        if not self._imported and self._end.records:
+        if not self._seen and self._end.records:
             raise CheckpointError(
                 f"another fleet's view: none of its {self._end.records} records is of a rank "
                 "followed here"
             )
+        self._import()
         return Restored(
             source=self._source,
             positions=dict(self._imported),
@@ -389,12 +460,6 @@ class Restorer:
             seconds=time.monotonic() - self._start,
             created=self._header.created,
         )
-
-
-def _chunks(path: str) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            yield chunk
 
 
 def load_file(
@@ -407,30 +472,37 @@ def load_file(
 ) -> Restored:
     """Check the checkpoint at ``path`` whole (framing and CRC), then import its records.
 
-    Raises :class:`CheckpointError` (nothing applied) for a file that is not a
-    valid checkpoint of this sink's format holding a rank in ``followed``, and
-    ``OSError`` when it cannot be read (``FileNotFoundError``: there is none).
+    One pass over a mapping of the file (its records' blobs are views of it,
+    never copied), and one import of every record once the whole file is
+    checked. Raises :class:`CheckpointError` (nothing applied) for a file that
+    is not a valid checkpoint of this sink's format holding a rank in
+    ``followed``, and ``OSError`` when it cannot be read (``FileNotFoundError``:
+    there is none).
     """
-    size = os.path.getsize(path)
-    check = Decoder(max_frame=min(max_frame, size), records=False)
-    for chunk in _chunks(path):
-        check.feed(chunk)
-    check.finish()
     if progress is None:
         progress = RestoreProgress()
-    progress.source, progress.bytes_expected = "checkpoint", size
-    restorer = Restorer(sink, followed, f"checkpoint {path}", progress)
-    decoder = Decoder(max_frame=min(max_frame, size))
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        progress.source, progress.bytes_expected = "checkpoint", size
+        decoder = Decoder(max_frame=min(max_frame, size))
+        restorer = Restorer(sink, followed, f"checkpoint {path}", progress)
+        data: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    items: list[Item] = []
     try:
-        for chunk in _chunks(path):
-            progress.bytes_received += len(chunk)
-            for item in decoder.feed(chunk):
-                restorer.take(item)
-        decoder.finish()  # (the file changed since it was checked)
+        items = decoder.feed(data)
+        decoder.finish()
+        progress.bytes_received = size
+        for item in items:
+            restorer.take(item)
         return restorer.finish(decoder.nbytes)
     except BaseException:
         restorer.rollback()
         raise
+    finally:
+        del items  # (the records' views of the mapping go before it does)
+        if isinstance(data, mmap.mmap):
+            with contextlib.suppress(BufferError):  # a view still held: freed with it
+                data.close()
 
 
 def write_file(path: str, pieces: Iterable[bytes]) -> int:

@@ -62,6 +62,8 @@ MAX_SESSIONS = 4
 SESSION_IDLE_S = 30.0
 """A session whose client sends no credit for this long is dropped."""
 _MAX_CREDIT = 64  # pieces one client may have granted at once
+IMPORT_BATCH = 64
+"""Records a clone imports at once (one bulk import each, while the next ones arrive)."""
 _SNDHWM = 2 * _MAX_CREDIT
 
 
@@ -230,7 +232,7 @@ def clone_view(
     if progress is None:
         progress = RestoreProgress()
     progress.source = "clone"
-    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress)
+    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress, batch=IMPORT_BATCH)
     decoder = Decoder(max_frame=max_bytes)
     received = 0
     try:
