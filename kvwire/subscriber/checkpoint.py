@@ -64,6 +64,7 @@ __all__ = [
     "Decoder",
     "End",
     "Header",
+    "Piece",
     "Record",
     "RestoreProgress",
     "Restored",
@@ -180,6 +181,23 @@ _dec_record_view = msgspec.msgpack.Decoder(_RecordView)
 _dec_end = msgspec.msgpack.Decoder(End)
 
 
+Piece = list[bytes]
+"""One frame of the format as the parts it is made of (written, or sent, one after another):
+a record's blob is a part of its own, never copied into the frame."""
+
+
+def _bin_head(n: int) -> bytes:
+    """msgpack's header of a ``bin`` of ``n`` bytes."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+_EMPTY_BIN = _bin_head(0)
+
+
 class Encoder:
     """Makes the format's pieces (one frame each) and keeps the running CRC."""
 
@@ -188,26 +206,43 @@ class Encoder:
         self.nbytes = 0
         self.records = 0
 
-    def _out(self, data: bytes) -> bytes:
-        self.crc = zlib.crc32(data, self.crc)
-        self.nbytes += len(data)
-        return data
+    def _out(self, parts: Piece) -> Piece:
+        for part in parts:
+            self.crc = zlib.crc32(part, self.crc)
+            self.nbytes += len(part)
+        return parts
 
     def _frame(self, kind: bytes, body: bytes) -> bytes:
         return _FRAME.pack(kind, len(body)) + body
 
     def start(self, header: Header) -> bytes:
-        return self._out(_PREAMBLE.pack(MAGIC, VERSION) + self._frame(_HEADER, _enc.encode(header)))
+        return b"".join(self.start_parts(header))
+
+    def start_parts(self, header: Header) -> Piece:
+        return self._out([_PREAMBLE.pack(MAGIC, VERSION) + self._frame(_HEADER, _enc.encode(header))])
 
     def record(self, record: Record) -> bytes:
+        return b"".join(self.record_parts(record))
+
+    def record_parts(self, record: Record) -> Piece:
+        """The record's frame as its head (the msgpack up to the blob) and the blob itself:
+        the blob is the record's last field, so its bytes end the frame as they are."""
         self.records += 1
-        return self._out(self._frame(_RECORD, _enc.encode(record)))
+        blob = bytes(record.blob) if not isinstance(record.blob, bytes) else record.blob
+        meta = _enc.encode(msgspec.structs.replace(record, blob=b""))
+        assert meta.endswith(_EMPTY_BIN)
+        meta = meta[: -len(_EMPTY_BIN)] + _bin_head(len(blob))
+        head = _FRAME.pack(_RECORD, len(meta) + len(blob)) + meta
+        return self._out([head, blob] if blob else [head])
 
     def end(self) -> bytes:
-        body = self._out(self._frame(_END, _enc.encode(End(records=self.records))))
+        return b"".join(self.end_parts())
+
+    def end_parts(self) -> Piece:
+        body = self._out([self._frame(_END, _enc.encode(End(records=self.records)))])
         trailer = _CRC.pack(self.crc)
         self.nbytes += len(trailer)
-        return body + trailer
+        return [*body, trailer]
 
 
 Item = Header | Record | End
@@ -505,7 +540,7 @@ def load_file(
                 data.close()
 
 
-def write_file(path: str, pieces: Iterable[bytes]) -> int:
+def write_file(path: str, pieces: Iterable[bytes | Piece]) -> int:
     """Write ``pieces`` to ``path`` atomically; the bytes written.
 
     A temporary file in the same directory, fsync, rename over ``path``,
@@ -518,8 +553,9 @@ def write_file(path: str, pieces: Iterable[bytes]) -> int:
     try:
         with os.fdopen(fd, "wb") as f:
             for piece in pieces:
-                f.write(piece)
-                nbytes += len(piece)
+                for part in [piece] if isinstance(piece, bytes) else piece:
+                    f.write(part)
+                    nbytes += len(part)
             f.flush()
             os.fsync(f.fileno())
         _rename(tmp, path)
@@ -577,11 +613,11 @@ class ViewStream:
     def records(self) -> int:
         return self._enc.records
 
-    def next(self) -> bytes | None:
+    def next(self) -> Piece | None:
         """The next piece, or None after the last (the end and its CRC)."""
         if self._stage == 0:
             self._stage = 1
-            return self._enc.start(self.header)
+            return self._enc.start_parts(self.header)
         while self._i < len(self._ranks):
             link = self._ranks[self._i]
             self._i += 1
@@ -597,7 +633,7 @@ class ViewStream:
                 log.exception("export_rank failed for worker %s rank %s", link.worker_id, link.rank)
                 self.skipped += 1
                 continue
-            return self._enc.record(
+            return self._enc.record_parts(
                 Record(worker_id=link.worker_id, rank=link.rank, position=pos, blob=blob)
             )
         if self._stage == 1:
@@ -606,10 +642,10 @@ class ViewStream:
                 raise CheckpointError(
                     f"no rank is SYNCED in sequence ({self.skipped} followed): nothing to save"
                 )
-            return self._enc.end()
+            return self._enc.end_parts()
         return None
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[Piece]:
         while (piece := self.next()) is not None:
             yield piece
 
@@ -641,7 +677,7 @@ class BackgroundWrite:
         self._call_later = call_later
         self._view = view
         self._path = path
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Piece | None] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
         self._aborted = False
@@ -668,7 +704,7 @@ class BackgroundWrite:
                 self._queue.put(None)
                 return
             with self._lock:
-                self._pending += len(piece)
+                self._pending += sum(len(part) for part in piece)
             self._queue.put(piece)
             if time.monotonic() >= deadline:
                 break
@@ -680,10 +716,10 @@ class BackgroundWrite:
             self._aborted = True
             self._queue.put(None)
 
-    def _pieces(self) -> Iterator[bytes]:
+    def _pieces(self) -> Iterator[Piece]:
         while (piece := self._queue.get()) is not None:
             with self._lock:
-                self._pending -= len(piece)
+                self._pending -= sum(len(part) for part in piece)
             yield piece
         if self._error is not None:
             raise self._error

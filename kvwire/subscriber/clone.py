@@ -8,7 +8,9 @@ each starting with :data:`PROTOCOL`::
 
     client -> server   [PROTOCOL, b"OPEN"]             start a session: the view as of now
                        [PROTOCOL, b"CREDIT", u32 n]    n more pieces may be sent
-    server -> client   [PROTOCOL, b"DATA", piece]      the next piece (one frame of the format)
+    server -> client   [PROTOCOL, b"DATA", part...]    the next piece (one frame of the format,
+                                                       in parts: a record's blob is one, sent
+                                                       as the sink made it)
                        [PROTOCOL, b"END"]              no more pieces
                        [PROTOCOL, b"ERROR", text]      refused (too many sessions, no view)
 
@@ -54,7 +56,7 @@ __all__ = ["PROTOCOL", "CloneServer", "clone_view"]
 
 log = logging.getLogger("kvwire.subscriber.clone")
 
-PROTOCOL = b"kvw-clone/1"
+PROTOCOL = b"kvw-clone/2"
 _OPEN, _CREDIT, _DATA, _END, _ERROR = b"OPEN", b"CREDIT", b"DATA", b"END", b"ERROR"
 _U32 = struct.Struct(">I")
 MAX_SESSIONS = 4
@@ -139,7 +141,7 @@ class CloneServer:
 
     def _send(self, ident: bytes, *frames: bytes) -> bool:
         try:
-            self._sock.send_multipart([ident, PROTOCOL, *frames], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, PROTOCOL, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:  # the client went away (or cannot take more): its session ends
             self._sessions.pop(ident, None)
             return False
@@ -183,7 +185,7 @@ class CloneServer:
                 self._sessions.pop(ident, None)
                 self._send(ident, _END)
                 return
-            if not self._send(ident, _DATA, piece):
+            if not self._send(ident, _DATA, *piece):
                 return
             session.credit -= 1
 
@@ -257,8 +259,8 @@ def clone_view(
             if len(frames) < 2 or frames[0] != PROTOCOL:
                 raise CheckpointError("the peer does not speak the clone protocol")
             verb = frames[1]
-            if verb == _DATA and len(frames) == 3:
-                piece = frames[2]
+            if verb == _DATA and len(frames) >= 3:
+                piece = frames[2] if len(frames) == 3 else b"".join(frames[2:])
                 received += len(piece)
                 progress.bytes_received = received
                 if received > max_bytes:
