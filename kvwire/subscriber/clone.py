@@ -38,6 +38,7 @@ import zmq
 
 from kvwire.security import ClientKeys, ServerKeys, secure_client, secure_server, warn_if_exposed
 from kvwire.subscriber.checkpoint import (
+    IMPORT_BATCH,
     CheckpointError,
     Decoder,
     Restored,
@@ -64,8 +65,7 @@ MAX_SESSIONS = 4
 SESSION_IDLE_S = 30.0
 """A session whose client sends no credit for this long is dropped."""
 _MAX_CREDIT = 64  # pieces one client may have granted at once
-IMPORT_BATCH = 64
-"""Records a clone imports at once (one bulk import each, while the next ones arrive)."""
+
 _SNDHWM = 2 * _MAX_CREDIT
 
 
