@@ -1889,10 +1889,6 @@ typedef struct {
     u32 pa;
 } Ins;
 
-/* The most node inserts sorted at once (two arrays of this many): a larger
- * import goes in groups of views (a view larger than this is a group). */
-#define INSERT_GROUP ((size_t)1 << 20)
-
 /* Drop rank sid's bits from the nodes (the shared table held at its size)
  * and free its tables: what a rank held before a view replaces it. */
 static void drop_rank_bits(Index *self, size_t sid) {
@@ -1977,17 +1973,17 @@ static int insert_bits(size_t cap) {
 /* The import of `nv` views (distinct slots): every view is read, checked and
  * built into tables of its own before the index changes, so a bad one
  * refuses them all with nothing changed (ValueError; its position in
- * *bad). Then: one relayout for the highest slot, the shared table grown
- * once for every view's keys, each rank's old bits dropped and its view's
- * nodes set in the order of their homes. With max_bytes, views go one at a
- * time, each checked against the budget like a store (flags[i]: OVER_CAP |
- * OVER_BUDGET for one refused there, left empty and over cap); a MemoryError
- * there may leave the views before it imported. 0, or -1 with an exception. */
+ * *bad). Then: one relayout for the highest slot, and view by view its
+ * rank's old bits dropped and its nodes set in the order of their homes.
+ * With max_bytes a view past the budget is refused like a store (flags[i]:
+ * OVER_CAP | OVER_BUDGET; its rank left empty and over cap). A MemoryError
+ * while the shared table grows may leave the views before it imported (the
+ * caller clears them). 0, or -1 with an exception. */
 static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize_t *bad) {
     Ins *ins = NULL;
     size_t *start = NULL;
     int rc = -1;
-    size_t top = 0, total = 0, most = 0;
+    size_t top = 0, most = 0;
     int tiers = 0;
     for (size_t i = 0; i < nv; i++) {
         *bad = (Py_ssize_t)i;
@@ -1997,15 +1993,15 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
         vs[i].im.e.floor = rank_floor(self, vs[i].sid < self->nranks ? &self->ranks[vs[i].sid] : &fresh);
         if (view_tables(vs[i].recs, vs[i].n, &vs[i].im) < 0) goto done;
         if (vs[i].sid > top) top = vs[i].sid;
-        total += vs[i].im.keys;
         if (vs[i].n > most) most = vs[i].n;
         tiers |= vs[i].im.tiers;
         flags[i] = 0;
     }
     *bad = -1;
     if (!nv) return 0;
-    /* Nothing below refuses a view; only memory can fail, before the index changes. */
-    const size_t group = most > INSERT_GROUP ? most : (total < INSERT_GROUP ? total : INSERT_GROUP);
+    /* Nothing below refuses a view; only memory can fail (before the first view
+     * goes in, but for the shared table's growth further on). */
+    const size_t group = most;
     const int bits = 14;
     if (group) {
         ins = PyMem_Malloc(2 * group * sizeof(Ins));
@@ -2015,17 +2011,16 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
     if (ensure_slot(self, top) < 0) goto done;
     if (tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
     Table *nodes = &self->nodes;
-    if (!self->max_bytes && total && t_reserve(nodes, (Py_ssize_t)total, node_occ) < 0) goto done;
-    /* From here the shared table only grows where a budget asks each view
-     * for room (its floor held at its size: drops do not shrink it). */
+    /* View by view, the shared table grown for its keys as it comes (many
+     * ranks' keys are often the same nodes: a room for the sum of them could
+     * be many times what the table needs), each checked against the budget
+     * as a store would be; its floor held at its size while a rank's old
+     * bits go, so that drops do not shrink it. */
     const size_t floor = nodes->floor;
-    size_t i = 0;
-    while (i < nv) {
-        size_t j = i, keys = 0;
+    for (size_t i = 0; i < nv; i++) {
+        Rank *rk = &self->ranks[vs[i].sid];
+        const size_t keys = vs[i].im.keys;
         if (self->max_bytes) {
-            /* One view, checked against the budget as a store would be. */
-            Rank *rk = &self->ranks[vs[i].sid];
-            keys = vs[i].im.keys;
             int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
             if (past_budget(self, g)) {
                 clear_core(self, vs[i].sid); /* frees only: cannot fail */
@@ -2033,28 +2028,19 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
                 self->counts[4]++;
                 self->counts[5]++;
                 flags[i] = OVER_CAP | OVER_BUDGET;
-                i++;
                 continue;
             }
-            if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto restore;
-            j = i + 1;
-        } else {
-            do keys += vs[j++].im.keys;
-            while (j < nv && keys + vs[j].im.keys <= group);
         }
+        if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto restore;
         nodes->floor = nodes->cap;
-        size_t n = 0;
-        for (size_t k = i; k < j; k++) {
-            drop_rank_bits(self, vs[k].sid);
-            n += gather_inserts(&vs[k], ins + n);
-        }
+        drop_rank_bits(self, vs[i].sid);
+        const size_t n = gather_inserts(&vs[i], ins);
         if (n) {
             const int b = insert_bits(nodes->cap);
             insert_sorted(self, ins, ins + group, n, start, b < bits ? b : bits);
         }
-        for (size_t k = i; k < j; k++) install_view(self, &vs[k]);
+        install_view(self, &vs[i]);
         nodes->floor = floor;
-        i = j;
     }
     rc = 0;
 restore:
