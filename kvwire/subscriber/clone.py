@@ -215,7 +215,7 @@ def clone_view(
     keys: ClientKeys | None = None,
     timeout: float = 10.0,
     max_bytes: int = 4 << 30,
-    window: int = 8,
+    window: int = 32,
     cancel: threading.Event | None = None,
     progress: RestoreProgress | None = None,
 ) -> Restored:
@@ -265,9 +265,11 @@ def clone_view(
                 progress.bytes_received = received
                 if received > max_bytes:
                     raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
+                # The credit first: the peer makes the next pieces while this one (and, every
+                # IMPORT_BATCH records, a batch of them) is imported here.
+                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
                 for item in decoder.feed(piece):
                     restorer.take(item)
-                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
             elif verb == _END:
                 decoder.finish()
                 return restorer.finish(received)
