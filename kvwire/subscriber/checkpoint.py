@@ -19,8 +19,11 @@ same instant on the subscriber's thread, rank by rank, so the file is
 consistent per rank without stopping the fleet; ranks are independent.
 
 Both sides stream: :class:`ViewStream` makes the bytes a piece (a frame) at a
-time, and :class:`Decoder` reads them from chunks of any size holding at most
-one frame, so a 1 GB view is never held whole. A file or stream that is not
+time, a record's blob a part of its own (never copied), and :class:`Decoder`
+reads them from chunks of any size holding at most one frame (a record read
+from the caller's bytes keeps its blob as a view of them: a file is read
+from its mapping, a clone's message as it came), so a 1 GB view is never
+built whole. A file or stream that is not
 exactly this (another magic or version, a truncated or altered byte, a frame
 larger than allowed, a sink of another ``view_format``, no rank this router
 follows) raises :class:`CheckpointError` saying why, and nothing of it is
