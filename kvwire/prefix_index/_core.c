@@ -1829,114 +1829,71 @@ static int view_tables(const unsigned char *recs, size_t n, Import *im) {
     return 0;
 }
 
-/* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET
- *
- * Rank slot sid (a new one too) holds exactly what `view` (export_rank's
- * bytes) says, as if the events behind it had been applied here. A view
- * that is not one, or that this index cannot hold (past max_entries),
- * raises ValueError with nothing changed; MemoryError also changes nothing.
- * A view that would take the index past max_bytes leaves the rank cleared
- * and marked over cap (what a refused store does), and says so. */
-static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
-    size_t sid;
-    if (slot_arg(args[0], &sid) < 0) return NULL;
+/* One view of an import: its buffer (held until the import ends), its
+ * checked header, and the tables built from it. */
+typedef struct {
     Py_buffer v;
-    if (PyObject_GetBuffer(args[1], &v, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *result = NULL;
-    u32 *order = NULL;
-    void *sortbuf = NULL;
-    const unsigned char *p = v.buf;
-    Import im = {
-        .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
-        .k = {.rs = sizeof(KeyRec)},
-        .m = {.rs = sizeof(Multi), .acct = &self->mem},
-    };
-    const size_t len = (size_t)v.len;
+    int held;
+    size_t sid;
+    const unsigned char *recs;
+    size_t n;
+    u64 mark;
+    Import im;
+} ViewIn;
+
+/* The view's header and checksum, and its size against max_entries: 0, or
+ * -1 with ValueError. */
+static int view_check(const Index *self, ViewIn *vi) {
+    const unsigned char *p = vi->v.buf;
+    const size_t len = (size_t)vi->v.len;
     if (len < VIEW_HEAD) {
         PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes is shorter than its %d-byte header",
                      len, VIEW_HEAD);
-        goto done;
+        return -1;
     }
-    if (memcmp(p, VIEW_MAGIC, 4) != 0) {
-        view_refuse("not a prefix index rank view (bad magic)");
-        goto done;
-    }
+    if (memcmp(p, VIEW_MAGIC, 4) != 0) return view_refuse("not a prefix index rank view (bad magic)");
     const u64 version = get_le(p + 4, 2), mark = get_le(p + 6, 2), n = get_le(p + 8, 8);
     if (version != VIEW_VERSION) {
         PyErr_Format(PyExc_ValueError, "a rank view of layout version %llu; this index reads version %d",
                      (unsigned long long)version, VIEW_VERSION);
-        goto done;
+        return -1;
     }
-    if (mark & ~(u64)(CAP_BLOCKS | CAP_BYTES)) {
-        view_refuse("a rank view's over-cap mark has unknown bits");
-        goto done;
-    }
+    if (mark & ~(u64)(CAP_BLOCKS | CAP_BYTES)) return view_refuse("a rank view's over-cap mark has unknown bits");
     if (n > (len - VIEW_HEAD) / VIEW_REC || (len - VIEW_HEAD) != n * VIEW_REC) {
         PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes cannot hold the %llu entries its header gives",
                      len, (unsigned long long)n);
-        goto done;
+        return -1;
     }
     Ck ck;
     ck_begin(&ck, p);
     for (size_t i = 0; i < n; i++) ck_rec(&ck, p + VIEW_HEAD + i * VIEW_REC);
-    if (ck_end(&ck) != get_le(p + 16, 8)) {
-        view_refuse("a rank view's checksum does not match its contents (corrupt)");
-        goto done;
-    }
+    if (ck_end(&ck) != get_le(p + 16, 8))
+        return view_refuse("a rank view's checksum does not match its contents (corrupt)");
     if (self->max_entries && n > self->max_entries) {
         PyErr_Format(PyExc_ValueError, "a rank view of %llu blocks is past this index's max_blocks_per_rank (%zu)",
                      (unsigned long long)n, self->max_entries);
-        goto done;
+        return -1;
     }
-    /* Sized for the view's entries (or the rank's floor) up front. */
-    Rank fresh;
-    rank_init(self, &fresh);
-    im.e.floor = rank_floor(self, sid < self->nranks ? &self->ranks[sid] : &fresh);
-    const unsigned char *recs = p + VIEW_HEAD;
-    if (view_tables(recs, (size_t)n, &im) < 0) goto done;
+    vi->recs = p + VIEW_HEAD;
+    vi->n = (size_t)n;
+    vi->mark = mark;
+    return 0;
+}
 
-    /* The records in the order of their nodes' homes (a counting sort on the
-     * top bits of the home hash, which pick the slot): the inserts below
-     * then walk the shared table nearly in order, not a cache miss each. */
-    if (n) {
-        int bits = 8;
-        while (bits < 16 && ((size_t)1 << bits) < (size_t)n / 4) bits++;
-        const size_t nb = (size_t)1 << bits;
-        if (!(sortbuf = PyMem_Calloc(1, (nb + 1) * sizeof(size_t) + (size_t)n * sizeof(u32)))) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        size_t *start = sortbuf;
-        order = (u32 *)(start + nb + 1);
-        for (size_t i = 0; i < n; i++) start[1 + (get_le(recs + i * VIEW_REC + 20, 4) >> (32 - bits))]++;
-        for (size_t b = 0; b < nb; b++) start[b + 1] += start[b];
-        for (size_t i = 0; i < n; i++) order[start[get_le(recs + i * VIEW_REC + 20, 4) >> (32 - bits)]++] = (u32)i;
-    }
+/* One node insert of an import: the key's home hash, the key, the rank and
+ * its tier presence. */
+typedef struct {
+    u64 hh;
+    u64 key;
+    u32 sid;
+    u32 pa;
+} Ins;
 
-    /* Nothing below refuses the view; only memory can fail, before the rank changes. */
-    if (ensure_slot(self, sid) < 0) goto done;
-    if (im.tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
+/* Drop rank sid's bits from the nodes (the shared table held at its size)
+ * and free its tables: what a rank held before a view replaces it. */
+static void drop_rank_bits(Index *self, size_t sid) {
     Rank *rk = &self->ranks[sid];
     Table *nodes = &self->nodes;
-    /* A node a distinct key at most; the rank's own tables go. */
-    const size_t keys = im.keys;
-    if (self->max_bytes) {
-        int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
-        if (past_budget(self, g)) {
-            clear_core(self, sid); /* frees only: cannot fail */
-            rk->over_cap = CAP_BYTES;
-            self->counts[4]++;
-            self->counts[5]++;
-            result = PyLong_FromLong(OVER_CAP | OVER_BUDGET);
-            goto done;
-        }
-    }
-    if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto done;
-    /* From here the shared table neither grows nor shrinks (its floor held
-     * at its size): the rank's old bits go, the view's come, nothing fails. */
-    const size_t floor = nodes->floor;
-    nodes->floor = nodes->cap;
     const Table *old = &rk->entries;
     for (size_t j = 0; j < old->cap; j++) {
         if (j + CLEAR_AHEAD < old->cap) {
@@ -1949,39 +1906,278 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
         if (r) node_drop(self, r, sid);
     }
     rank_free(rk);
-    const u64 *twice = im.f ? im.f + (((size_t)1 << (64 - im.fshift)) >> 6) : NULL;
-    for (size_t j = 0; j < n; j++) {
-        if (j + STORE_PREFETCH < n) {
-            Entry f;
-            rec_entry(recs + (size_t)order[j + STORE_PREFETCH] * VIEW_REC, &f);
-            t_prefetch_h(nodes, entry_hh(&f));
-        }
+}
+
+/* The node inserts of one view, in record order: a key several of its
+ * entries share is inserted once, with their presence together. */
+static size_t gather_inserts(ViewIn *vi, Ins *out) {
+    Import *im = &vi->im;
+    const u64 *twice = im->f ? im->f + (((size_t)1 << (64 - im->fshift)) >> 6) : NULL;
+    size_t k = 0;
+    for (size_t j = 0; j < vi->n; j++) {
         Entry x;
-        rec_entry(recs + (size_t)order[j] * VIEW_REC, &x);
+        rec_entry(vi->recs + j * VIEW_REC, &x);
         int pa = presence(&x);
-        if (im.k.count && filter_test(twice, filter_bit(&im, x.key))) {
-            KeyRec *kr = (KeyRec *)t_find(&im.k, x.key, keyrec_occ);
+        if (im->k.count && filter_test(twice, filter_bit(im, x.key))) {
+            KeyRec *kr = (KeyRec *)t_find(&im->k, x.key, keyrec_occ);
             if (kr->n[0] & KEY_DONE) continue; /* a shared key: its node is set */
             kr->n[0] |= KEY_DONE;
             pa = (kr->n[1] != 0) | ((kr->n[2] != 0) << 1) | ((kr->n[3] != 0) << 2);
         }
-        int added;
-        char *r = t_upsert_h(nodes, x.key, entry_hh(&x), node_occ, &added);
-        node_set_bits(self, r, sid, pa);
+        out[k++] = (Ins){entry_hh(&x), x.key, (u32)vi->sid, (u32)pa};
     }
+    return k;
+}
+
+/* Set the nodes of `n` inserts, taken in the order of their homes (a
+ * counting sort on the top bits of the home hash, which pick the slot):
+ * the shared table is then walked nearly in order, a region of a few
+ * thousand slots at a time, not a cache and TLB miss a block. Cannot fail:
+ * the table has room for them all. */
+static void insert_sorted(Index *self, const Ins *in, Ins *sorted, size_t n, size_t *start, int bits) {
+    Table *nodes = &self->nodes;
+    const size_t nb = (size_t)1 << bits;
+    memset(start, 0, (nb + 1) * sizeof(size_t));
+    for (size_t i = 0; i < n; i++) start[1 + (in[i].hh >> (64 - bits))]++;
+    for (size_t b = 0; b < nb; b++) start[b + 1] += start[b];
+    for (size_t i = 0; i < n; i++) sorted[start[in[i].hh >> (64 - bits)]++] = in[i];
+    for (size_t j = 0; j < n; j++) {
+        if (j + STORE_PREFETCH < n) t_prefetch_h(nodes, sorted[j + STORE_PREFETCH].hh);
+        const Ins *x = &sorted[j];
+        int added;
+        char *r = t_upsert_h(nodes, x->key, x->hh, node_occ, &added);
+        node_set_bits(self, r, x->sid, (int)x->pa);
+    }
+}
+
+/* The rank takes its view's tables and over-cap mark. */
+static void install_view(Index *self, ViewIn *vi) {
+    Rank *rk = &self->ranks[vi->sid];
+    rk->entries = vi->im.e;
+    rk->multi = vi->im.m;
+    vi->im.e.a = vi->im.m.a = NULL; /* the rank's now */
+    vi->im.e.cap = vi->im.m.cap = 0;
+    rk->detached = vi->im.det;
+    rk->over_cap = (int)vi->mark;
+}
+
+/* Sort bits for the inserts into a table of `cap` slots: a bucket covers
+ * about 4,096 slots (a region the caches hold), 8 to 14 bits. */
+static int insert_bits(size_t cap) {
+    int bits = 0;
+    while (((size_t)1 << bits) < cap) bits++;
+    bits -= 12;
+    return bits < 8 ? 8 : bits > 14 ? 14 : bits;
+}
+
+/* The import of `nv` views (distinct slots): every view is read, checked and
+ * built into tables of its own before the index changes, so a bad one
+ * refuses them all with nothing changed (ValueError; its position in
+ * *bad). Then: one relayout for the highest slot, and view by view its
+ * rank's old bits dropped and its nodes set in the order of their homes.
+ * With max_bytes a view past the budget is refused like a store (flags[i]:
+ * OVER_CAP | OVER_BUDGET; its rank left empty and over cap). A MemoryError
+ * while the shared table grows may leave the views before it imported (the
+ * caller clears them). 0, or -1 with an exception. */
+static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize_t *bad) {
+    Ins *ins = NULL;
+    size_t *start = NULL;
+    int rc = -1;
+    size_t top = 0, most = 0;
+    int tiers = 0;
+    for (size_t i = 0; i < nv; i++) {
+        *bad = (Py_ssize_t)i;
+        if (view_check(self, &vs[i]) < 0) goto done;
+        Rank fresh;
+        rank_init(self, &fresh);
+        vs[i].im.e.floor = rank_floor(self, vs[i].sid < self->nranks ? &self->ranks[vs[i].sid] : &fresh);
+        if (view_tables(vs[i].recs, vs[i].n, &vs[i].im) < 0) goto done;
+        if (vs[i].sid > top) top = vs[i].sid;
+        if (vs[i].n > most) most = vs[i].n;
+        tiers |= vs[i].im.tiers;
+        flags[i] = 0;
+    }
+    *bad = -1;
+    if (!nv) return 0;
+    /* Nothing below refuses a view; only memory can fail (before the first view
+     * goes in, but for the shared table's growth further on). */
+    const size_t group = most;
+    const int bits = 14;
+    if (group) {
+        ins = PyMem_Malloc(2 * group * sizeof(Ins));
+        start = PyMem_Malloc((((size_t)1 << bits) + 1) * sizeof(size_t));
+        if (!ins || !start) { PyErr_NoMemory(); goto done; }
+    }
+    if (ensure_slot(self, top) < 0) goto done;
+    if (tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
+    Table *nodes = &self->nodes;
+    /* View by view, the shared table grown for its keys as it comes (many
+     * ranks' keys are often the same nodes: a room for the sum of them could
+     * be many times what the table needs), each checked against the budget
+     * as a store would be; its floor held at its size while a rank's old
+     * bits go, so that drops do not shrink it. */
+    const size_t floor = nodes->floor;
+    for (size_t i = 0; i < nv; i++) {
+        Rank *rk = &self->ranks[vs[i].sid];
+        const size_t keys = vs[i].im.keys;
+        if (self->max_bytes) {
+            int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
+            if (past_budget(self, g)) {
+                clear_core(self, vs[i].sid); /* frees only: cannot fail */
+                rk->over_cap = CAP_BYTES;
+                self->counts[4]++;
+                self->counts[5]++;
+                flags[i] = OVER_CAP | OVER_BUDGET;
+                continue;
+            }
+        }
+        if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto restore;
+        nodes->floor = nodes->cap;
+        drop_rank_bits(self, vs[i].sid);
+        const size_t n = gather_inserts(&vs[i], ins);
+        if (n) {
+            const int b = insert_bits(nodes->cap);
+            insert_sorted(self, ins, ins + group, n, start, b < bits ? b : bits);
+        }
+        install_view(self, &vs[i]);
+        nodes->floor = floor;
+    }
+    rc = 0;
+restore:
     nodes->floor = floor;
     t_settle(nodes, node_occ); /* as the drops would have left it */
-    rk->entries = im.e;
-    rk->multi = im.m;
-    im.e.a = im.m.a = NULL; /* the rank's now */
-    im.e.cap = im.m.cap = 0;
-    rk->detached = im.det;
-    rk->over_cap = (int)mark;
-    result = PyLong_FromLong(0);
 done:
-    import_free(&im);
-    PyMem_Free(sortbuf);
-    PyBuffer_Release(&v);
+    PyMem_Free(ins);
+    PyMem_Free(start);
+    return rc;
+}
+
+/* import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET per view]
+ *
+ * Rank slot sids[i] (a new one too) holds exactly what views[i]
+ * (export_rank's bytes) says, as if the events behind it had been applied
+ * here; the slots must be distinct. A view that is not one, or that this
+ * index cannot hold (past max_entries), raises ValueError((why, i)) with
+ * nothing changed; MemoryError also changes nothing (but see max_bytes in
+ * import_views). A view that would take the index past max_bytes leaves
+ * its rank cleared and marked over cap (what a refused store does). */
+static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 2, "import_ranks") < 0) return NULL;
+    PyObject *sids = PySequence_Fast(args[0], "import_ranks: sids must be a sequence");
+    if (!sids) return NULL;
+    PyObject *views = PySequence_Fast(args[1], "import_ranks: views must be a sequence");
+    if (!views) {
+        Py_DECREF(sids);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    ViewIn *vs = NULL;
+    int *flags = NULL;
+    u64 *seen = NULL;
+    const Py_ssize_t nv = PySequence_Fast_GET_SIZE(sids);
+    if (PySequence_Fast_GET_SIZE(views) != nv) {
+        PyErr_SetString(PyExc_ValueError, "import_ranks: as many views as sids");
+        goto out;
+    }
+    vs = PyMem_Calloc((size_t)nv + 1, sizeof(ViewIn));
+    flags = PyMem_Calloc((size_t)nv + 1, sizeof(int));
+    if (!vs || !flags) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    size_t top = 0;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        ViewIn *vi = &vs[i];
+        vi->im = (Import){
+            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
+            .k = {.rs = sizeof(KeyRec)},
+            .m = {.rs = sizeof(Multi), .acct = &self->mem},
+        };
+        if (slot_arg(PySequence_Fast_GET_ITEM(sids, i), &vi->sid) < 0) goto out;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(views, i), &vi->v, PyBUF_SIMPLE) < 0) goto out;
+        vi->held = 1;
+        if (vi->sid > top) top = vi->sid;
+    }
+    if (nv) {
+        const size_t words = (top >> 6) + 1;
+        if (!(seen = PyMem_Calloc(words, sizeof(u64)))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (Py_ssize_t i = 0; i < nv; i++) {
+            const size_t s = vs[i].sid;
+            if (seen[s >> 6] >> (s & 63) & 1) {
+                PyErr_Format(PyExc_ValueError, "import_ranks: rank slot %zu given twice", s);
+                goto out;
+            }
+            seen[s >> 6] |= 1ULL << (s & 63);
+        }
+    }
+    Py_ssize_t bad = -1;
+    if (import_views(self, vs, (size_t)nv, flags, &bad) < 0) {
+        if (bad >= 0 && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            /* Which view: ValueError((why, i)). */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyObject *why = value ? PyObject_Str(value) : NULL;
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (why) {
+                PyObject *exc_args = Py_BuildValue("(Nn)", why, bad);
+                if (exc_args) {
+                    PyErr_SetObject(PyExc_ValueError, exc_args);
+                    Py_DECREF(exc_args);
+                }
+            }
+        }
+        goto out;
+    }
+    result = PyList_New(nv);
+    if (!result) goto out;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        PyObject *f = PyLong_FromLong(flags[i]);
+        if (!f) {
+            Py_CLEAR(result);
+            goto out;
+        }
+        PyList_SET_ITEM(result, i, f);
+    }
+out:
+    if (vs) {
+        for (Py_ssize_t i = 0; i < nv; i++) {
+            import_free(&vs[i].im);
+            if (vs[i].held) PyBuffer_Release(&vs[i].v);
+        }
+    }
+    PyMem_Free(vs);
+    PyMem_Free(flags);
+    PyMem_Free(seen);
+    Py_DECREF(sids);
+    Py_DECREF(views);
+    return result;
+}
+
+/* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: import_ranks of
+ * one view (its ValueError says why, without a position). */
+static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
+    ViewIn vi = {
+        .im = {
+            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
+            .k = {.rs = sizeof(KeyRec)},
+            .m = {.rs = sizeof(Multi), .acct = &self->mem},
+        },
+    };
+    if (slot_arg(args[0], &vi.sid) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &vi.v, PyBUF_SIMPLE) < 0) return NULL;
+    int flags = 0;
+    Py_ssize_t bad = -1;
+    PyObject *result = NULL;
+    if (import_views(self, &vi, 1, &flags, &bad) == 0) result = PyLong_FromLong(flags);
+    import_free(&vi.im);
+    PyBuffer_Release(&vi.v);
     return result;
 }
 
@@ -3215,6 +3411,8 @@ static PyMethodDef Index_methods[] = {
     {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
     {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
      "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
+    {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks, METH_FASTCALL,
+     "import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET]: each rank holds what its view says"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
     {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
     {"configure", (PyCFunction)(void (*)(void))Index_configure, METH_FASTCALL,

@@ -28,6 +28,7 @@ they can be removed and extended but never match a prompt.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 from collections.abc import Collection, Mapping, Sequence
@@ -385,15 +386,53 @@ class PrefixIndex:
         that would take the index past ``max_bytes`` leaves the rank empty
         and over cap, like a refused store.
         """
-        name = (worker_id, rank)
+        try:
+            self.import_ranks([(worker_id, rank, view)])
+        except ValueError as exc:
+            raise ValueError(exc.args[0]) from None
+
+    def import_ranks(
+        self, views: Sequence[tuple[str, int, bytes | bytearray | memoryview]]
+    ) -> None:
+        """:meth:`import_rank` of many ranks in one native pass (a checkpoint, a clone).
+
+        Every view is checked before the index changes: a bad one raises
+        ``ValueError(why, i)`` (``views[i]``) with nothing imported. The
+        shared table is sized once for them all and their keys go in in the
+        order of their homes, so a whole router's view loads at memory speed,
+        not a cache miss a block. With ``max_bytes`` a view past the budget
+        leaves its rank empty and over cap, as :meth:`import_rank` does, and
+        a ``MemoryError`` clears the ranks of the call again.
+        """
         with self._lock:
-            sid = self._sids.get(name)
-            if sid is not None:
-                self._core.import_rank(sid, view)
-            else:
-                # The slot the rank will take, named only once the view is in.
-                sid = self._free_sids[0] if self._free_sids else len(self._names)
-                self._core.import_rank(sid, view)
+            sids: list[int] = []
+            new: list[RankKey] = []
+            seen: set[RankKey] = set()
+            # The slots new ranks will take, named only once their views are in
+            # (the order _add_rank takes them in: the free ones lowest first).
+            free = sorted(self._free_sids)
+            end = len(self._names)
+            for i, (worker_id, rank, _) in enumerate(views):
+                name = (worker_id, rank)
+                if name in seen:
+                    raise ValueError(f"two views of worker {worker_id} rank {rank}", i)
+                seen.add(name)
+                sid = self._sids.get(name)
+                if sid is None:
+                    new.append(name)
+                    if free:
+                        sid = free.pop(0)
+                    else:
+                        sid, end = end, end + 1
+                sids.append(sid)
+            try:
+                self._core.import_ranks(sids, [view for _, _, view in views])
+            except MemoryError:
+                for sid in sids:  # (a budget's one-at-a-time import may have begun)
+                    with contextlib.suppress(IndexError):
+                        self._core.clear_rank(sid)
+                raise
+            for worker_id, rank in new:
                 self._add_rank(worker_id, rank)
 
     # --- queries ---------------------------------------------------------------

@@ -8,7 +8,9 @@ each starting with :data:`PROTOCOL`::
 
     client -> server   [PROTOCOL, b"OPEN"]             start a session: the view as of now
                        [PROTOCOL, b"CREDIT", u32 n]    n more pieces may be sent
-    server -> client   [PROTOCOL, b"DATA", piece]      the next piece (one frame of the format)
+    server -> client   [PROTOCOL, b"DATA", part...]    the next piece (one frame of the format,
+                                                       in parts: a record's blob is one, sent
+                                                       as the sink made it)
                        [PROTOCOL, b"END"]              no more pieces
                        [PROTOCOL, b"ERROR", text]      refused (too many sessions, no view)
 
@@ -36,6 +38,7 @@ import zmq
 
 from kvwire.security import ClientKeys, ServerKeys, secure_client, secure_server, warn_if_exposed
 from kvwire.subscriber.checkpoint import (
+    IMPORT_BATCH,
     CheckpointError,
     Decoder,
     Restored,
@@ -54,7 +57,7 @@ __all__ = ["PROTOCOL", "CloneServer", "clone_view"]
 
 log = logging.getLogger("kvwire.subscriber.clone")
 
-PROTOCOL = b"kvw-clone/1"
+PROTOCOL = b"kvw-clone/2"
 _OPEN, _CREDIT, _DATA, _END, _ERROR = b"OPEN", b"CREDIT", b"DATA", b"END", b"ERROR"
 _U32 = struct.Struct(">I")
 MAX_SESSIONS = 4
@@ -62,6 +65,7 @@ MAX_SESSIONS = 4
 SESSION_IDLE_S = 30.0
 """A session whose client sends no credit for this long is dropped."""
 _MAX_CREDIT = 64  # pieces one client may have granted at once
+
 _SNDHWM = 2 * _MAX_CREDIT
 
 
@@ -137,7 +141,7 @@ class CloneServer:
 
     def _send(self, ident: bytes, *frames: bytes) -> bool:
         try:
-            self._sock.send_multipart([ident, PROTOCOL, *frames], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, PROTOCOL, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:  # the client went away (or cannot take more): its session ends
             self._sessions.pop(ident, None)
             return False
@@ -181,7 +185,7 @@ class CloneServer:
                 self._sessions.pop(ident, None)
                 self._send(ident, _END)
                 return
-            if not self._send(ident, _DATA, piece):
+            if not self._send(ident, _DATA, *piece):
                 return
             session.credit -= 1
 
@@ -211,7 +215,7 @@ def clone_view(
     keys: ClientKeys | None = None,
     timeout: float = 10.0,
     max_bytes: int = 4 << 30,
-    window: int = 8,
+    window: int = 32,
     cancel: threading.Event | None = None,
     progress: RestoreProgress | None = None,
 ) -> Restored:
@@ -230,7 +234,7 @@ def clone_view(
     if progress is None:
         progress = RestoreProgress()
     progress.source = "clone"
-    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress)
+    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress, batch=IMPORT_BATCH)
     decoder = Decoder(max_frame=max_bytes)
     received = 0
     try:
@@ -255,15 +259,17 @@ def clone_view(
             if len(frames) < 2 or frames[0] != PROTOCOL:
                 raise CheckpointError("the peer does not speak the clone protocol")
             verb = frames[1]
-            if verb == _DATA and len(frames) == 3:
-                piece = frames[2]
+            if verb == _DATA and len(frames) >= 3:
+                piece = frames[2] if len(frames) == 3 else b"".join(frames[2:])
                 received += len(piece)
                 progress.bytes_received = received
                 if received > max_bytes:
                     raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
+                # The credit first: the peer makes the next pieces while this one (and, every
+                # IMPORT_BATCH records, a batch of them) is imported here.
+                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
                 for item in decoder.feed(piece):
                     restorer.take(item)
-                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
             elif verb == _END:
                 decoder.finish()
                 return restorer.finish(received)

@@ -163,8 +163,8 @@ def test_imported_ranks_answer_and_evolve_like_the_original(
             for name in d.index.ranks():
                 b.import_rank(*name, d.index.export_rank(*name))
     a = d.index
-    for name in {*a.ranks(), *b.ranks()}:
-        b.import_rank(*name, a.export_rank(*name))  # an unknown rank's view is empty
+    # Every rank in one bulk import (an unknown rank's view is empty).
+    b.import_ranks([(*name, a.export_rank(*name)) for name in sorted({*a.ranks(), *b.ranks()})])
     same_view(a, b)
     d.index = Twin(a, b)  # type: ignore[assignment]
     if cap is None:
@@ -243,7 +243,47 @@ def test_many_ranks_and_slots() -> None:
     assert b.stats().holders == a.stats().holders + 2
 
 
+def test_a_bulk_import_equals_rank_by_rank_imports() -> None:
+    """import_ranks over 130 ranks (three mask words), new and held, shared keys among
+    them: the same index as importing them one at a time."""
+    a = PrefixIndex(BS)
+    for i in range(130):
+        store(a, f"w{i % 3}", i, [i, i + 1000], None, tokens(2, i % 5))
+        store(a, f"w{i % 3}", i, [i + 2000], i + 1000, tokens(1, 7), "CPU" if i % 4 else None)
+    one, bulk = PrefixIndex(BS), PrefixIndex(BS)
+    for idx in (one, bulk):
+        store(idx, "w1", 1, [9], None, tokens(1, 3))  # a held rank, replaced
+        store(idx, "x", 0, [8], None, tokens(1, 4))  # one left alone
+    views = [(*name, a.export_rank(*name)) for name in a.ranks()]
+    for view in views:
+        one.import_rank(*view)
+    bulk.import_ranks(views)
+    same_view(one, bulk)
+    assert bulk.match(tokens(2, 1)) == a.match(tokens(2, 1)) and len(bulk.match(tokens(2, 1))) == 26
+
+
 # --- bad views ---------------------------------------------------------------------
+
+
+def test_a_bulk_import_with_one_bad_view_changes_nothing_and_names_it() -> None:
+    a, good = sample_view()
+    bad = bytearray(good)
+    bad[HEAD + 3] ^= 1
+    b = target()
+    before = state(b)
+    for views in (
+        [("w", 0, good), ("new", 3, bytes(bad))],
+        [("new", 3, good), ("new", 4, good[:-1]), ("w", 0, good)],
+    ):
+        with pytest.raises(ValueError) as info:
+            b.import_ranks(views)
+        assert len(info.value.args) == 2 and views[info.value.args[1]][2] != good
+        assert state(b) == before
+    with pytest.raises(ValueError, match="two views of worker w rank 0"):
+        b.import_ranks([("w", 0, good), ("w", 0, good)])
+    assert state(b) == before
+    b.import_ranks([("w", 0, good), ("new", 3, good)])
+    assert b.blocks("new", 3) == b.blocks("w", 0) == a.blocks("w", 0)
 
 
 def state(idx: PrefixIndex) -> Any:

@@ -73,7 +73,7 @@ def take_pieces(endpoint: str) -> list[bytes]:
             if frames[1] == b"END":
                 return pieces
             assert frames[1] == b"DATA"
-            pieces.append(frames[2])
+            pieces.append(b"".join(frames[2:]))  # a piece in parts (a blob is one)
             sock.send_multipart([PROTOCOL, b"CREDIT", (1).to_bytes(4, "big")])
     finally:
         sock.close()
