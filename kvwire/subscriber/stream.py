@@ -28,8 +28,9 @@ Rules
   held (in seq order, bounded) while a replay fills the hole. A hole the
   replay cannot fill is lost for good: by default the rank is cleared and
   marked PARTIAL, then the stream goes on; a publisher that serves snapshots
-  (epoch ``.snap``) is asked for one, which makes the rank exact again. An
-  ``AllBlocksCleared`` later does too.
+  (epoch ``.snap``) is asked for one, which makes the rank exact again (at
+  once when a replay shows the hole: the rest of that replay, which the
+  snapshot would clear, is not applied). An ``AllBlocksCleared`` later does too.
 - Restarts. A changed epoch (``docs/wire.md`` section 6) on a live message
   or a reply is a restart, deterministically. Without an epoch, a live seq
   that goes back, or a replayed anchor (the last batch applied) that differs
@@ -810,6 +811,8 @@ class RankStream:
                     f"replay has no batch {t.expected}..{seq - 1} (not buffered)",
                     drain=False,
                 )
+                if self._snapshot_instead():
+                    return
             else:
                 # A hole inside a reply may be the replay socket dropping frames
                 # (high-water mark): ask again from exactly what is missing.
@@ -1022,6 +1025,26 @@ class RankStream:
         self._reason = f"{why}: exact again, replaying what followed"
         # Whatever was published while the snapshot was served: from the buffer.
         self._ask_replay(Phase.REPLAYING, anchored=False)
+
+    def _snapshot_instead(self) -> bool:
+        """A replay just showed the view lost: where a snapshot may be asked now, drop the
+        rest of the replay and ask it (what the replay would apply, the snapshot clears).
+
+        A cold start against kvwire's publishers thus costs each rank one snapshot and
+        the short replay after it, not its whole replay buffer applied and cleared first.
+        """
+        if self._exact or not self._snapshot_possible():
+            return False
+        if not self._req.snapshot_allowed(self._now):
+            return False
+        self._req.abandon()
+        self._move(Event.FOLLOW)
+        self._ensure_request()
+        return True
+
+    def _snapshot_possible(self) -> bool:
+        """Whether this rank's view can be made exact by a snapshot (never given up on)."""
+        return bool(self.config.snapshot and self.config.replay and self._epoch_info.snapshot)
 
     def _snapshot_due_at(self) -> float | None:
         """When a failed snapshot is asked again (only where nothing else is asked)."""
