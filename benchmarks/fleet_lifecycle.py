@@ -632,6 +632,7 @@ def _counters(sub: Subscriber) -> dict[str, int]:
         if slots is not None:
             total["requests_peak"] = slots.peak
             total["requests_waited"] = slots.waited
+            total["requests_limit"] = slots.limit  # (where it follows the rounds: now)
     return total
 
 
