@@ -124,8 +124,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_requests: int | None = None
     """Replay and snapshot requests in flight at once across all ranks (each holds a
     replay socket, so never more than ``max_replays``); the others wait their turn,
-    oldest first, and a request's deadlines run from when it is sent. ``None``:
-    :meth:`request_limit`, what the router can apply."""
+    oldest first, and a request's deadlines run from when it is sent. ``None``: it
+    starts at :meth:`request_limit`, what the router can apply, and follows the
+    rounds of reading as measured, up to :meth:`request_ceiling`; a number fixes it."""
     max_requests_per_source: int | None = None
     """The same for the ranks of one source (one engine process serves them all).
     ``None``: a quarter of :meth:`request_limit` (:meth:`source_request_limit`)."""

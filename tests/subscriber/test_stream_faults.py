@@ -363,21 +363,14 @@ def chunk(topic: bytes, next_seq: int, number: int, *hashes: int) -> list[bytes]
 
 
 def late_join(topic: bytes) -> Rank:
-    """First contact after the buffer dropped 0..5: the replay starts at 6, which shows
-    the history lost. A publisher that serves snapshots is asked for one at once; what
-    the replay still sends answers a request given up on (the transport closes its
-    socket: counted stale here), never applied."""
+    """First contact after the buffer dropped 0..5: the replay starts at 6. A publisher
+    that serves snapshots is asked for one when the replay ends; the replay's batches,
+    which the snapshot would clear, are read but not applied."""
     r = Rank()
     r.run(r.s.connected(0.0))
-    replay = r.last
     r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
-    if isinstance(r.last, RequestSnapshot):
-        r.reply(replay_item_frames(topic, 7, remove(7, 1)), 0.1, token=replay.token)
-        r.reply(replay_end_frames(topic), 0.1, token=replay.token)
-        assert r.s.counters.stale_replies == 2 and r.applied == []
-    else:
-        r.reply(replay_item_frames(topic, 7, remove(7, 1)), 0.1)
-        r.reply(replay_end_frames(topic), 0.1)
+    r.reply(replay_item_frames(topic, 7, remove(7, 1)), 0.1)
+    r.reply(replay_end_frames(topic), 0.1)
     return r
 
 
@@ -404,6 +397,20 @@ def test_a_late_joiner_is_made_exact_by_a_snapshot() -> None:
     assert r.s.counters.snapshots_applied == 1
     r.live(topic, 11, store(11, 110), 0.5)
     assert r.s.state is RankState.SYNCED and 110 in r.blocks
+
+
+def test_a_replay_that_showed_the_loss_and_stalls_leads_to_the_snapshot() -> None:
+    """The replay that showed the history gone is only read to its end: when it stops
+    short (times out), the snapshot is asked, not the replay again."""
+    topic = epoch(snap=True, hb=0.5)
+    r = Rank()
+    r.run(r.s.connected(0.0))
+    replay = r.last
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
+    assert r.last is replay and r.applied == [] and r.s.state is RankState.PARTIAL
+    r.tick(0.1 + CFG.replay_timeout + 0.01)
+    assert isinstance(r.last, RequestSnapshot) and r.s.phase is Phase.SNAPSHOTTING
+    assert r.s.counters.replays_requested == 1 and r.applied == []
 
 
 def test_a_refused_snapshot_is_asked_again_after_a_backoff() -> None:
@@ -486,7 +493,7 @@ def test_failed_snapshots_are_asked_again_with_backoff_until_one_is_served(how: 
     r.run(r.s.connected(0.0))
     replay = r.last
     r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)  # 0..5 are gone: PARTIAL,
-    r.reply(replay_end_frames(topic), 0.1, token=replay.token)  # a snapshot asked at once
+    r.reply(replay_end_frames(topic), 0.1, token=replay.token)  # a snapshot asked
     asked: list[tuple[float, int]] = []  # (when, token)
     now = 0.1
     while len(asked) < 7 and now < 60:
@@ -528,7 +535,7 @@ def test_a_publisher_that_never_serves_its_snapshot_is_asked_ever_less_often() -
     r = Rank(cfg)
     r.run(r.s.connected(0.0))
     replay = r.last
-    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.0)  # a snapshot asked at once
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.0)  # a snapshot asked next
     r.reply(replay_end_frames(topic), 0.0, token=replay.token)
     now, seen = 0.0, 0
     while now < 600.0:

@@ -85,7 +85,7 @@ def test_a_resumed_stream_whose_anchor_left_the_buffer_is_partial_or_asks_a_snap
         r.reply(replay_item_frames(topic, seq, store(seq)), 10.1, token=replay.token)
     r.reply(replay_end_frames(topic), 10.1, token=replay.token)
     assert r.clears, "the loaded view was kept although its continuity is unproven"
-    if snap:  # asked at batch 5 (the rest of the replay, given up on, applies nothing)
+    if snap:  # asked at the replay's end (whose batches, from 5, are not applied)
         assert isinstance(r.last, RequestSnapshot)
         assert r.s.phase is Phase.SNAPSHOTTING and r.blocks == set()
     else:

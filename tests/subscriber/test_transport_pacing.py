@@ -431,3 +431,24 @@ def test_ranks_connect_while_earlier_ones_wait_for_their_replay() -> None:
             p.close()
         pub.close(0)
         mute.close(0)
+
+
+def test_every_rank_is_announced_to_the_index_before_its_first_event() -> None:
+    """A PrefixIndex learns each followed rank when its link opens (``add_rank``), so its
+    holder sets widen while its tables are empty, not under a growing table as snapshots
+    arrive; a sink without ``add_rank`` is left alone."""
+    from kvwire.prefix_index import PrefixIndex
+
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig()).start() for _ in range(3)]
+    try:
+        index = PrefixIndex(4)
+        assert index.stats().ranks == 0
+        with Subscriber([bound_source("w", pubs)], index, config=fast()) as sub:
+            wait_for(lambda: index.stats().ranks == 3, 10, "every rank announced")
+            assert all(st.counters.batches == 0 for st in sub.status())  # nothing sent yet
+            assert index.stats().blocks == 0
+        with Subscriber([bound_source("w", pubs)], BlockSetSink(), config=fast()) as sub:
+            wait_for(lambda: all(s.connected for s in sub.status()), 10, "connected")
+    finally:
+        for p in pubs:
+            p.close()
