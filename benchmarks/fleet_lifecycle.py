@@ -607,6 +607,68 @@ def make_subscriber(
     return Subscriber(sources, sink, config=config, **rest)
 
 
+_COUNTED = (
+    "replays_requested",
+    "replay_timeouts",
+    "snapshots_requested",
+    "snapshots_applied",
+    "snapshots_failed",
+    "reconnects",
+    "gaps",
+    "resyncs",
+)
+
+
+def _counters(sub: Subscriber) -> dict[str, int]:
+    """The ranks' recovery counters summed, and the pacing's own (where this tree has them)."""
+    total = dict.fromkeys(_COUNTED, 0)
+    for st in sub.status():
+        for name in _COUNTED:
+            total[name] += getattr(st.counters, name)
+    env = getattr(sub, "_env", None)
+    if env is not None:
+        total["reopens"] = getattr(env, "reopens", 0)
+        slots = getattr(env, "replays", None)
+        if slots is not None:
+            total["requests_peak"] = slots.peak
+            total["requests_waited"] = slots.waited
+            total["requests_limit"] = slots.limit  # (where it follows the rounds: now)
+    return total
+
+
+def _profile_thread() -> Any:
+    """With ``KVWIRE_ROUTER_PROFILE=FILE``: a cProfile of the subscriber's thread (its
+    start-up, until SYNCED), written to FILE; else None."""
+    if not os.environ.get("KVWIRE_ROUTER_PROFILE"):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    main = Subscriber._thread_main
+
+    def profiled(self: Subscriber) -> None:
+        profiler.enable()
+        main(self)
+
+    Subscriber._thread_main = profiled  # type: ignore[method-assign]
+    return profiler
+
+
+def _dump_profile(sub: Subscriber, profiler: Any) -> None:
+    """Stop the profile on the subscriber's own thread (cProfile is per thread), write it."""
+    done = threading.Event()
+
+    def stop() -> None:
+        profiler.disable()
+        done.set()
+
+    loop = sub._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(stop)
+    done.wait(10)
+    profiler.dump_stats(os.environ["KVWIRE_ROUTER_PROFILE"])
+
+
 def router_child(spec: dict[str, Any]) -> None:
     """One router: follows the sources, answers the orchestrator's commands on stdout."""
     logging.basicConfig(
@@ -624,12 +686,14 @@ def router_child(spec: dict[str, Any]) -> None:
 
     rss0 = rss_bytes()
     c0 = cpu_s()
+    profiler = _profile_thread()
     t0 = time.monotonic()
     sub = make_subscriber(sources, index, options).start(timeout=60)
     if spec.get("serve_view"):
         sub.serve_view(spec["serve_view"])
     deadline = t0 + spec["timeout"]
     settled = None
+    shown = t0
     while time.monotonic() < deadline:
         if sub.is_synced():
             break
@@ -638,8 +702,13 @@ def router_child(spec: dict[str, Any]) -> None:
             if p.syncing == 0 and p.replaying == 0 and p.snapshotting == 0:
                 settled = time.monotonic() - t0
                 break
+        if time.monotonic() - shown >= 1.0:  # the start-up's timeline, in the log
+            shown = time.monotonic()
+            logging.warning("t=%.1f cpu=%.1f %s", shown - t0, cpu_s() - c0, sub.progress())
         time.sleep(0.01)
     took = time.monotonic() - t0
+    if profiler is not None:
+        _dump_profile(sub, profiler)
     p = sub.progress()
     why = Counter(
         f"{st.state.value}: {st.reason}" for st in sub.status() if st.state is not RankState.SYNCED
@@ -655,6 +724,7 @@ def router_child(spec: dict[str, Any]) -> None:
         partial=p.partial,
         syncing=p.syncing,
         stale=p.stale,
+        counters=_counters(sub),
     )
 
     def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
@@ -766,6 +836,22 @@ def reasons(*results: dict[str, Any]) -> str:
     if not why:
         return ""
     return "; not SYNCED: " + ", ".join(f"{n} x {text}" for text, n in why.most_common(3))
+
+
+def asked(result: dict[str, Any]) -> str:
+    """What the router asked the engines during its start-up (its counters), if it said."""
+    c = result.get("counters")
+    if not c:
+        return ""
+    text = (
+        f"; router asked {c['snapshots_requested']:,} snapshots ({c['snapshots_failed']} failed), "
+        f"{c['replays_requested']:,} replays, {c['replay_timeouts']} timeouts"
+    )
+    if "reopens" in c:
+        text += f", {c['reopens']} SUBs reopened"
+    if "requests_peak" in c:
+        text += f", at most {c['requests_peak']} requests in flight"
+    return text
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:
@@ -880,7 +966,7 @@ class Bench:
             row.note = (
                 f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served; "
                 f"router RSS +{res['rss_mb']:.0f} MB (index {res['index_mb']:.0f} MB)"
-            ) + reasons(res)
+            ) + asked(res) + reasons(res)
             row.exact = self.check(r1, fleet)
             if 1 in cases:
                 self.rows.append(row)
@@ -1116,7 +1202,7 @@ class Bench:
             row.note = (
                 f"then {100 * share:.1f}% of a core at {fleet.ranks * a.rate:.0f} batches/s; "
                 f"RSS +{y['rss_mb']:.0f} MB"
-            ) + reasons(res)
+            ) + asked(res) + reasons(res)
             row.exact = self.check(r6, fleet)
             r6.stop()
             self.rows.append(row)

@@ -124,8 +124,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_requests: int | None = None
     """Replay and snapshot requests in flight at once across all ranks (each holds a
     replay socket, so never more than ``max_replays``); the others wait their turn,
-    oldest first, and a request's deadlines run from when it is sent. ``None``:
-    :meth:`request_limit`, what the router can apply."""
+    oldest first, and a request's deadlines run from when it is sent. ``None``: it
+    starts at :meth:`request_limit`, what the router can apply, and follows the
+    rounds of reading as measured, up to :meth:`request_ceiling`; a number fixes it."""
     max_requests_per_source: int | None = None
     """The same for the ranks of one source (one engine process serves them all).
     ``None``: a quarter of :meth:`request_limit` (:meth:`source_request_limit`)."""
@@ -151,8 +152,22 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
         """
         if self.max_requests is not None:
             return min(self.max_requests, self.max_replays)
-        fit = self.stream.replay_timeout * ROUND_SHARE * APPLY_BLOCKS_PER_S / REPLY_BLOCKS
+        fit = self.round_s() * APPLY_BLOCKS_PER_S / REPLY_BLOCKS
         return max(1, min(self.max_replays, int(fit)))
+
+    def request_ceiling(self) -> int:
+        """The most requests in flight the pacing may grow to: :meth:`request_limit` is
+        where it starts, and it follows the router's rounds of reading from there (up
+        while they take under a quarter of :meth:`round_s` and requests wait, down when
+        one takes longer than :meth:`round_s`). ``max_requests`` fixes it."""
+        if self.max_requests is not None:
+            return self.request_limit()
+        return self.max_replays
+
+    def round_s(self) -> float:
+        """The longest a round of reading over every request in flight may take:
+        :data:`ROUND_SHARE` of ``stream.replay_timeout``."""
+        return self.stream.replay_timeout * ROUND_SHARE
 
     def source_request_limit(self) -> int:
         """Requests in flight at once to one source: ``max_requests_per_source``, or a

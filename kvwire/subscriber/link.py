@@ -109,7 +109,13 @@ class LinkEnv:
         self.delivery = delivery
         self.receive = receive
         self.log = log
-        self.replays = ReplaySlots(config.request_limit(), config.source_request_limit())
+        self.replays = ReplaySlots(
+            config.request_limit(),
+            config.source_request_limit(),
+            most=config.request_ceiling(),
+            round_s=config.round_s(),
+        )
+        reactor.on_round = self.replays.round
         self.contacts = FirstContacts(config.max_replays)
         self.on_state: Callable[[RankLink], object] = _ignore
         """Called on the loop after a rank's state changed (the subscriber's readiness)."""
@@ -207,6 +213,19 @@ class RankLink:
         self.rate_since = 0.0
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell a sink with ``add_rank(worker_id, rank)`` that this rank is followed, before
+        any of its events: a ``PrefixIndex`` makes its room while its tables are empty
+        (first seen as its snapshot arrives, 1,024 ranks cost 16 s more to apply)."""
+        add_rank = getattr(self.env.delivery.sink, "add_rank", None)
+        if add_rank is None:
+            return
+        try:
+            add_rank(self.worker_id, self.rank)
+        except Exception as exc:  # only room made early: the first event makes it anyway
+            self.note("sink-add-rank", f"sink.add_rank raised {exc!r}", exc_info=exc)
 
     def note(self, kind: str, message: str, exc_info: Any = None) -> None:
         """A problem of this rank, logged at most once an interval per kind for all ranks."""
@@ -487,6 +506,7 @@ class RankLink:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.reconnect_delay = 0.0
                 self.reconnect_at = None
+                self.env.contacts.done(self)  # connected: its replay waits in ReplaySlots
                 self.carry_out(self.stream.connected(time.monotonic()))
             elif event == zmq.EVENT_DISCONNECTED:
                 # The old connection's batches belong before the disconnect.

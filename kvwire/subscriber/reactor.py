@@ -97,6 +97,8 @@ class Reactor:
         self._sweep_s = MAX_TIMER_S
         self._sweep_at = 0.0
         self._sweep_handle: asyncio.TimerHandle | None = None
+        self.on_round: Callable[[float], object] | None = None
+        """Told how long each round of reading took (the request pacing's measure)."""
 
     # --- readiness -----------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class Reactor:
             self._round.cancel()  # this round reads what it was for
             self._round = None
         self._round_soon = False
+        began = self._clock()
         marked, self._marked = self._marked, {}
         ready = self._epoll.poll(0) if self._epoll is not None else ()  # (or readers marked)
         watched = self._watched
@@ -197,6 +200,8 @@ class Reactor:
             if not link.closed and link.service(monitor):
                 more.append(link)
         self._after_round()
+        if self.on_round is not None:
+            self.on_round(self._clock() - began)
         for link in more:
             if not link.closed:
                 self.again(link)

@@ -37,19 +37,53 @@ class ReplaySlots:
     A rank keeps its slot while its stream has a request out or due (a replay that
     follows a snapshot goes on in the same slot) and gives it back when its replay
     socket closes.
+
+    ``most`` (above ``limit``): the limit follows what the router reads in time
+    (:meth:`round`): a round of reading slower than ``round_s`` takes a quarter off
+    it, and while requests wait and rounds take under a quarter of ``round_s`` it
+    grows by one a round, up to ``most``. Small replies (an engine's short buffer)
+    then go out many at once; snapshot chunks as many as the router applies in time.
     """
 
-    def __init__(self, limit: int, per_source: int | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        per_source: int | None = None,
+        *,
+        most: int | None = None,
+        round_s: float = 0.25,
+    ) -> None:
         self.limit = limit
         self.per_source = limit if per_source is None else max(1, min(per_source, limit))
+        self.most = limit if most is None else max(limit, most)
+        self.adaptive = self.most > limit
+        self.round_s = round_s
         self.open = 0
         self.peak = 0  # the most in flight at once
         self.source_peak = 0  # the most in flight at once to one source
         self.waited = 0  # requests that waited for their turn
+        self.lowest = limit  # the lowest limit the rounds' times led to
         self._cap = limit  # lowered while the process is out of files
         self._by_source: dict[str, int] = {}
         self._waiting: dict[str, deque[tuple[int, RankLink]]] = {}
         self._ticket = 0
+
+    def round(self, seconds: float) -> None:
+        """A round of reading took ``seconds``: follow it with the limit (see the class)."""
+        if not self.adaptive:
+            return
+        if seconds > self.round_s:
+            lower = max(1, self.limit - max(1, self.limit // 4))
+            if lower < self.limit:
+                self.limit = lower
+                self._cap = min(self._cap, lower)
+                self.lowest = min(self.lowest, lower)
+        elif seconds < self.round_s / 4 and self._waiting and self.open >= self._cap:
+            if self.limit < self.most:
+                self.limit += 1
+            if self._cap < self.limit:
+                self._cap += 1
+                self._grant()
 
     def in_flight(self, source: str) -> int:
         return self._by_source.get(source, 0)

@@ -335,3 +335,120 @@ def test_the_reopen_decision_follows_the_live_rate() -> None:
         loop.call_soon_threadsafe(decide)
         assert done.wait(10)
         assert results == [False, True, False, True]
+
+
+# --- the limit follows the router's rounds ------------------------------------------------
+
+
+class _Waiter:
+    """A rank with a request waiting for its turn (what ReplaySlots reads of a RankLink)."""
+
+    def __init__(self, slots: Any, source: str) -> None:
+        self.slots = slots
+        self.worker_id = source
+        self.closed = False
+        self.queued: tuple[list[bytes], int] | None = None
+        self.sent = False
+
+    def ask(self) -> None:
+        if not self.slots.take(self):
+            self.queued = ([], 0)
+            self.slots.wait(self)
+        else:
+            self.sent = True
+
+    def send_queued(self) -> None:
+        self.queued = None
+        assert self.slots.take(self)
+        self.sent = True
+
+
+def test_the_request_limit_follows_the_rounds_of_reading() -> None:
+    """Fast rounds with requests waiting raise the limit one a round (up to ``most``),
+    each rise sending the oldest waiting request; a slow round takes a quarter off, and
+    the requests out then finish before others go. A fixed limit never moves."""
+    from kvwire.subscriber.slots import ReplaySlots
+
+    slots = ReplaySlots(4, 100, most=6, round_s=0.25)
+    ranks = [_Waiter(slots, f"s{i % 3}") for i in range(10)]
+    for r in ranks:
+        r.ask()
+    assert sum(r.sent for r in ranks) == 4 and slots.open == 4
+    slots.round(0.2)  # neither fast nor slow: nothing moves
+    assert slots.limit == 4
+    slots.round(0.01)
+    assert slots.limit == 5 and sum(r.sent for r in ranks) == 5
+    for _ in range(5):
+        slots.round(0.01)
+    assert slots.limit == 6 and sum(r.sent for r in ranks) == 6  # at most ``most``
+    slots.round(0.5)  # too slow: a quarter off, nothing more goes out
+    assert slots.limit == 5 and slots.lowest == 4  # (it started at 4)
+    for r in ranks[:2]:
+        slots.release(r)  # 6 -> 4 open: one more may go (5)
+    assert slots.open == 5 and sum(r.sent for r in ranks) == 7
+    for _ in range(20):
+        slots.round(1.0)
+    assert slots.limit == 1  # never below one
+    fixed = ReplaySlots(4, 100)
+    assert not fixed.adaptive
+    fixed.round(0.0)
+    fixed.round(10.0)
+    assert fixed.limit == 4
+    # From the settings: max_requests fixes it, the default grows to max_replays.
+    assert SubscriberConfig().request_ceiling() == SubscriberConfig().max_replays
+    assert SubscriberConfig(max_requests=8).request_ceiling() == 8
+    assert SubscriberConfig().round_s() == 0.25
+
+
+def test_ranks_connect_while_earlier_ones_wait_for_their_replay() -> None:
+    """First contacts bound the connections being made, not the replays: a rank whose
+    replay is stuck (its engine takes the request and never answers) does not hold the
+    next ranks' connections back (they used to wait for it to settle, or for 5 s)."""
+    import zmq
+
+    from kvwire.subscriber import EngineSource
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    mute = ctx.socket(zmq.ROUTER)  # reads requests, answers none
+    pub.bind("tcp://127.0.0.1:*")
+    mute.bind("tcp://127.0.0.1:*")
+    stuck = EngineSource(
+        "stuck",
+        pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        mute.getsockopt_string(zmq.LAST_ENDPOINT),
+    )
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig()).start() for _ in range(3)]
+    config = SubscriberConfig(max_replays=1, stream=StreamConfig(replay_timeout=30.0))
+    try:
+        sources = [stuck, bound_source("good", pubs)]
+        with Subscriber(sources, BlockSetSink(), config=config) as sub:
+            wait_for(lambda: all(s.connected for s in sub.status()), 4, "every rank connected")
+            first = rank_status(sub.status(), "stuck", 0)
+            assert first.replay_pending and first.state is RankState.SYNCING, first
+    finally:
+        for p in pubs:
+            p.close()
+        pub.close(0)
+        mute.close(0)
+
+
+def test_every_rank_is_announced_to_the_index_before_its_first_event() -> None:
+    """A PrefixIndex learns each followed rank when its link opens (``add_rank``), so its
+    holder sets widen while its tables are empty, not under a growing table as snapshots
+    arrive; a sink without ``add_rank`` is left alone."""
+    from kvwire.prefix_index import PrefixIndex
+
+    pubs = [EventPublisher(EPHEMERAL, EPHEMERAL, PublisherConfig()).start() for _ in range(3)]
+    try:
+        index = PrefixIndex(4)
+        assert index.stats().ranks == 0
+        with Subscriber([bound_source("w", pubs)], index, config=fast()) as sub:
+            wait_for(lambda: index.stats().ranks == 3, 10, "every rank announced")
+            assert all(st.counters.batches == 0 for st in sub.status())  # nothing sent yet
+            assert index.stats().blocks == 0
+        with Subscriber([bound_source("w", pubs)], BlockSetSink(), config=fast()) as sub:
+            wait_for(lambda: all(s.connected for s in sub.status()), 10, "connected")
+    finally:
+        for p in pubs:
+            p.close()
