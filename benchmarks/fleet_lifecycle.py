@@ -1049,7 +1049,8 @@ class Bench:
                 f"case 5 live delay p50/p99/max: catching up {catching_up}; "
                 f"then 4 routers synced {steady}; engines: {c1['built'] - c0['built']:.0f} "
                 f"snapshots built, {c1['refused'] - c0['refused']:.0f} refused, "
-                f"sender GIL takes {c1['gil'] - c0['gil']:.0f}"
+                f"sender GIL takes {c1['gil'] - c0['gil']:.0f}; routers' RSS "
+                + ", ".join(f"+{r['rss_mb']:.0f} MB" for r in results)
             )
             took = [r["synced"] for r in results]
             row.synced = (
