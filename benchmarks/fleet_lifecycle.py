@@ -196,6 +196,10 @@ class Encoded:
 class KvwireRank:
     """A rank published by kvwire's ``EventPublisher`` (snapshots, heartbeats, epoch)."""
 
+    pending = False
+    """Hand batches over as Python pending batches (``--pending``), which the sender thread
+    encodes with the GIL taken, instead of as encoded bytes, which it copies without."""
+
     def __init__(
         self, ctx: zmq.Context[Any], port: int, replay_port: int, rank: int, buffer: int
     ) -> None:
@@ -208,7 +212,7 @@ class KvwireRank:
         ).start()
 
     def publish(self, payload: bytes) -> None:
-        self.pub.publish(Encoded(payload))
+        self.pub.publish(Encoded(payload) if self.pending else payload)
 
     @property
     def next_seq(self) -> int:
@@ -285,6 +289,7 @@ def engine_child(spec: dict[str, Any]) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     kind = spec["kind"]
+    KvwireRank.pending = bool(spec.get("pending"))
     engines = spec["engines"]  # [worker_id, port, replay_port, ranks, index]
     total = sum(e[3] for e in engines)
     ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
@@ -341,15 +346,26 @@ def engine_child(spec: dict[str, Any]) -> None:
         return per
 
     def counters() -> dict[str, Any]:
-        snapshots = replays = 0
+        snapshots = replays = built = refused = gil = 0
         for rank in ranks:
             if isinstance(rank, KvwireRank):
                 st = rank.pub.stats()
                 snapshots += st.snapshots_served
                 replays += st.replay_served
+                built += st.snapshots_built
+                refused += st.snapshots_refused
+                gil += st.sender_gil_takes
             else:
                 replays += rank.replays
-        return {"cpu": cpu_s(), "snapshots": snapshots, "replays": replays, "rss": rss_bytes()}
+        return {
+            "cpu": cpu_s(),
+            "snapshots": snapshots,
+            "replays": replays,
+            "rss": rss_bytes(),
+            "built": built,
+            "refused": refused,
+            "gil": gil,
+        }
 
     def command(line: str) -> None:
         nonlocal running, preload, next_t, quit_
@@ -457,6 +473,7 @@ class Fleet:
                 "buffer": buffer,
                 "rate": args.rate,
                 "life": 0,
+                "pending": args.pending,
             }
             child = Child(f"{tag} engines {p}")
             child.spawn([sys.executable, __file__, "--engine-child", json.dumps(spec)], LOG.file)
@@ -500,7 +517,8 @@ class Fleet:
 
     def counters(self) -> dict[str, float]:
         replies = self.ask_all("cpu")
-        return {k: sum(r[k] for r in replies) for k in ("cpu", "snapshots", "replays", "rss")}
+        keys = ("cpu", "snapshots", "replays", "rss", "built", "refused", "gil")
+        return {k: sum(r.get(k, 0) for r in replies) for k in keys}
 
     def close(self) -> None:
         for c in self.children:
@@ -552,6 +570,22 @@ class DelayProbe:
         self.recording = False
         p = percentile(self.samples, 0.99)
         return None if p is None else 1000 * p
+
+    def window(self, seconds: float) -> str:
+        """Record for ``seconds``: "p50/p99/max ms (samples)"."""
+        self.start()
+        time.sleep(seconds)
+        return self.summary()
+
+    def summary(self) -> str:
+        """What was recorded since :meth:`start`: "p50/p99/max ms (samples)"; stops recording."""
+        self.recording = False
+        got = list(self.samples)
+        if not got:
+            return "no samples"
+        p50, p99 = percentile(got, 0.5), percentile(got, 0.99)
+        assert p50 is not None and p99 is not None
+        return f"{1000 * p50:.1f}/{1000 * p99:.1f}/{1000 * max(got):.1f} ms ({len(got)})"
 
     def close(self) -> None:
         self.stop.set()
@@ -1066,16 +1100,44 @@ class Bench:
         self.log(f"case 3 ({kind}): {row}")
         return row, r3
 
+    def delay_floor(self, probe: DelayProbe, seconds: float) -> str:
+        """The probe's delay with the engines serving nothing: quiet, then with four
+        processes spinning (as four routers applying would), so that what the scheduler
+        costs on this host is told apart from what serving costs in the engines."""
+        quiet = probe.window(seconds)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+        try:
+            time.sleep(0.5)
+            busy = probe.window(seconds)
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        return f"quiet {quiet}, 4 CPU hogs {busy}"
+
     def replicas_case(self, fleet: Fleet, probe: DelayProbe) -> Row:
         a = self.args
         row = Row("5 four replicas at once", "kvwire", fleet.ranks)
+        seconds = max(a.window, 8.0)
+        floor = self.delay_floor(probe, seconds)
+        self.log(f"case 5 live delay p50/p99/max, engines serving nothing: {floor}")
         c0 = fleet.counters()
         probe.start()
         routers = [Router(f"replica-{i}", fleet, a.timeout) for i in range(4)]
         try:
             results = [r.wait() for r in routers]
-            delay = probe.p99_ms()
+            catching_up = probe.summary()
+            delay = percentile(probe.samples, 0.99)
+            delay = None if delay is None else 1000 * delay
             c1 = fleet.counters()
+            steady = probe.window(seconds)
+            self.log(
+                f"case 5 live delay p50/p99/max: catching up {catching_up}; "
+                f"then 4 routers synced {steady}; engines: {c1['built'] - c0['built']:.0f} "
+                f"snapshots built, {c1['refused'] - c0['refused']:.0f} refused, "
+                f"sender GIL takes {c1['gil'] - c0['gil']:.0f}; routers' RSS "
+                + ", ".join(f"+{r['rss_mb']:.0f} MB" for r in results)
+            )
             took = [r["synced"] for r in results]
             row.synced = (
                 f"{max(took):.2f} s (slowest)" if all(t is not None for t in took) else "NOT all"
@@ -1088,9 +1150,11 @@ class Bench:
                 + ("meets" if delay is not None and delay <= 10 else "MISSES")
                 + " <= 10)"
             )
-            row.note = f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served" + reasons(
-                *results
-            )
+            row.note = (
+                f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served "
+                f"({c1['built'] - c0['built']:.0f} built); delay p50/p99/max while catching up "
+                f"{catching_up}, floor: {floor}, 4 synced {steady}"
+            ) + reasons(*results)
             pauses = fleet.pause()
             for r in routers:
                 r.send("check 30 " + json.dumps(pauses))
@@ -1274,6 +1338,12 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the rows to this file, as JSON")
     parser.add_argument("--busy", action="store_true", help="a CPU hog on one core throughout")
+    parser.add_argument(
+        "--pending",
+        action="store_true",
+        help="kvwire engines hand batches over as Python objects the sender encodes with the "
+        "GIL (as before), not as encoded bytes",
+    )
     parser.add_argument("--engine-child", help=argparse.SUPPRESS)
     parser.add_argument("--router-child", help=argparse.SUPPRESS)
     if parser.parse_known_args()[0].quick:  # smaller defaults; explicit options still win

@@ -53,6 +53,13 @@ other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
 _DEFAULTS = PublisherConfig()
 _LOG_INTERVAL_S = 10.0
 _MIRROR_EVERY_S = 0.08  # the service thread applies the mirror feed at most this often
+_WAIT_FIRST_S = 0.002
+_WAIT_MAX_S = 0.032
+"""Replies waiting on their clients (to take what was sent: no descriptor tells when) are
+looked at again after _WAIT_FIRST_S, then twice as long each time nothing moved, up to
+this: 128 ranks of a process looking every 2 ms while slow routers read took the
+engine's cores and GIL. A reply has up to a megabyte in flight, so a router reading at
+full speed still finds the next chunks waiting."""
 
 
 class PendingBatch(Protocol):
@@ -154,7 +161,8 @@ class EventPublisher:
     takes the GIL for a collector's batch of Python lists, tuples or arrays'
     snapshots of exact ints (the hooks' common case): it reads those objects,
     which the collector's contract keeps unchanged, encodes them byte for byte
-    as :meth:`CollectedBatch.encode` would and sends them zero-copy. Anything
+    as :meth:`CollectedBatch.encode` would and sends them zero-copy; nor for
+    ``bytes`` already encoded, which it copies as they are. Anything
     else (a ``KVEventBatch``, an engine plugin's batch, numpy or CUDA captures,
     int subclasses, ``extra_keys``) is encoded by Python with the GIL taken;
     :meth:`stats` counts both (``native_encoded``, ``gil_encoded``,
@@ -233,8 +241,13 @@ class EventPublisher:
 
     # --- engine-thread API -----------------------------------------------------
 
-    def publish(self, batch: KVEventBatch | PendingBatch) -> bool:
+    def publish(self, batch: KVEventBatch | PendingBatch | bytes) -> bool:
         """Queue ``batch`` for sending; never blocks (beyond a mutex held for a few stores).
+
+        ``bytes`` are a payload already encoded in the publisher's dialect (a relay's, a
+        replayed recording's): sent as they are, copied by the sender thread without the
+        GIL; the mirror decodes them like any batch (one it cannot read makes it refuse
+        snapshots until an ``AllBlocksCleared``).
 
         The seq is reserved first, so a batch dropped here (queue full, or the
         publisher closed) leaves a gap consumers can see. Returns whether the
@@ -493,10 +506,12 @@ class EventPublisher:
 
     # --- the sender's Python encoder ------------------------------------------------
 
-    def _encode(self, item: KVEventBatch | PendingBatch) -> bytes | None:
+    def _encode(self, item: KVEventBatch | PendingBatch | bytes) -> bytes | None:
         """Encode what the native sender leaves to Python (it holds the GIL for this);
         ``None`` when the batch cannot be encoded (counted, logged, a gap)."""
         try:
+            if isinstance(item, bytes):  # the sender copies exact bytes itself; a subclass
+                return bytes(item)
             if type(item) is KVEventBatch:
                 if item.data_parallel_rank is None:
                     item = msgspec.structs.replace(item, data_parallel_rank=self.rank)
@@ -517,6 +532,7 @@ class EventPublisher:
         if replay is not None:
             poller.register(replay.router, zmq.POLLIN)
         next_apply = 0.0
+        waits = 0  # consecutive waits on clients with nothing moved
         try:
             while not self._service_stop:
                 now = time.monotonic()
@@ -528,15 +544,17 @@ class EventPublisher:
                 busy = replay.serve() if replay is not None else False
                 self._maybe_log()
                 if busy:
-                    # Serve in slices, and let the sender (and the engine) take the GIL
-                    # between them: a flood of requests never holds it for long.
-                    time.sleep(0)
+                    # Served in slices, each followed by a pause without the GIL (replay.py).
+                    waits = 0
                     continue
                 timeout = _LOG_INTERVAL_S
                 if mirror is not None and next_apply > now:
                     timeout = min(timeout, next_apply - now)
                 if replay is not None and replay.busy:
-                    timeout = min(timeout, 0.002)
+                    timeout = min(timeout, _WAIT_FIRST_S * 2**waits, _WAIT_MAX_S)
+                    waits = min(waits + 1, 8)
+                else:
+                    waits = 0
                 if poller.poll(int(timeout * 1000) + 1):
                     sender.clear_wake()
         except Exception:  # pragma: no cover - a bug; keep the engine alive

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +70,56 @@ _REPLAY_CHUNK = 32  # replay messages per job per pass
 _SNAPSHOT_CHUNKS = 8  # snapshot messages per job per pass (at most one of them built)
 _MAX_SNAPSHOTS = 2  # built at once (each logs the changes made while it runs)
 _FLAGS = zmq.SNDMORE | zmq.NOBLOCK
+
+
+class _Turns:
+    """A lock handed over in the order it was asked for (``threading.Lock`` is not fair:
+    a thread that releases and asks again at once usually gets it back)."""
+
+    __slots__ = ("_held", "_mu", "_waiting")
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._held = False
+        self._waiting: deque[threading.Lock] = deque()
+
+    def __enter__(self) -> None:
+        with self._mu:
+            if not self._held:
+                self._held = True
+                return
+            gate = threading.Lock()
+            gate.acquire()
+            self._waiting.append(gate)
+        try:
+            gate.acquire()  # the holder hands the turn over; waiting here holds no GIL
+        except BaseException:  # interrupted: leave the line, or pass on a turn handed over
+            with self._mu:
+                if gate in self._waiting:
+                    self._waiting.remove(gate)
+                    raise
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        with self._mu:
+            if self._waiting:
+                self._waiting.popleft().release()  # still held: it is the next thread's
+            else:
+                self._held = False
+
+
+_TURN = _Turns()
+"""One reply slice at a time in this process, whatever publisher serves it, ranks in turn.
+
+Every rank of an engine process has a service thread; when a fleet of routers
+restarts, most of them have requests to serve at once. Waiting for a turn costs
+no GIL, so the engine's own threads compete for the GIL with one serving thread
+instead of one per rank."""
+_YIELD_MAX_S = 0.001
+"""After a slice, its thread keeps the turn and sleeps as long as the slice took, up to
+this: an engine thread waiting for the GIL then takes it within about one slice."""
+
 
 Flight = tuple[Any, int]
 """A message handed to ZeroMQ: its tracker's event (set once libzmq let go of it, through
@@ -252,8 +303,17 @@ class ReplayServer:
         Returns whether anything moved. Jobs whose clients are not reading, or
         that wait for room in the byte budget, are skipped in turn; when none
         can send, the caller waits a moment instead of spinning (holding the
-        GIL) over them.
+        GIL) over them. One slice at a time in the process (:data:`_TURN`), each
+        followed by as long without the GIL.
         """
+        with _TURN:
+            start = time.perf_counter()
+            moved = self._serve()
+            if moved:
+                time.sleep(min(_YIELD_MAX_S, time.perf_counter() - start))
+        return moved
+
+    def _serve(self) -> bool:
         router = self.router
         moved = False
         # Also processes libzmq's commands: pipes of departed or dropped peers go.

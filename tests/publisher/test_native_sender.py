@@ -597,3 +597,35 @@ def test_kvwire_dialects_are_layouts_of_the_wire_structs() -> None:
         wire_format("xml")  # type: ignore[arg-type]
     # A format for records writes no engine batch.
     assert wire_format("map").encode(KVEventBatch(0.0, [], 0)) is None
+
+
+def test_encoded_bytes_go_as_they_are_without_the_gil(ipc_dir: str, zctx: zmq.Context[Any]) -> None:
+    """A payload already encoded is sent byte for byte, copied by the sender thread without
+    the GIL (a relay's live path then waits on no Python thread), and mirrored like any."""
+    with EventPublisher(
+        f"ipc://{ipc_dir}/p", f"ipc://{ipc_dir}/r", PublisherConfig(heartbeat_s=None)
+    ) as pub:
+        sub, first = connect_sub(zctx, pub)
+        before = pub.stats()
+        payloads = [
+            encode_batch(
+                KVEventBatch(float(i), [BlockStored([100 + i], None, [i] * BS, BS, None)], 0)
+            )
+            for i in range(50)
+        ]
+        for p in payloads:
+            assert pub.publish(p)
+        got = [recv_live(sub) for _ in payloads]
+        assert [m.seq for m in got] == list(range(first, first + len(payloads)))
+        assert [bytes(m.payload) for m in got] == payloads
+        wait_for(lambda: pub.stats().published == first + len(payloads), what="all sent")
+        after = pub.stats()
+        assert after.native_encoded - before.native_encoded == len(payloads)
+        assert after.gil_encoded == before.gil_encoded
+        assert after.sender_gil_takes == before.sender_gil_takes
+        wait_for(lambda: pub.stats().mirrored_blocks == len(payloads), what="mirrored")
+        # Bytes the mirror cannot read make it refuse snapshots, never a wrong one.
+        assert pub.publish(b"\x93not a batch")
+        assert bytes(recv_live(sub).payload) == b"\x93not a batch"
+        wait_for(lambda: pub.stats().mirror_pending == 0, what="mirrored")
+        assert pub._mirror is not None and pub._mirror.distrust_reason is not None

@@ -271,6 +271,17 @@ static void encode_item(Sender *s, Item *it, PyThreadState *ts, int *have_gil, i
         return;
     }
     if (it->kind == K_SKIP) return;
+    if (it->kind == K_BYTES) {
+        /* Immutable, and the item holds a reference: read without the GIL. */
+        size_t n = (size_t)PyBytes_GET_SIZE(it->obj);
+        it->payload = buf_new(s->pool, n);
+        if (it->payload) {
+            memcpy(it->payload->data, PyBytes_AS_STRING(it->obj), n);
+            buf_end(it->payload, it->payload->data + n);
+            (*native)++;
+        }
+        return;
+    }
     if (it->kind == K_COLLECTED || it->kind == K_ENGINE) {
         it->payload = it->engine ? encode_engine(it->engine, s->pool)
                                  : encode_batch(it->batch, s->wire, s->pool);
@@ -655,8 +666,10 @@ int sender_enqueue(Sender *s, Item *it) {
 
 static PyObject *sender_publish(Sender *s, PyObject *batch) {
     Item it = {.kind = K_OTHER, .obj = Py_NewRef(batch)};
-    if (s->batch_type && Py_TYPE(batch) == (PyTypeObject *)s->batch_type &&
-        (it.batch = read_collected(batch)))
+    if (PyBytes_CheckExact(batch))
+        it.kind = K_BYTES;
+    else if (s->batch_type && Py_TYPE(batch) == (PyTypeObject *)s->batch_type &&
+             (it.batch = read_collected(batch)))
         it.kind = K_COLLECTED;
     return PyBool_FromLong(sender_enqueue(s, &it));
 }

@@ -26,8 +26,9 @@
 typedef uint64_t u64;
 typedef int64_t i64;
 
-/* What a queued item holds. K_SKIP: a seq left empty on purpose (skip()). */
-enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2, K_ENGINE = 3, K_SKIP = 4 };
+/* What a queued item holds. K_SKIP: a seq left empty on purpose (skip()); K_BYTES: an
+ * encoded payload (exact bytes), sent as it is. */
+enum { K_COLLECTED = 0, K_OTHER = 1, K_HEARTBEAT = 2, K_ENGINE = 3, K_SKIP = 4, K_BYTES = 5 };
 /* A collector record's kind. */
 enum { T_STORE = 0, T_REMOVE = 1, T_CLEAR = 2 };
 
