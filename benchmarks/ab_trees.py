@@ -9,8 +9,9 @@ and the ratio of each run to the neighbouring run of the first tree (the "paired
 more than two medians would. Each tree runs its own ``benchmarks/*.py``, so a tree whose API
 changed brings the bench code that speaks it; what this script calls in them is
 ``engine_thread_bench.throughput_run`` / ``engine_run`` / ``calibrate`` / ``cores`` /
-``gil_free_spin``, ``index_bench.Workload`` / ``KvwireSide`` and
-``subscriber_bench.make_frames`` / ``core_rate`` / ``index_rate`` / ``transport_rates``.
+``gil_free_spin``, ``index_bench.Workload`` / ``KvwireSide`` / ``_median_us`` and
+``subscriber_bench.make_frames`` / ``decode_rate`` / ``core_rate`` / ``index_rate`` /
+``transport_rates``.
 
 Sections (``--sections``; all but ``transport`` by default):
 
@@ -21,10 +22,11 @@ Sections (``--sections``; all but ``transport`` by default):
   iterations with and without publishing alternated; the paired iteration ratio (with /
   without) and the publishing call's median time;
 - ``index``: ``index_bench``'s ``independent`` workload (64 workers): ``apply_payload`` into a
-  fresh index (unhinted, capacity-hinted, one-block events), match from a cold list, a fresh
-  list and precomputed keys;
-- ``subscriber``: ``subscriber_bench``'s in-process figures: decode + sequencing to a no-op
-  sink, and sequencing into a ``PrefixIndex`` by payload bytes, B = 16 and 256;
+  fresh index (unhinted, capacity-hinted, one-block events) and ``decode_batch`` + ``apply``
+  (a ``Subscriber``'s general path), match from a cold list, a fresh list and precomputed keys;
+- ``subscriber``: ``subscriber_bench``'s in-process figures, per CPU second of the calling
+  thread: ``decode_batch`` alone, decode + sequencing to a no-op sink, and sequencing into a
+  ``PrefixIndex`` by payload bytes, B = 16 and 256;
 - ``transport``: ``subscriber_bench``'s 64 ranks over tcp into a ``Subscriber``: blocks per
   CPU second of the subscriber process (the sender runs in a child process).
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import logging
 import os
 import pkgutil
@@ -208,6 +211,8 @@ def index_section(seqs: int, lookups: int) -> tuple[Callable[[Tree], Any], Measu
         out[("index apply, one-block events", "M blocks/CPU s", True)] = blocks / cpu / 1e6
         _, cpu, _ = side.build(hint=True)
         out[("index apply, hinted", "M blocks/CPU s", True)] = blocks / cpu / 1e6
+        _, cpu, _ = side.build(general=True)
+        out[("index apply, decode_batch + apply", "M blocks/CPU s", True)] = blocks / cpu / 1e6
         _, cpu, _ = side.build()
         out[("index apply", "M blocks/CPU s", True)] = blocks / cpu / 1e6
         side.check()
@@ -235,10 +240,23 @@ def subscriber_section(quick: bool) -> tuple[Callable[[Tree], Any], Measure]:
         bench, frames = tree.bench("subscriber_bench"), tree.state["subscriber"]
         out: dict[Figure, float] = {}
         for b, f in frames.items():
-            rate = bench.core_rate(f, b)
-            out[(f"subscriber decode+sequencing B={b}", "M blocks/s", True)] = rate / 1e6
-            rate = bench.index_rate(f[: max(1_000, 100_000 // b)], b, True)
-            out[(f"subscriber into PrefixIndex, bytes B={b}", "M blocks/s", True)] = rate / 1e6
+            head = f[: max(1_000, 100_000 // b)]
+            runs: list[tuple[str, Callable[..., float], tuple[Any, ...], int]] = [
+                (f"decode_batch alone B={b}", bench.decode_rate, (f, b), len(f)),
+                (f"subscriber decode+sequencing B={b}", bench.core_rate, (f, b), len(f)),
+                (
+                    f"subscriber into PrefixIndex, bytes B={b}",
+                    bench.index_rate,
+                    (head, b, True),
+                    len(head),
+                ),
+            ]
+            for name, fn, fn_args, n in runs:
+                # Per CPU second of this thread (the bench's own figure is wall clock): the
+                # work runs in the calling thread, so the rest of the host moves it less.
+                c0 = time.thread_time()
+                fn(*fn_args)
+                out[(name, "M blocks/CPU s", True)] = n * b / (time.thread_time() - c0) / 1e6
         return out
 
     return prepare, measure
@@ -278,6 +296,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
     parser.add_argument("--quick", action="store_true",
                         help="fewer batches, sequences and lookups per run: a few minutes in all")  # fmt: skip
+    parser.add_argument("--save", metavar="PATH",
+                        help="also write every run's figures as JSON (labels, per tree per figure the runs)")  # fmt: skip
     args = parser.parse_args()
     roots = [os.path.abspath(t) for t in args.trees]
     labels = args.labels or [Path(r).name for r in roots]
@@ -320,6 +340,13 @@ def main() -> None:
                         results[k].setdefault(fig, []).append(value)
         print(f"run {r + 1} of {runs} done, {time.monotonic() - started:.0f} s", flush=True)
     report(trees, results)
+    if args.save:
+        figures = [
+            {"name": n, "unit": u, "higher": h, "runs": [res[(n, u, h)] for res in results]}
+            for n, u, h in results[0]
+        ]
+        with open(args.save, "w") as f:
+            json.dump({"labels": labels, "figures": figures}, f, indent=1)
     print(f"\n{runs} runs per tree, {time.monotonic() - started:.0f} s in all")
 
 

@@ -844,8 +844,10 @@ static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
 }
 
 /* The record of (k, hh), inserted zeroed but for them (*added = 1) when
- * absent: one probe. */
-static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
+ * absent: one probe. Both forms inlined into every caller: out of line in
+ * store_core's loop (once import_rank called them too), an apply of
+ * one-block events took 1% more instructions. */
+__attribute__((always_inline)) static inline char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
     if ((t->count + 1) * 10 > t->cap * 7 && t_reserve(t, 1, occ) < 0) return NULL;
     size_t m = t->cap - 1, i = home_at(hh, t->shift, m);
     for (;;) {
@@ -866,7 +868,7 @@ static char *t_upsert_h(Table *t, u64 k, u64 hh, Occupied occ, int *added) {
     }
 }
 
-static char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
+__attribute__((always_inline)) static inline char *t_upsert(Table *t, u64 k, Occupied occ, int *added) {
     return t_upsert_h(t, k, own_home(k), occ, added);
 }
 
