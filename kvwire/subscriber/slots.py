@@ -6,8 +6,10 @@ the engines' serving) so thinly that they time out, each then served again from
 its start. Requests in flight are bounded per subscriber and per source
 (:meth:`SubscriberConfig.request_limit <kvwire.subscriber.config.SubscriberConfig.request_limit>`);
 a request that finds the bound reached waits its turn, oldest first, and its
-deadlines start only when it is sent. First contacts are bounded by
-``max_replays``.
+deadlines start only when it is sent; the limit follows the router's rounds of
+reading (:meth:`ReplaySlots.round`). Connections being made are bounded by
+``max_replays`` (:class:`FirstContacts`): a rank frees its place when its
+handshake succeeds, and its replay then waits its turn here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["CONTACT_S", "FirstContacts", "ReplaySlots"]
 log = logging.getLogger("kvwire.subscriber")
 
 CONTACT_S = 5.0
-"""A first contact holds its slot at most this long (its publisher may be down)."""
+"""A connection being made holds its place at most this long (its publisher may be down)."""
 
 
 class ReplaySlots:
@@ -150,7 +152,8 @@ class ReplaySlots:
 
 
 class FirstContacts:
-    """Ranks connecting for the first time: at most ``limit`` at once, the others in line."""
+    """Ranks connecting for the first time: at most ``limit`` at once, the others in line;
+    a rank's place is freed by its handshake, its first state change, or ``CONTACT_S``."""
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._limit = limit
