@@ -31,7 +31,6 @@ class Replay:
         "anchored",
         "claim",
         "deadline",
-        "discard",
         "first",
         "hard_deadline",
         "horizon_at_send",
@@ -70,7 +69,6 @@ class Replay:
         self.undecodable = -1  # a seq whose buffered copy does not decode
         self.claim = RankState.SYNCED  # what an exact rank reads while this probe is out
         self.identify = -1  # asking the whole buffer after an empty reply from this anchor
-        self.discard = False  # it showed the view lost: read to its end, a snapshot next
 
 
 def _backoff(initial: float, cap: float, failures: int) -> float:

@@ -28,9 +28,8 @@ Rules
   held (in seq order, bounded) while a replay fills the hole. A hole the
   replay cannot fill is lost for good: by default the rank is cleared and
   marked PARTIAL, then the stream goes on; a publisher that serves snapshots
-  (epoch ``.snap``) is asked for one, which makes the rank exact again (at
-  the end of a replay that shows the hole: the rest of that replay, which
-  the snapshot would clear, is read but not applied). An ``AllBlocksCleared`` later does too.
+  (epoch ``.snap``) is asked for one, which makes the rank exact again. An
+  ``AllBlocksCleared`` later does too.
 - Restarts. A changed epoch (``docs/wire.md`` section 6) on a live message
   or a reply is a restart, deterministically. Without an epoch, a live seq
   that goes back, or a replayed anchor (the last batch applied) that differs
@@ -792,8 +791,8 @@ class RankStream:
         return r, msg, True
 
     def _replay_item(self, r: Replay, seq: int, payload: bytes, same_epoch: bool) -> None:
-        if seq < r.start or r.discard:
-            return  # not what was asked (a correct publisher never sends it), or not needed
+        if seq < r.start:
+            return  # not what was asked; a correct publisher never sends it
         if seq > r.last_seq:
             r.last_seq = seq
         first, r.first = r.first, False
@@ -811,8 +810,6 @@ class RankStream:
                     f"replay has no batch {t.expected}..{seq - 1} (not buffered)",
                     drain=False,
                 )
-                if self._snapshot_next(r):
-                    return
             else:
                 # A hole inside a reply may be the replay socket dropping frames
                 # (high-water mark): ask again from exactly what is missing.
@@ -883,9 +880,6 @@ class RankStream:
         req = self._req
         req.answered()
         kind = r.kind
-        if r.discard:
-            self._move(Event.FOLLOW)  # the snapshot is asked next (_ensure_request)
-            return
         if r.first and r.horizon_at_send > r.start:
             # Batch horizon-1 >= start was seen, yet the reply holds nothing from
             # start on: a restarted publisher, or a buffer that cannot help.
@@ -1029,25 +1023,6 @@ class RankStream:
         # Whatever was published while the snapshot was served: from the buffer.
         self._ask_replay(Phase.REPLAYING, anchored=False)
 
-    def _snapshot_next(self, r: Replay) -> bool:
-        """A replay just showed the view lost: where a snapshot may be asked, the rest
-        of the replay is read to its end but not applied (the snapshot would clear it),
-        and the snapshot follows on the same socket (``_replay_end``).
-
-        A cold start against kvwire's publishers thus costs each rank one snapshot and
-        the short replay after it, not its whole replay buffer applied and cleared first.
-        """
-        if self._exact or not self._snapshot_possible():
-            return False
-        if not self._req.snapshot_allowed(self._now):
-            return False
-        r.discard = True
-        return True
-
-    def _snapshot_possible(self) -> bool:
-        """Whether this rank's view can be made exact by a snapshot (never given up on)."""
-        return bool(self.config.snapshot and self.config.replay and self._epoch_info.snapshot)
-
     def _snapshot_due_at(self) -> float | None:
         """When a failed snapshot is asked again (only where nothing else is asked)."""
         if (
@@ -1117,8 +1092,6 @@ class RankStream:
         self._req.abandon()
         if isinstance(r, Snapshot):
             self._snapshot_failed("overall deadline passed" if overall else "timed out")
-        elif r.discard:
-            self._move(Event.FOLLOW)  # what it was still sending was not needed: a snapshot
         elif r.kind is Phase.PROBING:
             self._settle()
         elif overall:

@@ -363,9 +363,7 @@ def chunk(topic: bytes, next_seq: int, number: int, *hashes: int) -> list[bytes]
 
 
 def late_join(topic: bytes) -> Rank:
-    """First contact after the buffer dropped 0..5: the replay starts at 6. A publisher
-    that serves snapshots is asked for one when the replay ends; the replay's batches,
-    which the snapshot would clear, are read but not applied."""
+    """First contact after the buffer dropped 0..5: the replay starts at 6."""
     r = Rank()
     r.run(r.s.connected(0.0))
     r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
@@ -382,7 +380,7 @@ def test_a_late_joiner_is_made_exact_by_a_snapshot() -> None:
     # Live batches arriving meanwhile are held.
     r.live(topic, 9, store(9, 90), 0.2)
     r.live(topic, 10, store(10, 100), 0.2)
-    assert r.applied == [] and r.s.held == 2  # the replay's batches: the snapshot has them
+    assert r.applied == [6, 7] and r.s.held == 2
     r.reply(chunk(topic, 9, 0, 1, 2), 0.3)  # the state before batch 9
     r.reply(chunk(topic, 9, 1, 3, 60), 0.3)
     r.reply(snapshot_end_frames(topic, 9, 2), 0.3)
@@ -397,20 +395,6 @@ def test_a_late_joiner_is_made_exact_by_a_snapshot() -> None:
     assert r.s.counters.snapshots_applied == 1
     r.live(topic, 11, store(11, 110), 0.5)
     assert r.s.state is RankState.SYNCED and 110 in r.blocks
-
-
-def test_a_replay_that_showed_the_loss_and_stalls_leads_to_the_snapshot() -> None:
-    """The replay that showed the history gone is only read to its end: when it stops
-    short (times out), the snapshot is asked, not the replay again."""
-    topic = epoch(snap=True, hb=0.5)
-    r = Rank()
-    r.run(r.s.connected(0.0))
-    replay = r.last
-    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
-    assert r.last is replay and r.applied == [] and r.s.state is RankState.PARTIAL
-    r.tick(0.1 + CFG.replay_timeout + 0.01)
-    assert isinstance(r.last, RequestSnapshot) and r.s.phase is Phase.SNAPSHOTTING
-    assert r.s.counters.replays_requested == 1 and r.applied == []
 
 
 def test_a_refused_snapshot_is_asked_again_after_a_backoff() -> None:
@@ -491,9 +475,8 @@ def test_failed_snapshots_are_asked_again_with_backoff_until_one_is_served(how: 
     )
     r = Rank(cfg)
     r.run(r.s.connected(0.0))
-    replay = r.last
-    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)  # 0..5 are gone: PARTIAL,
-    r.reply(replay_end_frames(topic), 0.1, token=replay.token)  # a snapshot asked
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.1)
+    r.reply(replay_end_frames(topic), 0.1)  # 0..5 are gone: PARTIAL, a snapshot asked
     asked: list[tuple[float, int]] = []  # (when, token)
     now = 0.1
     while len(asked) < 7 and now < 60:
@@ -534,9 +517,8 @@ def test_a_publisher_that_never_serves_its_snapshot_is_asked_ever_less_often() -
     cfg = StreamConfig(idle_probe=None)
     r = Rank(cfg)
     r.run(r.s.connected(0.0))
-    replay = r.last
-    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.0)  # a snapshot asked next
-    r.reply(replay_end_frames(topic), 0.0, token=replay.token)
+    r.reply(replay_item_frames(topic, 6, store(6, 60)), 0.0)
+    r.reply(replay_end_frames(topic), 0.0)
     now, seen = 0.0, 0
     while now < 600.0:
         if len(r.requests) > seen:
@@ -548,7 +530,7 @@ def test_a_publisher_that_never_serves_its_snapshot_is_asked_ever_less_often() -
     asks = r.s.counters.snapshots_requested
     doubling = math.ceil(math.log2(cfg.snapshot_backoff_max / cfg.backoff_initial)) + 1
     assert 600 / cfg.snapshot_backoff_max - 2 <= asks <= doubling + 600 / cfg.snapshot_backoff_max
-    assert r.s.state is RankState.PARTIAL and r.blocks == set()  # batch 6 never applied
+    assert r.s.state is RankState.PARTIAL and r.blocks == {60}
 
 
 def test_a_snapshot_that_announces_its_block_count_reserves_before_applying(
