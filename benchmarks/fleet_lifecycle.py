@@ -759,6 +759,7 @@ def router_child(spec: dict[str, Any]) -> None:
         syncing=p.syncing,
         stale=p.stale,
         counters=_counters(sub),
+        restored_s=None if sub.restored is None else sub.restored.seconds,
     )
 
     def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
@@ -1060,6 +1061,7 @@ class Bench:
         extra = (c1["cpu"] - c0["cpu"]) - rate * elapsed
         row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s ({extra:+.2f} s)"
         row.note = (
+            f"view loaded in {fmt_s(res.get('restored_s'))}; "
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
             f"{c1['replays'] - c0['replays']:.0f} replays served"
         ) + reasons(res)
@@ -1093,6 +1095,7 @@ class Bench:
         row.note = (
             f"stopped in {stopped:.1f} s (final checkpoint "
             + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
+            + f"view loaded in {fmt_s(res.get('restored_s'))}; "
             + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
             + reasons(res)
         )
