@@ -54,7 +54,7 @@ import zmq
 if TYPE_CHECKING:
     from kvwire.subscriber.link import RankLink as Link
 
-__all__ = ["MAX_TIMER_S", "PACE_S", "Reactor"]
+__all__ = ["MAX_TIMER_S", "PACE_S", "Reactor", "watches_descriptors"]
 
 MAX_TIMER_S = 5.0
 """A rank's deadline is re-read at least this often."""
@@ -65,6 +65,13 @@ PACE_S = 0.002
 
 _POLLIN = zmq.POLLIN
 _EVENTS = zmq.EVENTS
+
+
+def watches_descriptors(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` can watch file descriptors (``add_reader``), which the reactor needs:
+    selector loops and uvloop can; Windows' proactor loop keeps asyncio's abstract method."""
+    impl = getattr(type(loop), "add_reader", None)
+    return impl is not None and impl is not asyncio.AbstractEventLoop.add_reader
 
 
 class Reactor:

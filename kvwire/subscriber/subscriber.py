@@ -42,7 +42,7 @@ from kvwire.subscriber.clone import CloneServer, clone_view
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
 from kvwire.subscriber.link import LinkEnv, RankLink
-from kvwire.subscriber.reactor import Reactor
+from kvwire.subscriber.reactor import Reactor, watches_descriptors
 from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.seq import StreamPosition
@@ -381,15 +381,14 @@ class Subscriber:
         self._stop_event = asyncio.Event()
         if self._stop_requested:
             self._stop_event.set()
-        try:
-            reactor = Reactor(loop, self._after_round)
-        except NotImplementedError:  # a loop without add_reader (Windows' proactor)
+        if not watches_descriptors(loop):
             with self._lock:
                 self._running, self._finished = False, True
             raise RuntimeError(
                 "the Subscriber needs an event loop with add_reader (a selector loop; on "
                 "Windows set asyncio.WindowsSelectorEventLoopPolicy, or use start())"
-            ) from None
+            )
+        reactor = Reactor(loop, self._after_round)
         ctx = self._given_ctx
         if ctx is None:
             ctx = zmq.Context()

@@ -699,3 +699,25 @@ def test_a_buffering_sink_is_flushed_once_the_socket_is_drained() -> None:
             # Without a query ever calling flush(), the subscriber applied them.
             wait_for(lambda: sink.blocks("w", 0) == engine.truth, 10, "the sink to be flushed")
             assert sink.flushes > 0 and not sink.pending
+
+
+class _ProactorLike(asyncio.SelectorEventLoop):
+    """A running loop that cannot watch descriptors, as Windows' proactor loop."""
+
+    add_reader = asyncio.AbstractEventLoop.add_reader  # type: ignore[assignment]
+
+
+def test_a_loop_that_cannot_watch_descriptors_is_refused_with_the_way_out() -> None:
+    from kvwire.subscriber.reactor import watches_descriptors
+
+    assert watches_descriptors(asyncio.new_event_loop())
+    loop = _ProactorLike()
+    try:
+        assert not watches_descriptors(loop)
+        sub = Subscriber([EngineSource("w", "tcp://127.0.0.1:1")], BlockSetSink())
+        with pytest.raises(RuntimeError, match="add_reader"):
+            loop.run_until_complete(sub.run())
+        with pytest.raises(RuntimeError, match="runs once"):
+            loop.run_until_complete(sub.run())
+    finally:
+        loop.close()
