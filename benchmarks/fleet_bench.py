@@ -371,9 +371,10 @@ def fleet(args: argparse.Namespace) -> None:
             f"router memory: +{(rss1 - rss0) / 2**20:.0f} MiB for {ranks} ranks ="
             f" {(rss1 - rss0) / ranks / 1024:.0f} KiB per rank (sockets, streams, sink contents)"
         )
-        if args.cold_start_only:
+        def pause_and_check() -> float | None:
+            """Pause every engine; how long until the router holds exactly their caches."""
             pauses = [e.ask("pause") for e in engines]
-            ok = wait_for(
+            return wait_for(
                 lambda: all(
                     exact(sub, sink, e.worker_id, p["seqs"], p["digests"])
                     for e, p in zip(engines, pauses, strict=True)
@@ -381,6 +382,9 @@ def fleet(args: argparse.Namespace) -> None:
                 30,
                 0.1,
             )
+
+        if args.cold_start_only:
+            ok = pause_and_check()
             print("every rank exact" if ok is not None else "NOT exact 30 s after the pause")
             sub.stop(timeout=30)
             return
@@ -392,16 +396,8 @@ def fleet(args: argparse.Namespace) -> None:
             f"{100 * b:.1f}% of a core (median of {args.repeats} x {args.window:.0f} s; "
             f"{'meets' if b <= 0.10 else 'MISSES'} <= 10%)"
         )
-        pauses = [e.ask("pause") for e in engines]
         t_pause = time.monotonic()
-        ok = wait_for(
-            lambda: all(
-                exact(sub, sink, e.worker_id, p["seqs"], p["digests"])
-                for e, p in zip(engines, pauses, strict=True)
-            ),
-            30,
-            0.1,
-        )
+        ok = pause_and_check()
         print(
             "every rank exact after the pause"
             if ok is not None

@@ -933,30 +933,18 @@ class Bench:
 
     def start_fleet(self, kind: str, *, tag: str, router_first: bool = False) -> Fleet:
         a = self.args
-        fleet = (
-            Fleet(
-                kind,
-                a.engines,
-                1,
-                a.ranks_per_engine,
-                a,
-                blocks=a.blocks,
-                buffer=a.buffer,
-                preload_runs=a.preload_runs,
-                tag=tag,
-            )
-            if kind == "kvwire"
-            else Fleet(
-                kind,
-                1,
-                a.engines,
-                a.ranks_per_engine,
-                a,
-                blocks=a.blocks,
-                buffer=a.buffer,
-                preload_runs=a.preload_runs,
-                tag=tag,
-            )
+        # kvwire: a process per engine; stock: one simulator process serves every engine
+        procs, per_proc = (a.engines, 1) if kind == "kvwire" else (1, a.engines)
+        fleet = Fleet(
+            kind,
+            procs,
+            per_proc,
+            a.ranks_per_engine,
+            a,
+            blocks=a.blocks,
+            buffer=a.buffer,
+            preload_runs=a.preload_runs,
+            tag=tag,
         )
         return fleet
 
