@@ -165,22 +165,13 @@ _enc = msgspec.msgpack.Encoder()
 _dec_header = msgspec.msgpack.Decoder(Header)
 
 
-class _RecordBytes(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
-    rank: int
-    position: StreamPosition
-    blob: bytes
+class _RecordView(Record, frozen=True, kw_only=True):
+    """How a record is decoded: its blob a view of the bytes read (no copy)."""
 
-
-class _RecordView(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
-    rank: int
-    position: StreamPosition
     blob: memoryview
 
 
-_dec_record = msgspec.msgpack.Decoder(_RecordBytes)
-_dec_record_view = msgspec.msgpack.Decoder(_RecordView)
+_dec_record = msgspec.msgpack.Decoder(_RecordView)
 _dec_end = msgspec.msgpack.Decoder(End)
 
 
@@ -358,9 +349,14 @@ class Decoder:
                 self.records += 1
                 if not self._decode_records:
                     return None
-                # From the caller's bytes the blob is a view of them; from the buffer, a copy.
-                r = (_dec_record_view if self._view else _dec_record).decode(body)
-                return Record(worker_id=r.worker_id, rank=r.rank, position=r.position, blob=r.blob)
+                # From the caller's bytes the blob is a view of them; from the buffer (which
+                # moves on), a copy.
+                r = _dec_record.decode(body)
+                blob: bytes | memoryview = r.blob
+                if not self._view:
+                    blob = bytes(r.blob)
+                    r.blob.release()
+                return Record(**{**msgspec.structs.asdict(r), "blob": blob})
             if kind == _END:
                 end = _dec_end.decode(body)
                 if end.records != self.records:
