@@ -40,7 +40,9 @@ class ReplaySlots:
     follows a snapshot goes on in the same slot) and gives it back when its replay
     socket closes.
 
-    ``most`` (above ``limit``): the limit follows what the router reads in time
+    ``most`` (above ``limit``) and ``round_s`` (the subscriber's
+    :meth:`SubscriberConfig.round_s <kvwire.subscriber.config.SubscriberConfig.round_s>`;
+    both given, or the limit stays fixed): the limit follows what the router reads in time
     (:meth:`round`): a round of reading slower than ``round_s`` takes a quarter off
     it, and while requests wait and rounds take under a quarter of ``round_s`` it
     grows by one a round, up to ``most``. Small replies (an engine's short buffer)
@@ -53,12 +55,12 @@ class ReplaySlots:
         per_source: int | None = None,
         *,
         most: int | None = None,
-        round_s: float = 0.25,
+        round_s: float = 0.0,
     ) -> None:
         self.limit = limit
         self.per_source = limit if per_source is None else max(1, min(per_source, limit))
         self.most = limit if most is None else max(limit, most)
-        self.adaptive = self.most > limit
+        self.adaptive = self.most > limit and round_s > 0
         self.round_s = round_s
         self.open = 0
         self.peak = 0  # the most in flight at once
