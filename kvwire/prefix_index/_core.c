@@ -2461,6 +2461,8 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
+    const u64 *pool = self->pool.a + 1;
+    const size_t rw = self->pool.rw;
     size_t next = 0; /* the slot after the previous block's */
     for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -2492,7 +2494,7 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
         }
         next = (s + 1) & m;
         const u32 who = hw_who(hw);
-        const u64 mask = (who & WHO_POOLED) ? pool_masks(self, who)[0] : who ? 1ULL << (who >> 4) : 0;
+        const u64 mask = (who & WHO_POOLED) ? pool[(size_t)(who >> 1) * rw] : who ? 1ULL << (who >> 4) : 0;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
