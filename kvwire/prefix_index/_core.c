@@ -2479,7 +2479,7 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
         if (i & 7) {
             memcpy(&rk, r, 8);
             memcpy(&hw, r + 8, 8);
-            there = rk == k && (hw & ~HOME_FREE) == hh && hw_who(hw);
+            there = rk == k && (hw & ~HOME_FREE) == hh;
         }
         if (!there) {
             s = home_at(hh, shift, m);
@@ -2488,13 +2488,16 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
                 memcpy(&rk, r, 8);
                 memcpy(&hw, r + 8, 8);
                 if (rk == k && (hw & ~HOME_FREE) == hh) break;
-                if (!hw_who(hw)) break; /* an empty slot: not held by anyone */
+                if (!(hw & HOME_FREE)) break; /* an empty slot: not held by anyone */
                 s = (s + 1) & m;
             }
         }
         next = (s + 1) & m;
-        const u32 who = hw_who(hw);
-        const u64 mask = (who & WHO_POOLED) ? pool[(size_t)(who >> 1) * rw] : who ? 1ULL << (who >> 4) : 0;
+        /* who << 3: bit 3 pooled; else its rank at bits 7-12 (bits 1-3 of who: GPU) */
+        const u64 wb = hw & HOME_FREE;
+        u64 mask = 1ULL << ((wb >> 7) & 63);
+        if (__builtin_expect(wb & 8, 0)) mask = pool[(size_t)(wb >> 4) * rw];
+        else if (!wb) mask = 0;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
