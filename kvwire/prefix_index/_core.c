@@ -1271,13 +1271,17 @@ static int node_drop(Index *self, char *r, size_t sid) {
     return 0;
 }
 
-/* The pool rows that setting rank sid in the node of (key, hh) could take:
- * one where another rank alone holds it. */
-static size_t rows_needed(const Index *self, size_t sid, u64 key, u64 hh) {
+/* What setting rank sid in the node of (key, hh) could add, for the memory
+ * budget: a node where there is none (*fresh), a pool row where another
+ * rank alone holds it (*rows). */
+static void holder_needs(const Index *self, size_t sid, u64 key, u64 hh, size_t *fresh, size_t *rows) {
     const char *r = t_find_h(&self->nodes, key, hh, node_occ);
-    if (!r) return 0;
+    if (!r) {
+        (*fresh)++;
+        return;
+    }
     const u32 who = node_who(r);
-    return !(who & WHO_POOLED) && (who >> 4) != sid;
+    *rows += !(who & WHO_POOLED) && (who >> 4) != sid;
 }
 
 /* An entry of rank sid with this key went from tier presence pb to pa. */
@@ -1540,12 +1544,15 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         int64_t pos = d0 + i, a = pos & ~(int64_t)7;
         hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & HOME_BITS)) | (u64)(pos & 7);
     }
+    size_t fresh = (size_t)n; /* the nodes the store may add: at most one a block */
     if (self->max_bytes) {
         /* The two tables store_core grows below, as far as it grows them,
-         * and the pool rows its keys could take (nothing has changed yet). */
+         * and the pool rows its keys could take (nothing has changed yet):
+         * the nodes it adds counted exactly. */
         size_t rows = 0;
-        for (Py_ssize_t i = 0; i < n; i++) rows += rows_needed(self, sid, keys[i], hhs[i]);
-        if (past_budget(self, t_growth(&rk->entries, (size_t)n) + t_growth(&self->nodes, (size_t)n) +
+        fresh = 0;
+        for (Py_ssize_t i = 0; i < n; i++) holder_needs(self, sid, keys[i], hhs[i], &fresh, &rows);
+        if (past_budget(self, t_growth(&rk->entries, (size_t)n) + t_growth(&self->nodes, fresh) +
                                   pool_growth(&self->pool, rows))) {
             rk->over_cap |= CAP_BYTES;
             self->counts[5]++;
@@ -1554,7 +1561,8 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
     }
     /* Both tables grown for the whole store first, so that the prefetches
      * below stay in the tables the loop probes. */
-    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
+    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, (Py_ssize_t)fresh, node_occ) < 0)
+        return -1;
     for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
         t_prefetch_probe(&rk->entries, hashes[k]);
         t_prefetch_h(&self->nodes, hhs[k]);
@@ -2175,13 +2183,15 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
         Rank *rk = &self->ranks[vs[i].sid];
         const size_t keys = vs[i].im.keys;
         const size_t n = gather_inserts(&vs[i], ins);
+        size_t fresh = keys;
         if (self->max_bytes) {
-            /* As a store: every key a new node, and a pool row for each that
-             * another rank alone holds (the rank's own rows, freed below, and
-             * its old tables, are not counted on). */
+            /* As a store: a node for each key that has none, and a pool row for
+             * each that another rank alone holds (the rows the rank's old view
+             * frees are not counted on). */
             size_t rows = 0;
-            for (size_t j = 0; j < n; j++) rows += rows_needed(self, vs[i].sid, ins[j].key, ins[j].hh);
-            int64_t g = t_growth(nodes, keys) + pool_growth(&self->pool, rows) -
+            fresh = 0;
+            for (size_t j = 0; j < n; j++) holder_needs(self, vs[i].sid, ins[j].key, ins[j].hh, &fresh, &rows);
+            int64_t g = t_growth(nodes, fresh) + pool_growth(&self->pool, rows) -
                         (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
             if (past_budget(self, g)) {
                 clear_core(self, vs[i].sid); /* frees only: cannot fail */
@@ -2192,7 +2202,7 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
                 continue;
             }
         }
-        if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto restore;
+        if (fresh && t_reserve(nodes, (Py_ssize_t)fresh, node_occ) < 0) goto restore;
         nodes->floor = nodes->cap;
         drop_rank_bits(self, vs[i].sid);
         if (n) {
