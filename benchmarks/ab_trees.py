@@ -257,7 +257,7 @@ def _holder_workload(ranks: int, per_rank: int) -> Any:
     payloads: list[tuple[str, bytes]] = []
     prompts: list[list[int]] = []
     for r in range(ranks):
-        runs = []
+        runs: list[Any] = []
         for a in range(0, HOLDER_SHARED, HOLDER_RUN):
             runs.append(BlockStored(shared_hashes[a : a + HOLDER_RUN],
                                     shared_hashes[a - 1] if a else None,
