@@ -2549,6 +2549,18 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
         const size_t ow = m ? W : (size_t)(who >> 10);
         const int op = (int)((who >> 1) & 7);
         const u64 obit = 1ULL << ((who >> 4) & 63);
+        if (T == 1) {
+            /* One tier (never split): the loop of one mask word each. */
+            for (size_t w = 0; w < W; w++) {
+                const u64 na = acc[w] & (m ? m[w] : w == ow ? obit : 0);
+                if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, pos);
+                acc[w] = na;
+                alive |= na;
+            }
+            if (!alive) { wk->dead = 1; break; }
+            wk->at++;
+            continue;
+        }
         for (size_t w = 0; w < W; w++) {
             u64 a, g = 0, f = 0;
             if (m) {
