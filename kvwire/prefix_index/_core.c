@@ -1271,17 +1271,32 @@ static int node_drop(Index *self, char *r, size_t sid) {
     return 0;
 }
 
-/* What setting rank sid in the node of (key, hh) could add, for the memory
- * budget: a node where there is none (*fresh), a pool row where another
- * rank alone holds it (*rows). */
-static void holder_needs(const Index *self, size_t sid, u64 key, u64 hh, size_t *fresh, size_t *rows) {
-    const char *r = t_find_h(&self->nodes, key, hh, node_occ);
-    if (!r) {
-        (*fresh)++;
-        return;
+static int64_t t_growth(const Table *t, size_t more);
+static int past_budget(const Index *self, int64_t g);
+
+/* Whether setting rank sid in the nodes of n keys (key i and its home hash
+ * at key[i * stride], hh[i * stride]) fits the memory budget beside `other`
+ * bytes of growth; *fresh: the nodes to make room for. A node and a pool
+ * row a key are assumed first (no probe); only where that does not fit are
+ * the keys probed for what they add: a node where there is none, a row
+ * where another rank alone holds the key. */
+static int holders_fit(const Index *self, size_t sid, const u64 *key, const u64 *hh, size_t stride,
+                       size_t n, int64_t other, size_t *fresh) {
+    *fresh = n;
+    if (!self->max_bytes) return 1;
+    if (!past_budget(self, other + t_growth(&self->nodes, n) + pool_growth(&self->pool, n))) return 1;
+    size_t rows = 0;
+    *fresh = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *r = t_find_h(&self->nodes, key[i * stride], hh[i * stride], node_occ);
+        if (!r) {
+            (*fresh)++;
+            continue;
+        }
+        const u32 who = node_who(r);
+        rows += !(who & WHO_POOLED) && (who >> 4) != sid;
     }
-    const u32 who = node_who(r);
-    *rows += !(who & WHO_POOLED) && (who >> 4) != sid;
+    return !past_budget(self, other + t_growth(&self->nodes, *fresh) + pool_growth(&self->pool, rows));
 }
 
 /* An entry of rank sid with this key went from tier presence pb to pa. */
@@ -1544,20 +1559,13 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         int64_t pos = d0 + i, a = pos & ~(int64_t)7;
         hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & HOME_BITS)) | (u64)(pos & 7);
     }
-    size_t fresh = (size_t)n; /* the nodes the store may add: at most one a block */
-    if (self->max_bytes) {
-        /* The two tables store_core grows below, as far as it grows them,
-         * and the pool rows its keys could take (nothing has changed yet):
-         * the nodes it adds counted exactly. */
-        size_t rows = 0;
-        fresh = 0;
-        for (Py_ssize_t i = 0; i < n; i++) holder_needs(self, sid, keys[i], hhs[i], &fresh, &rows);
-        if (past_budget(self, t_growth(&rk->entries, (size_t)n) + t_growth(&self->nodes, fresh) +
-                                  pool_growth(&self->pool, rows))) {
-            rk->over_cap |= CAP_BYTES;
-            self->counts[5]++;
-            return OVER_CAP | OVER_BUDGET;
-        }
+    /* The tables store_core grows below, as far as it grows them (nothing
+     * has changed yet). */
+    size_t fresh;
+    if (!holders_fit(self, sid, keys, hhs, 1, (size_t)n, t_growth(&rk->entries, (size_t)n), &fresh)) {
+        rk->over_cap |= CAP_BYTES;
+        self->counts[5]++;
+        return OVER_CAP | OVER_BUDGET;
     }
     /* Both tables grown for the whole store first, so that the prefetches
      * below stay in the tables the loop probes. */
@@ -2042,6 +2050,7 @@ typedef struct {
     u32 sid;
     u32 pa;
 } Ins;
+_Static_assert(sizeof(Ins) % 8 == 0, "inserts read as u64s at a stride (holders_fit)");
 
 /* Drop rank sid's bits from the nodes (the shared table held at its size)
  * and free its tables: what a rank held before a view replaces it. */
@@ -2181,26 +2190,18 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
     const size_t floor = nodes->floor;
     for (size_t i = 0; i < nv; i++) {
         Rank *rk = &self->ranks[vs[i].sid];
-        const size_t keys = vs[i].im.keys;
-        const size_t n = gather_inserts(&vs[i], ins);
-        size_t fresh = keys;
-        if (self->max_bytes) {
-            /* As a store: a node for each key that has none, and a pool row for
-             * each that another rank alone holds (the rows the rank's old view
-             * frees are not counted on). */
-            size_t rows = 0;
-            fresh = 0;
-            for (size_t j = 0; j < n; j++) holder_needs(self, vs[i].sid, ins[j].key, ins[j].hh, &fresh, &rows);
-            int64_t g = t_growth(nodes, fresh) + pool_growth(&self->pool, rows) -
-                        (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
-            if (past_budget(self, g)) {
-                clear_core(self, vs[i].sid); /* frees only: cannot fail */
-                rk->over_cap = CAP_BYTES;
-                self->counts[4]++;
-                self->counts[5]++;
-                flags[i] = OVER_CAP | OVER_BUDGET;
-                continue;
-            }
+        const size_t n = gather_inserts(&vs[i], ins); /* a node each (im.keys of them) */
+        size_t fresh;
+        /* As a store (the rows the rank's old view frees are not counted on). */
+        const int64_t old = -(int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
+        if (!holders_fit(self, vs[i].sid, ins ? &ins[0].key : NULL, ins ? &ins[0].hh : NULL, sizeof(Ins) / 8, n,
+                         old, &fresh)) {
+            clear_core(self, vs[i].sid); /* frees only: cannot fail */
+            rk->over_cap = CAP_BYTES;
+            self->counts[4]++;
+            self->counts[5]++;
+            flags[i] = OVER_CAP | OVER_BUDGET;
+            continue;
         }
         if (fresh && t_reserve(nodes, (Py_ssize_t)fresh, node_occ) < 0) goto restore;
         nodes->floor = nodes->cap;
