@@ -8,8 +8,9 @@
  *   Index     per rank: engine hash -> (our key, depth, a store count per
  *             tier); shared: our key -> its holders: one rank inline in the
  *             16-byte node, or (a key two or more ranks hold) a row of
- *             bitmasks, one bit per rank and tier. Open addressing with linear probing and backward-shift
- *             deletion, so tables shrink and free themselves as blocks leave.
+ *             bitmasks, one bit per rank and tier. Open addressing with
+ *             linear probing and backward-shift deletion, so tables shrink
+ *             and free themselves as blocks leave.
  *
  * Every function runs with the GIL held: calls are atomic to other threads.
  * Nothing here trusts its input: token bytes come off the network.
