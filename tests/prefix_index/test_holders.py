@@ -233,3 +233,59 @@ def test_the_memory_budget_counts_pool_rows_exactly() -> None:
     assert fits.match(tokens) == {("w0", 0): 8}
     assert fits.stats().memory_bytes <= fits.max_bytes
     exact_memory(fits)
+
+
+def test_random_stores_removals_and_clears_over_70_ranks_match_a_model() -> None:
+    """Seeded random histories over 70 ranks (past one mask word) and 3 tiers, the same 5
+    sequences on every rank: after each step the matches, the tiers, the node and pooled
+    counts and the memory agree with a model of what each rank holds."""
+    ranks, seqs, blocks = 70, 5, 6
+    media = ("GPU", "CPU", "STORAGE")
+    content = [seq(100 + s, blocks) for s in range(seqs)]
+    for seed in range(3):
+        rnd = random.Random(seed)
+        idx = PrefixIndex(BS)
+        count: dict[tuple[int, int, int], list[int]] = {}  # (rank, seq, block) -> per tier
+
+        def held(r: int, s: int, j: int, tiers: range = range(3)) -> bool:
+            c = count.get((r, s, j))
+            return c is not None and any(c[t] for t in tiers)
+
+        def depth(r: int, s: int, tiers: range = range(3)) -> int:
+            d = 0
+            while d < blocks and held(r, s, d, tiers):
+                d += 1
+            return d
+
+        for _ in range(300):
+            r, s, op = rnd.randrange(ranks), rnd.randrange(seqs), rnd.random()
+            hashes, tokens = content[s]
+            tier = rnd.choice((0, 0, 1, 2))
+            if op < 0.55:
+                k = rnd.randrange(1, blocks + 1)
+                store(idx, f"w{r}", hashes[:k], tokens[: k * BS], medium=media[tier])
+                for j in range(k):
+                    count.setdefault((r, s, j), [0, 0, 0])[tier] += 1
+            elif op < 0.95:
+                j = rnd.randrange(blocks)
+                remove(idx, f"w{r}", [hashes[j]], medium=media[tier])
+                c = count.get((r, s, j))
+                if c is not None and c[tier]:
+                    c[tier] -= 1
+            else:
+                idx.clear(f"w{r}", 0)
+                count = {key: c for key, c in count.items() if key[0] != r}
+            keyed = {(s2, j) for (_, s2, j), c in count.items() if any(c)}
+            holders = {key: sum(1 for r2 in range(ranks) if held(r2, *key)) for key in keyed}
+            assert idx._core.nodes == len(keyed)
+            assert idx._core.pooled == sum(1 for n in holders.values() if n > 1)
+            for s2 in range(seqs):
+                want = {(f"w{r2}", 0): depth(r2, s2) for r2 in range(ranks) if depth(r2, s2)}
+                assert idx.match(content[s2][1]) == want
+            tiers = idx.match_tiers(content[s][1])
+            for r2 in range(ranks):
+                d = depth(r2, s)
+                if d:
+                    g, f = depth(r2, s, range(1)), depth(r2, s, range(2))
+                    assert tiers[(f"w{r2}", 0)] == TierDepths(g, f - g, d - f)
+            exact_memory(idx)
