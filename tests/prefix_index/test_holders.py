@@ -235,6 +235,22 @@ def test_the_memory_budget_counts_pool_rows_exactly() -> None:
     exact_memory(fits)
 
 
+Counts = dict[tuple[int, int, int], list[int]]  # (rank, sequence, block) -> copies per tier
+
+
+def held(count: Counts, r: int, s: int, j: int, tiers: range = range(3)) -> bool:
+    c = count.get((r, s, j))
+    return c is not None and any(c[t] for t in tiers)
+
+
+def depth(count: Counts, r: int, s: int, tiers: range = range(3), blocks: int = 6) -> int:
+    """The model's match: the longest run of sequence s from its first block rank r holds."""
+    d = 0
+    while d < blocks and held(count, r, s, d, tiers):
+        d += 1
+    return d
+
+
 def test_random_stores_removals_and_clears_over_70_ranks_match_a_model() -> None:
     """Seeded random histories over 70 ranks (past one mask word) and 3 tiers, the same 5
     sequences on every rank: after each step the matches, the tiers, the node and pooled
@@ -245,18 +261,7 @@ def test_random_stores_removals_and_clears_over_70_ranks_match_a_model() -> None
     for seed in range(3):
         rnd = random.Random(seed)
         idx = PrefixIndex(BS)
-        count: dict[tuple[int, int, int], list[int]] = {}  # (rank, seq, block) -> per tier
-
-        def held(r: int, s: int, j: int, tiers: range = range(3)) -> bool:
-            c = count.get((r, s, j))
-            return c is not None and any(c[t] for t in tiers)
-
-        def depth(r: int, s: int, tiers: range = range(3)) -> int:
-            d = 0
-            while d < blocks and held(r, s, d, tiers):
-                d += 1
-            return d
-
+        count: Counts = {}
         for _ in range(300):
             r, s, op = rnd.randrange(ranks), rnd.randrange(seqs), rnd.random()
             hashes, tokens = content[s]
@@ -274,18 +279,19 @@ def test_random_stores_removals_and_clears_over_70_ranks_match_a_model() -> None
                     c[tier] -= 1
             else:
                 idx.clear(f"w{r}", 0)
-                count = {key: c for key, c in count.items() if key[0] != r}
+                for key in [key for key in count if key[0] == r]:
+                    del count[key]
             keyed = {(s2, j) for (_, s2, j), c in count.items() if any(c)}
-            holders = {key: sum(1 for r2 in range(ranks) if held(r2, *key)) for key in keyed}
+            holders = {key: sum(1 for r2 in range(ranks) if held(count, r2, *key)) for key in keyed}
             assert idx._core.nodes == len(keyed)
             assert idx._core.pooled == sum(1 for n in holders.values() if n > 1)
             for s2 in range(seqs):
-                want = {(f"w{r2}", 0): depth(r2, s2) for r2 in range(ranks) if depth(r2, s2)}
+                want = {(f"w{r2}", 0): depth(count, r2, s2) for r2 in range(ranks) if depth(count, r2, s2)}
                 assert idx.match(content[s2][1]) == want
             tiers = idx.match_tiers(content[s][1])
             for r2 in range(ranks):
-                d = depth(r2, s)
+                d = depth(count, r2, s)
                 if d:
-                    g, f = depth(r2, s, range(1)), depth(r2, s, range(2))
+                    g, f = depth(count, r2, s, range(1)), depth(count, r2, s, range(2))
                     assert tiers[(f"w{r2}", 0)] == TierDepths(g, f - g, d - f)
             exact_memory(idx)
