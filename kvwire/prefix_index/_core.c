@@ -2473,7 +2473,8 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
-    const u64 *pool = self->pool.a + 1; /* rows of 2 words (one word, one tier): count, mask */
+    const u64 *pool = self->pool.a + 1;
+    const size_t rw = self->pool.rw;
     size_t next = 0; /* the slot after the previous block's */
     for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -2504,12 +2505,11 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
             }
         }
         next = (s + 1) & m;
-        /* who << 3: bit 3 pooled, its row at bits 4-31 (mask at 2 x row + 1);
-         * else its rank at bits 7-12 (bits 4-6: GPU), or nobody */
+        /* who << 3: bit 3 pooled; else its rank at bits 7-12 (bits 1-3 of who: GPU) */
         const u64 wb = hw & HOME_FREE;
-        u64 mask;
-        if (wb & 8) mask = pool[(wb >> 3) & ~(u64)1];
-        else mask = wb ? 1ULL << ((wb >> 7) & 63) : 0;
+        u64 mask = 1ULL << ((wb >> 7) & 63);
+        if (__builtin_expect(wb & 8, 0)) mask = pool[(size_t)(wb >> 4) * rw];
+        else if (!wb) mask = 0;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
