@@ -29,6 +29,12 @@ Sections (``--sections``; all but ``transport`` by default):
   ``PrefixIndex`` by payload bytes, B = 16 and 256;
 - ``transport``: ``subscriber_bench``'s 64 ranks over tcp into a ``Subscriber``: blocks per
   CPU second of the subscriber process (the sender runs in a child process).
+- ``holders``: the index's holder sets at 1, 8, 64 and 1,024 ranks (``--holder-ranks``), by the
+  public ``PrefixIndex`` API only (defined here, so a tree needs no bench code for it): every
+  rank stores its own content-chained runs of 64 blocks, and the same 256 blocks as every other
+  rank (a prefix that all ranks hold), by ``apply_payload``, 4 runs a batch; the index's bytes
+  per distinct block (``IndexStats.memory_bytes`` / nodes), apply per CPU second, and the match
+  of a stored prompt (token list) that one rank holds and of one that every rank holds.
 
 Run (each tree a checkout with its extensions built in place, as ``make venv`` leaves it)::
 
@@ -55,7 +61,7 @@ from types import ModuleType
 from typing import Any
 
 BENCHES = ("engine_thread_bench", "index_bench", "subscriber_bench")
-SECTIONS = ("cpu", "engine", "index", "subscriber", "transport")
+SECTIONS = ("cpu", "engine", "index", "subscriber", "transport", "holders")
 
 
 def _ours(name: str) -> bool:
@@ -226,6 +232,87 @@ def index_section(seqs: int, lookups: int) -> tuple[Callable[[Tree], Any], Measu
     return prepare, measure
 
 
+HOLDER_BS = 16
+HOLDER_RUN = 64  # blocks a stored sequence
+HOLDER_SHARED = 256  # blocks every rank holds
+_holder_work: dict[tuple[int, int], Any] = {}
+
+
+def _holder_workload(ranks: int, per_rank: int) -> Any:
+    """Payloads per rank and the prompts to match, built once (wire bytes: the same for every
+    tree); a distinct prompt is one rank's run, the shared one the common prefix."""
+    key = (ranks, per_rank)
+    if key in _holder_work:
+        return _holder_work[key]
+    import random
+
+    import numpy as np
+
+    from kvwire.wire import BlockStored, KVEventBatch, encode_batch
+
+    rng = np.random.default_rng(ranks)
+    pyrng = random.Random(ranks)
+    shared_tok = rng.integers(1, 50_000, HOLDER_SHARED * HOLDER_BS).tolist()
+    shared_hashes = [pyrng.getrandbits(62) for _ in range(HOLDER_SHARED)]
+    payloads: list[tuple[str, bytes]] = []
+    prompts: list[list[int]] = []
+    for r in range(ranks):
+        runs: list[Any] = []
+        for a in range(0, HOLDER_SHARED, HOLDER_RUN):
+            runs.append(BlockStored(shared_hashes[a : a + HOLDER_RUN],
+                                    shared_hashes[a - 1] if a else None,
+                                    shared_tok[a * HOLDER_BS : (a + HOLDER_RUN) * HOLDER_BS], HOLDER_BS))  # fmt: skip
+        for _ in range(per_rank // HOLDER_RUN):
+            tok = rng.integers(1, 50_000, HOLDER_RUN * HOLDER_BS).tolist()
+            runs.append(BlockStored([pyrng.getrandbits(62) for _ in range(HOLDER_RUN)], None, tok, HOLDER_BS))
+            if len(prompts) < 200 and pyrng.random() < 0.5:
+                prompts.append(tok)
+        for a in range(0, len(runs), 4):
+            payloads.append((f"w{r}", encode_batch(KVEventBatch(0.0, runs[a : a + 4], 0))))
+    pyrng.shuffle(payloads)  # ranks interleaved, as a router's batches arrive
+    work = (payloads, prompts, shared_tok)
+    _holder_work[key] = work
+    return work
+
+
+def holders_section(rank_counts: list[int], quick: bool) -> Measure:
+    def measure(tree: Tree) -> dict[Figure, float]:
+        from kvwire.prefix_index import PrefixIndex
+
+        out: dict[Figure, float] = {}
+        for ranks in rank_counts:
+            # about 300 k blocks a size (1 M at 1,024 ranks); a rank at most 20,000
+            per_rank = max(HOLDER_RUN, min(20_000, (300_000 if ranks < 1024 else 1_000_000) // ranks))
+            if quick:
+                per_rank = max(HOLDER_RUN, per_rank // 4)
+            payloads, prompts, shared = _holder_workload(ranks, per_rank)
+            index = PrefixIndex(HOLDER_BS)
+            blocks = ranks * (per_rank // HOLDER_RUN * HOLDER_RUN + HOLDER_SHARED)
+            t0 = time.process_time()
+            for worker, payload in payloads:
+                index.apply_payload(worker, 0, payload)
+            cpu = time.process_time() - t0
+            stats = index.stats()
+            out[(f"holders {ranks} ranks: index bytes/block", "B", False)] = stats.memory_bytes / index._core.nodes
+            out[(f"holders {ranks} ranks: apply", "M blocks/CPU s", True)] = blocks / cpu / 1e6
+            one, every = [], []
+            for tok in prompts:
+                t0 = time.perf_counter()
+                m = index.match(tok)
+                one.append(time.perf_counter() - t0)
+                assert len(m) == 1, len(m)
+                t0 = time.perf_counter()
+                m = index.match(shared)
+                every.append(time.perf_counter() - t0)
+                assert len(m) == ranks, len(m)
+            out[(f"holders {ranks} ranks: match, one holder", "µs", False)] = statistics.median(one) * 1e6
+            out[(f"holders {ranks} ranks: match, all hold", "µs", False)] = statistics.median(every) * 1e6
+            del index
+        return out
+
+    return measure
+
+
 def subscriber_section(quick: bool) -> tuple[Callable[[Tree], Any], Measure]:
     def prepare(tree: Tree) -> Any:
         bench = tree.bench("subscriber_bench")
@@ -294,6 +381,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["kvwire-wire"],
                         help="engine_thread_bench cases of the cpu section (kvwire-plugin needs vLLM's wheel)")  # fmt: skip
     parser.add_argument("--sizes", nargs="+", type=int, default=[16, 256])
+    parser.add_argument("--holder-ranks", nargs="+", type=int, default=[1, 8, 64, 1024],
+                        help="rank counts of the holders section")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="fewer batches, sequences and lookups per run: a few minutes in all")  # fmt: skip
     parser.add_argument("--save", metavar="PATH",
@@ -325,6 +414,8 @@ def main() -> None:
         measures.append(m)
     if "transport" in args.sections:
         measures.append(transport_section(args.quick))
+    if "holders" in args.sections:
+        measures.append(holders_section(args.holder_ranks, args.quick))
     for tree in trees:
         with active(tree):
             for name, prepare in prepares.items():

@@ -6,9 +6,11 @@
  *   KeyChain  the chained 64-bit block key (see keys.py for the formula),
  *             computed from token ids as msgpack bytes, a list or a buffer.
  *   Index     per rank: engine hash -> (our key, depth, a store count per
- *             tier); shared: our key -> holder bitmasks, one bit per rank and
- *             tier. Open addressing with linear probing and backward-shift
- *             deletion, so tables shrink and free themselves as blocks leave.
+ *             tier); shared: our key -> its holders: one rank inline in the
+ *             16-byte node, or (a key two or more ranks hold) a row of
+ *             bitmasks, one bit per rank and tier. Open addressing with
+ *             linear probing and backward-shift deletion, so tables shrink
+ *             and free themselves as blocks leave.
  *
  * Every function runs with the GIL held: calls are atomic to other threads.
  * Nothing here trusts its input: token bytes come off the network.
@@ -508,7 +510,7 @@ typedef struct {
     size_t count;
     size_t rs;    /* record size in bytes */
     int shift;
-    int homed;    /* the record's second 8 bytes are its home hash (below) */
+    int homed;    /* the record's second 8 bytes are its home hash (below), bits 3-31 free */
     size_t floor; /* 0, or the capacity the table starts at and never shrinks under */
     size_t bytes; /* of memory behind a (at least cap * rs) */
     Arena *arena; /* where its mid-sized arrays come from (below), or NULL */
@@ -724,11 +726,14 @@ static inline u64 rec_key(const char *r) {
     return k;
 }
 
+/* A home hash has bits 3-31 clear: a homed record keeps its own data there. */
+#define HOME_FREE 0x00000000FFFFFFF8ULL
+
 static inline u64 rec_hh(const Table *t, const char *r) {
     if (!t->homed) return own_home(rec_key(r));
     u64 h;
     memcpy(&h, r + 8, 8);
-    return h;
+    return h & ~HOME_FREE;
 }
 
 /* The record of (k, hh): a homed table tells records apart by both. */
@@ -947,20 +952,51 @@ typedef struct {
 
 static int multi_occ(const char *r, size_t rs) { return ((const Multi *)r)->n[0] != 0; }
 
-/* A node: its key, its home hash, then mask words laid out [word][tier]
- * (one tier until a non-GPU medium shows up). Occupied while some rank
- * holds it. */
-#define NODE_HEAD 16
+/* A node, 16 bytes: its key, then its home hash with its holders in the
+ * hash's free bits 3-31 (`who`, 29 bits). In the fleets nearly every key
+ * is held by one rank, so that one is kept inline; only a key that two or
+ * more ranks hold takes a row of the holder pool (below):
+ *   who 0                 nobody (an empty slot, or a node being set);
+ *   bit 0 clear           one holder: bits 1-3 its tier presence (never 0),
+ *                         bits 4-28 its rank slot;
+ *   bit 0 set             bits 1-28 its pool row.
+ * Occupied while some rank holds it. */
+#define NODE_RS 16
+#define WHO_POOLED 1u
+#define WHO_ROW_MAX ((1u << 28) - 1)
 
-static int node_occ(const char *r, size_t rs) {
-    const u64 *m = (const u64 *)(r + NODE_HEAD);
-    if (m[0]) return 1;
-    for (size_t w = 1; w < (rs - NODE_HEAD) / 8; w++)
-        if (m[w]) return 1;
-    return 0;
+static inline u64 node_hw(const char *r) {
+    u64 h;
+    memcpy(&h, r + 8, 8);
+    return h;
 }
 
-static inline u64 *node_masks(char *r) { return (u64 *)(r + NODE_HEAD); }
+static inline u32 hw_who(u64 hw) { return (u32)((hw & HOME_FREE) >> 3); }
+
+static inline u32 node_who(const char *r) { return hw_who(node_hw(r)); }
+
+static inline void node_set_who(char *r, u32 who) {
+    const u64 h = (node_hw(r) & ~HOME_FREE) | ((u64)who << 3);
+    memcpy(r + 8, &h, 8);
+}
+
+static inline u32 who_one(size_t sid, int pa) { return (u32)(sid << 4) | ((u32)pa << 1); }
+
+static int node_occ(const char *r, size_t rs) { return (node_hw(r) & HOME_FREE) != 0; }
+
+/* The holder pool: rows of 1 + words * tiers u64s, a row's holder count then
+ * its masks laid out [word][tier] (one tier until a non-GPU medium shows
+ * up). A free row links to the next free one (row + 1; 0 ends) in its
+ * count word. The array is freed once no row is in use. */
+typedef struct {
+    u64 *a;
+    size_t rw;   /* words a row */
+    size_t cap;  /* rows allocated */
+    size_t top;  /* rows handed out at least once (the rest fresh) */
+    size_t live; /* rows in use */
+    size_t free; /* the first free row below top + 1, or 0 */
+    size_t bytes;
+} Pool;
 
 typedef struct {
     Table entries;
@@ -977,6 +1013,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Table nodes;
+    Pool pool;     /* the holder masks of keys that several ranks hold */
     size_t words;  /* 64 ranks a word */
     size_t tiers;  /* 1 (GPU only so far) or 3 */
     Rank *ranks;
@@ -1019,8 +1056,9 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!self) return NULL;
     self->words = 1;
     self->tiers = 1;
-    self->nodes.rs = NODE_HEAD + 8;
+    self->nodes.rs = NODE_RS;
     self->nodes.homed = 1;
+    self->pool.rw = 2;
     self->nodes.acct = &self->mem;
     return (PyObject *)self;
 }
@@ -1034,7 +1072,7 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "max_entries and max_bytes must be >= 0 (0: no bound)");
         return -1;
     }
-    /* Memory is taken for it up front (90-140 B a block a rank): a hint is
+    /* Memory is taken for it up front (70-140 B a block a rank): a hint is
      * an engine's cache size, not a bound to be generous with. */
     if (expected < 0 || expected > ((Py_ssize_t)1 << 24)) {
         PyErr_SetString(PyExc_ValueError, "expected_blocks_per_rank must be in [0, 2**24] (0: no hint)");
@@ -1070,6 +1108,7 @@ static void Index_dealloc(Index *self) {
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
+    PyMem_Free(self->pool.a);
     arena_release(&self->arena);
     scratch_free(&self->tok);
     scratch_free(&self->keys);
@@ -1079,63 +1118,186 @@ static void Index_dealloc(Index *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* New mask layout (more words, or per-tier masks): copy every node over. */
+/* New mask layout (more words, or per-tier masks): the pool's rows are
+ * copied over; the nodes stay as they are. */
 static int relayout(Index *self, size_t words, size_t tiers) {
-    Table *t = &self->nodes;
-    size_t rs = NODE_HEAD + 8 * words * tiers;
-    if (t->cap) {
-        size_t bytes = t->cap * rs;
-        char *a = table_alloc(&bytes, t->cap <= t->floor);
+    Pool *p = &self->pool;
+    const size_t rw = 1 + words * tiers;
+    if (p->cap) {
+        u64 *a = PyMem_Calloc(p->cap, rw * sizeof(u64));
         if (!a) { PyErr_NoMemory(); return -1; }
-        for (size_t j = 0; j < t->cap; j++) {
-            char *r = t->a + j * t->rs;
-            if (!node_occ(r, t->rs)) continue;
-            char *n = a + j * rs;
-            memcpy(n, r, NODE_HEAD);
-            u64 *om = node_masks(r), *nm = node_masks(n);
-            for (size_t w = 0; w < self->words; w++) {
-                /* Going from one tier to three: every holder so far is on GPU. */
-                for (size_t k = 0; k < self->tiers; k++) nm[w * tiers + k] = om[w * self->tiers + k];
-            }
+        for (size_t j = 0; j < p->top; j++) {
+            const u64 *o = p->a + j * p->rw;
+            u64 *n = a + j * rw;
+            n[0] = o[0];
+            /* Going from one tier to three: every holder so far is on GPU. */
+            for (size_t w = 0; w < self->words; w++)
+                for (size_t k = 0; k < self->tiers; k++) n[1 + w * tiers + k] = o[1 + w * self->tiers + k];
         }
-        const size_t before = t_own_bytes(t);
-        table_free(t->a, t->bytes);
-        t->a = a;
-        t->bytes = bytes;
-        t_account(t, before);
+        PyMem_Free(p->a);
+        self->mem += p->cap * rw * sizeof(u64) - p->bytes; /* wraps back when it shrinks */
+        p->bytes = p->cap * rw * sizeof(u64);
+        p->a = a;
     }
-    t->rs = rs;
+    p->rw = rw;
     self->words = words;
     self->tiers = tiers;
     return 0;
 }
 
-/* Set rank sid's bits in a node to tier presence pa (0: not held). */
-static void node_set_bits(Index *self, char *r, size_t sid, int pa) {
-    u64 *m = node_masks(r) + (sid >> 6) * self->tiers;
-    u64 bit = 1ULL << (sid & 63);
-    if (self->tiers == 1) {
-        if (pa) m[0] |= bit; else m[0] &= ~bit;
-        return;
+/* What taking `rows` more rows would add to the pool's memory (it doubles). */
+static int64_t pool_growth(const Pool *p, size_t rows) {
+    if (p->live + rows <= p->cap) return 0;
+    size_t cap = p->cap ? p->cap : 16;
+    while (cap < p->live + rows) cap *= 2;
+    return (int64_t)((cap - p->cap) * p->rw * sizeof(u64));
+}
+
+/* A zeroed row, or -1 with MemoryError. */
+static Py_ssize_t pool_take(Index *self) {
+    Pool *p = &self->pool;
+    size_t row;
+    if (p->free) {
+        row = p->free - 1;
+        p->free = (size_t)p->a[row * p->rw];
+        p->a[row * p->rw] = 0;
+    } else {
+        if (p->top == p->cap) {
+            const size_t cap = p->cap ? 2 * p->cap : 16;
+            if (cap - 1 > WHO_ROW_MAX) return refuse(PyExc_MemoryError, "the holder pool is full");
+            u64 *a = PyMem_Realloc(p->a, cap * p->rw * sizeof(u64));
+            if (!a) { PyErr_NoMemory(); return -1; }
+            memset(a + p->cap * p->rw, 0, (cap - p->cap) * p->rw * sizeof(u64));
+            self->mem += cap * p->rw * sizeof(u64) - p->bytes;
+            p->bytes = cap * p->rw * sizeof(u64);
+            p->a = a;
+            p->cap = cap;
+        }
+        row = p->top++;
     }
-    for (int k = 0; k < 3; k++) {
-        if (pa & (1 << k)) m[k] |= bit; else m[k] &= ~bit;
+    p->live++;
+    return (Py_ssize_t)row;
+}
+
+static void pool_put(Index *self, size_t row) {
+    Pool *p = &self->pool;
+    u64 *r = p->a + row * p->rw;
+    memset(r, 0, p->rw * sizeof(u64));
+    r[0] = p->free;
+    p->free = row + 1;
+    if (--p->live) return;
+    PyMem_Free(p->a);
+    self->mem -= p->bytes;
+    p->a = NULL;
+    p->cap = p->top = p->free = p->bytes = 0;
+}
+
+static inline u64 *pool_masks(const Index *self, u32 who) {
+    return self->pool.a + (size_t)(who >> 1) * self->pool.rw + 1;
+}
+
+/* Rank sid's tier presence in masks m, and setting it. */
+static inline int mask_get(const Index *self, const u64 *m, size_t sid) {
+    m += (sid >> 6) * self->tiers;
+    const u64 bit = 1ULL << (sid & 63);
+    if (self->tiers == 1) return (m[0] & bit) ? 1 : 0;
+    return ((m[0] & bit) ? 1 : 0) | ((m[1] & bit) ? 2 : 0) | ((m[2] & bit) ? 4 : 0);
+}
+
+static inline void mask_set(const Index *self, u64 *m, size_t sid, int pa) {
+    m += (sid >> 6) * self->tiers;
+    const u64 bit = 1ULL << (sid & 63);
+    for (size_t k = 0; k < self->tiers; k++) {
+        if (pa & (1 << k)) m[k] |= bit;
+        else m[k] &= ~bit;
     }
 }
 
-static inline int node_bits(const Index *self, char *r, size_t sid) {
-    const u64 *m = node_masks(r) + (sid >> 6) * self->tiers;
-    u64 bit = 1ULL << (sid & 63);
-    if (self->tiers == 1) return (m[0] & bit) ? 1 : 0;
-    return ((m[0] & bit) ? 1 : 0) | ((m[1] & bit) ? 2 : 0) | ((m[2] & bit) ? 4 : 0);
+/* Rank sid's tier presence in a node (0: not held). */
+static inline int node_bits(const Index *self, const char *r, size_t sid) {
+    const u32 who = node_who(r);
+    if (who & WHO_POOLED) return mask_get(self, pool_masks(self, who), sid);
+    return who && (who >> 4) == sid ? (int)((who >> 1) & 7) : 0;
+}
+
+/* Set rank sid's tier presence in a node to pa (0: not held): the one
+ * place a node's holders change form. A second holder moves them to a pool
+ * row, and a row left with one holder goes back inline. A node nobody
+ * holds is left unoccupied (node_drop deletes it). 0, or -1 with
+ * MemoryError (only when a second holder comes: the node is unchanged). */
+static int node_put(Index *self, char *r, size_t sid, int pa) {
+    const u32 who = node_who(r);
+    if (!(who & WHO_POOLED)) {
+        if (!who || (who >> 4) == sid) {
+            node_set_who(r, pa ? who_one(sid, pa) : 0);
+            return 0;
+        }
+        if (!pa) return 0;
+        const Py_ssize_t row = pool_take(self);
+        if (row < 0) return -1;
+        u64 *c = self->pool.a + (size_t)row * self->pool.rw;
+        c[0] = 2;
+        mask_set(self, c + 1, who >> 4, (int)((who >> 1) & 7));
+        mask_set(self, c + 1, sid, pa);
+        node_set_who(r, ((u32)row << 1) | WHO_POOLED);
+        return 0;
+    }
+    u64 *m = pool_masks(self, who);
+    const int pb = mask_get(self, m, sid);
+    mask_set(self, m, sid, pa);
+    if (!pb == !pa) return 0;
+    if (pa) {
+        m[-1]++;
+        return 0;
+    }
+    if (--m[-1] > 1) return 0;
+    /* One holder left: inline again. */
+    for (size_t w = 0; w < self->words; w++) {
+        u64 any = 0;
+        for (size_t k = 0; k < self->tiers; k++) any |= m[w * self->tiers + k];
+        if (!any) continue;
+        const size_t s = (w << 6) + (size_t)__builtin_ctzll(any);
+        node_set_who(r, who_one(s, mask_get(self, m, s)));
+        break;
+    }
+    pool_put(self, who >> 1);
+    return 0;
 }
 
 /* Drop rank sid from the node; free the node when nobody holds it. */
 static int node_drop(Index *self, char *r, size_t sid) {
     if (!node_bits(self, r, sid)) return 0;
-    node_set_bits(self, r, sid, 0);
-    if (!node_occ(r, self->nodes.rs)) return t_delete(&self->nodes, r, node_occ);
+    node_put(self, r, sid, 0); /* a drop takes no row: cannot fail */
+    if (!node_occ(r, NODE_RS)) return t_delete(&self->nodes, r, node_occ);
     return 0;
+}
+
+static int64_t t_growth(const Table *t, size_t more);
+static int past_budget(const Index *self, int64_t g);
+
+/* Whether setting rank sid in the nodes of n keys (key i and its home hash
+ * at key[i * stride], hh[i * stride]) fits the memory budget beside `other`
+ * bytes of growth; *fresh: the nodes to make room for. A node and a pool
+ * row a key are assumed first (no probe); only where that does not fit are
+ * the keys probed for what they add: a node where there is none, a row
+ * where another rank alone holds the key. */
+static int holders_fit(const Index *self, size_t sid, const u64 *key, const u64 *hh, size_t stride,
+                       size_t n, int64_t other, size_t *fresh) {
+    *fresh = n;
+    if (!self->max_bytes) return 1;
+    if (!past_budget(self, other + t_growth(&self->nodes, n) + pool_growth(&self->pool, n))) return 1;
+    size_t rows = 0;
+    *fresh = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *r = t_find_h(&self->nodes, key[i * stride], hh[i * stride], node_occ);
+        if (!r) {
+            (*fresh)++;
+            continue;
+        }
+        const u32 who = node_who(r);
+        rows += !(who & WHO_POOLED) && (who >> 4) != sid;
+    }
+    return !past_budget(self, other + t_growth(&self->nodes, *fresh) + pool_growth(&self->pool, rows));
 }
 
 /* An entry of rank sid with this key went from tier presence pb to pa. */
@@ -1151,7 +1313,7 @@ static int node_update(Index *self, size_t sid, u64 key, u64 hh, int pb, int pa)
             if (mu->n[1 + k]) bits |= 1 << k;
         }
         char *r = t_find_h(&self->nodes, key, hh, node_occ);
-        if (r) node_set_bits(self, r, sid, bits);
+        if (r && node_put(self, r, sid, bits) < 0) return -1; /* the rank holds it: takes no row */
         if (mu->n[0] <= 1) return t_delete(&rk->multi, (char *)mu, multi_occ);
         return 0;
     }
@@ -1171,17 +1333,14 @@ static int node_update(Index *self, size_t sid, u64 key, u64 hh, int pb, int pa)
                 m->n[1 + k] = ((held >> k) & 1) + ((pa >> k) & 1);
                 if (m->n[1 + k]) bits |= 1 << k;
             }
-            node_set_bits(self, r, sid, bits);
-            return 0;
+            return node_put(self, r, sid, bits);
         }
-        node_set_bits(self, r, sid, pa);
-        return 0;
+        return node_put(self, r, sid, pa);
     }
     char *r = t_find_h(&self->nodes, key, hh, node_occ);
     if (!r) return 0;
     if (!pa) return node_drop(self, r, sid);
-    node_set_bits(self, r, sid, pa);
-    return 0;
+    return node_put(self, r, sid, pa);
 }
 
 static int check_sid(Index *self, PyObject *o, size_t *sid) {
@@ -1351,13 +1510,6 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         rk->over_cap |= CAP_BLOCKS;
         return OVER_CAP;
     }
-    /* The two tables store_core grows below, as far as it grows them. */
-    if (self->max_bytes &&
-        past_budget(self, t_growth(&rk->entries, (size_t)n) + t_growth(&self->nodes, (size_t)n))) {
-        rk->over_cap |= CAP_BYTES;
-        self->counts[5]++;
-        return OVER_CAP | OVER_BUDGET;
-    }
     int64_t d0 = 0;
     int detached = 0;
     u64 parent_hh = 0;
@@ -1408,9 +1560,18 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
         int64_t pos = d0 + i, a = pos & ~(int64_t)7;
         hhs[i] = (a >= d0 ? own_home(keys[a - d0]) : (parent_hh & HOME_BITS)) | (u64)(pos & 7);
     }
+    /* The tables store_core grows below, as far as it grows them (nothing
+     * has changed yet). */
+    size_t fresh;
+    if (!holders_fit(self, sid, keys, hhs, 1, (size_t)n, t_growth(&rk->entries, (size_t)n), &fresh)) {
+        rk->over_cap |= CAP_BYTES;
+        self->counts[5]++;
+        return OVER_CAP | OVER_BUDGET;
+    }
     /* Both tables grown for the whole store first, so that the prefetches
      * below stay in the tables the loop probes. */
-    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, n, node_occ) < 0) return -1;
+    if (t_reserve(&rk->entries, n, entry_occ) < 0 || t_reserve(&self->nodes, (Py_ssize_t)fresh, node_occ) < 0)
+        return -1;
     for (Py_ssize_t k = 0; k < n && k < STORE_PREFETCH; k++) {
         t_prefetch_probe(&rk->entries, hashes[k]);
         t_prefetch_h(&self->nodes, hhs[k]);
@@ -1890,6 +2051,7 @@ typedef struct {
     u32 sid;
     u32 pa;
 } Ins;
+_Static_assert(sizeof(Ins) % 8 == 0, "inserts read as u64s at a stride (holders_fit)");
 
 /* Drop rank sid's bits from the nodes (the shared table held at its size)
  * and free its tables: what a rank held before a view replaces it. */
@@ -1934,9 +2096,10 @@ static size_t gather_inserts(ViewIn *vi, Ins *out) {
 /* Set the nodes of `n` inserts, taken in the order of their homes (a
  * counting sort on the top bits of the home hash, which pick the slot):
  * the shared table is then walked nearly in order, a region of a few
- * thousand slots at a time, not a cache and TLB miss a block. Cannot fail:
- * the table has room for them all. */
-static void insert_sorted(Index *self, const Ins *in, Ins *sorted, size_t n, size_t *start, int bits) {
+ * thousand slots at a time, not a cache and TLB miss a block. The table
+ * has room for them all; only a pool row can fail (MemoryError: the
+ * inserts set so far are dropped again, -1). */
+static int insert_sorted(Index *self, const Ins *in, Ins *sorted, size_t n, size_t *start, int bits) {
     Table *nodes = &self->nodes;
     const size_t nb = (size_t)1 << bits;
     memset(start, 0, (nb + 1) * sizeof(size_t));
@@ -1948,8 +2111,15 @@ static void insert_sorted(Index *self, const Ins *in, Ins *sorted, size_t n, siz
         const Ins *x = &sorted[j];
         int added;
         char *r = t_upsert_h(nodes, x->key, x->hh, node_occ, &added);
-        node_set_bits(self, r, x->sid, (int)x->pa);
+        if (node_put(self, r, x->sid, (int)x->pa) < 0) { /* never a node just added */
+            for (size_t u = 0; u < j; u++) {
+                char *q = t_find_h(nodes, sorted[u].key, sorted[u].hh, node_occ);
+                if (q) node_drop(self, q, sorted[u].sid);
+            }
+            return -1;
+        }
     }
+    return 0;
 }
 
 /* The rank takes its view's tables and over-cap mark. */
@@ -2021,25 +2191,25 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
     const size_t floor = nodes->floor;
     for (size_t i = 0; i < nv; i++) {
         Rank *rk = &self->ranks[vs[i].sid];
-        const size_t keys = vs[i].im.keys;
-        if (self->max_bytes) {
-            int64_t g = t_growth(nodes, keys) - (int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
-            if (past_budget(self, g)) {
-                clear_core(self, vs[i].sid); /* frees only: cannot fail */
-                rk->over_cap = CAP_BYTES;
-                self->counts[4]++;
-                self->counts[5]++;
-                flags[i] = OVER_CAP | OVER_BUDGET;
-                continue;
-            }
+        const size_t n = gather_inserts(&vs[i], ins); /* a node each (im.keys of them) */
+        size_t fresh;
+        /* As a store (the rows the rank's old view frees are not counted on). */
+        const int64_t old = -(int64_t)(t_own_bytes(&rk->entries) + t_own_bytes(&rk->multi));
+        if (!holders_fit(self, vs[i].sid, ins ? &ins[0].key : NULL, ins ? &ins[0].hh : NULL, sizeof(Ins) / 8, n,
+                         old, &fresh)) {
+            clear_core(self, vs[i].sid); /* frees only: cannot fail */
+            rk->over_cap = CAP_BYTES;
+            self->counts[4]++;
+            self->counts[5]++;
+            flags[i] = OVER_CAP | OVER_BUDGET;
+            continue;
         }
-        if (keys && t_reserve(nodes, (Py_ssize_t)keys, node_occ) < 0) goto restore;
+        if (fresh && t_reserve(nodes, (Py_ssize_t)fresh, node_occ) < 0) goto restore;
         nodes->floor = nodes->cap;
         drop_rank_bits(self, vs[i].sid);
-        const size_t n = gather_inserts(&vs[i], ins);
         if (n) {
             const int b = insert_bits(nodes->cap);
-            insert_sorted(self, ins, ins + group, n, start, b < bits ? b : bits);
+            if (insert_sorted(self, ins, ins + group, n, start, b < bits ? b : bits) < 0) goto restore;
         }
         install_view(self, &vs[i]);
         nodes->floor = floor;
@@ -2289,8 +2459,9 @@ static inline void walk_prefetch_group(const char *a, size_t rs, size_t m, int s
 
 /* Walk n more keys, the first at a multiple of 8 positions (stops early
  * once nobody holds the prefix). */
-/* walk_keys for at most 64 ranks, all on GPU: one mask word a node, and a
- * slot is empty exactly when that word is 0. */
+/* walk_keys for at most 64 ranks, all on GPU: one mask word a node (its
+ * one holder's bit, or its pool row's word), and a slot is empty exactly
+ * when its `who` is 0. */
 static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n) {
     const Table *t = &self->nodes;
     if (wk->dead) return;
@@ -2302,12 +2473,14 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
     const size_t rs = t->rs, m = t->cap - 1;
     const int shift = t->shift;
     u64 acc = wk->acc[0];
+    const u64 *pool = self->pool.a + 1;
+    const size_t rw = self->pool.rw;
     size_t next = 0; /* the slot after the previous block's */
     for (Py_ssize_t g = 0; g < n && g < WALK_PREFETCH; g += 8) walk_prefetch_group(a, rs, m, shift, keys, g);
     for (Py_ssize_t i = 0; i < n; i++) {
         if ((i & 7) == 0 && i + WALK_PREFETCH < n) walk_prefetch_group(a, rs, m, shift, keys, i + WALK_PREFETCH);
         const u64 k = keys[i], hh = walk_hh(keys, i);
-        u64 mask, rk, rh;
+        u64 rk, hw;
         /* A group's blocks sit in consecutive slots, displaced alike when
          * displaced: look right after the previous block's slot first, and
          * probe from home only when it is not there (an occupied slot whose
@@ -2317,25 +2490,26 @@ static void walk_keys_one(Walk *wk, const Index *self, const u64 *keys, Py_ssize
         int there = 0;
         if (i & 7) {
             memcpy(&rk, r, 8);
-            memcpy(&rh, r + 8, 8);
-            memcpy(&mask, r + NODE_HEAD, 8);
-            there = rk == k && rh == hh && mask;
+            memcpy(&hw, r + 8, 8);
+            there = rk == k && (hw & ~HOME_FREE) == hh;
         }
         if (!there) {
             s = home_at(hh, shift, m);
             for (;;) {
                 r = a + s * rs;
                 memcpy(&rk, r, 8);
-                memcpy(&mask, r + NODE_HEAD, 8);
-                if (rk == k) {
-                    memcpy(&rh, r + 8, 8);
-                    if (rh == hh) break;
-                }
-                if (!mask) break; /* an empty slot: not held by anyone */
+                memcpy(&hw, r + 8, 8);
+                if (rk == k && (hw & ~HOME_FREE) == hh) break;
+                if (!(hw & HOME_FREE)) break; /* an empty slot: not held by anyone */
                 s = (s + 1) & m;
             }
         }
         next = (s + 1) & m;
+        /* who << 3: bit 3 pooled; else its rank at bits 7-12 (bits 1-3 of who: GPU) */
+        const u64 wb = hw & HOME_FREE;
+        u64 mask = 1ULL << ((wb >> 7) & 63);
+        if (__builtin_expect(wb & 8, 0)) mask = pool[(size_t)(wb >> 4) * rw];
+        else if (!wb) mask = 0;
         u64 na = acc & mask;
         if (na != acc) record_lost(acc & ~na, 0, wk->depth, (i32)wk->at);
         acc = na;
@@ -2371,12 +2545,37 @@ static void walk_keys(Walk *wk, const Index *self, const u64 *keys, Py_ssize_t n
         next = r + t->rs == t->a + t->cap * t->rs ? t->a : r + t->rs;
         i32 pos = (i32)wk->at;
         u64 alive = 0;
-        const u64 *m = node_masks(r);
+        /* Its holders: a pool row's masks, or one rank's bit (word ow, tiers op). */
+        const u32 who = node_who(r);
+        const u64 *m = (who & WHO_POOLED) ? pool_masks(self, who) : NULL;
+        const size_t ow = m ? W : (size_t)(who >> 10);
+        const int op = (int)((who >> 1) & 7);
+        const u64 obit = 1ULL << ((who >> 4) & 63);
+        if (T == 1) {
+            /* One tier (never split): the loop of one mask word each. */
+            for (size_t w = 0; w < W; w++) {
+                const u64 na = acc[w] & (m ? m[w] : w == ow ? obit : 0);
+                if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, pos);
+                acc[w] = na;
+                alive |= na;
+            }
+            if (!alive) { wk->dead = 1; break; }
+            wk->at++;
+            continue;
+        }
         for (size_t w = 0; w < W; w++) {
-            const u64 *mw = m + w * T;
             u64 a, g = 0, f = 0;
-            if (T == 1) a = mw[0];
-            else { g = mw[0]; f = g | mw[1]; a = f | mw[2]; }
+            if (m) {
+                const u64 *mw = m + w * T;
+                if (T == 1) a = mw[0];
+                else { g = mw[0]; f = g | mw[1]; a = f | mw[2]; }
+            } else if (w == ow) {
+                a = obit;
+                g = (op & 1) ? obit : 0;
+                f = (op & 3) ? obit : 0;
+            } else {
+                a = 0;
+            }
             u64 na = acc[w] & a;
             if (acc[w] != na) record_lost(acc[w] & ~na, w << 6, depth, pos);
             acc[w] = na;
@@ -3378,6 +3577,10 @@ static PyObject *Index_get_nodes(Index *self, void *c) {
     return PyLong_FromSize_t(self->nodes.count);
 }
 
+static PyObject *Index_get_pooled(Index *self, void *c) {
+    return PyLong_FromSize_t(self->pool.live);
+}
+
 static PyObject *Index_get_counters(Index *self, void *c) {
     const Py_ssize_t *n = self->counts;
     return Py_BuildValue("nnnnnn", n[0], n[1], n[2], n[3], n[4], n[5]);
@@ -3394,7 +3597,7 @@ static PyObject *Index_get_memory(Index *self, void *c) {
 
 /* The same, summed table by table: what the running count must equal (tests). */
 static PyObject *Index_get_memory_summed(Index *self, void *c) {
-    size_t total = self->nodes.bytes;
+    size_t total = self->nodes.bytes + self->pool.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
     total += self->arena.n * HUGE_MIN; /* its chunks, in use or not */
     return PyLong_FromSize_t(total);
@@ -3433,6 +3636,7 @@ static PyMethodDef Index_methods[] = {
 
 static PyGetSetDef Index_getset[] = {
     {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
+    {"pooled", (getter)Index_get_pooled, NULL, "keys two or more ranks hold (a pool row each)", NULL},
     {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
     {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},

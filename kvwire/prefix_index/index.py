@@ -198,7 +198,7 @@ class PrefixIndex:
     table, and the shared table for that many blocks on every rank, are sized
     for it when first used and never shrink under it, so a fresh index does
     not pay for growing them (a fifth to a third of the cost of a store into a
-    fresh index). It costs that memory up front (90-140 B a block a rank);
+    fresh index). It costs that memory up front (70-140 B a block a rank);
     a rank may still hold more. At most ``max_blocks_per_rank`` and 2**24.
     :meth:`reserve` gives one rank such a hint later (a snapshot's block count).
 

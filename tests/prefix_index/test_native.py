@@ -97,7 +97,7 @@ def test_tables_past_two_mib_grow_and_shrink_exact() -> None:
         idx.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
     full = idx.stats()
     assert (full.holders, full.blocks) == (n, n)
-    assert full.memory_bytes > 4 << 20  # 32 B a rank slot and 24 B a node slot, at load <= 0.7
+    assert full.memory_bytes > 4 << 20  # 32 B a rank slot and 16 B a node slot, at load <= 0.7
     assert idx.match(tokens) == {("w", 0): n}
     # All but the first 16th in a random order, the tables shrinking back under 2 MiB
     # as they go; then the rest: the prefix follows exactly.
@@ -164,8 +164,8 @@ def test_rank_tables_share_arena_chunks_through_growth_and_removal() -> None:
                              tokens[w][a * BS : (a + per) * BS], BS)  # fmt: skip
             idx.apply_payload(f"w{w}", 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
     # Five 1 MiB rank tables: three chunks (or, under ASan, five arrays of their own);
-    # 60,000 nodes: 131,072 slots of 24 B.
-    assert idx.stats().memory_bytes in (3 * (2 << 20) + (3 << 20), 5 * (1 << 20) + (3 << 20))
+    # 60,000 nodes: 131,072 slots of 16 B.
+    assert idx.stats().memory_bytes in (3 * (2 << 20) + (2 << 20), 5 * (1 << 20) + (2 << 20))
     for w in range(ranks):
         assert idx.match(tokens[w]) == {(f"w{w}", 0): n}
     position = {(w, h): i for w in range(ranks) for i, h in enumerate(hashes[w])}
@@ -203,8 +203,8 @@ def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
 
     store(0, 10)
     first = hinted.stats().memory_bytes
-    # One rank: 8,192 slots (5,000 at load <= 0.7) of 32 B in its table and of 24 B of nodes.
-    assert first == 8192 * (32 + 24) > 50 * plain.stats().memory_bytes
+    # One rank: 8,192 slots (5,000 at load <= 0.7) of 32 B in its table and of 16 B of nodes.
+    assert first == 8192 * (32 + 16) > 50 * plain.stats().memory_bytes
     for a in range(10, 5_000, 700):
         store(a, min(a + 700, 5_000))
         assert hinted.stats().memory_bytes == first
@@ -223,12 +223,13 @@ def test_capacity_hint_presizes_the_tables_and_keeps_them() -> None:
     for w in ("w0", "w1"):
         ev = BlockStored(hashes[:10], None, tokens[: 10 * BS], BS)
         idx2.apply_payload(w, 0, encode_batch(KVEventBatch(0.0, [ev], 0)))
-    assert idx2.stats().memory_bytes == 2 * 8192 * 32 + 16384 * 24
+    # Both hold the same 10 keys: a pool row each (16 rows of a count and one mask word).
+    assert idx2.stats().memory_bytes == 2 * 8192 * 32 + 16384 * 16 + 16 * 16
     # A presized rank table of 1 MiB comes from a 2 MiB huge-page arena chunk, counted whole
     # (not under AddressSanitizer, whose build allocates every table exactly).
     big = PrefixIndex(BS, expected_blocks_per_rank=20_000)
     big.apply_payload("w", 0, encode_batch(KVEventBatch(0.0, [BlockStored(hashes[:10], None, tokens[: 10 * BS], BS)], 0)))
-    assert big.stats().memory_bytes in (32768 * 32 + 32768 * 24, (2 << 20) + 32768 * 24)
+    assert big.stats().memory_bytes in (32768 * 32 + 32768 * 16, (2 << 20) + 32768 * 16)
     assert big.match(tokens[: 10 * BS]) == {("w", 0): 10}
     with pytest.raises(ValueError, match="expected_blocks_per_rank"):
         PrefixIndex(BS, expected_blocks_per_rank=-1)
