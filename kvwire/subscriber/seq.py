@@ -135,6 +135,13 @@ class SeqTracker:
         if seq >= self.horizon:
             self.horizon = seq + 1
 
+    def follow(self, seq: int, payload: Frame) -> None:
+        """Live batch ``seq`` was applied in sequence: no replayed copy is awaited."""
+        if self.window:
+            self.window.clear()
+        self.last_live = seq
+        self.advance(seq, payload)
+
     def see(self, seq: int) -> None:
         """Batch ``seq`` exists (a live or replayed copy was read)."""
         if seq >= self.horizon:
