@@ -75,11 +75,6 @@ class Held(SortedDict):  # type: ignore[misc]
         self.nbytes -= len(item[1][1])
         return item
 
-    def pop(self, seq: int, *default: object) -> object:
-        if seq in self:
-            self.nbytes -= len(self[seq][1])
-        return super().pop(seq, *default)
-
     def clear(self) -> None:
         super().clear()
         self.nbytes = 0
