@@ -659,8 +659,7 @@ class RankStream:
             self._give_up(why, Phase.STARTING)
         else:
             self._req.abandon()
-            self._move(Event.FOLLOW)
-            self._skip_to(self._seq.lowest_held(), why)
+            self._follow_held(why)
 
     def _restart_or_break(self, seq: int, why: str) -> None:
         if self._epoch is None:
@@ -840,9 +839,7 @@ class RankStream:
             return
         if t.gap:
             if r.undecodable == t.expected:
-                target = t.lowest_held()
-                self._move(Event.FOLLOW)
-                self._skip_to(target, f"buffered batch {t.expected} does not decode")
+                self._follow_held(f"buffered batch {t.expected} does not decode")
                 return
             if r.progressed:
                 req.retries = 0
@@ -896,8 +893,7 @@ class RankStream:
         """After a failed replay: follow live from the first batch still held, or
         wait for the next one when a start replay could not show the position."""
         if self._seq.gap:
-            self._move(Event.FOLLOW)
-            self._skip_to(self._seq.lowest_held(), why)
+            self._follow_held(why)
         elif kind is Phase.STARTING:
             self._move(Event.WAIT_LIVE)
             self._reason = f"{why}; waiting for the next live batch"
@@ -980,11 +976,8 @@ class RankStream:
         self.counters.snapshots_failed += 1
         self._req.abandon()
         self._req.snapshot_ended(self._now, self.config)
-        self._move(Event.FOLLOW)
-        why = f"snapshot failed: {why}"
-        self._reason = why
-        # Live batches were held meanwhile: go on from the first of them.
-        self._skip_to(self._seq.lowest_held(), why)
+        why = self._reason = f"snapshot failed: {why}"
+        self._follow_held(why)
         if self._exact:
             self._lose_view(why)
 
@@ -1207,6 +1200,11 @@ class RankStream:
             self._lose_view(why)
         if drain:
             self._drain()
+
+    def _follow_held(self, why: str) -> None:
+        """A loss given up on: follow live from the first batch held (else the horizon)."""
+        self._move(Event.FOLLOW)
+        self._skip_to(self._seq.lowest_held(), why)
 
     def _lose_view(self, why: str) -> None:
         was_exact, self._exact = self._exact, False
