@@ -137,6 +137,21 @@ class SeqTracker:
         self.last_live = seq
         self.advance(seq, payload)
 
+    def replayed(self, seq: int, payload: Frame) -> None:
+        """Batch ``seq`` was applied from a replay: its live copy may still come."""
+        if seq > self.last_live:
+            self.window.append((seq, hash(bytes(payload))))
+
+    def live_copy(self, seq: int, payload: Frame) -> bool | None:
+        """Live batch ``seq`` arrived: whether it equals the replayed copy applied (None:
+        none was); the window forgets every seq up to it."""
+        window = self.window
+        while window and window[0][0] < seq:
+            window.popleft()
+        if window and window[0][0] == seq:
+            return window.popleft()[1] == hash(bytes(payload))
+        return None
+
     def see(self, seq: int) -> None:
         """Batch ``seq`` exists (a live or replayed copy was read)."""
         if seq >= self.horizon:

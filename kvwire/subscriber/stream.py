@@ -156,10 +156,6 @@ def _events(judged: Judged) -> int:
     return judged[0] if type(judged) is tuple else len(judged.events)  # type: ignore[union-attr]
 
 
-def _payload_hash(payload: Frame) -> int:
-    return hash(bytes(payload))
-
-
 class RankStream:
     """Sequencing, gap repair, restart detection and snapshots for one publisher rank.
 
@@ -581,9 +577,7 @@ class RankStream:
         t.last_live = seq  # even a bad payload had its place in the ordered stream
         t.see(seq)
         self._resume_following()
-        window = t.window
-        while window and window[0][0] <= seq:
-            window.popleft()
+        t.live_copy(seq, payload)  # replayed copies up to seq are no longer awaited
         if batch is None:
             if not self.config.replay:
                 self._skip_to(seq + 1, f"batch {seq} undecodable and no replay endpoint")
@@ -621,12 +615,9 @@ class RankStream:
         if seq <= t.last_live:
             self._restart_or_break(seq, f"live seq went back from {t.last_live} to {seq}")
             return False
-        window = t.window
-        while window and window[0][0] < seq:
-            window.popleft()
-        if window and window[0][0] == seq:
-            _, digest = window.popleft()
-            if digest != _payload_hash(payload):
+        same = t.live_copy(seq, payload)
+        if same is not None:
+            if not same:
                 self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
                 return False
             self.counters.duplicates += 1
@@ -1165,8 +1156,7 @@ class RankStream:
         t = self._seq
         if replayed:
             c.replayed += 1
-            if seq > t.last_live:
-                t.window.append((seq, _payload_hash(payload)))
+            t.replayed(seq, payload)
         t.advance(seq, payload)
         if not self._exact and _has_clear(batch):
             self._exact = True
