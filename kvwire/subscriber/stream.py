@@ -696,7 +696,7 @@ class RankStream:
         if r is None or token != r.token:
             c.stale_replies += 1
             return None
-        r.deadline = min(self._now + self.config.replay_timeout, r.hard_deadline)
+        r.heard(self._now, self.config)
         try:
             msg = parse_replay_reply(frames)
         except Exception:
