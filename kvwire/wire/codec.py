@@ -409,14 +409,10 @@ def decode_batch(
     """Decode one batch payload of any dialect in the wild.
 
     Raises :class:`WireError` naming the problem for anything that is not a
-    whole, valid batch within ``limits`` (nesting too deep included): a
-    missing required field, a key given twice, a token id that is not an
-    integer among them. One answer for any payload: the typed fast path
-    (structs built from the native reader's view, or msgspec for rarer
-    fields) is taken only for a payload the native reader
-    (``kvwire/_native/scan.h``) vouches for, which checks every rule; any
-    other goes the general way, where Python checks each. Token ids stay
-    packed until first read (:class:`TokenIds`).
+    whole, valid batch within ``limits``: a missing required field, a key
+    given twice, a token id that is not an integer among them. One answer
+    whichever path is taken (see the module). Token ids stay packed until
+    first read (:class:`TokenIds`).
     """
     batch = _decode_typed(payload, limits)
     return _decode_generic(payload, limits) if batch is None else batch
