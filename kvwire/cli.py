@@ -153,14 +153,14 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
     end = None if args.duration is None else loop.time() + args.duration
     config = SubscriberConfig(checkpoint=args.checkpoint)
     async with Subscriber([source], sink, config=config) as sub:
-        view.render(sub.status(), sink)  # the baseline for events/s
+        view.render(sub.status(), sink.count)  # the baseline for events/s
         while True:
             wait = args.interval if end is None else min(args.interval, end - loop.time())
             await asyncio.sleep(max(wait, 0.0))
             done = end is not None and loop.time() >= end
             if args.once and not done:
                 continue
-            lines = view.render(sub.status(), sink)
+            lines = view.render(sub.status(), sink.count)
             if in_place:
                 if drawn:
                     out.write(f"\x1b[{drawn}F\x1b[J")  # back to the table's top, clear below

@@ -34,6 +34,7 @@ from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
 from kvwire.subscriber import RankStatus, Subscriber
+from kvwire.subscriber.view import WatchView
 
 __all__ = ["main"]
 
@@ -160,7 +161,7 @@ def _kv_aware(cluster: Cluster) -> Chooser:
 
 
 class LiveView:
-    """Prints the ranks' state, events/s, gaps, replays and blocks once a second."""
+    """Prints ``kvwire watch``'s table of the ranks once a second."""
 
     def __init__(self, cluster: Cluster, interval: float = 1.0) -> None:
         self.cluster = cluster
@@ -169,7 +170,7 @@ class LiveView:
         self.requests = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvwire-demo-view", daemon=True)
-        self._last: dict[RankKey, tuple[float, int]] = {}
+        self._view = WatchView("")
         self._tty = sys.stdout.isatty()
 
     def start(self) -> None:
@@ -180,22 +181,9 @@ class LiveView:
         self._thread.join(timeout=5)
 
     def render(self) -> str:
-        now = time.monotonic()
-        lines = [
-            f"policy {self.policy:<12} requests {self.requests:>5}",
-            f"{'worker/rank':<14}{'state':<9}{'seq':>7}{'events/s':>10}{'gaps':>6}{'replays':>9}{'blocks':>8}",
-        ]
-        for st in self.cluster.subscriber.status():
-            key = (st.worker_id, st.rank)
-            t0, e0 = self._last.get(key, (now, st.counters.events))
-            rate = (st.counters.events - e0) / (now - t0) if now > t0 else 0.0
-            self._last[key] = (now, st.counters.events)
-            blocks = len(self.cluster.index.blocks(*key))
-            lines.append(
-                f"{st.worker_id + '/' + str(st.rank):<14}{st.state.name:<9}{st.expected_seq:>7}"
-                f"{rate:>10.0f}{st.counters.gaps:>6}{st.counters.replays_requested:>9}{blocks:>8}"
-            )
-        return "\n".join(lines)
+        self._view.title = f"policy {self.policy:<12} requests {self.requests:>5}"
+        status = self.cluster.subscriber.status()
+        return "\n".join(self._view.render(status, self.cluster.index.rank_blocks))
 
     def _loop(self) -> None:
         shown = 0

@@ -2,70 +2,22 @@
 
 vLLM and SGLang create their publisher from their own ``--kv-events-config``
 (endpoints, buffer, queue, topic), and vLLM's config accepts no new fields, so
-everything kvwire adds comes from the environment:
+everything kvwire adds comes from the environment. The variables, their
+defaults and what each means are listed once, in ``docs/engines.md``
+(Settings).
 
-=============================  =========  ==================================================
-variable                       default    meaning
-=============================  =========  ==================================================
-``KVWIRE_PUBLISHER``           unset      ``1`` (or ``true``): the vLLM / SGLang plugins put
-                                          kvwire's publisher in place of the engine's
-                                          ``"zmq"`` one (and register ``"kvwire"``). Unset,
-                                          ``0`` or ``false``: the plugins read no other
-                                          variable and change nothing. Any other value is
-                                          logged as an error and the plugins stay off.
-``KVWIRE_EXPOSE``              unset      ``1``: bind wildcard hosts (``tcp://*:5557``) as
-                                          configured, with a warning. Unset: bind loopback
-                                          instead (events carry prompt token ids), unless
-                                          CURVE keys are set (below).
-``KVWIRE_COALESCE_MS``         ``2``      the publisher's ``send_coalesce_s`` in ms: how long
-                                          the sender holds a batch so that batches published
-                                          meanwhile share its send round (0: send at once;
-                                          at most 60000).
-``KVWIRE_MAX_REPLAY_BATCHES``  buffer     batches one replay request is answered with
-                                          (default: the whole replay buffer, as the engines
-                                          do).
-``KVWIRE_EPOCH``               unset      ``1``: an epoch id on every topic frame, so
-                                          subscribers tell a restart from a gap (changes the
-                                          topic frame).
-``KVWIRE_HEARTBEAT_S``         unset      the publisher's ``heartbeat_s`` (0.001 to 3600): an
-                                          empty batch on the wall-clock grid of it (of half
-                                          of it right after a batch) when nothing went out
-                                          meanwhile, so a trailing loss shows (adds messages;
-                                          ``kvwire.wire.heartbeat``).
-``KVWIRE_SECRET_KEY``          unset      the publisher's CURVE ``.key_secret`` file
-                                          (``kvwire keygen``); with ``KVWIRE_ALLOW_DIR``, only
-                                          clients whose public key is in that directory read
-                                          the events (add or remove files to rotate keys).
-                                          Keys imply reach: a wildcard host is bound as
-                                          configured, the keys deciding who reads, and the
-                                          log says so.
-``KVWIRE_ALLOW_DIR``           unset      the directory of allowed client public keys.
-=============================  =========  ==================================================
+Each variable is a field of :class:`IntegrationConfig` (the plugins) or
+:class:`RelayConfig` (the TensorRT-LLM relay only): ``KVWIRE_`` and the field's
+name upper-cased (``KVWIRE_PUBLISHER`` is ``enabled``), read with
+``msgspec.convert`` against the field's type and range, the same ranges as
+:class:`~kvwire.publisher.PublisherConfig`'s; an empty variable counts as
+unset, and unset ones take the publisher's defaults. A value outside them is
+refused when it is read, naming the variable, its value and what is allowed.
+A plugin that is off reads nothing else, so it can never stop its engine.
 
-The TensorRT-LLM relay (:class:`RelayConfig`) also reads, and only it:
-
-=============================  =========  ==================================================
-``KVWIRE_ENDPOINT``            loopback   base PUB endpoint (rank ``r`` binds port + ``r``),
-                                          ``tcp://127.0.0.1:5557``.
-``KVWIRE_REPLAY_ENDPOINT``     unset      base replay endpoint.
-``KVWIRE_BLOCK_SIZE``          ``32``     ``tokens_per_block``.
-``KVWIRE_BUFFER_STEPS``        ``10000``  batches kept for replay.
-``KVWIRE_MAX_QUEUE_SIZE``      ``100000`` batches waiting to be sent.
-``KVWIRE_HWM``                 ``100000`` PUB send high-water mark.
-``KVWIRE_TOPIC``               empty      topic.
-=============================  =========  ==================================================
-
-Each variable is a field of :class:`IntegrationConfig` or :class:`RelayConfig`
-(``KVWIRE_`` and the field's name upper-cased; ``KVWIRE_PUBLISHER`` is
-``enabled``), read with ``msgspec.convert`` against the field's type and
-range, the same ranges as :class:`~kvwire.publisher.PublisherConfig`'s; an
-empty variable counts as unset. A value outside them is refused when it is
-read, naming the variable, its value and what is allowed. Settings left unset
-take the publisher's defaults.
-
-Everything kvwire adds that would change the bytes on the wire stays off
-unless a variable turns it on, so existing consumers of vLLM's and SGLang's
-streams keep reading exactly what the engines' own publishers send.
+Everything that would change the bytes on the wire (epoch, heartbeats)
+stays off unless a variable turns it on, so existing consumers of vLLM's and
+SGLang's streams keep reading exactly what the engines' own publishers send.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import sys
 import time
@@ -46,7 +45,6 @@ from kvwire.publisher.collector import EventCollector
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.publisher import EventPublisher
 from kvwire.reference.control import (
-    MAX_DRIVE_RATE,
     MIN_DRIVE_RATE,
     Admitted,
     Command,
@@ -273,23 +271,23 @@ class EngineServer:
         """Admit ``rate`` synthetic requests per second round-robin over ranks (0 stops).
 
         Each rank keeps its ``hold`` most recent requests active; older ones
-        are released, so blocks become evictable and eviction happens. A rate
-        that is not finite, or outside ``MIN_DRIVE_RATE`` .. ``MAX_DRIVE_RATE``
-        (0 aside), raises ``ValueError`` and changes nothing.
+        are released, so blocks become evictable and eviction happens. Values
+        outside :class:`Drive`'s bounds, or a rate below ``MIN_DRIVE_RATE``
+        (0 aside), raise ``ValueError`` and change nothing, however it is called.
         """
-        if not math.isfinite(rate) or rate < 0 or rate > MAX_DRIVE_RATE or 0 < rate < MIN_DRIVE_RATE:
-            raise ValueError(
-                f"drive rate {rate!r} must be 0 or within {MIN_DRIVE_RATE}..{MAX_DRIVE_RATE} per second"
-            )
-        if not 1 <= hold <= 100_000:
-            raise ValueError(f"drive hold {hold} must be within 1..100000")
+        try:
+            msgspec.convert({"rate": rate, "seed": seed, "hold": hold}, Drive)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"drive rate {rate!r}, seed {seed}, hold {hold}: {exc}") from None
+        if 0 < rate < MIN_DRIVE_RATE:
+            raise ValueError(f"drive rate {rate!r} must be 0 or at least {MIN_DRIVE_RATE}")
         if rate == 0:
             self._workload = None
             return
         cfg = WorkloadConfig(seed=seed, block_size=self.config.block_size)
         self._workload = SyntheticWorkload(cfg)
         self._drive_interval = 1.0 / rate
-        self._drive_hold = max(1, hold)
+        self._drive_hold = hold
         self._next_drive = time.monotonic()
 
     def step(self) -> None:

@@ -84,25 +84,18 @@ class RequestSnapshot(msgspec.Struct, frozen=True, gc=False):
 class Reserve(msgspec.Struct, frozen=True, gc=False):
     """The rank is about to be rebuilt with about ``blocks`` blocks: size its tables now.
 
-    Emitted once per snapshot whose first chunk announces the rank's block count,
-    after its :class:`ClearRank` and before its first Apply, so that the sink
-    grows its tables once rather than while applying. A hint only (the count is
-    the publisher's word, bounded by the snapshot's bytes): the transport calls
-    the sink's optional ``reserve(worker_id, rank, blocks)``, and a sink without
-    one ignores it.
+    Between a snapshot's :class:`ClearRank` and its first Apply, when chunk 0
+    announced a count, so the sink grows its tables once. A hint (bounded by the
+    snapshot's bytes) for the sink's optional ``reserve(worker_id, rank, blocks)``.
     """
 
     blocks: int
 
 
 class Reconnect(msgspec.Struct, frozen=True, gc=False):
-    """Drop the live connection and connect again.
-
-    A publisher that heartbeats went silent for two intervals: its TCP
-    connection may be stalled behind a retransmission timer that backed off
-    during a network outage, long after the network came back. A fresh
-    connection shows at once where the publisher is (the reconnect replay).
-    """
+    """Drop the live connection and connect again: a heartbeating publisher went
+    silent, and its TCP connection may be stalled behind a retransmission timer
+    that backed off during an outage; a fresh one shows at once where it is."""
 
     reason: str
 

@@ -19,47 +19,31 @@ live batch), until a live batch shows where the stream is.
 
 {EVENT_TABLE}
 
-What each event is: CONNECT, CONNECT_LIVE: the SUB socket connected, with and
-without a replay endpoint. ASK_START: a replay that must prove continuity
-before any live batch applies (a reconnect, a restart seen, its retry).
-ASK_GAP: a replay of a hole, live batches after it held. ASK_PROBE: a replay
-asked while idle. ASK_SNAPSHOT: a snapshot, the view being lost. RETRY_LATER:
-a replay failed and is asked again at a set time. FOLLOW: in sequence with
-nothing asked (a reply settled it, a live batch showed the position, a loss was
-given up on, the stream broke). WAIT_LIVE: only the next live batch can show
-the position. GO_STALE: nothing proves the view current. RESET: a bug met an
-input; the rank was cleared. DISCONNECT: the SUB socket lost its connection.
+Events: CONNECT, CONNECT_LIVE: the SUB socket connected, with and without a
+replay endpoint. ASK_START: a replay that must prove continuity before any
+live batch applies (a reconnect, a restart seen). ASK_GAP: a replay of a hole,
+later live batches held. ASK_PROBE: a replay asked while idle. ASK_SNAPSHOT:
+the view is lost. RETRY_LATER: a failed replay is asked again at a set time.
+FOLLOW: in sequence with nothing asked. WAIT_LIVE: only the next live batch
+can show the position. GO_STALE: nothing proves the view current. RESET: a
+bug met an input (the rank was cleared). DISCONNECT: the connection was lost.
 
-What each phase is, and why it moves:
+Phases (the table says what moves each):
 
-- DISCONNECTED: no connection (the start); nothing is asked. A connection
-  moves it to STARTING (replay endpoint: prove continuity) or AWAIT_LIVE.
+- DISCONNECTED: no connection (the start); nothing is asked.
 - AWAIT_LIVE: connected, but only the next live batch tells where the stream
-  is (no replay endpoint, or a start replay gave up). A live batch moves it to
-  FOLLOWING; silence to PROBING (replay) or STALE (nothing can be asked).
-- STARTING: a (re)connect or post-restart replay is out and every live batch
-  is held until it proves continuity. Its reply ends at the tail (FOLLOWING,
-  STALE, or PROBING to look past a per-request cap), leaves more to fetch
-  (REPLAYING), times out (BACKOFF), gives up (AWAIT_LIVE), or shows a new
-  publisher life (STARTING again, for its history).
-- REPLAYING: a gap replay is out; later live batches are held. Moves like
-  STARTING, except that giving up follows live from the first held batch.
-- PROBING: idle; a replay asks what the silence hid while live batches apply
-  as usual. It ends FOLLOWING, or STALE where it proves nothing; a gap turns it
-  into REPLAYING, a loss with ``.snap`` into SNAPSHOTTING.
-- SNAPSHOTTING: a snapshot is out and every live batch is held. Applied, it
-  replays from its next seq (REPLAYING); failed, it follows live (FOLLOWING).
-- BACKOFF: a replay failed and is asked again at a set time (STARTING or
-  REPLAYING); a restart, a broken seq or a full held buffer moves it on.
-- FOLLOWING: in sequence, nothing asked. A gap moves it to REPLAYING, silence
-  to PROBING or STALE, a loss with ``.snap`` to SNAPSHOTTING.
-- STALE: nothing proves the view current (see RankState). A live batch moves
-  it to FOLLOWING; probing goes on for publishers without heartbeats.
-
-Any phase moves to STARTING on a restart seen (with replay), to FOLLOWING on a
-live seq that breaks the stream (``seq_jumps``), and to DISCONNECTED on a
-disconnect. An internal error (a bug) clears the rank and moves it to
-AWAIT_LIVE (RESET) from any connected phase.
+  is (no replay endpoint, or a start replay gave up).
+- STARTING: a (re)connect or post-restart replay is out; every live batch is
+  held until it proves continuity.
+- REPLAYING: a gap replay is out; later live batches are held. Giving up
+  follows live from the first held batch.
+- PROBING: idle; a replay asks what the silence hid while live batches apply.
+  It proves nothing until it ends.
+- SNAPSHOTTING: a snapshot is out; every live batch is held.
+- BACKOFF: a replay failed and is asked again at a set time.
+- FOLLOWING: in sequence, nothing asked.
+- STALE: nothing proves the view current; probing goes on for publishers
+  without heartbeats.
 
 Inputs
 ------

@@ -4,14 +4,12 @@ The one place where a subscriber waits: which sockets have something to read,
 and which deadlines are due, all on the loop it runs on (``add_reader`` and
 ``call_later``); nothing here blocks or polls on its own.
 
-**Readiness.** Every socket's ZeroMQ file descriptor is watched, and the
-ranks whose sockets signalled are read in *rounds*: a round reads every such
-rank (:meth:`RankLink.service <kvwire.subscriber.link.RankLink.service>`, which reads each socket to the end so that it
-signals again on the next arrival), then calls ``after_round`` (a buffering
-sink's flush). Whatever is ready when the loop wakes is read in one round, so
-the batches of a fleet arriving together cost one wake-up. A rank with more
-queued than one burst is read again in the loop's next round (its socket will
-not signal what it already holds).
+**Readiness.** The ranks whose sockets signalled are read in *rounds*: each
+(:meth:`RankLink.service <kvwire.subscriber.link.RankLink.service>`) reads its
+sockets to the end, so that they signal again on the next arrival, then
+``after_round`` runs (a buffering sink's flush). What is ready when the loop
+wakes is read in one round, so a fleet's batches arriving together cost one
+wake-up; a rank with more queued than one burst is read again next round.
 
 On Linux the descriptors sit in one epoll set of the reactor's, and the loop
 watches that set through a *gate*, a second epoll set holding only the first:
@@ -25,10 +23,8 @@ wake-ups (one every 2 ms rather than one per batch) with no blocking call in
 the loop. (Taking the set out of the loop's selector and adding it back would
 do the same, but adding an epoll set to another makes the kernel walk every
 descriptor in it: about 170 us at 1,024 ranks, twice the subscriber's CPU in
-all.) Elsewhere (the portable path, whatever selector the loop has) each
-descriptor is the loop's own reader, whose callback processes the socket's commands
-(``ZMQ_EVENTS``, after which its descriptor is quiet until the socket has been
-read to the end) and marks the rank for the round.
+all.) Elsewhere each descriptor is the loop's own reader, whose callback
+processes the socket's commands (``ZMQ_EVENTS``) and marks the rank.
 
 **Time.** Each rank has at most one loop timer, at its next deadline (replay
 timeouts, retries, idle probes, reconnects; re-read at least every
@@ -63,6 +59,7 @@ PACE_S = 0.002
 """While rounds keep finding batches, the next round is this long after the last
 (Linux): a batch waits at most this long, and a fleet's batches share wake-ups."""
 
+_clock = time.monotonic
 _POLLIN = zmq.POLLIN
 _EVENTS = zmq.EVENTS
 
@@ -77,15 +74,9 @@ def watches_descriptors(loop: asyncio.AbstractEventLoop) -> bool:
 class Reactor:
     """Watches the links' sockets and keeps their timers on ``loop``; see the module."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        after_round: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, after_round: Callable[[], None]) -> None:
         self._loop = loop
         self._after_round = after_round
-        self._clock = clock
         self._running = True
         self._watched: dict[int, tuple[Link, bool]] = {}  # fd -> (rank, is its monitor)
         self._epoll: Any = None  # Linux: the sockets' set
@@ -169,11 +160,7 @@ class Reactor:
             self._paused = not on
 
     def _mark(self, link: Link, monitor: bool) -> None:
-        marked = self._marked
-        if monitor:
-            marked[link] = True
-        elif link not in marked:
-            marked[link] = False
+        self._marked[link] = monitor or self._marked.get(link, False)
         if not self._round_soon and self._running:
             if self._round is not None:
                 self._round.cancel()  # a paced round: this one cannot wait for it
@@ -190,7 +177,7 @@ class Reactor:
             self._round.cancel()  # this round reads what it was for
             self._round = None
         self._round_soon = False
-        began = self._clock()
+        began = _clock()
         marked, self._marked = self._marked, {}
         ready = self._epoll.poll(0) if self._epoll is not None else ()  # (or readers marked)
         watched = self._watched
@@ -198,17 +185,14 @@ class Reactor:
             entry = watched.get(fd)
             if entry is not None:
                 link, monitor = entry
-                if monitor:
-                    marked[link] = True
-                elif link not in marked:
-                    marked[link] = False
+                marked[link] = monitor or marked.get(link, False)
         more: list[Link] = []
         for link, monitor in marked.items():
             if not link.closed and link.service(monitor):
                 more.append(link)
         self._after_round()
         if self.on_round is not None:
-            self.on_round(self._clock() - began)
+            self.on_round(_clock() - began)
         for link in more:
             if not link.closed:
                 self.again(link)
@@ -235,7 +219,7 @@ class Reactor:
         if link.closed or not self._running:
             return
         if now is None:
-            now = self._clock()
+            now = _clock()
         silence = link.silence()
         if silence is not None and self._sweep_later(link, *silence, now):
             return
@@ -262,7 +246,7 @@ class Reactor:
         link.timer = link.timer_at = None
         if link.closed:
             return
-        now = self._clock()
+        now = _clock()
         link.on_timer(now)
         self.schedule(link, now)
         self._after_round()
@@ -307,7 +291,7 @@ class Reactor:
         self._sweep_handle = None
         if not self._swept or not self._running:
             return
-        now = self._clock()
+        now = _clock()
         self._arm_sweep(now)
         horizon = self._sweep_at
         due = [

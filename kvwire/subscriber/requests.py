@@ -23,23 +23,40 @@ __all__ = ["Replay", "Requests", "Snapshot"]
 Frame = bytes | bytearray | memoryview
 
 
-class Replay:
+class _Request:
+    """What every request out has: its token, its deadlines, the horizon when sent."""
+
+    __slots__ = ("deadline", "hard_deadline", "horizon_at_send", "token")
+    _overall = "replay_deadline"  # the StreamConfig field bounding the whole reply
+
+    def __init__(self, token: int, now: float, config: StreamConfig, horizon: int) -> None:
+        self.token = token
+        self.horizon_at_send = horizon
+        self.begin(now, config)
+
+    def begin(self, now: float, config: StreamConfig) -> None:
+        """Sent at ``now``: the overall deadline and the first message's run from here."""
+        self.hard_deadline = now + getattr(config, self._overall)
+        self.heard(now, config)
+
+    def heard(self, now: float, config: StreamConfig) -> None:
+        """A message of the reply arrived at ``now``: the next is due ``replay_timeout`` on."""
+        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
+
+
+class Replay(_Request):
     """One outstanding replay request and what its reply showed so far."""
 
     __slots__ = (
         "anchor_payload",
         "anchored",
         "claim",
-        "deadline",
         "first",
-        "hard_deadline",
-        "horizon_at_send",
         "identify",
         "kind",
         "last_seq",
         "progressed",
         "start",
-        "token",
         "undecodable",
         "verified",
     )
@@ -54,14 +71,11 @@ class Replay:
         config: StreamConfig,
         horizon: int,
     ) -> None:
-        self.token = token
+        super().__init__(token, now, config, horizon)
         self.kind = kind
         self.start = start
         self.anchored = anchor_payload is not None
         self.anchor_payload = anchor_payload
-        self.hard_deadline = now + config.replay_deadline
-        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
-        self.horizon_at_send = horizon
         self.first = True  # no item at or above start seen yet
         self.progressed = False  # applied at least one batch
         self.verified = False  # the anchor matched
@@ -76,24 +90,14 @@ def _backoff(initial: float, cap: float, failures: int) -> float:
     return min(cap, initial * 2.0 ** min(failures - 1, 64))
 
 
-class Snapshot:
+class Snapshot(_Request):
     """One outstanding snapshot request and the chunks read so far."""
 
-    __slots__ = (
-        "blocks",
-        "chunks",
-        "deadline",
-        "hard_deadline",
-        "horizon_at_send",
-        "next_seq",
-        "token",
-    )
+    __slots__ = ("blocks", "chunks", "next_seq")
+    _overall = "snapshot_deadline"
 
     def __init__(self, token: int, now: float, config: StreamConfig, horizon: int) -> None:
-        self.token = token
-        self.hard_deadline = now + config.snapshot_deadline
-        self.deadline = min(now + config.replay_timeout, self.hard_deadline)
-        self.horizon_at_send = horizon
+        super().__init__(token, now, config, horizon)
         self.next_seq = -1
         self.chunks: list[tuple[Judged, Frame]] = []
         self.blocks: int | None = None  # the rank's block count, as chunk 0 announced it
@@ -174,9 +178,7 @@ class Requests:
         r = self.active
         if r is None or r.token != token:
             return False
-        overall = config.snapshot_deadline if isinstance(r, Snapshot) else config.replay_deadline
-        r.hard_deadline = now + overall
-        r.deadline = min(now + config.replay_timeout, r.hard_deadline)
+        r.begin(now, config)
         return True
 
     def recovered(self) -> None:

@@ -75,11 +75,6 @@ class Held(SortedDict):  # type: ignore[misc]
         self.nbytes -= len(item[1][1])
         return item
 
-    def pop(self, seq: int, *default: object) -> object:
-        if seq in self:
-            self.nbytes -= len(self[seq][1])
-        return super().pop(seq, *default)
-
     def clear(self) -> None:
         super().clear()
         self.nbytes = 0
@@ -134,6 +129,28 @@ class SeqTracker:
         self.expected = seq + 1
         if seq >= self.horizon:
             self.horizon = seq + 1
+
+    def follow(self, seq: int, payload: Frame) -> None:
+        """Live batch ``seq`` was applied in sequence: no replayed copy is awaited."""
+        if self.window:
+            self.window.clear()
+        self.last_live = seq
+        self.advance(seq, payload)
+
+    def replayed(self, seq: int, payload: Frame) -> None:
+        """Batch ``seq`` was applied from a replay: its live copy may still come."""
+        if seq > self.last_live:
+            self.window.append((seq, hash(bytes(payload))))
+
+    def live_copy(self, seq: int, payload: Frame) -> bool | None:
+        """Live batch ``seq`` arrived: whether it equals the replayed copy applied (None:
+        none was); the window forgets every seq up to it."""
+        window = self.window
+        while window and window[0][0] < seq:
+            window.popleft()
+        if window and window[0][0] == seq:
+            return window.popleft()[1] == hash(bytes(payload))
+        return None
 
     def see(self, seq: int) -> None:
         """Batch ``seq`` exists (a live or replayed copy was read)."""

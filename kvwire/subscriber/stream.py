@@ -1,101 +1,75 @@
 """The per-rank sequencing state machine: sans-I/O, fed frames and time, returns actions.
 
-One :class:`RankStream` follows one publisher socket (one engine, one rank).
-It owns no socket and reads no clock: the transport feeds it live messages,
-replay reply messages, connection events and the current time, and carries
-out the :mod:`~kvwire.subscriber.actions` it returns. Every rule is
-testable with plain lists of frames. The wire is ``docs/wire.md``.
+One :class:`RankStream` follows one publisher socket (one engine, one rank). It
+owns no socket and reads no clock: the transport feeds it live messages,
+replay replies, connection events and the time, and carries out the
+:mod:`~kvwire.subscriber.actions` it returns, so every rule is testable with
+lists of frames. The wire is ``docs/wire.md``.
 
-Phases and inputs
------------------
-
-A stream is always in exactly one :class:`~kvwire.subscriber.phases.Phase`,
-moved only by the events of :data:`~kvwire.subscriber.phases.EVENTS`; each
-input is handled by the method :data:`~kvwire.subscriber.phases.HANDLERS`
-names for the phase (both tables, and what each phase and event means, are in
-:mod:`kvwire.subscriber.phases`). Besides the phase the stream keeps its
-position (:class:`~kvwire.subscriber.seq.SeqTracker`), what it asked
-(:class:`~kvwire.subscriber.requests.Requests`), the publisher life it follows
-(epoch and topic, changed together with the position, in ``_adopt``), and
-whether the view is *exact*; the state a router reads, and whether the fast
-path applies, are derived from them once after each input (``_finish``).
-
+The state is a :class:`~kvwire.subscriber.phases.Phase` (moved only by
+:data:`~kvwire.subscriber.phases.EVENTS`; each input handled by the method
+:data:`~kvwire.subscriber.phases.HANDLERS` names), the position
+(:class:`~kvwire.subscriber.seq.SeqTracker`), what was asked
+(:class:`~kvwire.subscriber.requests.Requests`), the publisher life followed
+(epoch and topic, changed with the position in ``_adopt`` only) and whether
+the view is *exact*. The state a router reads, and whether the fast path
+applies, are derived once per input (``_finish``).
 
 Rules
 -----
 
-- A live batch at the expected seq is applied. A later one opens a gap: it is
-  held (in seq order, bounded) while a replay fills the hole. A hole the
-  replay cannot fill is lost for good: by default the rank is cleared and
-  marked PARTIAL, then the stream goes on; a publisher that serves snapshots
-  (epoch ``.snap``) is asked for one, which makes the rank exact again. An
-  ``AllBlocksCleared`` later does too.
-- Restarts. A changed epoch (``docs/wire.md`` section 6) on a live message
-  or a reply is a restart, deterministically. Without an epoch, a live seq
-  that goes back, or a replayed anchor (the last batch applied) that differs
-  byte for byte, is the guess. Under an unchanged epoch neither is a restart:
-  a seq that goes back is a broken stream (cleared, followed). A restart
-  moves the epoch, its topic and the position together. Once a reply showed
-  a new epoch (the replay socket reaches the process bound now), live
-  messages of the old one still on their way are dropped (``old_life``); a
-  change seen only live retires nothing, as a late message of a life never
-  followed reads the same, and is a restart back (the replay settles it).
-- An anchored replay (after a reconnect, an idle probe) proves continuity only
-  by showing the anchor byte for byte: one whose anchor is gone from the
-  buffer leaves the rank PARTIAL under any epoch (a publisher whose epoch is
-  configured, not drawn, restarts under it).
-- An empty or useless replay never proves anything: a reply with no batch at
-  or after what was asked, although a later seq was seen, leaves the rank
-  PARTIAL (cleared, following live), never SYNCED at a seq the live stream
-  has already passed. (A publisher without epoch whose anchored reply came
-  back empty is first asked for its whole buffer: a buffer always holds the
-  latest batch, so batches that all lie below the anchor prove a restart.)
-- A snapshot proves the publisher's next seq when it was served: a seq seen
-  at or above it before the snapshot was asked is not this publisher's any
-  more (a restart under the same epoch), and the horizon comes down to what
-  the snapshot proves. Every snapshot counts toward the backoff
-  (``backoff_initial`` doubling, up to ``snapshot_backoff_max``) until the rank is
-  SYNCED again, applied or not: a recovery that does not end in sequence
-  never loops at the speed of the network, and a publisher that can serve a
-  snapshot is asked again for as long as the rank is not exact (never given
-  up on). A snapshot whose first chunk announces the rank's block count is
-  applied after a :class:`~kvwire.subscriber.Reserve` of that many blocks.
-- What a quiet stream proves. A publisher that heartbeats (epoch ``.hb``)
-  sends the next seq at least every 1.5 intervals (``kvwire.wire.heartbeat``):
-  silence for 2.5 intervals asks for a fresh connection (once a silence), for
-  3.5 makes the rank STALE, and the next message shows any gap. Without
-  heartbeats the rank is probed after ``idle_probe`` of silence: the engines' publishers
-  assign a seq when they send, so their replay buffer holds every seq and a
-  probe proves the tail; kvwire's (epoch ``kvw1.``) reserve a seq before
-  queueing, so a batch dropped at the end of a burst leaves no trace and the
-  probe proves nothing past the last buffered batch: the rank is STALE until
-  a live batch arrives. Without replay and heartbeats the same silence makes
-  it STALE too.
-- Payloads. With ``payloads=True`` (a sink that reads payload bytes itself,
-  :class:`~kvwire.subscriber.PayloadSink`) a batch is judged by a native
-  check of just what the stream reads of it (its number of events, its rank,
-  whether it clears), which vouches that ``decode_batch`` accepts it; its
-  Apply is then :class:`~kvwire.subscriber.ApplyPayload`, with no Python
-  object per event. A payload the check does not read is decoded as before
-  and applied as a batch. Either way it is judged before the stream moves:
-  the same rules, counters and states as without.
-- Limits: a replay or snapshot has an overall deadline however its frames
-  trickle; a seq jump past ``max_seq_jump`` is a broken stream, not a loss of
-  that many seqs; every frame that cannot be parsed or decoded (any
-  exception from the decoder) is counted and treated as a lost seq. No input
-  raises, and the actions queued before an unexpected error are returned.
+- In order: the expected seq is applied; a later one is held (bounded) while
+  a replay fills the hole. A hole no replay fills is lost: the rank is
+  cleared and PARTIAL (``loss_policy``), or, from a publisher that serves
+  snapshots (epoch ``.snap``), a snapshot makes it exact again, as does a
+  later ``AllBlocksCleared``.
+- Restarts: a changed epoch (``docs/wire.md`` section 6) on a live message or
+  a reply is one. Without an epoch, a live seq that goes back or a replayed
+  anchor (the last batch applied) that differs byte for byte is the guess;
+  under an unchanged epoch either is a broken stream (cleared, followed). A
+  new epoch shown by a reply retires the old one: its late live messages are
+  dropped (``old_life``). One seen only live retires nothing (a late message
+  of a life never followed reads the same; the replay settles it).
+- An anchored replay (reconnect, idle probe) proves continuity only by
+  showing the anchor byte for byte; one whose anchor left the buffer leaves
+  the rank PARTIAL under any epoch (a configured epoch survives a restart).
+- An empty reply proves nothing: none at or after what was asked although a
+  later seq was seen leaves the rank PARTIAL, never SYNCED behind live. (A
+  publisher without epoch is first asked for its whole buffer: a buffer
+  always holds the latest batch, so one that lies below the anchor proves a
+  restart.)
+- A snapshot proves the publisher's next seq when served: seqs seen at or
+  above it before it was asked are not this publisher's any more, and the
+  horizon comes down. Every snapshot counts toward the backoff
+  (``backoff_initial`` doubling up to ``snapshot_backoff_max``) until the rank
+  is SYNCED, applied or not, so a recovery that does not end in sequence
+  never loops at network speed; one is asked for as long as the view is not
+  exact. A count announced in chunk 0 becomes a :class:`Reserve` first.
+- Silence: a heartbeating publisher (epoch ``.hb``) sends the next seq at
+  least every 1.5 intervals (``kvwire.wire.heartbeat``): 2.5 silent intervals
+  ask a fresh connection (once a silence), 3.5 make the rank STALE. Without
+  heartbeats the rank is probed after ``idle_probe``: the engines' publishers
+  assign a seq as they send, so a probe proves the tail; kvwire's (epoch
+  ``kvw1.``) reserve one before queueing, so a batch dropped at the end of a
+  burst leaves no trace and the rank is STALE until a live batch. Without
+  replay and heartbeats silence makes it STALE too.
+- Payloads: with ``payloads=True`` a batch the native check vouches for (it
+  reads just its event count, rank and whether it clears, and vouches that
+  ``decode_batch`` accepts it) is applied as :class:`ApplyPayload`; any other
+  is decoded and applied as :class:`Apply`. Both are judged before the stream
+  moves, under the same rules and counters.
+- Limits: a request has an overall deadline however its frames trickle; a
+  jump past ``max_seq_jump`` is a broken stream, not that many lost seqs; a
+  frame that does not parse or decode is counted and its seq treated as
+  lost. No input raises; the actions queued before a bug are returned.
 
-The transport must feed a connection event before any replay reply it reads
-later, and the live batches received before a disconnect before the
-disconnect itself (:class:`~kvwire.subscriber.Subscriber` does both).
+The transport feeds a connection event before any reply it reads later, and
+the live batches read before a disconnect before the disconnect.
 
-Not detectable: a publisher without epoch and without replay endpoint that
-restarted while the subscriber missed its first batches and whose new seqs
-happen to continue the old ones looks like the old one (its next batch is
-applied on top of the old view). An epoch or a replay endpoint detects it.
-Nor is a late live message of an old life whose topic equals the new one's
-(no epoch, or the same epoch): at the next seq it reads as the next batch, and
-above it as a batch to wait for, followed once a replay gives up on the hole.
+Not detectable: a publisher without epoch or replay endpoint that restarted
+while its first batches were missed, with new seqs that continue the old
+ones; nor a late live message of an old life with the new life's topic (no
+epoch, or the same one), which reads as the next batch or one to wait for.
 """
 
 from __future__ import annotations
@@ -133,6 +107,7 @@ from kvwire.wire import (
     parse_replay_reply,
     split_topic,
 )
+from kvwire.wire.framing import KVWIRE_EPOCH
 from kvwire.wire.heartbeat import MAX_SILENCE
 
 __all__ = ["EVENTS", "HANDLERS", "TRANSITIONS", "Event", "Input", "Phase", "RankStream"]
@@ -154,7 +129,6 @@ def _native_check() -> Callable[[Frame, int, int, int, int], Facts | None] | Non
 
 _CHECK = _native_check()
 
-_KVWIRE_EPOCH = b"kvw1."
 _RETIRED_EPOCHS = 8  # publisher lives left behind whose late live messages are dropped
 # Silence (in heartbeat intervals) after which a fresh connection is tried (once a
 # silence), and after which the rank is STALE: one and two intervals past the longest
@@ -180,14 +154,6 @@ def _has_clear(judged: Judged) -> bool:
 
 def _events(judged: Judged) -> int:
     return judged[0] if type(judged) is tuple else len(judged.events)  # type: ignore[union-attr]
-
-
-def _rank_of(judged: Judged) -> int | None:
-    return judged[1] if type(judged) is tuple else judged.data_parallel_rank  # type: ignore[union-attr]
-
-
-def _payload_hash(payload: Frame) -> int:
-    return hash(bytes(payload))
 
 
 class RankStream:
@@ -302,12 +268,10 @@ class RankStream:
         check them now and then (well before they fall due) rather than keep a
         timer per rank. None in any other case.
         """
-        hb = self._epoch_info.heartbeat_s
-        if not self._fast or self._req.active is not None or hb is None:
+        if not self._fast or self._req.active is not None or self._epoch_info.heartbeat_s is None:
             return None
-        if self._reconnected_after == self._last_live_at:
-            return self._last_live_at + _STALE_HEARTBEATS * hb
-        return self._last_live_at + _RECONNECT_HEARTBEATS * hb
+        due = self._reconnect_due_at()
+        return due if due is not None else self._stale_due_at()
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`tick` has something to do (None: nothing timed)."""
@@ -362,11 +326,8 @@ class RankStream:
                 c.events += n
                 if r != self.rank and r is not None and self.rank is not None:
                     c.rank_mismatches += 1
-                if t.window:
-                    t.window.clear()
                 self._clean = False
-                t.last_live = seq
-                t.advance(seq, payload)
+                t.follow(seq, payload)
                 return [action]
         return self._step(now, Input.LIVE, bytes(topic), seq, payload)
 
@@ -393,15 +354,10 @@ class RankStream:
         """
         if count < 1 or not self._fast:
             raise ValueError("beats() takes the heartbeats beat_key() allowed, just read")
-        t = self._seq
-        seq = t.expected + count - 1
         self._last_live_at = now
         self.counters.batches += count
-        if t.window:
-            t.window.clear()
         self._clean = False
-        t.last_live = seq
-        t.advance(seq, payload)
+        self._seq.follow(self._seq.expected + count - 1, payload)
 
     def replay_reply(self, frames: Sequence[Frame], token: int, now: float) -> list[Action]:
         """A message read from the replay socket, with the token of its request."""
@@ -460,14 +416,9 @@ class RankStream:
         )
 
     def resume(self, pos: StreamPosition) -> None:
-        """Start from ``pos`` (another stream's :meth:`position`), before the first connect.
-
-        The caller has loaded the sink with the rank's contents as of ``pos``.
-        The first connect is then a reconnect: an anchored replay proves the
-        publisher is the same by the anchor byte for byte and fills the gap;
-        where it cannot (the anchor gone from the buffer, a new epoch, no
-        replay endpoint) the rules of a reconnect apply, clearing as they do.
-        """
+        """Start from ``pos`` (another stream's :meth:`position`), before the first connect,
+        the sink loaded as of ``pos``. The first connect is then a reconnect: its
+        anchored replay proves the publisher the same and fills the gap, or clears."""
         if self._phase is not Phase.DISCONNECTED or self._ever_connected:
             raise ValueError("resume() is only valid before the stream's first connect")
         self._adopt((pos.topic, pos.epoch), start=pos)
@@ -517,27 +468,22 @@ class RankStream:
         )
 
     def _settle(self) -> None:
-        """Nothing is asked any more: FOLLOWING, or STALE where the tail is unproven."""
-        if self._tail_unproven():
+        """Nothing is asked any more: FOLLOWING, or STALE where the tail is unproven
+        (kvwire's publishers reserve a seq before queueing, so a batch dropped after
+        the last one leaves no trace; the engines' assign it as they send)."""
+        idle = self.config.idle_probe if self.config.idle_probe is not None else 1.0
+        if (
+            self._epoch is not None
+            and self._epoch.startswith(KVWIRE_EPOCH)
+            and self._epoch_info.heartbeat_s is None
+            and self._now - self._last_live_at >= idle
+        ):
             self._go_stale(
                 f"idle since batch {self._seq.expected - 1}: this publisher does not heartbeat, "
                 "and a batch it dropped after that one would leave no trace"
             )
         else:
             self._move(Event.FOLLOW)
-
-    def _tail_unproven(self) -> bool:
-        idle = self.config.idle_probe if self.config.idle_probe is not None else 1.0
-        return (
-            self._reserves_seqs()
-            and self._epoch_info.heartbeat_s is None
-            and self._now - self._last_live_at >= idle
-        )
-
-    def _reserves_seqs(self) -> bool:
-        """kvwire's publishers reserve a seq before queueing (a drop leaves a hole);
-        the engines' own assign it when they send."""
-        return self._epoch is not None and self._epoch.startswith(_KVWIRE_EPOCH)
 
     def _go_stale(self, why: str) -> None:
         if self._phase is not Phase.STALE:
@@ -554,16 +500,10 @@ class RankStream:
         retire: bool = False,
         start: int | StreamPosition | None = None,
     ) -> None:
-        """Follow the publisher life that sends ``life`` (topic, epoch), from ``start``.
-
-        The one place where the epoch, its topic and the position change:
-        ``start`` is a new life's known horizon (its position from seq 0), a
-        position resumed from, or None (the same life: the position stays).
-        ``retire``: the replay socket, which reaches the process bound now, showed
-        the new epoch, so the old life's live messages still on their way are
-        dropped. An epoch change seen live retires nothing: a late message of a
-        life never followed would read as a change, and only a reply can tell.
-        """
+        """Follow the life that sends ``life`` (topic, epoch): the one place the epoch,
+        its topic and the position change. ``start``: a new life's known horizon, a
+        position resumed from, or None (the same life). ``retire``: a reply showed the
+        new epoch, so the old one's late live messages are dropped."""
         if life is not None:
             topic, epoch = life
             self._topic = topic
@@ -637,9 +577,7 @@ class RankStream:
         t.last_live = seq  # even a bad payload had its place in the ordered stream
         t.see(seq)
         self._resume_following()
-        window = t.window
-        while window and window[0][0] <= seq:
-            window.popleft()
+        t.live_copy(seq, payload)  # replayed copies up to seq are no longer awaited
         if batch is None:
             if not self.config.replay:
                 self._skip_to(seq + 1, f"batch {seq} undecodable and no replay endpoint")
@@ -677,12 +615,9 @@ class RankStream:
         if seq <= t.last_live:
             self._restart_or_break(seq, f"live seq went back from {t.last_live} to {seq}")
             return False
-        window = t.window
-        while window and window[0][0] < seq:
-            window.popleft()
-        if window and window[0][0] == seq:
-            _, digest = window.popleft()
-            if digest != _payload_hash(payload):
+        same = t.live_copy(seq, payload)
+        if same is not None:
+            if not same:
                 self._restart_or_break(seq, f"live batch {seq} differs from its replayed copy")
                 return False
             self.counters.duplicates += 1
@@ -715,8 +650,7 @@ class RankStream:
             self._give_up(why, Phase.STARTING)
         else:
             self._req.abandon()
-            self._move(Event.FOLLOW)
-            self._skip_to(self._seq.lowest_held(), why)
+            self._follow_held(why)
 
     def _restart_or_break(self, seq: int, why: str) -> None:
         if self._epoch is None:
@@ -752,14 +686,6 @@ class RankStream:
                 self.counters.decode_errors += 1
             self._ensure_request()
 
-    def _snapshot_reply(self, frames: Sequence[Frame], token: int) -> None:
-        got = self._reply(frames, token)
-        if got is not None:
-            r, msg, _ = got
-            assert isinstance(r, Snapshot)
-            self._snapshot_message(r, msg)
-            self._ensure_request()
-
     def _reply(
         self, frames: Sequence[Frame], token: int
     ) -> tuple[Replay | Snapshot, ReplayReply, bool] | None:
@@ -770,7 +696,7 @@ class RankStream:
         if r is None or token != r.token:
             c.stale_replies += 1
             return None
-        r.deadline = min(self._now + self.config.replay_timeout, r.hard_deadline)
+        r.heard(self._now, self.config)
         try:
             msg = parse_replay_reply(frames)
         except Exception:
@@ -904,9 +830,7 @@ class RankStream:
             return
         if t.gap:
             if r.undecodable == t.expected:
-                target = t.lowest_held()
-                self._move(Event.FOLLOW)
-                self._skip_to(target, f"buffered batch {t.expected} does not decode")
+                self._follow_held(f"buffered batch {t.expected} does not decode")
                 return
             if r.progressed:
                 req.retries = 0
@@ -960,8 +884,7 @@ class RankStream:
         """After a failed replay: follow live from the first batch still held, or
         wait for the next one when a start replay could not show the position."""
         if self._seq.gap:
-            self._move(Event.FOLLOW)
-            self._skip_to(self._seq.lowest_held(), why)
+            self._follow_held(why)
         elif kind is Phase.STARTING:
             self._move(Event.WAIT_LIVE)
             self._reason = f"{why}; waiting for the next live batch"
@@ -970,11 +893,16 @@ class RankStream:
 
     # --- snapshots ----------------------------------------------------------------
 
-    def _snapshot_message(self, r: Snapshot, msg: ReplayReply) -> None:
+    def _snapshot_reply(self, frames: Sequence[Frame], token: int) -> None:
+        got = self._reply(frames, token)
+        if got is None:
+            return
+        r, msg, _ = got
+        assert isinstance(r, Snapshot)
         if isinstance(msg, SnapshotChunk):
             if r.next_seq < 0:
                 r.next_seq = msg.next_seq
-                r.blocks = getattr(msg, "blocks", None)  # chunk 0's announcement, if any
+                r.blocks = msg.blocks  # chunk 0's announcement, if any
             if msg.next_seq != r.next_seq:
                 self._snapshot_failed(f"chunks as of seqs {r.next_seq} and {msg.next_seq}")
             elif msg.number != len(r.chunks):
@@ -1000,6 +928,7 @@ class RankStream:
             self._snapshot_failed("the publisher answered with an empty replay")
         else:
             self.counters.decode_errors += 1
+        self._ensure_request()
 
     def _apply_snapshot(self, r: Snapshot, next_seq: int) -> None:
         c = self.counters
@@ -1025,25 +954,21 @@ class RankStream:
 
     def _snapshot_due_at(self) -> float | None:
         """When a failed snapshot is asked again (only where nothing else is asked)."""
-        if (
-            self._exact
-            or self._phase not in _IDLE_PHASES
-            or not self._epoch_info.snapshot
-            or not self.config.snapshot
-            or not self.config.replay
-        ):
+        if self._phase not in _IDLE_PHASES or not self._wants_snapshot():
             return None
         return self._req.recovery_after
+
+    def _wants_snapshot(self) -> bool:
+        """The view is lost and the publisher can rebuild it."""
+        cfg = self.config
+        return not self._exact and cfg.snapshot and cfg.replay and self._epoch_info.snapshot
 
     def _snapshot_failed(self, why: str) -> None:
         self.counters.snapshots_failed += 1
         self._req.abandon()
         self._req.snapshot_ended(self._now, self.config)
-        self._move(Event.FOLLOW)
-        why = f"snapshot failed: {why}"
-        self._reason = why
-        # Live batches were held meanwhile: go on from the first of them.
-        self._skip_to(self._seq.lowest_held(), why)
+        why = self._reason = f"snapshot failed: {why}"
+        self._follow_held(why)
         if self._exact:
             self._lose_view(why)
 
@@ -1169,12 +1094,6 @@ class RankStream:
             self.counters.replays_requested += 1
         self._move(_ASK[kind])
 
-    def _ask_snapshot(self) -> None:
-        self._out.append(self._req.snapshot(self._now, self.config, self._seq.horizon))
-        self.counters.snapshots_requested += 1
-        self._move(Event.ASK_SNAPSHOT)
-        self._reason = f"{self._reason}; asking for a snapshot"
-
     def _ensure_request(self) -> None:
         """After each input: ask what the stream needs, if nothing is out."""
         if not self.config.replay:
@@ -1188,14 +1107,12 @@ class RankStream:
             isinstance(active, Snapshot) or active.kind is not Phase.PROBING
         ):
             return
-        if (
-            not self._exact
-            and self.config.snapshot
-            and self._epoch_info.snapshot
-            and req.snapshot_allowed(self._now)
-        ):
+        if self._wants_snapshot() and req.snapshot_allowed(self._now):
             req.abandon()
-            self._ask_snapshot()
+            self._out.append(req.snapshot(self._now, self.config, self._seq.horizon))
+            self.counters.snapshots_requested += 1
+            self._move(Event.ASK_SNAPSHOT)
+            self._reason = f"{self._reason}; asking for a snapshot"
         elif self._seq.gap:
             if active is not None:  # the probe out covers the gap too
                 active.kind = Phase.REPLAYING
@@ -1233,14 +1150,13 @@ class RankStream:
         c = self.counters
         c.batches += 1
         c.events += _events(batch)
-        r = _rank_of(batch)
+        r = batch[1] if type(batch) is tuple else batch.data_parallel_rank  # type: ignore[union-attr]
         if r is not None and r != self.rank and self.rank is not None:
             c.rank_mismatches += 1
         t = self._seq
         if replayed:
             c.replayed += 1
-            if seq > t.last_live:
-                t.window.append((seq, _payload_hash(payload)))
+            t.replayed(seq, payload)
         t.advance(seq, payload)
         if not self._exact and _has_clear(batch):
             self._exact = True
@@ -1274,6 +1190,11 @@ class RankStream:
             self._lose_view(why)
         if drain:
             self._drain()
+
+    def _follow_held(self, why: str) -> None:
+        """A loss given up on: follow live from the first batch held (else the horizon)."""
+        self._move(Event.FOLLOW)
+        self._skip_to(self._seq.lowest_held(), why)
 
     def _lose_view(self, why: str) -> None:
         was_exact, self._exact = self._exact, False

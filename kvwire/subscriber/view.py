@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 
-from kvwire.subscriber.sink import BlockSetSink
 from kvwire.subscriber.state import RankStatus
 from kvwire.wire import KVEvent
 
@@ -49,14 +49,18 @@ _COLUMNS = (
 
 
 class WatchView:
-    """Renders per-rank rows; events/s comes from the counters between two renders."""
+    """Renders per-rank rows; events/s comes from the counters between two renders,
+    blocks held from ``blocks(worker_id, rank)`` (a sink's or an index's count)."""
 
     def __init__(self, title: str) -> None:
         self.title = title
         self._last: dict[tuple[str, int], tuple[float, int]] = {}
 
     def render(
-        self, statuses: list[RankStatus], sink: BlockSetSink, now: float | None = None
+        self,
+        statuses: list[RankStatus],
+        blocks: Callable[[str, int], int],
+        now: float | None = None,
     ) -> list[str]:
         now = time.monotonic() if now is None else now
         rows: list[tuple[str, ...]] = []
@@ -80,7 +84,7 @@ class WatchView:
                     f"{c.replays_succeeded}/{c.replays_failed}",
                     str(c.restarts),
                     str(c.decode_errors + c.sink_errors),
-                    str(sink.count(st.worker_id, st.rank)),
+                    str(blocks(st.worker_id, st.rank)),
                     st.reason,
                 )
             )

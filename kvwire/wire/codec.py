@@ -258,15 +258,9 @@ _generic_decoder = msgspec.msgpack.Decoder()
 _raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
-# The positional dialect lists an event's fields in declaration order.
-_POSITIONAL = {
-    "BlockStored": BlockStored.__struct_fields__,
-    "BlockRemoved": BlockRemoved.__struct_fields__,
-}
+# By tag; the positional dialect lists an event's fields in declaration order.
 _EVENT_TYPES: dict[str, type[KVEvent]] = {
-    "BlockStored": BlockStored,
-    "BlockRemoved": BlockRemoved,
-    "AllBlocksCleared": AllBlocksCleared,
+    c.__name__: c for c in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
 
 
@@ -318,12 +312,12 @@ def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
         if not values:
             raise WireError(f"event {index} is an empty array, not a tagged event")
         kind = _generic_decoder.decode(values[0])
-        names = _POSITIONAL.get(kind, ()) if isinstance(kind, str) else ()
-        named = dict(zip(names, values[1:], strict=False))
     cls = _EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"event {index} has unknown type {kind!r:.80}")
     known = cls.__struct_fields__
+    if named is None:
+        named = dict(zip(known, values[1:], strict=False))
     # Unknown fields are skipped unread, as msgspec's typed decoding skips them.
     fields = {k: _generic_decoder.decode(v) for k, v in named.items() if k in known and k != "token_ids"}
     try:
@@ -415,14 +409,10 @@ def decode_batch(
     """Decode one batch payload of any dialect in the wild.
 
     Raises :class:`WireError` naming the problem for anything that is not a
-    whole, valid batch within ``limits`` (nesting too deep included): a
-    missing required field, a key given twice, a token id that is not an
-    integer among them. One answer for any payload: the typed fast path
-    (structs built from the native reader's view, or msgspec for rarer
-    fields) is taken only for a payload the native reader
-    (``kvwire/_native/scan.h``) vouches for, which checks every rule; any
-    other goes the general way, where Python checks each. Token ids stay
-    packed until first read (:class:`TokenIds`).
+    whole, valid batch within ``limits``: a missing required field, a key
+    given twice, a token id that is not an integer among them. One answer
+    whichever path is taken (see the module). Token ids stay packed until
+    first read (:class:`TokenIds`).
     """
     batch = _decode_typed(payload, limits)
     return _decode_generic(payload, limits) if batch is None else batch

@@ -155,7 +155,8 @@ class ReplayEnd(NamedTuple):
 EPOCH_MARK = b"\x00sgl-kv-epoch="
 """What separates a topic from the publisher's epoch (SGLang's convention)."""
 
-_KVWIRE_EPOCH = b"kvw1."
+KVWIRE_EPOCH = b"kvw1."
+"""How kvwire's own publishers' epochs begin (they reserve a seq before queueing)."""
 _EPOCH_ID_LEN = 16  # hex digits of a random 64-bit id
 _MAX_EPOCH_LEN = 64
 _MAX_HEARTBEAT_MS = 3_600_000
@@ -179,7 +180,7 @@ def format_epoch(instance: int, *, heartbeat_s: float | None, snapshot: bool) ->
     """A kvwire publisher's epoch: ``kvw1.<16 hex>[.hb<ms>][.snap]``."""
     if not 0 <= instance < 1 << 64:
         raise WireError(f"epoch instance {instance} is not a 64-bit unsigned int")
-    out = _KVWIRE_EPOCH + b"%016x" % instance
+    out = KVWIRE_EPOCH + b"%016x" % instance
     if heartbeat_s is not None:
         ms = round(heartbeat_s * 1000)
         if not 1 <= ms <= _MAX_HEARTBEAT_MS:
@@ -192,9 +193,9 @@ def format_epoch(instance: int, *, heartbeat_s: float | None, snapshot: bool) ->
 
 def parse_epoch(epoch: bytes) -> Epoch:
     """Read an epoch; anything not in kvwire's form is an opaque epoch (no promises)."""
-    if len(epoch) > _MAX_EPOCH_LEN or not epoch.startswith(_KVWIRE_EPOCH):
+    if len(epoch) > _MAX_EPOCH_LEN or not epoch.startswith(KVWIRE_EPOCH):
         return Epoch(epoch)
-    parts = epoch[len(_KVWIRE_EPOCH) :].split(b".")
+    parts = epoch[len(KVWIRE_EPOCH) :].split(b".")
     ident = parts[0]
     if len(ident) != _EPOCH_ID_LEN or not all(c in b"0123456789abcdef" for c in ident):
         return Epoch(epoch)

@@ -1,29 +1,14 @@
 """When a kvwire publisher heartbeats, and how long a healthy one can be silent.
 
-A heartbeat is an empty batch on the next seq (``docs/wire.md`` section 5).
-Its timing is one rule, shared by the publisher (which sends by it) and the
-subscriber (whose silence thresholds follow from its worst case):
-
-    Heartbeats fall on the wall-clock grid of a step (the instants ``k * step``
-    of ``time.time()``, the same in every process of a host and, with NTP, of a
-    fleet). At each grid instant a publisher sends one if nothing went on the
-    wire in the last half step. The step is the interval ``I`` while idle, and
-    ``I / 2`` when the last thing sent was a batch.
-
-So a fleet's idle ranks heartbeat together, and a router reads hundreds of
-them per wake-up (its thread and libzmq's I/O thread alike) instead of one
-wake-up per rank. The first heartbeat after a batch comes twice as soon as
-the idle ones: it is the one that shows a dropped last batch, while the idle
-ones after it only say the publisher is alive, so idling costs a fleet's
-router one heartbeat per rank per interval and a trailing drop still shows
-within ``TRAILING_GAP`` (0.75) intervals.
-
-Worst case: the last message went out at ``s``; the next grid instant at or
-after ``s + step/2`` is before ``s + 1.5 step``. A healthy publisher's live
-stream is therefore never silent for ``MAX_SILENCE`` (1.5) intervals or more,
-sender latency aside. A wall-clock step moves the grid, never the bound: the
-rule is evaluated against the monotonic time of the last send, and only its
-phase is read from the wall clock.
+A heartbeat is an empty batch on the next seq. Its timing is one rule, shared
+by the publisher (which sends by it) and the subscriber (whose silence
+thresholds follow from its worst case); ``docs/wire.md`` section 5 states it
+and why. In short: heartbeats fall on the wall-clock grid of a step (the
+interval while idle, half of it after a batch), one at each grid instant if
+nothing was sent for half a step; so a fleet's idle ranks heartbeat together,
+a trailing drop shows within ``TRAILING_GAP`` intervals, and a healthy
+publisher is never silent for ``MAX_SILENCE`` intervals. Only the wall clock's
+phase is read: a clock step moves the grid, never the bound.
 """
 
 from __future__ import annotations

@@ -179,7 +179,8 @@ def test_event_fields_are_declared_once() -> None:
 
     assert codec.StoredParts.__struct_fields__ == BlockStored.__struct_fields__
     assert codec.RemovedParts.__struct_fields__ == BlockRemoved.__struct_fields__
-    assert codec._POSITIONAL["BlockStored"] == BlockStored.__struct_fields__
+    # The generic path reads a positional event by its struct's own field order.
+    assert codec._EVENT_TYPES["BlockStored"] is BlockStored
     # The older positional layout is a prefix of the same fields.
     e = BlockStored([1, 2], 7, [5] * 8, 4, None, "CPU", "lora", [["k"], None], 3, "full", 64)
     raw = msgspec.msgpack.decode(encode_batch(KVEventBatch(0.0, [e], 0), dialect="array"))
