@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from kvwire._native import libzmq_path
-from kvwire.publisher._sender import Sender
+from kvwire.publisher._sender import Replies, Sender
 from kvwire.publisher.batch import CollectedBatch
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
@@ -425,7 +425,7 @@ class EventPublisher:
             if router is not None:
                 self._replay = ReplayServer(
                     router,
-                    self._sender.replay_range,
+                    Replies(self._sender, router.underlying, libzmq_path()),
                     self._topic,
                     # Engines close a replay with an empty topic; kvwire with its epoch.
                     end_topic=self._topic if self.epoch is not None else b"",
@@ -553,6 +553,7 @@ class EventPublisher:
                 if replay is not None and replay.busy:
                     timeout = min(timeout, _WAIT_FIRST_S * 2**waits, _WAIT_MAX_S)
                     waits = min(waits + 1, 8)
+                    replay.arm()  # a client taking something wakes the thread
                 else:
                     waits = 0
                 if poller.poll(int(timeout * 1000) + 1):
