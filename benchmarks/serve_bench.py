@@ -26,6 +26,7 @@ x 5,000 blocks, one round).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -45,11 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def engine_child(spec: dict[str, Any]) -> None:
     sys.path.insert(0, spec["tree"])
+    # kvwire from that tree, before fleet_lifecycle puts this one's first on sys.path
+    kvwire = importlib.import_module("kvwire")
     import zmq
     from _fleet import cpu_s
     from fleet_lifecycle import RankModel
 
-    import kvwire  # from that tree: fleet_lifecycle puts this one's first on sys.path
     from kvwire.publisher import EventPublisher, PublisherConfig
 
     ctx: zmq.Context[Any] = zmq.Context(io_threads=1)

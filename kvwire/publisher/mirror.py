@@ -253,6 +253,10 @@ class SnapshotCursor:
             for root_run in runs_of(root):
                 if (id(root), root_run[0]) in done:
                     continue
+                if not root_run[0] and root.parent is None:  # waits for nothing (most runs)
+                    done.add((id(root), 0))
+                    yield root, *root_run
+                    continue
                 stack = [(root, *root_run)]
                 pending = {(id(root), root_run[0])}
                 while stack:

@@ -311,9 +311,11 @@ class ReplayServer:
         """Whether anything is being served or is still in flight."""
         return bool(self._jobs) or self.replies.in_flight > 0
 
-    def arm(self) -> None:
-        """Wake the service thread (its sender's eventfd) when a client next takes something."""
+    def arm(self) -> bool:
+        """Wake the service thread (its sender's eventfd) when a client next takes something;
+        returns whether to wait: ``False`` when one took something since the last look."""
         self.replies.arm()
+        return self.replies.taken == self._taken
 
     def serve(self) -> bool:
         """Read pending requests, then send one slice of the next job that can take one.
