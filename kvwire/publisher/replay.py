@@ -312,9 +312,13 @@ class ReplayServer:
         return bool(self._jobs) or self.replies.in_flight > 0
 
     def arm(self) -> bool:
-        """Wake the service thread (its sender's eventfd) when a client next takes something;
-        returns whether to wait: ``False`` when one took something since the last look."""
-        self.replies.arm()
+        """Before the service thread waits: have it woken (its sender's eventfd) when a client
+        next takes something, if a reply has more to send (one that sent all only waits to be
+        counted: the timer will do, and 128 ranks' threads woken by every take would compete
+        for the GIL with the engine's). Returns whether to wait: ``False`` when a client took
+        something since the last look."""
+        if any(not job.sent_all for job in self._jobs.values()):
+            self.replies.arm()
         return self.replies.taken == self._taken
 
     def serve(self) -> bool:
