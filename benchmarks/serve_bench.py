@@ -13,7 +13,8 @@ traffic's own rate, measured in a window before, taken out):
 - replay: every rank asked at once for its last ``--tail`` batches (as a warm restart or a
   clone does), every reply read to its end marker, ``--replay-rounds`` times in a row; the
   engine's CPU per request, and the wall time of a round;
-- the live stream's delay p99 (publish to receipt on a SUB of every rank) while serving.
+- the live stream's delay p99 while serving: publish to receipt on a SUB of every rank, read
+  by a probe process of its own (so that this one's reading of the replies delays nothing).
 
 ``--before PATH``: also run the engine on the tree at PATH (with ``PATH/.venv/bin/python``),
 alternated with this one, so that both see the same host. The host may be shared: the
@@ -136,6 +137,50 @@ def engine_child(spec: dict[str, Any]) -> None:
     ctx.term()
 
 
+# --- the live delay probe (a child process) ------------------------------------------------
+
+
+def probe_child(spec: dict[str, Any]) -> None:
+    """SUBs on every rank; ``start`` clears the delays, ``stop`` answers their p99 (ms)."""
+    import zmq
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    poller = zmq.Poller()
+    for r in range(spec["ranks"]):
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(f"tcp://127.0.0.1:{spec['port'] + r}")
+        poller.register(s, zmq.POLLIN)
+    stdin = sys.stdin.fileno()
+    poller.register(stdin, zmq.POLLIN)
+    delays: list[float] = []
+    buf = b""
+    while True:
+        for sock, _ in poller.poll(1000):
+            if sock == stdin:
+                chunk = os.read(stdin, 4096)
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, _, buf = buf.partition(b"\n")
+                    if line == b"start":
+                        delays = []
+                        print(json.dumps({"ok": True}), flush=True)
+                    elif line == b"stop":
+                        delays.sort()
+                        p99 = delays[int(0.99 * (len(delays) - 1))] * 1e3 if delays else None
+                        print(json.dumps({"p99": p99, "n": len(delays)}), flush=True)
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                delays.append(time.time() - _ts(frames[2]))
+
+
 # --- the client (this process) -----------------------------------------------------------
 
 
@@ -162,13 +207,18 @@ class Engine:
         if not ready["kvwire"].startswith(str(tree)):
             raise RuntimeError(f"the engine for {tree} imported {ready['kvwire']}")
 
+        self.probe = Child(f"probe ({tree})")
+        self.probe.spawn([sys.executable, __file__, "--probe-child", json.dumps(spec)])
+
     def cpu(self) -> dict[str, Any]:
         return self.child.ask("cpu")
 
     def close(self) -> None:
         self.child.send("quit")
-        assert self.child.proc is not None
+        assert self.child.proc is not None and self.probe.proc is not None
         self.child.proc.wait(30)
+        self.probe.proc.stdin.close()  # type: ignore[union-attr]
+        self.probe.proc.wait(30)
 
 
 def _ts(payload: bytes) -> float:
@@ -195,28 +245,17 @@ def serve_round(
     ctx: zmq.Context[Any] = zmq.Context.instance()
     poller = zmq.Poller()
     dealers = []
-    subs = []
     for r in range(args.ranks):
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVHWM, 0)
         d.connect(f"tcp://127.0.0.1:{engine.port + args.ranks + r}")
         dealers.append(d)
-        s = ctx.socket(zmq.SUB)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SUBSCRIBE, b"")
-        s.connect(f"tcp://127.0.0.1:{engine.port + r}")
-        subs.append(s)
         poller.register(d, zmq.POLLIN)
-        poller.register(s, zmq.POLLIN)
-    time.sleep(0.5)  # connections up, SUBs joined, before the clock starts
+    time.sleep(0.5)  # connections up before the clock starts
     seqs = engine.cpu()["seqs"]
-    for s in subs:  # what arrived while connecting is not the serving window's
-        while s.poll(0):
-            s.recv_multipart()
     index = {id(d): r for r, d in enumerate(dealers)}
-    subset = {id(s) for s in subs}
-    delays: list[float] = []
+    engine.probe.ask("start")
     blocks = 0
     messages = 0
     rounds = 1 if kind == "snapshot" else args.replay_rounds
@@ -232,14 +271,6 @@ def serve_round(
         deadline = time.monotonic() + 120
         while open_ and time.monotonic() < deadline:
             for sock, _ in poller.poll(1000):
-                if id(sock) in subset:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        delays.append(time.time() - _ts(frames[2]))
-                    continue
                 r = index[id(sock)]
                 while True:
                     try:
@@ -256,7 +287,9 @@ def serve_round(
             raise RuntimeError(f"{len(open_)} ranks not served within 120 s")
     took = (time.monotonic() - t0) / rounds
     end_cpu = engine.cpu()
-    for sock in dealers + subs:
+    probe = engine.probe.ask("stop")
+    p99 = probe["p99"] or float("nan")
+    for sock in dealers:
         sock.close(0)
     cpu = end_cpu["cpu"] - start_cpu["cpu"] - rate * (end_cpu["t"] - start_cpu["t"])
     if kind == "snapshot":
@@ -266,8 +299,6 @@ def serve_round(
     else:
         served = end_cpu["replays"] - start_cpu["replays"]
         unit = cpu / (args.ranks * rounds) * 1e3
-    delays.sort()
-    p99 = delays[int(0.99 * (len(delays) - 1))] * 1e3 if delays else float("nan")
     return {
         "unit": unit,
         "cpu": cpu,
@@ -275,6 +306,7 @@ def serve_round(
         "served": served,
         "messages": messages,
         "p99": p99,
+        "samples": probe["n"],
     }
 
 
@@ -311,9 +343,13 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="a built checkout of the tree before")
     parser.add_argument("--quick", action="store_true", help="16 ranks x 5,000 blocks, 1 round")
     parser.add_argument("--engine-child", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_child:
         engine_child(json.loads(args.engine_child))
+        return
+    if args.probe_child:
+        probe_child(json.loads(args.probe_child))
         return
     if args.quick:
         args.ranks, args.blocks, args.repeats, args.window = 16, 5_000, 1, 1.5
@@ -338,9 +374,11 @@ def main() -> None:
         ("snapshot: engine CPU per block (us)", "snapshot", "unit", "{:.3f}"),
         ("snapshot: wall, all ranks (s)", "snapshot", "wall", "{:.2f}"),
         ("snapshot: live delay p99 while serving (ms)", "snapshot", "p99", "{:.1f}"),
+        ("snapshot: live batches in that window", "snapshot", "samples", "{:.0f}"),
         ("replay: engine CPU per request (ms)", "replay", "unit", "{:.3f}"),
         ("replay: wall, one round of all ranks (s)", "replay", "wall", "{:.3f}"),
         ("replay: live delay p99 while serving (ms)", "replay", "p99", "{:.1f}"),
+        ("replay: live batches in that window", "replay", "samples", "{:.0f}"),
         ("live traffic alone: engine CPU (s per s)", "live", "cpu_per_s", "{:.3f}"),
     ):
         table.append(
