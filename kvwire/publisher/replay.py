@@ -376,6 +376,7 @@ class ReplayServer:
             self._end(job)
         self._jobs.clear()
         self._order.clear()
+        self.replies.close()
 
     # --- accounting ------------------------------------------------------------------
 

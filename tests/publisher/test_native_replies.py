@@ -8,6 +8,7 @@ ring it reads), so what a client receives is compared with the wire helpers' fra
 from __future__ import annotations
 
 import itertools
+import os
 import select
 from collections.abc import Iterator
 from typing import Any
@@ -244,3 +245,24 @@ def test_bad_arguments_are_type_errors() -> None:
         holders(b"bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         payload_of(12)
+
+
+def test_close_releases_the_wake_descriptor_while_messages_are_still_in_flight(
+    pub: EventPublisher, zctx: zmq.Context[Any]
+) -> None:
+    pair = Pair(zctx, pub)
+    try:
+        replies = pair.replies
+        fds = len(os.listdir("/proc/self/fd"))
+        account = replies.account()
+        replies.arm()
+        chunk = payload_of(b"c" * 100)
+        assert replies.send(account, pair.identity, (b"",), chunk, 1 << 30, 1 << 30) == 0
+        replies.close()  # the publisher closes: a message is still in the client's pipe
+        replies.close()
+        assert len(os.listdir("/proc/self/fd")) == fds - 1  # its duplicate of the eventfd
+        pair.read(1)  # taken after the close: counted, and no wake-up written anywhere
+        wait_for(lambda: account.in_flight == 0, what="taken")
+        assert replies.taken == 100
+    finally:
+        pair.close()

@@ -36,7 +36,9 @@ typedef struct Total {
     atomic_long refs;
     atomic_llong in_flight, taken, peak;
     atomic_int armed;
-    int fd; /* a duplicate of the service thread's eventfd (closed with the last reference) */
+    pthread_mutex_t mu; /* fd's: a free function may write it while close() closes it */
+    int fd; /* a duplicate of the service thread's eventfd; -1 once closed (close(), or the
+             * last reference) */
 } Total;
 
 /* One job's bytes in flight. */
@@ -53,9 +55,19 @@ typedef struct Flight {
     size_t n;
 } Flight;
 
+/* Close the duplicate descriptor (the publisher is closing: messages still in pipes must not
+ * keep it open, nor write to whatever later reuses its number). */
+static void total_close_fd(Total *t) {
+    pthread_mutex_lock(&t->mu);
+    if (t->fd >= 0) close(t->fd);
+    t->fd = -1;
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void total_unref(Total *t) {
     if (atomic_fetch_sub_explicit(&t->refs, 1, memory_order_acq_rel) == 1) {
-        if (t->fd >= 0) close(t->fd);
+        total_close_fd(t);
+        pthread_mutex_destroy(&t->mu);
         free(t);
     }
 }
@@ -79,8 +91,12 @@ static void flight_free(void *data, void *hint) {
     atomic_fetch_add_explicit(&t->taken, n, memory_order_acq_rel);
     if (atomic_exchange_explicit(&t->armed, 0, memory_order_acq_rel)) {
         u64 one = 1;
-        ssize_t r = write(t->fd, &one, sizeof one);
-        (void)r; /* EAGAIN: the counter is full, it is readable anyway */
+        pthread_mutex_lock(&t->mu);
+        if (t->fd >= 0) {
+            ssize_t r = write(t->fd, &one, sizeof one);
+            (void)r; /* EAGAIN: the counter is full, it is readable anyway */
+        }
+        pthread_mutex_unlock(&t->mu);
     }
     buf_unref(f->buf);
     acct_unref(a);
@@ -160,6 +176,7 @@ static PyObject *replies_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         free(t);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    pthread_mutex_init(&t->mu, NULL);
     Replies *self = (Replies *)type->tp_alloc(type, 0);
     if (!self) {
         total_unref(t);
@@ -340,6 +357,13 @@ static PyObject *replies_send_range(Replies *self, PyObject *const *args, Py_ssi
                          (long long)next);
 }
 
+/* close(): no more wake-ups; the duplicate descriptor is closed now (idempotent). The counts
+ * go on as libzmq releases what is still in pipes. */
+static PyObject *replies_close(Replies *self, PyObject *unused) {
+    total_close_fd(self->total);
+    Py_RETURN_NONE;
+}
+
 /* arm(): write the service eventfd when a client next takes something. */
 static PyObject *replies_arm(Replies *self, PyObject *unused) {
     atomic_store_explicit(&self->total->armed, 1, memory_order_release);
@@ -363,6 +387,8 @@ static PyMethodDef replies_methods[] = {
      "(errno, sent, bytes, found, next_seq)"},
     {"arm", (PyCFunction)replies_arm, METH_NOARGS,
      "arm(): wake the service thread when a client next takes something"},
+    {"close", (PyCFunction)replies_close, METH_NOARGS,
+     "close(): release the wake-up descriptor (the publisher is closing)"},
     {NULL},
 };
 
