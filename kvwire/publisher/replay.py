@@ -14,8 +14,8 @@ hostile or stalled client from costing more than a slot:
   ring, with no Python object per message;
 - bytes in flight are bounded: a message counts from the moment it is handed
   to ZeroMQ until libzmq releases it (written to the kernel, or its pipe torn
-  down), as its free function tells the job's :class:`Account` (which also
-  wakes this thread when it waits on its clients). A pipe that took a whole
+  down), as its free function tells the job's :class:`Account` (and wakes
+  this thread, when it waits with a reply that has more to send). A pipe that took a whole
   reply is not a served reply: a job stays open until all it sent was taken. At most
   ``max_replay_bytes`` are in flight across all clients, and each job at most
   ``max_replay_bytes / max_replay_jobs`` (a message bigger than that goes alone);
