@@ -29,7 +29,8 @@ ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYT
     tests/publisher/test_collector.py tests/publisher/test_native_sender.py \
     tests/publisher/test_publisher.py tests/publisher/test_epoch_heartbeat.py \
     tests/publisher/test_snapshot.py tests/publisher/test_native_mirror.py \
-    tests/publisher/test_payload_memory.py tests/publisher/test_sender_bursts.py tests/wire tests/prefix_index \
+    tests/publisher/test_payload_memory.py tests/publisher/test_sender_bursts.py \
+    tests/publisher/test_native_replies.py tests/publisher/test_replay_bytes.py tests/wire tests/prefix_index \
     tests/subscriber/test_receive.py tests/subscriber/test_transport_heartbeats.py \
     tests/subscriber/test_check_batch.py tests/subscriber/test_stream_payloads.py \
     tests/integrations/test_native_engine.py \

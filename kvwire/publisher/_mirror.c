@@ -17,7 +17,9 @@
  *
  * While snapshots are served, `logs` holds their undo dicts: before a block's
  * holders change, each dict gets (medium, hash) -> the holders before the
- * change, unless it has that key already.
+ * change, unless it has that key already. simple_parts() builds a snapshot's
+ * parts for the chains that wait for no parent (the walk's common case) in one
+ * call, through the caller's StoredParts (the wire's field order stays there).
  *
  * Errors: -1 (or NULL) with a Python exception set, everywhere; the first
  * pass alone returns -1 without one (out of memory, raised by its caller once
@@ -863,6 +865,90 @@ static PyObject *Core_runs(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     return out;
 }
 
+/* simple_parts(chains, i, room, undo, done, make, raw) -> (parts, i, blocks)
+ *
+ * The snapshot walk's common case, a chain at a time without the interpreter: from
+ * chains[i] on, a chain with no parent that held every one of its blocks when the snapshot
+ * began (its runs: one, the whole chain) waits for nothing and goes out whole, as
+ * make(hashes, None, raw(tokens), block_size, None, medium, lora, extra, group) (the
+ * caller's StoredParts and msgspec.Raw: the wire's field order is theirs), with (chain, 0)
+ * added to done; a chain already in done is passed over. Stops at the first other chain
+ * (the caller's walk takes it) or before one longer than the room left; returns the parts,
+ * the index it stopped at and their blocks. */
+static PyObject *Core_simple_parts(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyList_Check(args[0]) || !PyDict_Check(args[3]) || !PySet_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "simple_parts(chains: list, i, room, undo: dict, done: set, make, raw)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t room = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *chains = args[0], *undo = args[3], *done = args[4], *make = args[5], *raw = args[6];
+    PyObject *parts = PyList_New(0);
+    PyObject *zero = PyLong_FromLong(0);
+    if (!parts || !zero) goto fail;
+    Py_ssize_t blocks = 0;
+    if (i < 0) i = 0;
+    for (; i < PyList_GET_SIZE(chains); i++) {
+        PyObject *item = PyList_GET_ITEM(chains, i);
+        if (chain_arg(item) < 0) goto fail;
+        Chain *c = (Chain *)item;
+        Py_ssize_t n = Py_SIZE(c);
+        if (c->has_parent || n > room) break;
+        PyObject *key = PyTuple_Pack(2, item, zero);
+        if (!key) goto fail;
+        int seen = PySet_Contains(done, key);
+        if (seen) { /* passed over (taken already), or an error */
+            Py_DECREF(key);
+            if (seen < 0) goto fail;
+            continue;
+        }
+        Py_INCREF(item); /* held while its blocks are looked up (undo's __eq__ may run code) */
+        Medium *m = medium_of_chain(self, c);
+        int all = n > 0;
+        for (Py_ssize_t k = 0; all > 0 && k < n; k++) all = held_at_start(m, c, c->hashes[k], undo);
+        if (all <= 0) {
+            Py_DECREF(item);
+            Py_DECREF(key);
+            if (all < 0) goto fail;
+            break;
+        }
+        PyObject *hashes = PyList_New(n);
+        PyObject *tokens = hashes ? PyObject_CallOneArg(raw, c->tokens) : NULL;
+        PyObject *block_size = tokens ? PyLong_FromSsize_t(c->block_size) : NULL;
+        for (Py_ssize_t k = 0; block_size && k < n; k++) {
+            PyObject *h = PyLong_FromUnsignedLongLong(c->hashes[k]);
+            if (!h) Py_CLEAR(block_size);
+            else PyList_SET_ITEM(hashes, k, h);
+        }
+        PyObject *part = NULL;
+        if (block_size) {
+            PyObject *argv[9] = {hashes, Py_None, tokens, block_size, Py_None,
+                                 c->medium, c->lora, c->extra, c->group};
+            part = PyObject_Vectorcall(make, argv, 9, NULL);
+        }
+        Py_XDECREF(hashes);
+        Py_XDECREF(tokens);
+        Py_XDECREF(block_size);
+        int rc = part ? PyList_Append(parts, part) : -1;
+        Py_XDECREF(part);
+        if (rc == 0) rc = PySet_Add(done, key);
+        Py_DECREF(key);
+        Py_DECREF(item);
+        if (rc < 0) goto fail;
+        room -= n;
+        blocks += n;
+    }
+    Py_DECREF(zero);
+    PyObject *out = Py_BuildValue("(Nnn)", parts, i, blocks);
+    return out;
+fail:
+    Py_XDECREF(parts);
+    Py_XDECREF(zero);
+    return NULL;
+}
+
 /* owner(medium, h, undo): a chain that held h when the snapshot began, or None. */
 static PyObject *Core_owner(Core *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
@@ -932,6 +1018,9 @@ static PyMethodDef Core_methods[] = {
     {"owner", (PyCFunction)(void (*)(void))Core_owner, METH_FASTCALL,
      "owner(medium, h, undo): a chain holding h when the snapshot began, or None"},
     {"chains", (PyCFunction)Core_chains, METH_NOARGS, "the live chains, oldest first"},
+    {"simple_parts", (PyCFunction)(void (*)(void))Core_simple_parts, METH_FASTCALL,
+     "simple_parts(chains, i, room, undo, done, make, raw) -> (parts, i, blocks): whole "
+     "chains that wait for no parent, as make() builds them"},
     {"count", (PyCFunction)Core_count, METH_NOARGS, "distinct (medium, hash) blocks held"},
     {NULL},
 };

@@ -1,5 +1,6 @@
 """The snapshot mirror's tables in C (``_mirror.c``); see :mod:`kvwire.publisher.mirror`."""
 
+from collections.abc import Callable
 from typing import Any, final
 
 @final
@@ -54,4 +55,15 @@ class Core:
         self, medium: str | None, h: int, undo: dict[tuple[str | None, int], tuple[Chain, ...]], /
     ) -> Chain | None: ...
     def chains(self) -> list[Chain]: ...
+    def simple_parts(
+        self,
+        chains: list[Chain],
+        i: int,
+        room: int,
+        undo: dict[tuple[str | None, int], tuple[Chain, ...]],
+        done: set[tuple[Chain, int]],
+        make: Callable[..., Any],
+        raw: Callable[[bytes], Any],
+        /,
+    ) -> tuple[list[Any], int, int]: ...
     def count(self) -> int: ...

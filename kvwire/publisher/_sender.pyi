@@ -62,6 +62,57 @@ class Payload:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
 
+def payload_of(data: Any, /) -> Payload:
+    """A copy of any buffer as a Payload, to be shared by every client's pipe."""
+
+def holders(payload: Payload, /) -> int:
+    """The references to a payload's buffer (its Payloads, the ring, the pipes holding it)."""
+
+@final
+class Account:
+    """One reply's bytes in flight (made by :meth:`Replies.account`)."""
+
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def taken(self) -> int: ...
+
+@final
+class Replies:
+    """The replay ROUTER's replies, sent in C, and their bytes in flight (``serve.c``)."""
+
+    def __new__(cls, sender: Sender, router_address: int, libzmq_path: str) -> Replies: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def taken(self) -> int: ...
+    @property
+    def peak(self) -> int: ...
+    def account(self) -> Account: ...
+    def send(
+        self,
+        account: Account,
+        identity: bytes,
+        head: tuple[bytes, ...],
+        payload: Payload,
+        job_cap: int,
+        total_cap: int,
+        /,
+    ) -> int: ...
+    def send_range(
+        self,
+        account: Account,
+        identity: bytes,
+        topic: bytes,
+        start_seq: int,
+        n: int,
+        job_cap: int,
+        total_cap: int,
+        /,
+    ) -> tuple[int, int, int, int, int]: ...
+    def arm(self) -> None: ...
+    def close(self) -> None: ...
+
 @final
 class Sender:
     """The publisher's queue and native sender thread."""

@@ -37,7 +37,9 @@ log's value, else the current one, so the snapshot is the state as of
 ``next_seq`` however long serving takes. Chains come out parents first across
 the whole snapshot (a chain whose parent block lives in another chain waits for
 that one), in bounded chunks of ``BlockStored`` events; a fully live chain goes
-out with its original packed token bytes. A block whose parent was evicted
+out with its original packed token bytes; the chains that wait for no parent (most of
+them) are taken in one native call per run of them (``Core.simple_parts``), the rest by
+the walk here. A block whose parent was evicted
 before it (engines evict children first, so this is rare) goes out under that
 parent's hash, which the snapshot does not hold: a subscriber keeps it on a
 detached chain, never matched past the hole, never stale.
@@ -64,6 +66,7 @@ _tokens = msgspec.msgpack.Decoder(list[int])
 _encoder = msgspec.msgpack.Encoder()
 
 _Undo = dict[tuple[str | None, int], tuple[Chain, ...]]
+_END = object()  # the walk is over
 NOT_SENT = "nothing was sent under it (skipped, or it did not encode)"
 """Why the mirror distrusts itself after a seq the sender left empty."""
 
@@ -220,7 +223,10 @@ class SnapshotCursor:
         self._core = mirror._core
         self._undo: _Undo = {}
         self._core.logs.append(self._undo)  # the core logs holders before each change
-        self._runs_left = self._walk(self._core.chains())
+        self._chains = self._core.chains()
+        self._next_root = 0  # the index in _chains of the next root to walk
+        self._yielded: set[tuple[Chain, int]] = set()  # runs taken, as (chain, start)
+        self._runs_left = self._walk()
         self._stash: tuple[Chain, int, int] | None = None
         self._done = False
 
@@ -233,13 +239,15 @@ class SnapshotCursor:
         logs = self._core.logs
         logs[:] = [d for d in logs if d is not self._undo]
 
-    def _walk(self, chains: list[Chain]) -> Iterator[tuple[Chain, int, int]]:
-        """Live runs ``(chain, start, end)``, each after the run holding its parent block.
+    def _walk(self) -> Iterator[tuple[Chain, int, int] | None]:
+        """Live runs ``(chain, start, end)``, each after the run holding its parent block;
+        ``None`` between roots, where :meth:`next_chunk` may take the chains that wait for
+        nothing in one native call (``Core.simple_parts``), from ``_next_root`` on.
 
         Runs, not whole chains, are ordered: with copies and holes, two chains
         may each hold the other's parent.
         """
-        core, undo = self._core, self._undo
+        core, undo, chains, done = self._core, self._undo, self._chains, self._yielded
         runs: dict[int, list[tuple[int, int]]] = {}
 
         def runs_of(chain: Chain) -> list[tuple[int, int]]:
@@ -248,13 +256,17 @@ class SnapshotCursor:
                 found = runs[id(chain)] = core.runs(chain, undo)
             return found
 
-        done: set[tuple[int, int]] = set()
-        for root in chains:
+        while True:
+            yield None
+            if self._next_root >= len(chains):
+                break
+            root = chains[self._next_root]
+            self._next_root += 1
             for root_run in runs_of(root):
-                if (id(root), root_run[0]) in done:
+                if (root, root_run[0]) in done:
                     continue
                 stack = [(root, *root_run)]
-                pending = {(id(root), root_run[0])}
+                pending = {(root, root_run[0])}
                 while stack:
                     chain, start, end = stack[-1]
                     parent = chain.hash_at(start - 1) if start else chain.parent
@@ -264,14 +276,14 @@ class SnapshotCursor:
                         if owner is not None:
                             waiting = self._run_holding(owner, parent, runs_of(owner))
                     if owner is not None and waiting is not None:
-                        key = (id(owner), waiting[0])
+                        key = (owner, waiting[0])
                         if key not in done and key not in pending:  # a cycle is cut, not followed
                             stack.append((owner, *waiting))
                             pending.add(key)
                             continue
                     stack.pop()
-                    pending.discard((id(chain), start))
-                    done.add((id(chain), start))
+                    pending.discard((chain, start))
+                    done.add((chain, start))
                     yield chain, start, end
         runs.clear()
 
@@ -296,10 +308,20 @@ class SnapshotCursor:
             run = self._stash
             self._stash = None
             if run is None:
-                run = next(self._runs_left, None)
-                if run is None:
+                step: Any = next(self._runs_left, _END)
+                if step is _END:
                     self._finish()
                     break
+                if step is None:  # between roots: those that wait for nothing, in C
+                    got, self._next_root, n = self._core.simple_parts(
+                        self._chains, self._next_root, room, self._undo, self._yielded,
+                        StoredParts, msgspec.Raw,
+                    )  # fmt: skip
+                    parts += got
+                    room -= n
+                    self.blocks += n
+                    continue
+                run = step
             chain, start, end = run
             if end - start > room:
                 self._stash = (chain, start + room, end)
@@ -332,6 +354,8 @@ class SnapshotCursor:
         self._unlog()
         self._mirror._release(self)
         self._undo = {}
+        self._chains = []
+        self._yielded = set()
 
     def close(self) -> None:
         """Stop serving (client gone): the mirror stops logging for this snapshot."""

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from kvwire._native import libzmq_path
-from kvwire.publisher._sender import Sender
+from kvwire.publisher._sender import Replies, Sender
 from kvwire.publisher.batch import CollectedBatch
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror
@@ -54,12 +54,13 @@ _DEFAULTS = PublisherConfig()
 _LOG_INTERVAL_S = 10.0
 _MIRROR_EVERY_S = 0.08  # the service thread applies the mirror feed at most this often
 _WAIT_FIRST_S = 0.002
-_WAIT_MAX_S = 0.032
-"""Replies waiting on their clients (to take what was sent: no descriptor tells when) are
-looked at again after _WAIT_FIRST_S, then twice as long each time nothing moved, up to
-this: 128 ranks of a process looking every 2 ms while slow routers read took the
-engine's cores and GIL. A reply has up to a megabyte in flight, so a router reading at
-full speed still finds the next chunks waiting."""
+_WAIT_MAX_S = 0.25
+"""Replies waiting on their clients are looked at again when a client takes something
+(libzmq's release of a message wakes the thread: :meth:`ReplayServer.arm`), else after
+_WAIT_FIRST_S, then twice as long each time nothing moved, up to this or a quarter of
+``replay_stall_s`` (so that a client that stopped reading is cut off on time): 128 ranks
+of a process looking every 2 ms while slow routers read took the engine's cores and
+GIL."""
 
 
 class PendingBatch(Protocol):
@@ -425,7 +426,7 @@ class EventPublisher:
             if router is not None:
                 self._replay = ReplayServer(
                     router,
-                    self._sender.replay_range,
+                    Replies(self._sender, router.underlying, libzmq_path()),
                     self._topic,
                     # Engines close a replay with an empty topic; kvwire with its epoch.
                     end_topic=self._topic if self.epoch is not None else b"",
@@ -551,7 +552,11 @@ class EventPublisher:
                 if mirror is not None and next_apply > now:
                     timeout = min(timeout, next_apply - now)
                 if replay is not None and replay.busy:
-                    timeout = min(timeout, _WAIT_FIRST_S * 2**waits, _WAIT_MAX_S)
+                    if not replay.arm():  # a client took something since the last look
+                        waits = 0
+                        continue
+                    wait_max = min(_WAIT_MAX_S, self._config.replay_stall_s / 4)
+                    timeout = min(timeout, _WAIT_FIRST_S * 2**waits, wait_max)
                     waits = min(waits + 1, 8)
                 else:
                     waits = 0

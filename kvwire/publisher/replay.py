@@ -9,10 +9,14 @@ hostile or stalled client from costing more than a slot:
   as the first reply reaches each chunk, and sent by every reply that joins it
   while the mirror has not moved far), all zero-copy: libzmq holds a
   reference to the one buffer every client's pipe shares;
+- the messages are sent in C (:class:`~kvwire.publisher._sender.Replies`): a
+  replay slice is one call that sends its batches straight from the sender's
+  ring, with no Python object per message;
 - bytes in flight are bounded: a message counts from the moment it is handed
   to ZeroMQ until libzmq releases it (written to the kernel, or its pipe torn
-  down), as its tracker tells. A pipe that took a whole reply is not a served
-  reply: a job stays open until all it sent was taken. At most
+  down), as its free function tells the job's :class:`Account` (and wakes
+  this thread, when it waits with a reply that has more to send). A pipe that took a whole
+  reply is not a served reply: a job stays open until all it sent was taken. At most
   ``max_replay_bytes`` are in flight across all clients, and each job at most
   ``max_replay_bytes / max_replay_jobs`` (a message bigger than that goes alone);
 - at most one job per client identity (a new request replaces the old job),
@@ -37,10 +41,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
+from kvwire.publisher._sender import Account, Payload, Replies, payload_of
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror, SnapshotCursor
 from kvwire.subscriber.memory import TrimAfter
@@ -58,18 +62,14 @@ from kvwire.wire import (
 from kvwire.wire.codec import encode_parts
 from kvwire.wire.framing import announce_blocks
 
-__all__ = ["ReplayRange", "ReplayServer", "replay_share"]
-
-ReplayRange = Callable[[int, int], list[tuple[int, Any]]]
-"""``(start_seq, n)`` -> up to ``n`` buffered batches ``(seq, payload)`` from the
-first whose seq is ``>= start_seq``, oldest first; a payload is any
-read-only buffer ZeroMQ can send without copying."""
+__all__ = ["ReplayServer", "replay_share"]
 
 _REQUESTS_PER_PASS = 16
-_REPLAY_CHUNK = 32  # replay messages per job per pass
+_REPLAY_CHUNK = 64  # replay messages per job per pass (one native call; its most)
 _SNAPSHOT_CHUNKS = 8  # snapshot messages per job per pass (at most one of them built)
 _MAX_SNAPSHOTS = 2  # built at once (each logs the changes made while it runs)
-_FLAGS = zmq.SNDMORE | zmq.NOBLOCK
+_NO_ROOM = -1
+"""What a native send returns when the message does not fit the byte bounds now."""
 
 
 class _Turns:
@@ -121,11 +121,6 @@ _YIELD_MAX_S = 0.001
 this: an engine thread waiting for the GIL then takes it within about one slice."""
 
 
-Flight = tuple[Any, int]
-"""A message handed to ZeroMQ: its tracker's event (set once libzmq let go of it, through
-pyzmq's garbage collector) and its bytes."""
-
-
 _MAX_SNDBUF = 2**31 - 1
 
 
@@ -152,7 +147,7 @@ class _Snapshot:
         self.next_seq = cursor.next_seq
         self.blocks = cursor.announced
         empty = encode_parts(time.time(), [], rank, dialect=dialect)
-        self.chunks = [announce_blocks(empty, self.blocks)]
+        self.chunks: list[Payload] = [payload_of(announce_blocks(empty, self.blocks))]
         self.users = 0
         self.built = len(self.chunks[0])  # bytes of the chunks made (once, whoever sends them)
 
@@ -160,17 +155,18 @@ class _Snapshot:
     def complete(self) -> bool:
         return self.cursor is None
 
-    def chunk(self, i: int) -> tuple[bytes | None, bool]:
+    def chunk(self, i: int) -> tuple[Payload | None, bool]:
         """Chunk ``i`` (``None`` past the last) and whether it was built by this call."""
         if i < len(self.chunks):
             return self.chunks[i], False
         cursor = self.cursor
         if cursor is None:
             return None, False
-        payload = cursor.next_chunk()
-        if payload is None:
+        encoded = cursor.next_chunk()
+        if encoded is None:
             self.release_cursor()
             return None, False
+        payload = payload_of(encoded)  # one buffer every client's pipe references
         self.chunks.append(payload)
         self.built += len(payload)
         return payload, True
@@ -183,14 +179,14 @@ class _Snapshot:
 
 
 class _Job:
-    __slots__ = ("conn", "flights", "identity", "in_flight", "sent_all", "stalled_since")
+    __slots__ = ("account", "conn", "identity", "sent_all", "stalled_since", "taken")
 
-    def __init__(self, identity: bytes, conn: socket.socket | None) -> None:
+    def __init__(self, identity: bytes, conn: socket.socket | None, account: Account) -> None:
         self.identity = identity
         self.stalled_since: float | None = None
         """Since when the job waits on its client (bytes not taken, or a full pipe)."""
-        self.flights: deque[Flight] = deque()
-        self.in_flight = 0
+        self.account = account  # its bytes in flight (a new request by the client takes it over)
+        self.taken = account.taken  # what the client had taken when last looked at
         self.sent_all = False  # every message handed over; complete once all are taken
         self.conn = conn  # a duplicate of the peer's connection, to drop it (None: cannot)
 
@@ -206,9 +202,14 @@ class _ReplayJob(_Job):
     __slots__ = ("next_seq", "remaining")
 
     def __init__(
-        self, identity: bytes, conn: socket.socket | None, next_seq: int, remaining: int
+        self,
+        identity: bytes,
+        conn: socket.socket | None,
+        account: Account,
+        next_seq: int,
+        remaining: int,
     ) -> None:
-        super().__init__(identity, conn)
+        super().__init__(identity, conn, account)
         self.next_seq = next_seq
         self.remaining = remaining
 
@@ -217,9 +218,14 @@ class _SnapshotJob(_Job):
     __slots__ = ("index", "snap", "started")
 
     def __init__(
-        self, identity: bytes, conn: socket.socket | None, snap: _Snapshot, fresh: bool
+        self,
+        identity: bytes,
+        conn: socket.socket | None,
+        account: Account,
+        snap: _Snapshot,
+        fresh: bool,
     ) -> None:
-        super().__init__(identity, conn)
+        super().__init__(identity, conn, account)
         self.snap = snap
         self.index = 0  # the next chunk to send
         self.started = (
@@ -231,13 +237,14 @@ class _SnapshotJob(_Job):
 class ReplayServer:
     """Answers replay and snapshot requests on ``router`` (one thread only).
 
+    ``replies`` sends on that same socket, in C (replay items from the sender's ring).
     ``sync_mirror`` brings the mirror up to date before a snapshot starts.
     """
 
     def __init__(
         self,
         router: zmq.Socket[bytes],
-        buffer: ReplayRange,
+        replies: Replies,
         topic: bytes,
         *,
         end_topic: bytes,
@@ -248,7 +255,7 @@ class ReplayServer:
         note_error: Callable[[str, str], None],
     ) -> None:
         self.router = router
-        self.buffer = buffer
+        self.replies = replies
         self.topic = topic
         self.end_topic = end_topic
         self.max_batches = config.replay_batches
@@ -266,7 +273,7 @@ class ReplayServer:
         self._note = note_error
         self._jobs: dict[bytes, _Job] = {}
         self._order: deque[bytes] = deque()
-        self._orphans: list[deque[Flight]] = []  # sent by jobs that ended, not taken yet
+        self._taken = 0  # replies.taken when last looked at (for the trim)
         self._current: _Snapshot | None = None  # the snapshot new requests join
         self._trim = TrimAfter(config.max_replay_bytes)
         self._sent = False  # the current step sent something
@@ -283,9 +290,16 @@ class ReplayServer:
         self.snapshot_bytes_built = 0
         self.bytes_sent = 0
         """Bytes handed to ZeroMQ, counted once per client (shared buffers included)."""
-        self.bytes_in_flight = 0
-        """Of those, not yet known to be taken (the bound is ``max_replay_bytes``)."""
-        self.peak_bytes_in_flight = 0
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes sent and not yet known to be taken (the bound is ``max_replay_bytes``)."""
+        return self.replies.in_flight
+
+    @property
+    def peak_bytes_in_flight(self) -> int:
+        """The most bytes ever in flight at once."""
+        return self.replies.peak
 
     @property
     def jobs(self) -> int:
@@ -295,7 +309,17 @@ class ReplayServer:
     @property
     def busy(self) -> bool:
         """Whether anything is being served or is still in flight."""
-        return bool(self._jobs or self._orphans)
+        return bool(self._jobs) or self.replies.in_flight > 0
+
+    def arm(self) -> bool:
+        """Before the service thread waits: have it woken (its sender's eventfd) when a client
+        next takes something, if a reply has more to send (one that sent all only waits to be
+        counted: the timer will do, and 128 ranks' threads woken by every take would compete
+        for the GIL with the engine's). Returns whether to wait: ``False`` when a client took
+        something since the last look."""
+        if any(not job.sent_all for job in self._jobs.values()):
+            self.replies.arm()
+        return self.replies.taken == self._taken
 
     def serve(self) -> bool:
         """Read pending requests, then send one slice of the next job that can take one.
@@ -326,8 +350,9 @@ class ReplayServer:
                 self._request(frames)
                 moved = True
         now = time.monotonic()
-        if self._orphans:
-            self._settle_orphans()
+        taken = self.replies.taken
+        self._trim.pending += taken - self._taken
+        self._taken = taken
         order = self._order
         for _ in range(len(order)):
             identity = order[0]
@@ -351,70 +376,37 @@ class ReplayServer:
             self._end(job)
         self._jobs.clear()
         self._order.clear()
-        self._orphans.clear()
-        self.bytes_in_flight = 0
+        self.replies.close()
 
     # --- accounting ------------------------------------------------------------------
 
-    def _send_payload(self, job: _Job, head: list[bytes], payload: Any) -> None:
-        """Send ``[identity, *head, payload]``, the payload zero-copy and tracked.
-
-        Raises ``zmq.Again`` on the identity part only (a full pipe), before anything was sent.
-        """
-        send = self.router.send
-        send(job.identity, _FLAGS)
-        for part in head:
-            send(part, _FLAGS)
-        frame = zmq.Frame(payload, copy=False, track=True)
-        send(frame, zmq.NOBLOCK, copy=False)
-        n = len(payload)
-        job.flights.append((frame.tracker_event, n))
-        job.in_flight += n
-        self.bytes_sent += n
-        self.bytes_in_flight += n
-        if self.bytes_in_flight > self.peak_bytes_in_flight:
-            self.peak_bytes_in_flight = self.bytes_in_flight
-        self._sent = True
-
-    def _fits(self, job: _Job, n: int) -> bool:
-        """Whether ``n`` more bytes may go to ``job`` now (one message always may, alone)."""
-        if job.in_flight and job.in_flight + n > self.job_bytes:
+    def _send_payload(self, job: _Job, head: tuple[bytes, ...], payload: Payload) -> bool:
+        """Send ``[identity, *head, payload]`` (zero-copy, counted) if it fits the bounds now;
+        returns whether it did. Raises ``zmq.Again`` on a full pipe, before anything was sent."""
+        rc = self.replies.send(
+            job.account, job.identity, head, payload, self.job_bytes, self.max_bytes
+        )
+        if rc == _NO_ROOM:
             return False
-        return not (self.bytes_in_flight and self.bytes_in_flight + n > self.max_bytes)
+        _raise_for(rc)
+        self.bytes_sent += len(payload)
+        self._sent = True
+        return True
 
     def _settle(self, job: _Job, now: float) -> None:
-        """Count what the job's client took (in order: a pipe is a queue) as progress."""
-        flights = job.flights
-        taken = 0
-        while flights and flights[0][0].is_set():
-            taken += flights.popleft()[1]
-        if taken or not flights:
+        """Count what the job's client took as progress."""
+        account = job.account
+        taken = account.taken
+        if taken != job.taken or not account.in_flight:
+            job.taken = taken
             job.stalled_since = (
                 None  # progress, or nothing the client owes (a full pipe re-marks it)
             )
-        if taken:
-            job.in_flight -= taken
-            self.bytes_in_flight -= taken
-            self._trim.pending += taken
-        if flights and job.stalled_since is None:
+        if job.stalled_since is None and account.in_flight:
             job.stalled_since = now
-
-    def _settle_orphans(self) -> None:
-        taken = 0
-        for flights in self._orphans:  # each a pipe's queue: only its head can be next
-            while flights and flights[0][0].is_set():
-                taken += flights.popleft()[1]
-        if taken:
-            self._orphans = [f for f in self._orphans if f]
-            self.bytes_in_flight -= taken
-            self._trim.pending += taken
 
     def _end(self, job: _Job) -> None:
         """The job leaves; what it sent and is not taken yet stays counted until it is."""
-        if job.flights:
-            self._orphans.append(job.flights)
-            job.flights = deque()
-        job.in_flight = 0
         job.close()
         if isinstance(job, _SnapshotJob):
             snap = job.snap
@@ -445,33 +437,32 @@ class ReplayServer:
         self.requests += 1
         identity = request.identity
         old = self._jobs.pop(identity, None)
-        carried: deque[Flight] = deque()
+        account: Account | None = None
         if old is not None:
             # The client asked again: its new request replaces the old job, and takes over
-            # what that sent and its client has not taken (the same pipe). A reply sent whole
-            # counts as served: a subscriber asks for the replay after a snapshot's end at once.
+            # what that sent and its client has not taken (the same pipe, the same account).
+            # A reply sent whole counts as served: a subscriber asks for the replay after a
+            # snapshot's end at once.
             if old.sent_all:
                 self._count_served(old)
-            carried, old.flights = old.flights, carried
+            account = old.account
             self._end(old)
         elif len(self._jobs) >= self.max_jobs and not self._evict():
             self.dropped += 1
             self._note("replay_busy", "replay request dropped: every replay slot is busy")
             return
+        if account is None:
+            account = self.replies.account()
         job: _Job
         if isinstance(request, ReplayRequest):
-            job = _ReplayJob(identity, _peer(frames), request.start_seq, self.max_batches)
+            job = _ReplayJob(identity, _peer(frames), account, request.start_seq, self.max_batches)
         else:
             found = self._join_snapshot(identity)
             if found is None:
-                if carried:
-                    self._orphans.append(carried)
                 self._remove_from_order(identity)
                 return
             snap, fresh = found
-            job = _SnapshotJob(identity, _peer(frames), snap, fresh)
-        job.flights = carried
-        job.in_flight = sum(n for _, n in carried)
+            job = _SnapshotJob(identity, _peer(frames), account, snap, fresh)
         self._jobs[identity] = job
         if old is None:
             self._order.append(identity)
@@ -537,7 +528,7 @@ class ReplayServer:
         if job.stalled_since is not None and now - job.stalled_since > self.stall_s:
             return self._cut(job, "its client stopped reading", drop=True)
         if job.sent_all:
-            if job.flights:
+            if job.account.in_flight:
                 return False
             self._count_served(job)
             return True
@@ -568,16 +559,20 @@ class ReplayServer:
         return True
 
     def _replay_slice(self, job: _ReplayJob) -> None:
-        topic = self.topic
         want = min(_REPLAY_CHUNK, job.remaining)
-        items = self.buffer(job.next_seq, want)
-        for seq, payload in items:
-            if not self._fits(job, len(payload)):
-                return
-            self._send_payload(job, [b"", topic, pack_seq(seq)], payload)
-            job.next_seq = seq + 1
-            job.remaining -= 1
-        if job.remaining > 0 and len(items) == want:
+        rc, sent, nbytes, found, next_seq = self.replies.send_range(
+            job.account, job.identity, self.topic, job.next_seq, want,
+            self.job_bytes, self.max_bytes,
+        )  # fmt: skip
+        if sent:
+            job.next_seq = next_seq
+            job.remaining -= sent
+            self.bytes_sent += nbytes
+            self._sent = True
+        _raise_for(rc)
+        if sent < found:  # no room now
+            return
+        if job.remaining > 0 and found == want:
             return
         self.router.send_multipart([job.identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
         job.sent_all = True
@@ -589,7 +584,7 @@ class ReplayServer:
             self._sent = True  # it did work: starting the snapshot
             return
         snap = job.snap
-        head = [b"", SNAPSHOT_MARK, self.topic, pack_seq(snap.next_seq)]
+        head = (b"", SNAPSHOT_MARK, self.topic, pack_seq(snap.next_seq))
         for _ in range(_SNAPSHOT_CHUNKS):
             if job.index == len(snap.chunks) and self._sent and not snap.complete:
                 return  # one chunk built per pass at most
@@ -602,10 +597,18 @@ class ReplayServer:
                 job.sent_all = True
                 self._sent = True
                 return
-            if not self._fits(job, len(payload)):
+            if not self._send_payload(job, (*head, pack_seq(job.index)), payload):
                 return
-            self._send_payload(job, [*head, pack_seq(job.index)], payload)
             job.index += 1
+
+
+def _raise_for(rc: int) -> None:
+    """A native send's libzmq errno as pyzmq would raise it (0: none)."""
+    if rc == 0:
+        return
+    if rc == zmq.EAGAIN:
+        raise zmq.Again(rc)
+    raise zmq.ZMQError(rc)
 
 
 def _peer(frames: list[zmq.Frame]) -> socket.socket | None:

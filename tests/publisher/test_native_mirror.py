@@ -12,11 +12,12 @@ import random
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.publisher._mirror import Core
-from kvwire.publisher.mirror import NOT_SENT, Mirror
+from kvwire.publisher.mirror import NOT_SENT, Mirror, SnapshotCursor
 from kvwire.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,6 +26,7 @@ from kvwire.wire import (
     decode_batch,
     encode_batch,
 )
+from kvwire.wire.codec import StoredParts
 
 from .test_snapshot import Model, drain, random_batches, rebuild
 
@@ -171,3 +173,43 @@ def test_a_large_feed_is_read_as_its_payloads_one_by_one() -> None:
     assert by_feed.count_blocks() == one_by_one.count_blocks() == len(model.held) > 0
     state = rebuild(drain(one_by_one.snapshot(0))).state()
     assert rebuild(drain(by_feed.snapshot(0))).state() == state
+
+
+
+def _tokens(blocks: int) -> bytes:
+    return msgspec.msgpack.encode(list(range(4 * blocks)))
+
+
+def test_simple_parts_takes_whole_parentless_chains_as_the_walk_would_and_stops_at_the_rest() -> None:
+    """``Core.simple_parts``, the walk's common case in C: a chain with no parent that held
+    all its blocks when the snapshot began goes out whole, as ``_part`` makes it; a chain
+    with a parent, one with a hole, one already taken or one longer than the room is the
+    Python walk's (passed over when taken, else the call stops there)."""
+    core = Core()
+    core.store([1, 2], None, _tokens(2), 4, "GPU", None, None, None)
+    core.store([3, 4], None, _tokens(2), 4, "GPU", "lora", [["x"], ["y"]], 2)
+    core.store([5], 4, _tokens(1), 4, "GPU", None, None, None)  # a parent
+    core.store([6, 7], None, _tokens(2), 4, "CPU", None, None, None)
+    core.store([8, 9, 10], None, _tokens(3), 4, "GPU", None, None, None)
+    core.remove("GPU", [9])  # a hole
+    chains = core.chains()
+    undo: dict[Any, Any] = {}
+    done: set[Any] = set()
+    args = (StoredParts, msgspec.Raw)
+    parts, i, blocks = core.simple_parts(chains, 0, 100, undo, done, *args)
+    assert (i, blocks) == (2, 4)  # stops at the chain with a parent
+    assert parts == [SnapshotCursor._part(c, 0, len(c)) for c in chains[:2]]
+    assert done == {(chains[0], 0), (chains[1], 0)}
+    # Passed over once taken; a chain with a hole is the walk's.
+    done.add((chains[3], 0))
+    assert core.simple_parts(chains, 3, 100, undo, done, *args) == ([], 4, 0)
+    # Stops before a chain longer than the room left.
+    assert core.simple_parts(chains, 0, 1, undo, set(), *args) == ([], 0, 0)
+    # The state at the snapshot's start: a block removed since is still the chain's.
+    undo[("GPU", 9)] = (chains[4],)
+    parts, i, blocks = core.simple_parts(chains, 4, 100, undo, set(), *args)
+    assert (i, blocks) == (5, 3) and parts == [SnapshotCursor._part(chains[4], 0, 3)]
+    with pytest.raises(TypeError):
+        core.simple_parts(chains, 0, 1, [], done, *args)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        core.simple_parts([1], 0, 9, {}, set(), *args)  # type: ignore[list-item]

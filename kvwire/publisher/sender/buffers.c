@@ -222,6 +222,8 @@ PyObject *payload_wrap(Buf *b) { /* takes a new reference to b */
     return (PyObject *)p;
 }
 
+Buf *payload_buf(PyObject *payload) { return ((Payload *)payload)->buf; }
+
 static void payload_dealloc(Payload *p) {
     buf_unref(p->buf);
     PyObject_Free(p);

@@ -844,6 +844,26 @@ static PyObject *entries_list(FeedEntry *e, size_t n) {
     return out;
 }
 
+/* Up to `want` buffered batches from the first whose seq is >= start, each with a reference
+ * taken (the caller releases them): the one search of the ring, for replay_range() and the
+ * native replies (serve.c). Takes mu. */
+size_t ring_take(Sender *s, i64 start, size_t want, FeedEntry *out) {
+    size_t n = 0;
+    pthread_mutex_lock(&s->mu);
+    size_t lo = 0, hi = s->ring_len; /* seqs ascend along the ring */
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (ring_at(s, mid)->seq < start) lo = mid + 1;
+        else hi = mid;
+    }
+    for (size_t i = lo; i < s->ring_len && n < want; i++, n++) {
+        out[n] = *ring_at(s, i);
+        buf_ref(out[n].buf);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
 /* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
  * first whose seq is >= start_seq. */
 static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
@@ -855,22 +875,10 @@ static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_
     Py_ssize_t want = PyLong_AsSsize_t(args[1]);
     if (PyErr_Occurred()) return NULL;
     if (want < 0) want = 0;
-    FeedEntry got[64];
-    if (want > 64) want = 64;
-    Py_ssize_t n = 0;
-    pthread_mutex_lock(&s->mu);
-    size_t lo = 0, hi = s->ring_len; /* seqs ascend along the ring */
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (ring_at(s, mid)->seq < start) lo = mid + 1;
-        else hi = mid;
-    }
-    for (size_t i = lo; i < s->ring_len && n < want; i++, n++) {
-        got[n] = *ring_at(s, i);
-        buf_ref(got[n].buf);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return entries_list(got, (size_t)n);
+    FeedEntry got[RING_TAKE_MAX];
+    if (want > RING_TAKE_MAX) want = RING_TAKE_MAX;
+    size_t n = ring_take(s, (i64)start, (size_t)want, got);
+    return entries_list(got, n);
 }
 
 /* take_feed() -> [(seq, Payload | None)]: the mirror feed so far, in seq order. */
@@ -1011,6 +1019,8 @@ static PyMethodDef module_methods[] = {
      "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
     {"encode_collected", (PyCFunction)(void (*)(void))encode_collected, METH_FASTCALL,
      "encode_collected(batch, format, pack) -> bytes: a CollectedBatch's payload"},
+    {"payload_of", module_payload_of, METH_O, "payload_of(data) -> a Payload holding a copy"},
+    {"holders", module_holders, METH_O, "holders(payload) -> references to its buffer"},
     {NULL},
 };
 
@@ -1021,7 +1031,8 @@ static struct PyModuleDef sendermodule = {
 PyMODINIT_FUNC PyInit__sender(void) {
     if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
         PyType_Ready(&CollectorType) < 0 || PyType_Ready(&EngineFormatType) < 0 ||
-        PyType_Ready(&EnginePublishType) < 0 || PyType_Ready(&RecordType) < 0)
+        PyType_Ready(&EnginePublishType) < 0 || PyType_Ready(&RecordType) < 0 ||
+        PyType_Ready(&RepliesType) < 0 || PyType_Ready(&AccountType) < 0)
         return NULL;
     if (records_init() < 0 || collector_init() < 0) return NULL;
     PyObject *m = PyModule_Create(&sendermodule);
@@ -1032,6 +1043,8 @@ PyMODINIT_FUNC PyInit__sender(void) {
         PyModule_AddObjectRef(m, "EngineFormat", (PyObject *)&EngineFormatType) < 0 ||
         PyModule_AddObjectRef(m, "EnginePublish", (PyObject *)&EnginePublishType) < 0 ||
         PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
+        PyModule_AddObjectRef(m, "Replies", (PyObject *)&RepliesType) < 0 ||
+        PyModule_AddObjectRef(m, "Account", (PyObject *)&AccountType) < 0 ||
         PyModule_AddIntConstant(m, "STORED", T_STORE) < 0 ||
         PyModule_AddIntConstant(m, "REMOVED", T_REMOVE) < 0 ||
         PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0) {

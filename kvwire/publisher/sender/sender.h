@@ -10,6 +10,8 @@
  *                EnginePublish (an engine plugin's publish() in C)
  *   sender.c     the queue, the replay ring, the mirror feed and the thread (Sender);
  *                the module
+ *   serve.c      replies on the replay ROUTER sent in C (Replies): a replay range straight
+ *                from the ring, shared snapshot chunks, their bytes in flight (Account)
  *
  * pyread.h reads Python ints, strs and lists without the GIL (exact types only).
  */
@@ -68,6 +70,7 @@ void ints_free(void *v);
 
 extern PyTypeObject PayloadType;
 PyObject *payload_wrap(Buf *b);
+Buf *payload_buf(PyObject *payload); /* a Payload's buffer (borrowed) */
 PyObject *buf_bytes(Buf *b);
 
 /* --- a collector batch's records (records.c) ------------------------------------------- */
@@ -295,7 +298,15 @@ extern PyTypeObject SenderType, CollectorType;
 /* Reserve the next seq for *it and queue it; never blocks. 1: queued; 0: dropped (a gap;
  * *it is released). The caller holds the GIL. */
 int sender_enqueue(Sender *s, Item *it);
+#define RING_TAKE_MAX 64 /* batches one look at the replay ring returns, at most */
+size_t ring_take(Sender *s, i64 start, size_t want, FeedEntry *out);
 double wall_now(void);
 int collector_init(void);
+
+/* --- replies on the replay ROUTER (serve.c) --------------------------------------------- */
+
+extern PyTypeObject RepliesType, AccountType;
+PyObject *module_payload_of(PyObject *module, PyObject *data);
+PyObject *module_holders(PyObject *module, PyObject *payload);
 
 #endif /* KVWIRE_SENDER_H */
