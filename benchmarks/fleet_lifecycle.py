@@ -728,7 +728,14 @@ def router_child(spec: dict[str, Any]) -> None:
     deadline = t0 + spec["timeout"]
     settled = None
     shown = t0
+    loaded = None  # when the start-up's view (checkpoint or clone) was in, since t0
+    first = None  # when the first rank was SYNCED
+    restoring = bool(options.get("checkpoint") or options.get("clone_from"))
     while time.monotonic() < deadline:
+        if restoring and loaded is None and sub.restore_progress().done:
+            loaded = time.monotonic() - t0
+        if first is None and sub.is_synced(1 / len(keys)):
+            first = time.monotonic() - t0
         if sub.is_synced():
             break
         if spec.get("settle") and time.monotonic() - t0 > 1.0:
@@ -736,9 +743,12 @@ def router_child(spec: dict[str, Any]) -> None:
             if p.syncing == 0 and p.replaying == 0 and p.snapshotting == 0:
                 settled = time.monotonic() - t0
                 break
-        if time.monotonic() - shown >= 1.0:  # the start-up's timeline, in the log
+        if time.monotonic() - shown >= 0.5:  # the start-up's timeline, in the log
             shown = time.monotonic()
-            logging.warning("t=%.1f cpu=%.1f %s", shown - t0, cpu_s() - c0, sub.progress())
+            imported = sub.restore_progress().ranks_imported if restoring else 0
+            logging.warning(
+                "t=%.1f cpu=%.1f imported=%d %s", shown - t0, cpu_s() - c0, imported, sub.progress()
+            )
         time.sleep(0.01)
     took = time.monotonic() - t0
     if profiler is not None:
@@ -760,6 +770,8 @@ def router_child(spec: dict[str, Any]) -> None:
         stale=p.stale,
         counters=_counters(sub),
         restored_s=None if sub.restored is None else sub.restored.seconds,
+        loaded_at=loaded,
+        first_synced=first,
     )
 
     def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
@@ -887,6 +899,14 @@ def asked(result: dict[str, Any]) -> str:
     if "requests_peak" in c:
         text += f", at most {c['requests_peak']} requests in flight"
     return text
+
+
+def timeline(result: dict[str, Any]) -> str:
+    """When, since the router's start, its view was in and its first rank SYNCED."""
+    loaded, first = result.get("loaded_at"), result.get("first_synced")
+    if loaded is None and first is None:
+        return ""
+    return f" (in at {fmt_s(loaded)}, first rank SYNCED at {fmt_s(first)})"
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:
@@ -1049,7 +1069,7 @@ class Bench:
         extra = (c1["cpu"] - c0["cpu"]) - rate * elapsed
         row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s ({extra:+.2f} s)"
         row.note = (
-            f"view loaded in {fmt_s(res.get('restored_s'))}; "
+            f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
             f"{c1['replays'] - c0['replays']:.0f} replays served"
         ) + reasons(res)
@@ -1083,7 +1103,7 @@ class Bench:
         row.note = (
             f"stopped in {stopped:.1f} s (final checkpoint "
             + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
-            + f"view loaded in {fmt_s(res.get('restored_s'))}; "
+            + f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
             + reasons(res)
         )
