@@ -672,7 +672,8 @@ def _counters(sub: Subscriber) -> dict[str, int]:
 
 def _profile_thread() -> Any:
     """With ``KVWIRE_ROUTER_PROFILE=FILE``: a cProfile of the subscriber's thread (its
-    start-up, until SYNCED), written to FILE; else None."""
+    start-up, until SYNCED), written to FILE (``{name}`` in it: the router's name and fleet,
+    e.g. ``router-3-kv``); else None."""
     if not os.environ.get("KVWIRE_ROUTER_PROFILE"):
         return None
     import cProfile
@@ -688,7 +689,7 @@ def _profile_thread() -> Any:
     return profiler
 
 
-def _dump_profile(sub: Subscriber, profiler: Any) -> None:
+def _dump_profile(sub: Subscriber, profiler: Any, name: str) -> None:
     """Stop the profile on the subscriber's own thread (cProfile is per thread), write it."""
     done = threading.Event()
 
@@ -700,7 +701,7 @@ def _dump_profile(sub: Subscriber, profiler: Any) -> None:
     assert loop is not None
     loop.call_soon_threadsafe(stop)
     done.wait(10)
-    profiler.dump_stats(os.environ["KVWIRE_ROUTER_PROFILE"])
+    profiler.dump_stats(os.environ["KVWIRE_ROUTER_PROFILE"].replace("{name}", name))
 
 
 def router_child(spec: dict[str, Any]) -> None:
@@ -752,7 +753,8 @@ def router_child(spec: dict[str, Any]) -> None:
         time.sleep(0.01)
     took = time.monotonic() - t0
     if profiler is not None:
-        _dump_profile(sub, profiler)
+        fleet_tag = spec["sources"][0][0].split("-")[0] if spec["sources"] else ""
+        _dump_profile(sub, profiler, f"{spec.get('name', 'router')}-{fleet_tag}")
     p = sub.progress()
     why = Counter(
         f"{st.state.value}: {st.reason}" for st in sub.status() if st.state is not RankState.SYNCED
@@ -843,7 +845,7 @@ class Router(Child):
 
     def __init__(self, name: str, fleet: Fleet, timeout: float, **options: Any) -> None:
         super().__init__(name)
-        spec = {"sources": fleet.sources(), "timeout": timeout, **options}
+        spec = {"sources": fleet.sources(), "timeout": timeout, "name": name, **options}
         self.spawn([sys.executable, __file__, "--router-child", json.dumps(spec)], LOG.file)
         self.result: dict[str, Any] = {}
 

@@ -299,19 +299,23 @@ class Subscriber:
         view may follow); nothing they read reached the sink."""
         resumed, self._resumed = self._resumed, {}
         for key, link in resumed.items():
-            if not link.closed:
-                self._waiting[key] = self._replace(link)
+            fresh = None if link.closed else self._replace(link)
+            if fresh is not None:
+                self._waiting[key] = fresh
 
-    def _replace(self, old: RankLink) -> RankLink:
-        """Close ``old`` and put a fresh link (a fresh stream) for its rank in its place."""
-        source = self._sources.get(old.worker_id)
+    def _replace(self, old: RankLink) -> RankLink | None:
+        """Close ``old`` and put a fresh link (a fresh stream) for its rank in its place;
+        None when its source was removed meanwhile (its links close with it)."""
         old.close()
         self._readiness.closed(old)
-        assert source is not None  # (a removed source's links are closed)
+        with self._lock:
+            source = self._sources.get(old.worker_id)
+            links = self._links.get(old.worker_id, [])
+            if source is None or old not in links:
+                return None
         new = self._new_link(source, old.endpoints)
         self._waiting.pop((old.worker_id, old.rank), None)
         with self._lock:
-            links = self._links.get(old.worker_id, [])
             links[links.index(old)] = new
             self._by_rank[(new.worker_id, new.rank)] = new
         self._readiness.opened(new, new.stream.state)
@@ -332,7 +336,9 @@ class Subscriber:
             if key in imported:
                 link.release()
             elif not link.closed:  # (a view refused without being told: never applied)
-                waiting[key] = self._replace(link)
+                fresh = self._replace(link)
+                if fresh is not None:
+                    waiting[key] = fresh
         for key, link in waiting.items():
             if key in imported and sink is not None:
                 sink.clear(*key)  # a view it could not resume from
