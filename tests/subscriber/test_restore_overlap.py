@@ -201,3 +201,36 @@ def test_a_peer_dying_mid_clone_while_links_are_open_leaves_no_rank_synced() -> 
                     assert sink.blocks("w", st.rank) != engs[st.rank].truth, "not exact"
         finally:
             dying.close()
+
+
+def test_a_rank_whose_hold_fills_its_share_reads_on_after_the_view_exact(tmp_path: Path) -> None:
+    """A receive budget so small that a few held batches fill a rank's share: the rank
+    stops reading (its sockets keep the rest, its replay's deadlines wait) and reads on
+    once the view is in; it ends exact, having replayed only its tail."""
+    path = str(tmp_path / "view.ckpt")
+    with fleet(2, "stock", buffer_steps=BUFFER) as pubs:
+        engs = engines(2, seed=730)
+        source = bound_source("w", pubs)
+        first = ViewSet()
+        with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
+            assert sub.wait_synced(timeout=10)
+            publish(engs, pubs, BEFORE)
+            wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
+        publish(engs, pubs, TAIL)
+        sink = SlowImport()
+        config = fast(checkpoint=path, receive_budget_bytes=2048)  # a share of ~400 bytes
+        with Subscriber([source], sink, config=config) as sub:
+            try:
+                wait_for(
+                    lambda: all(0 < st.counters.replayed < TAIL for st in sub.status()),
+                    10,
+                    "part of each tail read, then the hold full",
+                )
+                assert sink.calls == [] and not sub.is_synced(0.5)
+            finally:
+                sink.go.set()
+            wait_for(lambda: exact(sub, sink, engs), 10, "exact once the view is in")
+            for r in range(2):
+                assert sink.of(r) == ["import"] + ["apply"] * TAIL
+            for st in sub.status():
+                assert st.counters.replayed == TAIL and st.counters.resyncs == 0
