@@ -1036,7 +1036,7 @@ class Bench:
                 self.log(f"case 7: {row}")
             # 4. clone from the running replica
             if 4 in cases:
-                self.rows.append(self.clone_case(fleet, opts, "kvwire"))
+                self.rows.append(self.clone_case(fleet, opts, "kvwire", r1))
             # 3. warm restart from the checkpoint
             if 3 in cases:
                 row, restarted = self.restart_case(fleet, r1, ckpt, "kvwire")
@@ -1051,7 +1051,9 @@ class Bench:
             probe.close()
             fleet.close()
 
-    def clone_case(self, fleet: Fleet, opts: dict[str, Any], kind: str) -> Row:
+    def clone_case(
+        self, fleet: Fleet, opts: dict[str, Any], kind: str, server: Router | None = None
+    ) -> Row:
         a = self.args
         row = Row("4 clone from a replica", kind, fleet.ranks)
         if not self.have["clone"]:
@@ -1059,12 +1061,18 @@ class Bench:
             self.log(f"case 4 ({kind}): {row}")
             return row
         rate = self.engine_rate(fleet, a.window)  # with the source router connected
+        s0 = server.ask("cpu") if server is not None else None
         c0 = fleet.counters()
         t0 = time.monotonic()
         r4 = Router("router-4", fleet, a.timeout, clone_from=opts["serve_view"])
         res = r4.wait()
         elapsed = time.monotonic() - t0
         c1 = fleet.counters()
+        served = ""
+        if server is not None and s0 is not None:
+            # The serving router's CPU meanwhile: following the fleet, and making the pieces.
+            s1 = server.ask("cpu")
+            served = f"; the serving router {s1['cpu'] - s0['cpu']:.2f} s CPU meanwhile"
         row.synced = verdict(res["synced"], 3)
         row.partial = str(res["partial"])
         row.router_cpu = fmt_s(res["cpu"])
@@ -1073,8 +1081,8 @@ class Bench:
         row.note = (
             f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
-            f"{c1['replays'] - c0['replays']:.0f} replays served"
-        ) + reasons(res)
+            f"{c1['replays'] - c0['replays']:.0f} replays served{served}"
+        ) + asked(res) + reasons(res)
         row.exact = self.check(r4, fleet)
         r4.stop()
         self.log(f"case 4 ({kind}): {row}")
@@ -1107,6 +1115,7 @@ class Bench:
             + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
             + f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            + asked(res)
             + reasons(res)
         )
         row.exact = self.check(r3, fleet)
@@ -1234,7 +1243,7 @@ class Bench:
                 self.rows.append(row)
                 self.log(f"case 2: {row}")
             if 4 in cases:
-                self.rows.append(self.clone_case(fleet, opts, "stock"))
+                self.rows.append(self.clone_case(fleet, opts, "stock", reference))
             if 3 in cases:
                 row, reference = self.restart_case(fleet, reference, ckpt, "stock")
                 self.rows.append(row)
