@@ -974,7 +974,7 @@ class Bench:
     def kvwire_cases(self) -> None:
         a = self.args
         cases = a.cases
-        if not cases & {1, 3, 4, 5, 7}:
+        if not cases & {1, 3, 4, 5, 7} or "kvwire" not in a.kinds:
             return
         fleet = self.start_fleet("kvwire", tag="kv")
         probe = DelayProbe(fleet.live_endpoints(64))
@@ -1194,7 +1194,7 @@ class Bench:
     def stock_cases(self) -> None:
         a = self.args
         cases = a.cases
-        if not cases & {2, 3, 4}:
+        if not cases & {2, 3, 4} or "stock" not in a.kinds:
             return
         fleet = self.start_fleet("stock", tag="vllm")
         opts: dict[str, Any] = {}
@@ -1353,6 +1353,9 @@ def main() -> None:
     parser.add_argument("--case6-buffer", type=int, default=1000)
     parser.add_argument("--cases", default="1,2,3,4,5,6,7")
     parser.add_argument(
+        "--kinds", default="kvwire,stock", help="publishers of cases 1-5 and 7: kvwire, stock"
+    )
+    parser.add_argument(
         "--reference",
         action="store_true",
         help="stock fleet: follow it from its first batch with a router checked exact "
@@ -1387,6 +1390,7 @@ def main() -> None:
         router_child(json.loads(args.router_child))
         return
     args.cases = {int(c) for c in args.cases.split(",") if c}
+    args.kinds = {k for k in args.kinds.split(",") if k}
     bench = Bench(args)
     have = ", ".join(k for k, v in bench.have.items() if v) or "none"
     ranks = args.engines * args.ranks_per_engine
