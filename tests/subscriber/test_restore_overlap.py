@@ -17,7 +17,6 @@ import zmq
 
 from kvwire.subscriber import RankState, Subscriber
 from kvwire.subscriber.clone import PROTOCOL
-from kvwire.subscriber.slots import ReplaySlots
 from kvwire.wire import KVEventBatch
 from tests.subscriber.ckpt_helpers import ViewSet, engines, fleet
 from tests.subscriber.helpers import bound_source, fast
@@ -235,27 +234,3 @@ def test_a_rank_whose_hold_fills_its_share_reads_on_after_the_view_exact(tmp_pat
                 assert sink.of(r) == ["import"] + ["apply"] * TAIL
             for st in sub.status():
                 assert st.counters.replayed == TAIL and st.counters.resyncs == 0
-
-
-class _Rank:
-    """What ReplaySlots reads of a rank."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.closed = False
-        self.queued = None
-
-
-def test_the_request_limit_is_held_at_its_most_while_a_view_loads() -> None:
-    slots = ReplaySlots(4, 4, most=8, round_s=0.25)
-    slots.round(1.0)  # a slow round lowers it
-    assert slots.limit == 3
-    slots.pin()
-    assert slots.limit == 8
-    taken = [slots.take(_Rank(f"w{i}")) for i in range(9)]  # type: ignore[arg-type]
-    assert taken == [True] * 8 + [False]
-    slots.round(1.0)  # slow for the import's sake: ignored while pinned
-    assert slots.limit == 8
-    slots.unpin()
-    slots.round(1.0)
-    assert slots.limit == 6, "it follows the rounds again"
