@@ -74,6 +74,8 @@ WINDOW = 256
 """Pieces a client keeps in flight: enough that the peer makes the next ones while a
 batch of records is imported (bounded in bytes by the peer's :data:`MAX_IN_FLIGHT`)."""
 
+_CREDIT_BATCH = 16  # credits a replica returns in one message (and whatever it owes when drained)
+
 _SNDHWM = 2 * _MAX_CREDIT
 
 
@@ -276,18 +278,27 @@ def clone_view(
         sock.send_multipart([PROTOCOL, _OPEN])
         sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(window)])
         silent_since = time.monotonic()
+        owed = 0  # credits for pieces received, not yet returned
         while True:
             if cancel is not None and cancel.is_set():
                 raise CheckpointError("the clone was abandoned (the subscriber stopped)")
-            if not sock.poll(100):
-                if time.monotonic() - silent_since > timeout:
+            try:
+                # (not copied: a record's blob is imported from the message it came in)
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # Drained: return the credit owed, let the ranks read so far connect, wait.
+                # (Each call here lets the subscriber's loop take the GIL: once a drain,
+                # not a few times a piece.)
+                if owed:
+                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    owed = 0
+                restorer.announce()
+                if not sock.poll(100) and time.monotonic() - silent_since > timeout:
                     raise CheckpointError(
                         f"the peer sent nothing for {timeout} s after {received} bytes "
                         "(it died, stalled or is not serving its view)"
-                    )
+                    ) from None
                 continue
-            # (not copied: a record's blob is imported from the message it came in)
-            msg = sock.recv_multipart(copy=False)
             silent_since = time.monotonic()
             if len(msg) < 2 or msg[0].bytes != PROTOCOL:
                 raise CheckpointError("the peer does not speak the clone protocol")
@@ -300,11 +311,12 @@ def clone_view(
                     raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
                 # The credit first: the peer makes the next pieces while this one (and, every
                 # IMPORT_BATCH records, a batch of them) is imported here.
-                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
+                owed += 1
+                if owed >= _CREDIT_BATCH:
+                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    owed = 0
                 for item in decoder.feed_parts(parts):
                     restorer.take(item)
-                if not sock.poll(0):
-                    restorer.announce()  # nothing else arrived yet: these ranks may connect
             elif verb == _END:
                 decoder.finish()
                 return restorer.finish(received)

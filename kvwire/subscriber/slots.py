@@ -62,7 +62,6 @@ class ReplaySlots:
         self.most = limit if most is None else max(limit, most)
         self.adaptive = self.most > limit and round_s > 0
         self.round_s = round_s
-        self.pinned = False  # the limit held at its most (pin)
         self.open = 0
         self.peak = 0  # the most in flight at once
         self.source_peak = 0  # the most in flight at once to one source
@@ -73,21 +72,9 @@ class ReplaySlots:
         self._waiting: dict[str, deque[tuple[int, RankLink]]] = {}
         self._ticket = 0
 
-    def pin(self) -> None:
-        """Hold the limit at its most until :meth:`unpin`: while a loaded view's import holds
-        the GIL, rounds are slow for that alone (not for the replies, tails that are held
-        unapplied), and the ranks it resumes should have their tails asked meanwhile."""
-        self.pinned = True
-        self.limit = self._cap = self.most
-        self._grant()
-
-    def unpin(self) -> None:
-        """The limit follows the rounds again, from where it is."""
-        self.pinned = False
-
     def round(self, seconds: float) -> None:
         """A round of reading took ``seconds``: follow it with the limit (see the class)."""
-        if not self.adaptive or self.pinned:
+        if not self.adaptive:
             return
         if seconds > self.round_s:
             lower = max(1, self.limit - max(1, self.limit // 4))

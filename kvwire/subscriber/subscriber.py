@@ -349,7 +349,6 @@ class Subscriber:
             if (now is None or now.closed) and sink is not None:
                 sink.clear(*key)  # its source was removed meanwhile
         env.contacts.add(cold)
-        env.replays.unpin()
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
         with self._lock:
@@ -475,7 +474,6 @@ class Subscriber:
                 # The ranks' links open now, on hold: each connects and asks its replay
                 # once its position is read, while the view is imported.
                 self._restoring = frozenset(self._followed())
-                env.replays.pin()  # (rounds are slow for the import, not the tails)
                 for source in self.sources:
                     self._open_source(source)
                 restored = await asyncio.to_thread(self._restore, ctx)
