@@ -158,12 +158,8 @@ class BlockSetSink:
             raise ValueError("not a BlockSetSink rank view of version 1")
         count = int.from_bytes(data[8:16], "little")
         if len(data) != 16 + 8 * count:
-            raise ValueError(
-                f"a rank view of {len(data)} bytes cannot hold the {count} hashes it gives"
-            )
+            raise ValueError(f"a rank view of {len(data)} bytes cannot hold the {count} hashes it gives")
         hashes = [int.from_bytes(data[i : i + 8], "little") for i in range(16, len(data), 8)]
         if any(hashes[i] >= hashes[i + 1] for i in range(len(hashes) - 1)):
-            raise ValueError(
-                "a rank view's hashes are not strictly ascending (repeated or corrupt)"
-            )
+            raise ValueError("a rank view's hashes are not strictly ascending (repeated or corrupt)")
         self._blocks[(worker_id, rank)] = set(hashes)
