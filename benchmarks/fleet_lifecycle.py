@@ -672,7 +672,8 @@ def _counters(sub: Subscriber) -> dict[str, int]:
 
 def _profile_thread() -> Any:
     """With ``KVWIRE_ROUTER_PROFILE=FILE``: a cProfile of the subscriber's thread (its
-    start-up, until SYNCED), written to FILE; else None."""
+    start-up, until SYNCED), written to FILE (``{name}`` in it: the router's name and fleet,
+    e.g. ``router-3-kv``); else None."""
     if not os.environ.get("KVWIRE_ROUTER_PROFILE"):
         return None
     import cProfile
@@ -688,7 +689,7 @@ def _profile_thread() -> Any:
     return profiler
 
 
-def _dump_profile(sub: Subscriber, profiler: Any) -> None:
+def _dump_profile(sub: Subscriber, profiler: Any, name: str) -> None:
     """Stop the profile on the subscriber's own thread (cProfile is per thread), write it."""
     done = threading.Event()
 
@@ -700,7 +701,7 @@ def _dump_profile(sub: Subscriber, profiler: Any) -> None:
     assert loop is not None
     loop.call_soon_threadsafe(stop)
     done.wait(10)
-    profiler.dump_stats(os.environ["KVWIRE_ROUTER_PROFILE"])
+    profiler.dump_stats(os.environ["KVWIRE_ROUTER_PROFILE"].replace("{name}", name))
 
 
 def router_child(spec: dict[str, Any]) -> None:
@@ -728,7 +729,14 @@ def router_child(spec: dict[str, Any]) -> None:
     deadline = t0 + spec["timeout"]
     settled = None
     shown = t0
+    loaded = None  # when the start-up's view (checkpoint or clone) was in, since t0
+    first = None  # when the first rank was SYNCED
+    restoring = bool(options.get("checkpoint") or options.get("clone_from"))
     while time.monotonic() < deadline:
+        if restoring and loaded is None and sub.restore_progress().done:
+            loaded = time.monotonic() - t0
+        if first is None and sub.is_synced(1 / len(keys)):
+            first = time.monotonic() - t0
         if sub.is_synced():
             break
         if spec.get("settle") and time.monotonic() - t0 > 1.0:
@@ -736,13 +744,17 @@ def router_child(spec: dict[str, Any]) -> None:
             if p.syncing == 0 and p.replaying == 0 and p.snapshotting == 0:
                 settled = time.monotonic() - t0
                 break
-        if time.monotonic() - shown >= 1.0:  # the start-up's timeline, in the log
+        if time.monotonic() - shown >= 0.5:  # the start-up's timeline, in the log
             shown = time.monotonic()
-            logging.warning("t=%.1f cpu=%.1f %s", shown - t0, cpu_s() - c0, sub.progress())
+            imported = sub.restore_progress().ranks_imported if restoring else 0
+            logging.warning(
+                "t=%.1f cpu=%.1f imported=%d %s", shown - t0, cpu_s() - c0, imported, sub.progress()
+            )
         time.sleep(0.01)
     took = time.monotonic() - t0
     if profiler is not None:
-        _dump_profile(sub, profiler)
+        fleet_tag = spec["sources"][0][0].split("-")[0] if spec["sources"] else ""
+        _dump_profile(sub, profiler, f"{spec.get('name', 'router')}-{fleet_tag}")
     p = sub.progress()
     why = Counter(
         f"{st.state.value}: {st.reason}" for st in sub.status() if st.state is not RankState.SYNCED
@@ -760,6 +772,8 @@ def router_child(spec: dict[str, Any]) -> None:
         stale=p.stale,
         counters=_counters(sub),
         restored_s=None if sub.restored is None else sub.restored.seconds,
+        loaded_at=loaded,
+        first_synced=first,
     )
 
     def exact(pauses: dict[str, Any]) -> tuple[bool, int, float]:
@@ -831,7 +845,7 @@ class Router(Child):
 
     def __init__(self, name: str, fleet: Fleet, timeout: float, **options: Any) -> None:
         super().__init__(name)
-        spec = {"sources": fleet.sources(), "timeout": timeout, **options}
+        spec = {"sources": fleet.sources(), "timeout": timeout, "name": name, **options}
         self.spawn([sys.executable, __file__, "--router-child", json.dumps(spec)], LOG.file)
         self.result: dict[str, Any] = {}
 
@@ -887,6 +901,14 @@ def asked(result: dict[str, Any]) -> str:
     if "requests_peak" in c:
         text += f", at most {c['requests_peak']} requests in flight"
     return text
+
+
+def timeline(result: dict[str, Any]) -> str:
+    """When, since the router's start, its view was in and its first rank SYNCED."""
+    loaded, first = result.get("loaded_at"), result.get("first_synced")
+    if loaded is None and first is None:
+        return ""
+    return f" (in at {fmt_s(loaded)}, first rank SYNCED at {fmt_s(first)})"
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:
@@ -952,7 +974,7 @@ class Bench:
     def kvwire_cases(self) -> None:
         a = self.args
         cases = a.cases
-        if not cases & {1, 3, 4, 5, 7}:
+        if not cases & {1, 3, 4, 5, 7} or "kvwire" not in a.kinds:
             return
         fleet = self.start_fleet("kvwire", tag="kv")
         probe = DelayProbe(fleet.live_endpoints(64))
@@ -1014,7 +1036,7 @@ class Bench:
                 self.log(f"case 7: {row}")
             # 4. clone from the running replica
             if 4 in cases:
-                self.rows.append(self.clone_case(fleet, opts, "kvwire"))
+                self.rows.append(self.clone_case(fleet, opts, "kvwire", r1))
             # 3. warm restart from the checkpoint
             if 3 in cases:
                 row, restarted = self.restart_case(fleet, r1, ckpt, "kvwire")
@@ -1029,7 +1051,9 @@ class Bench:
             probe.close()
             fleet.close()
 
-    def clone_case(self, fleet: Fleet, opts: dict[str, Any], kind: str) -> Row:
+    def clone_case(
+        self, fleet: Fleet, opts: dict[str, Any], kind: str, server: Router | None = None
+    ) -> Row:
         a = self.args
         row = Row("4 clone from a replica", kind, fleet.ranks)
         if not self.have["clone"]:
@@ -1037,22 +1061,28 @@ class Bench:
             self.log(f"case 4 ({kind}): {row}")
             return row
         rate = self.engine_rate(fleet, a.window)  # with the source router connected
+        s0 = server.ask("cpu") if server is not None else None
         c0 = fleet.counters()
         t0 = time.monotonic()
         r4 = Router("router-4", fleet, a.timeout, clone_from=opts["serve_view"])
         res = r4.wait()
         elapsed = time.monotonic() - t0
         c1 = fleet.counters()
+        served = ""
+        if server is not None and s0 is not None:
+            # The serving router's CPU meanwhile: following the fleet, and making the pieces.
+            s1 = server.ask("cpu")
+            served = f"; the serving router {s1['cpu'] - s0['cpu']:.2f} s CPU meanwhile"
         row.synced = verdict(res["synced"], 3)
         row.partial = str(res["partial"])
         row.router_cpu = fmt_s(res["cpu"])
         extra = (c1["cpu"] - c0["cpu"]) - rate * elapsed
         row.engines_cpu = f"{c1['cpu'] - c0['cpu']:.2f} s ({extra:+.2f} s)"
         row.note = (
-            f"view loaded in {fmt_s(res.get('restored_s'))}; "
+            f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots, "
-            f"{c1['replays'] - c0['replays']:.0f} replays served"
-        ) + reasons(res)
+            f"{c1['replays'] - c0['replays']:.0f} replays served{served}"
+        ) + asked(res) + reasons(res)
         row.exact = self.check(r4, fleet)
         r4.stop()
         self.log(f"case 4 ({kind}): {row}")
@@ -1083,8 +1113,9 @@ class Bench:
         row.note = (
             f"stopped in {stopped:.1f} s (final checkpoint "
             + (f"{size / 2**20:.1f} MiB); " if size is not None else "missing); ")
-            + f"view loaded in {fmt_s(res.get('restored_s'))}; "
+            + f"view loaded in {fmt_s(res.get('restored_s'))}{timeline(res)}; "
             + f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served"
+            + asked(res)
             + reasons(res)
         )
         row.exact = self.check(r3, fleet)
@@ -1163,7 +1194,7 @@ class Bench:
     def stock_cases(self) -> None:
         a = self.args
         cases = a.cases
-        if not cases & {2, 3, 4}:
+        if not cases & {2, 3, 4} or "stock" not in a.kinds:
             return
         fleet = self.start_fleet("stock", tag="vllm")
         opts: dict[str, Any] = {}
@@ -1212,7 +1243,7 @@ class Bench:
                 self.rows.append(row)
                 self.log(f"case 2: {row}")
             if 4 in cases:
-                self.rows.append(self.clone_case(fleet, opts, "stock"))
+                self.rows.append(self.clone_case(fleet, opts, "stock", reference))
             if 3 in cases:
                 row, reference = self.restart_case(fleet, reference, ckpt, "stock")
                 self.rows.append(row)
@@ -1322,6 +1353,9 @@ def main() -> None:
     parser.add_argument("--case6-buffer", type=int, default=1000)
     parser.add_argument("--cases", default="1,2,3,4,5,6,7")
     parser.add_argument(
+        "--kinds", default="kvwire,stock", help="publishers of cases 1-5 and 7: kvwire, stock"
+    )
+    parser.add_argument(
         "--reference",
         action="store_true",
         help="stock fleet: follow it from its first batch with a router checked exact "
@@ -1356,6 +1390,7 @@ def main() -> None:
         router_child(json.loads(args.router_child))
         return
     args.cases = {int(c) for c in args.cases.split(",") if c}
+    args.kinds = {k for k in args.kinds.split(",") if k}
     bench = Bench(args)
     have = ", ".join(k for k, v in bench.have.items() if v) or "none"
     ranks = args.engines * args.ranks_per_engine

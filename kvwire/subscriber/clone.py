@@ -31,6 +31,7 @@ import logging
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +40,7 @@ import zmq
 from kvwire.security import ClientKeys, ServerKeys, secure_client, secure_server, warn_if_exposed
 from kvwire.subscriber.checkpoint import (
     IMPORT_BATCH,
+    Announce,
     CheckpointError,
     Decoder,
     Restored,
@@ -64,18 +66,34 @@ MAX_SESSIONS = 4
 """Clones served at once; a further client is refused (it starts cold or from its checkpoint)."""
 SESSION_IDLE_S = 30.0
 """A session whose client sends no credit for this long is dropped."""
-_MAX_CREDIT = 64  # pieces one client may have granted at once
+_MAX_CREDIT = 256  # pieces one client may have granted at once
+MAX_IN_FLIGHT = 64 << 20
+"""Bytes of one session sent and not yet acknowledged (a credit returned) at most: the
+pieces a client's window allows go out while they fit (and one at least)."""
+WINDOW = 256
+"""Pieces a client keeps in flight: enough that the peer makes the next ones while a
+batch of records is imported (bounded in bytes by the peer's :data:`MAX_IN_FLIGHT`)."""
+
+_CREDIT_BATCH = 16  # credits a replica returns in one message (and whatever it owes when drained)
 
 _SNDHWM = 2 * _MAX_CREDIT
 
 
 class _Session:
-    __slots__ = ("credit", "last", "view")
+    __slots__ = ("credit", "in_flight", "last", "sent", "view")
 
     def __init__(self, view: ViewStream, now: float) -> None:
         self.view = view
         self.credit = 0
         self.last = now
+        self.sent: deque[int] = deque()  # sizes of the pieces not yet acknowledged
+        self.in_flight = 0
+
+    def acknowledged(self, n: int) -> None:
+        """``n`` credits came back: the ``n`` oldest pieces sent have arrived."""
+        sent = self.sent
+        for _ in range(min(n, len(sent))):
+            self.in_flight -= sent.popleft()
 
 
 class CloneServer:
@@ -168,13 +186,16 @@ class CloneServer:
             session = self._sessions.get(ident)
             if session is None:
                 return
-            session.credit = min(_MAX_CREDIT, session.credit + _U32.unpack(frames[3])[0])
+            n = _U32.unpack(frames[3])[0]
+            session.credit = min(_MAX_CREDIT, session.credit + n)
+            session.acknowledged(n)
             session.last = now
             self._pump(ident, session)
 
     def _pump(self, ident: bytes, session: _Session) -> None:
-        """Send what the client's credit allows, each piece made now."""
-        while session.credit > 0:
+        """Send what the client's credit allows (within :data:`MAX_IN_FLIGHT`), each piece
+        made now."""
+        while session.credit > 0 and (not session.sent or session.in_flight < MAX_IN_FLIGHT):
             try:
                 piece = session.view.next()
             except CheckpointError as exc:
@@ -188,6 +209,9 @@ class CloneServer:
             if not self._send(ident, _DATA, *piece):
                 return
             session.credit -= 1
+            size = sum(len(part) for part in piece)
+            session.sent.append(size)
+            session.in_flight += size
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -215,9 +239,11 @@ def clone_view(
     keys: ClientKeys | None = None,
     timeout: float = 10.0,
     max_bytes: int = 4 << 30,
-    window: int = 32,
+    window: int = WINDOW,
     cancel: threading.Event | None = None,
     progress: RestoreProgress | None = None,
+    announce: Announce | None = None,
+    pause: Callable[[float], object] | None = None,
 ) -> Restored:
     """Copy the view served at ``endpoint`` into ``sink`` (blocking; not on a loop).
 
@@ -234,7 +260,15 @@ def clone_view(
     if progress is None:
         progress = RestoreProgress()
     progress.source = "clone"
-    restorer = Restorer(sink, followed, f"clone from {endpoint}", progress, batch=IMPORT_BATCH)
+    restorer = Restorer(
+        sink,
+        followed,
+        f"clone from {endpoint}",
+        progress,
+        batch=IMPORT_BATCH,
+        announce=announce,
+        pause=pause,
+    )
     decoder = Decoder(max_frame=max_bytes)
     received = 0
     try:
@@ -244,37 +278,50 @@ def clone_view(
         sock.send_multipart([PROTOCOL, _OPEN])
         sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(window)])
         silent_since = time.monotonic()
+        owed = 0  # credits for pieces received, not yet returned
         while True:
             if cancel is not None and cancel.is_set():
                 raise CheckpointError("the clone was abandoned (the subscriber stopped)")
-            if not sock.poll(100):
-                if time.monotonic() - silent_since > timeout:
+            try:
+                # (not copied: a record's blob is imported from the message it came in)
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # Drained: return the credit owed, let the ranks read so far connect, wait.
+                # (Each call here lets the subscriber's loop take the GIL: once a drain,
+                # not a few times a piece.)
+                if owed:
+                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    owed = 0
+                restorer.announce()
+                if not sock.poll(100) and time.monotonic() - silent_since > timeout:
                     raise CheckpointError(
                         f"the peer sent nothing for {timeout} s after {received} bytes "
                         "(it died, stalled or is not serving its view)"
-                    )
+                    ) from None
                 continue
-            frames = sock.recv_multipart()
             silent_since = time.monotonic()
-            if len(frames) < 2 or frames[0] != PROTOCOL:
+            if len(msg) < 2 or msg[0].bytes != PROTOCOL:
                 raise CheckpointError("the peer does not speak the clone protocol")
-            verb = frames[1]
-            if verb == _DATA and len(frames) >= 3:
-                piece = frames[2] if len(frames) == 3 else b"".join(frames[2:])
-                received += len(piece)
+            verb = msg[1].bytes
+            if verb == _DATA and len(msg) >= 3:
+                parts = [frame.buffer for frame in msg[2:]]
+                received += sum(len(part) for part in parts)
                 progress.bytes_received = received
                 if received > max_bytes:
                     raise CheckpointError(f"the view is larger than clone_max_bytes={max_bytes}")
                 # The credit first: the peer makes the next pieces while this one (and, every
                 # IMPORT_BATCH records, a batch of them) is imported here.
-                sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(1)])
-                for item in decoder.feed(piece):
+                owed += 1
+                if owed >= _CREDIT_BATCH:
+                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    owed = 0
+                for item in decoder.feed_parts(parts):
                     restorer.take(item)
             elif verb == _END:
                 decoder.finish()
                 return restorer.finish(received)
             elif verb == _ERROR:
-                text = frames[2].decode(errors="replace") if len(frames) > 2 else ""
+                text = msg[2].bytes.decode(errors="replace") if len(msg) > 2 else ""
                 raise CheckpointError(f"the peer refused: {text}")
             else:
                 raise CheckpointError(f"an unknown clone message {verb!r}")

@@ -12,6 +12,12 @@ replies. That order is what RankStream relies on: a replay reply is never read
 before a disconnect that came before it, and a connection event comes before
 the live batches and replies that follow it.
 
+While the subscriber loads a checkpoint or a clone, a rank that view may hold is
+*on hold* (:meth:`RankLink.hold`): it connects and asks its replay as soon as
+its position is known, and reads and sequences what comes, but what it would
+give the sink (and its state changes) waits in order until :meth:`RankLink.release`,
+after the view is imported; :meth:`RankLink.close` drops it where the view is refused.
+
 A ready socket is read to the end in one call (:mod:`kvwire.subscriber.receive`,
 native where it can be), and the heartbeats at the head of a SUB in sequence
 are only counted there (:func:`~kvwire.subscriber.receive.Receive.drain_beats`).
@@ -70,6 +76,11 @@ _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times 
 _REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
 _RATE_WINDOW_S = 0.1  # a rank's live message rate is measured over this long, at least
 _QUIET_S = 1.0  # a SUB is reopened only with live messages that follow this long a silence
+
+
+_HELD = frozenset({Apply, ApplyPayload, ClearRank, Reserve})
+"""What a rank on hold keeps for the sink until its view is imported."""
+_HELD_COST = 256  # bytes counted for a held action without a payload (a decoded batch, a clear)
 
 
 def _ignore(link: RankLink) -> None:
@@ -144,6 +155,8 @@ class RankLink:
         "endpoints",
         "env",
         "fit_ranks",
+        "held_out",
+        "held_out_bytes",
         "hwm",
         "keys",
         "live_blocked",
@@ -158,6 +171,7 @@ class RankLink:
         "reconnect_at",
         "reconnect_delay",
         "reopen_due",
+        "restated",
         "share",
         "sized",
         "slot",
@@ -213,6 +227,9 @@ class RankLink:
         self.rate_since = 0.0
         self.live_blocked = False  # live reading waits for held batches to go
         self.chunk = config.read_chunk(env.ranks, self.batch_bytes, BURST)
+        self.held_out: list[Action] | None = None  # on hold: the sink's actions, in order
+        self.held_out_bytes = 0
+        self.restated = False  # on hold: the state changed meanwhile
         self._announce()
 
     def _announce(self) -> None:
@@ -230,6 +247,40 @@ class RankLink:
     def note(self, kind: str, message: str, exc_info: Any = None) -> None:
         """A problem of this rank, logged at most once an interval per kind for all ranks."""
         self.env.log.note(kind, message, self.subject, exc_info=exc_info)
+
+    # --- on hold while a view loads ------------------------------------------------------
+
+    @property
+    def on_hold(self) -> bool:
+        return self.held_out is not None
+
+    def hold(self) -> None:
+        """Keep what this rank gives the sink (batches, clears, hints) and its state
+        changes until :meth:`release`: the view it applies on is still being imported."""
+        if self.held_out is None:
+            self.held_out = []
+            self.held_out_bytes = 0
+
+    def release(self) -> None:
+        """The rank's view is in the sink: give it what was held, in order, then read on."""
+        held, self.held_out = self.held_out, None
+        if held is None or self.closed:
+            return
+        self.held_out_bytes = 0
+        if held:
+            self.carry_out(held)
+            delivery = self.env.delivery
+            if delivery.sink_flush is not None:
+                delivery.to_flush[self] = None
+        if self.restated:
+            self.restated = False
+            self.env.on_state(self)
+        self.env.reactor.again(self, monitor=True)  # what waited unread while the hold was full
+        self.schedule()
+
+    def _hold_full(self) -> bool:
+        """On hold, with the rank's share of the receive budget held: read on after it."""
+        return self.held_out is not None and self.held_out_bytes > self.share
 
     # --- sockets -------------------------------------------------------------------------
 
@@ -475,6 +526,8 @@ class RankLink:
         try:
             if monitor and self.monitor is not None:
                 self._on_monitor()
+            if self._hold_full():
+                return False  # read on at release (the sockets keep what comes, bounded)
             if self.sub is not None:
                 burst = self._drain_live(BURST)
             if self.dealer is not None:
@@ -541,7 +594,8 @@ class RankLink:
         receive = env.receive
         drain, drain_beats = receive.drain, receive.drain_beats
         delivery = env.delivery
-        sink = delivery.sink
+        # On hold, every action goes through carry_out, which keeps the sink's ones.
+        sink = delivery.sink if self.held_out is None else None
         payload_sink = delivery.payload_sink
         limits = stream.config.decode_limits
         worker_id, rank = self.worker_id, self.rank
@@ -636,6 +690,8 @@ class RankLink:
         self.env.reactor.schedule(self)
 
     def deadline(self, now: float) -> float | None:
+        if self._hold_full():
+            return self.reconnect_at  # the stream's deadlines wait for what is unread
         deadline = self.stream.next_deadline()
         at = self.reconnect_at
         if at is not None and (deadline is None or at < deadline):
@@ -667,6 +723,8 @@ class RankLink:
             self.env.contacts.done(self)  # its publisher may be down: others go on meanwhile
         if self.reconnect_at is not None and now >= self.reconnect_at:
             self._reconnect()
+        if self._hold_full():
+            return  # replies left unread are the router's delay: judged once they are read
         try:
             actions = self.stream.tick(now)
             if actions:
@@ -683,8 +741,14 @@ class RankLink:
         """Do what the stream asked, in order."""
         timed = False  # anything but an Apply may have moved the rank's deadline
         delivery = self.env.delivery
+        held = self.held_out
         for action in actions:
             kind = type(action)
+            if held is not None and kind in _HELD:
+                held.append(action)
+                payload = getattr(action, "payload", None)
+                self.held_out_bytes += len(payload) if payload is not None else _HELD_COST
+                continue
             if kind is Apply:
                 delivery.apply(self, action)  # type: ignore[arg-type]
                 continue
@@ -710,7 +774,10 @@ class RankLink:
                 assert isinstance(action, StateChanged)
                 if self.connecting_since is not None and action.new is not RankState.SYNCING:
                     self.env.contacts.done(self)
-                self.env.on_state(self)
+                if held is not None:
+                    self.restated = True  # readiness hears of it at release
+                else:
+                    self.env.on_state(self)
                 self.env.log.note(
                     f"state {action.old.value} -> {action.new.value}",
                     f"{action.old.value} -> {action.new.value} ({action.reason})",

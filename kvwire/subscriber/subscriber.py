@@ -47,7 +47,7 @@ from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.seq import StreamPosition
 from kvwire.subscriber.sink import EventSink, SinkItem, ViewSink
-from kvwire.subscriber.source import EngineSource
+from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
 from kvwire.subscriber.stream import Phase, RankStream
 
@@ -140,7 +140,11 @@ class Subscriber:
                 "checkpoint and clone_from need a sink that exports and imports its view "
                 f"(a ViewSink: export_rank, import_rank, view_format), got {type(sink).__name__}"
             )
-        self._resume_from: dict[tuple[str, int], StreamPosition] = {}
+        # While a view loads: the ranks it may hold (their links wait on hold), those
+        # waiting for a position, and those resumed from the view being loaded.
+        self._restoring: frozenset[tuple[str, int]] = frozenset()
+        self._waiting: dict[tuple[str, int], RankLink] = {}
+        self._resumed: dict[tuple[str, int], RankLink] = {}
         self._restored: Restored | None = None
         self._restore_progress = RestoreProgress()
         self._refusals: list[str] = []
@@ -244,33 +248,107 @@ class Subscriber:
         env = self._env
         assert env is not None
         check_sockets(env.ctx, self._total_ranks(), self._config.max_replays)
-        config = self._rank_config(source)
-        payloads = self._delivery.payload_sink is not None
-        links = []
-        for endpoints in source.rank_endpoints():
-            stream = RankStream(endpoints.rank, config, payloads=payloads)
-            self._resume(source.worker_id, endpoints.rank, stream)
-            links.append(RankLink(source, endpoints, stream, env))
+        links = [self._new_link(source, endpoints) for endpoints in source.rank_endpoints()]
         with self._lock:
             self._links[source.worker_id] = links
             for link in links:
                 self._by_rank[(link.worker_id, link.rank)] = link
         for link in links:
             self._readiness.opened(link, link.stream.state)
-        env.contacts.add(links)
+        env.contacts.add([link for link in links if not link.on_hold])
 
-    def _resume(self, worker_id: str, rank: int, stream: RankStream) -> None:
-        """Start the rank's stream where a loaded checkpoint or clone left its view."""
-        pos = self._resume_from.pop((worker_id, rank), None)
-        if pos is None:
+    def _new_link(self, source: EngineSource, endpoints: RankEndpoints) -> RankLink:
+        """A rank's link; one a loading view may hold waits on hold for its position."""
+        env = self._env
+        assert env is not None
+        payloads = self._delivery.payload_sink is not None
+        stream = RankStream(endpoints.rank, self._rank_config(source), payloads=payloads)
+        link = RankLink(source, endpoints, stream, env)
+        key = (source.worker_id, endpoints.rank)
+        if key in self._restoring:
+            link.hold()
+            self._waiting[key] = link
+        return link
+
+    # --- a view loaded at start, overlapped with the ranks' replays -----------------------
+
+    def _resume_ranks(self, positions: dict[tuple[str, int], StreamPosition]) -> None:
+        """On the loop, from the restoring thread: these ranks' views are being imported;
+        each resumes at its position and connects now, its replay asked at once, on hold."""
+        env = self._env
+        if env is None or not self._running:
             return
-        try:
-            stream.resume(pos)
-        except ValueError as exc:  # the sink's view of the rank is of no position: drop it
-            self._log.note("resume", f"not resumed ({exc}): starting cold", f"worker {worker_id}")
-            sink = self._delivery.sink
-            if sink is not None:
-                sink.clear(worker_id, rank)
+        ready = []
+        for key, pos in positions.items():
+            link = self._waiting.get(key)
+            if link is None or link.closed:
+                continue  # removed meanwhile: its view is cleared at the end
+            try:
+                link.stream.resume(pos)
+            except ValueError as exc:  # the view of the rank is of no position: cold
+                self._log.note("resume", f"not resumed ({exc}): starting cold", link.subject)
+                continue
+            del self._waiting[key]
+            self._resumed[key] = link
+            ready.append(link)
+        env.contacts.add(ready)
+
+    def _restore_refused(self) -> None:
+        """On the loop: the view being loaded was refused (and cleared from the sink).
+        The ranks resumed from it start over with fresh streams, still on hold (another
+        view may follow); nothing they read reached the sink."""
+        resumed, self._resumed = self._resumed, {}
+        for key, link in resumed.items():
+            fresh = None if link.closed else self._replace(link)
+            if fresh is not None:
+                self._waiting[key] = fresh
+
+    def _replace(self, old: RankLink) -> RankLink | None:
+        """Close ``old`` and put a fresh link (a fresh stream) for its rank in its place;
+        None when its source was removed meanwhile (its links close with it)."""
+        old.close()
+        self._readiness.closed(old)
+        with self._lock:
+            source = self._sources.get(old.worker_id)
+            links = self._links.get(old.worker_id, [])
+            if source is None or old not in links:
+                return None
+        new = self._new_link(source, old.endpoints)
+        self._waiting.pop((old.worker_id, old.rank), None)
+        with self._lock:
+            links[links.index(old)] = new
+            self._by_rank[(new.worker_id, new.rank)] = new
+        self._readiness.opened(new, new.stream.state)
+        return new
+
+    def _restore_over(self, restored: Restored | None) -> None:
+        """On the loop, the view loaded (or not): the ranks resumed from it give the sink
+        what they held and go on; the others start cold (their imported view cleared)."""
+        env = self._env
+        assert env is not None
+        imported = restored.positions if restored is not None else {}
+        self._restoring = frozenset()
+        waiting, self._waiting = self._waiting, {}
+        resumed, self._resumed = self._resumed, {}
+        sink = self._delivery.sink
+        cold = []
+        for key, link in resumed.items():
+            if key in imported:
+                link.release()
+            elif not link.closed:  # (a view refused without being told: never applied)
+                fresh = self._replace(link)
+                if fresh is not None:
+                    waiting[key] = fresh
+        for key, link in waiting.items():
+            if key in imported and sink is not None:
+                sink.clear(*key)  # a view it could not resume from
+            link.release()
+            cold.append(link)
+        for key in imported:
+            now = self._by_rank.get(key)
+            if (now is None or now.closed) and sink is not None:
+                sink.clear(*key)  # its source was removed meanwhile
+        env.contacts.add(cold)
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
         with self._lock:
@@ -289,23 +367,14 @@ class Subscriber:
         """Every rank's state, position and counters (a snapshot; any thread)."""
         with self._lock:
             links = [link for links in self._links.values() for link in links]
-        return sorted(
-            (
-                link.stream.status(
-                    link.worker_id,
-                    link.rank,
-                    link.endpoints.endpoint,
-                    link.endpoints.replay_endpoint,
-                )
-                for link in links
-            ),
-            key=lambda s: (s.worker_id, s.rank),
-        )
+        return sorted((_status(link) for link in links), key=lambda s: (s.worker_id, s.rank))
 
     def rank_state(self, worker_id: str, rank: int) -> RankState | None:
         """The rank's state now, or None if it is not followed (yet); cheap, any thread."""
         link = self._by_rank.get((worker_id, rank))
-        return None if link is None else link.stream.state
+        if link is None:
+            return None
+        return RankState.SYNCING if link.on_hold else link.stream.state
 
     # --- readiness --------------------------------------------------------------------
 
@@ -402,11 +471,17 @@ class Subscriber:
             check_sockets(ctx, self._total_ranks(), config.max_replays)
             if config.checkpoint or config.clone_from:
                 self._thread_ready.set()  # start() returns; readiness says when it recovered
-                await asyncio.to_thread(self._restore, ctx)
-            if not self._stop_requested:
+                # The ranks' links open now, on hold: each connects and asks its replay
+                # once its position is read, while the view is imported.
+                self._restoring = frozenset(self._followed())
                 for source in self.sources:
                     self._open_source(source)
-            self._drop_unresumed()
+                restored = await asyncio.to_thread(self._restore, ctx)
+                if not self._stop_requested:
+                    self._restore_over(restored)
+            else:
+                for source in self.sources:
+                    self._open_source(source)
             self._thread_ready.set()
             if config.checkpoint_every is not None:
                 self._periodic = loop.call_later(config.checkpoint_every, self._checkpoint_due)
@@ -553,12 +628,24 @@ class Subscriber:
     def _followed(self) -> set[tuple[str, int]]:
         return {(s.worker_id, e.rank) for s in self.sources for e in s.rank_endpoints()}
 
-    def _restore(self, ctx: zmq.Context[Any]) -> None:
-        """At start, on a worker thread, before any rank connects: clone the peer's view,
-        or else load the checkpoint; the ranks imported resume where it was taken."""
-        config, sink = self._config, self._view_sink
-        assert sink is not None
-        followed = self._followed()
+    def _restore(self, ctx: zmq.Context[Any]) -> Restored | None:
+        """At start, on a worker thread: clone the peer's view, or else load the
+        checkpoint. Each rank of it resumes where it was taken as soon as its position
+        is read (:meth:`_resume_ranks`), on hold until the whole view is imported."""
+        config, sink, loop = self._config, self._view_sink, self._loop
+        assert sink is not None and loop is not None
+        followed = self._restoring
+
+        def announce(positions: dict[tuple[str, int], StreamPosition]) -> None:
+            loop.call_soon_threadsafe(self._resume_ranks, positions)
+
+        def pause(held: float) -> None:
+            """An import held the GIL ``held`` s: while ranks resumed from the view are still
+            connecting or asking, give the loop a share of the time (their replays then
+            go out, and the engines serve them, while the rest of the view imports)."""
+            if any(link.stream.phase in _ASKING for link in list(self._resumed.values())):
+                time.sleep(min(held, _PAUSE_MOST_S) * PAUSE_SHARE)
+
         restored = None
         if config.clone_from is not None:
             try:
@@ -572,38 +659,39 @@ class Subscriber:
                     max_bytes=config.clone_max_bytes,
                     cancel=self._restore_cancel,
                     progress=self._restore_progress,
+                    announce=announce,
+                    pause=pause,
                 )
             except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
+                loop.call_soon_threadsafe(self._restore_refused)
                 self._refused(f"clone from {config.clone_from} refused: {exc}")
-        if restored is None and config.checkpoint is not None:
+        if restored is None and config.checkpoint is not None and not self._stop_requested:
             try:
                 self._restore_progress = RestoreProgress()
                 restored = load_file(
-                    config.checkpoint, sink, followed, progress=self._restore_progress
+                    config.checkpoint,
+                    sink,
+                    followed,
+                    progress=self._restore_progress,
+                    announce=announce,
+                    pause=pause,
                 )
             except FileNotFoundError:
                 log.info("no checkpoint at %s yet: starting cold", config.checkpoint)
             except (CheckpointError, OSError) as exc:
+                loop.call_soon_threadsafe(self._restore_refused)
                 self._refused(f"checkpoint {config.checkpoint} refused: {exc}")
         self._restore_progress.done = True
         if restored is None:
-            return
+            return None
         self._restored = restored
-        self._resume_from = dict(restored.positions)
         log.info(
             "%s: %d ranks resume from a view %.1f s old (%d bytes in %.3f s; %d records of "
             "ranks not followed skipped)",
             restored.source, len(restored.positions), time.time() - restored.created,
             restored.nbytes, restored.seconds, restored.skipped,
         )  # fmt: skip
-
-    def _drop_unresumed(self) -> None:
-        """Ranks imported at start whose source was removed meanwhile: their views go."""
-        left, self._resume_from = self._resume_from, {}
-        sink = self._delivery.sink
-        if sink is not None:
-            for worker_id, rank in left:
-                sink.clear(worker_id, rank)
+        return restored
 
     def _refused(self, why: str) -> None:
         self._refusals.append(why)
@@ -780,6 +868,23 @@ class Subscriber:
 
 _REPLAYING = frozenset({Phase.STARTING, Phase.REPLAYING, Phase.BACKOFF})
 """Phases with a replay out or due that must end before the rank is in sequence."""
+_ASKING = frozenset({Phase.DISCONNECTED, *_REPLAYING})
+"""Phases of a rank resumed from a loading view that has yet to read its tail."""
+PAUSE_SHARE = 0.3
+"""While ranks resumed from a loading view connect and ask their replays, the view's
+import pauses this share of each import call's time (which held the GIL) for the loop."""
+_PAUSE_MOST_S = 0.2
+
+
+def _status(link: RankLink) -> RankStatus:
+    st = link.stream.status(
+        link.worker_id, link.rank, link.endpoints.endpoint, link.endpoints.replay_endpoint
+    )
+    if link.on_hold:  # its view is still loading: whatever the stream read, not SYNCED yet
+        st = msgspec.structs.replace(
+            st, state=RankState.SYNCING, reason=f"the view is loading; {st.reason}"
+        )
+    return st
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
