@@ -435,9 +435,7 @@ class Restorer:
     ranks are skipped and counted, and a view with none of these is another
     fleet's and refused. ``announce`` is told each record's position before its
     view is imported (:meth:`announce`; the subscriber connects those ranks
-    meanwhile, holding what they read until the view is in), and ``pause`` after
-    each import call with its duration (the GIL was held that long: the
-    subscriber's loop gets a turn). Records are
+    meanwhile, holding what they read until the view is in). Records are
     imported ``batch`` at a time (None: all at :meth:`finish`, :data:`IMPORT_BATCH`
     a call), in one call of a
     sink's ``import_ranks`` where it has one (:meth:`PrefixIndex.import_ranks
@@ -454,7 +452,6 @@ class Restorer:
         progress: RestoreProgress | None = None,
         batch: int | None = None,
         announce: Announce | None = None,
-        pause: Callable[[float], object] | None = None,
     ) -> None:
         self._sink = sink
         self._progress = progress if progress is not None else RestoreProgress()
@@ -462,7 +459,6 @@ class Restorer:
         self._source = source
         self._batch = batch
         self._announce = announce
-        self._pause = pause
         self._told: dict[tuple[str, int], StreamPosition] = {}  # positions not yet announced
         self._pending: list[Record] = []
         self._seen: set[tuple[str, int]] = set()
@@ -517,10 +513,7 @@ class Restorer:
         self.announce()  # before the imports hold the GIL
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), IMPORT_BATCH):
-            start = time.monotonic()
             self._import_some(pending[i : i + IMPORT_BATCH])
-            if self._pause is not None:
-                self._pause(time.monotonic() - start)
 
     def _import_some(self, records: list[Record]) -> None:
         if not records:
@@ -583,7 +576,6 @@ def load_file(
     max_frame: int = MAX_FRAME,
     progress: RestoreProgress | None = None,
     announce: Announce | None = None,
-    pause: Callable[[float], object] | None = None,
 ) -> Restored:
     """Check the checkpoint at ``path`` whole (framing and CRC), then import its records.
 
@@ -592,8 +584,8 @@ def load_file(
     :data:`IMPORT_BATCH` at a time (each import holds the GIL, so a router's
     other threads go on between them; a sink that refuses a view, a file
     that passed its CRC, clears those imported before it). ``announce`` is
-    told every record's position once the file is checked, before the imports,
-    and ``pause`` after each import call (:class:`Restorer`). Raises :class:`CheckpointError` (nothing applied) for a file that
+    told every record's position once the file is checked, before the imports
+    (:class:`Restorer`). Raises :class:`CheckpointError` (nothing applied) for a file that
     is not a valid checkpoint of this sink's format holding a rank in
     ``followed``, and ``OSError`` when it cannot be read (``FileNotFoundError``:
     there is none).
@@ -605,9 +597,7 @@ def load_file(
         progress.source, progress.bytes_expected = "checkpoint", size
         decoder = Decoder(max_frame=min(max_frame, size))
         # Every record is taken (its position announced) before any is imported.
-        restorer = Restorer(
-            sink, followed, f"checkpoint {path}", progress, announce=announce, pause=pause
-        )
+        restorer = Restorer(sink, followed, f"checkpoint {path}", progress, announce=announce)
         data: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     items: list[Item] = []
     try:

@@ -243,7 +243,6 @@ def clone_view(
     cancel: threading.Event | None = None,
     progress: RestoreProgress | None = None,
     announce: Announce | None = None,
-    pause: Callable[[float], object] | None = None,
 ) -> Restored:
     """Copy the view served at ``endpoint`` into ``sink`` (blocking; not on a loop).
 
@@ -267,7 +266,6 @@ def clone_view(
         progress,
         batch=IMPORT_BATCH,
         announce=announce,
-        pause=pause,
     )
     decoder = Decoder(max_frame=max_bytes)
     received = 0

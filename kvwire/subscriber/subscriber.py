@@ -639,13 +639,6 @@ class Subscriber:
         def announce(positions: dict[tuple[str, int], StreamPosition]) -> None:
             loop.call_soon_threadsafe(self._resume_ranks, positions)
 
-        def pause(held: float) -> None:
-            """An import held the GIL ``held`` s: while ranks resumed from the view are still
-            connecting or asking, give the loop a share of the time (their replays then
-            go out, and the engines serve them, while the rest of the view imports)."""
-            if any(link.stream.phase in _ASKING for link in list(self._resumed.values())):
-                time.sleep(min(held, _PAUSE_MOST_S) * PAUSE_SHARE)
-
         restored = None
         if config.clone_from is not None:
             try:
@@ -660,7 +653,6 @@ class Subscriber:
                     cancel=self._restore_cancel,
                     progress=self._restore_progress,
                     announce=announce,
-                    pause=pause,
                 )
             except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
                 loop.call_soon_threadsafe(self._restore_refused)
@@ -674,7 +666,6 @@ class Subscriber:
                     followed,
                     progress=self._restore_progress,
                     announce=announce,
-                    pause=pause,
                 )
             except FileNotFoundError:
                 log.info("no checkpoint at %s yet: starting cold", config.checkpoint)
@@ -868,12 +859,6 @@ class Subscriber:
 
 _REPLAYING = frozenset({Phase.STARTING, Phase.REPLAYING, Phase.BACKOFF})
 """Phases with a replay out or due that must end before the rank is in sequence."""
-_ASKING = frozenset({Phase.DISCONNECTED, *_REPLAYING})
-"""Phases of a rank resumed from a loading view that has yet to read its tail."""
-PAUSE_SHARE = 0.3
-"""While ranks resumed from a loading view connect and ask their replays, the view's
-import pauses this share of each import call's time (which held the GIL) for the loop."""
-_PAUSE_MOST_S = 0.2
 
 
 def _status(link: RankLink) -> RankStatus:
