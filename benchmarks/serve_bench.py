@@ -20,7 +20,7 @@ traffic's own rate, measured in a window before, taken out):
 alternated with this one, so that both see the same host. The host may be shared: the
 figures are CPU seconds of the engine process, not wall time.
 
-Run: ``.venv/bin/python benchmarks/serve_bench.py --before /work/main`` (``--quick``: 16 ranks
+Run: ``.venv/bin/python benchmarks/serve_bench.py --before ../kvwire-before`` (``--quick``: 16 ranks
 x 5,000 blocks, one round).
 """
 
