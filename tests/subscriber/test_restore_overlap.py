@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 
-from kvwire.subscriber import RankState, Subscriber
+from kvwire.subscriber import EngineSource, RankState, Subscriber
 from kvwire.subscriber.clone import PROTOCOL
 from kvwire.wire import KVEventBatch
 from tests.subscriber.ckpt_helpers import ViewSet, engines, fleet
@@ -57,6 +58,19 @@ def replays_done(sub: Subscriber, ranks: int = 2) -> bool:
     return len(statuses) == ranks and all(st.counters.replays_succeeded >= 1 for st in statuses)
 
 
+def checkpoint_then_miss(
+    source: EngineSource, pubs: Any, engs: Any, path: str, before: int, missed: int
+) -> None:
+    """A first router follows ``before`` steps exactly and writes its checkpoint at stop;
+    then the fleet publishes ``missed`` steps while no router runs."""
+    first = ViewSet()
+    with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
+        assert sub.wait_synced(timeout=10)
+        publish(engs, pubs, before)
+        wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
+    publish(engs, pubs, missed)
+
+
 def test_batches_read_during_the_import_reach_the_sink_after_the_view_in_order(
     tmp_path: Path,
 ) -> None:
@@ -64,12 +78,7 @@ def test_batches_read_during_the_import_reach_the_sink_after_the_view_in_order(
     with fleet(2, "stock", buffer_steps=BUFFER) as pubs:
         engs = engines(2, seed=700)
         source = bound_source("w", pubs)
-        first = ViewSet()
-        with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
-            assert sub.wait_synced(timeout=10)
-            publish(engs, pubs, BEFORE)
-            wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
-        publish(engs, pubs, TAIL)  # while no router runs
+        checkpoint_then_miss(source, pubs, engs, path, BEFORE, TAIL)
         sink = SlowImport()
         with Subscriber([source], sink, config=fast(checkpoint=path)) as sub:
             try:
@@ -107,12 +116,7 @@ def test_a_replay_that_fails_during_the_import_falls_back_after_the_view(
     with fleet(1, "kvwire", buffer_steps=10, **kind) as pubs:
         engs = engines(1, seed=710)
         source = bound_source("w", pubs)
-        first = ViewSet()
-        with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
-            assert sub.wait_synced(timeout=10)
-            publish(engs, pubs, 30)
-            wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
-        publish(engs, pubs, 30)  # three buffers' worth: the anchor is gone
+        checkpoint_then_miss(source, pubs, engs, path, 30, 30)  # 3 buffers: the anchor is gone
         sink = SlowImport()
         with Subscriber([source], sink, config=fast(checkpoint=path)) as sub:
             try:
@@ -211,12 +215,7 @@ def test_a_rank_whose_hold_fills_its_share_reads_on_after_the_view_exact(tmp_pat
     with fleet(2, "stock", buffer_steps=BUFFER) as pubs:
         engs = engines(2, seed=730)
         source = bound_source("w", pubs)
-        first = ViewSet()
-        with Subscriber([source], first, config=fast(checkpoint=path)) as sub:
-            assert sub.wait_synced(timeout=10)
-            publish(engs, pubs, BEFORE)
-            wait_for(lambda: exact(sub, first, engs), 10, "the first router exact")
-        publish(engs, pubs, TAIL)
+        checkpoint_then_miss(source, pubs, engs, path, BEFORE, TAIL)
         sink = SlowImport()
         config = fast(checkpoint=path, receive_budget_bytes=2048)  # a share of ~400 bytes
         with Subscriber([source], sink, config=config) as sub:
