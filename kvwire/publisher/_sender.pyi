@@ -7,6 +7,8 @@ from typing import Any, Final, Self, final
 STORED: Final[int]
 REMOVED: Final[int]
 CLEARED: Final[int]
+RING_TAKE_MAX: Final[int]
+"""Batches one ``send_range``/``replay_range`` call takes from the ring, at most."""
 
 @final
 class Record:

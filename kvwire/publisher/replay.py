@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvwire.publisher._sender import Account, Payload, Replies, payload_of
+from kvwire.publisher._sender import RING_TAKE_MAX, Account, Payload, Replies, payload_of
 from kvwire.publisher.config import PublisherConfig
 from kvwire.publisher.mirror import Mirror, SnapshotCursor
 from kvwire.subscriber.memory import TrimAfter
@@ -65,7 +65,6 @@ from kvwire.wire.framing import announce_blocks
 __all__ = ["ReplayServer", "replay_share"]
 
 _REQUESTS_PER_PASS = 16
-_REPLAY_CHUNK = 64  # replay messages per job per pass (one native call; its most)
 _SNAPSHOT_CHUNKS = 8  # snapshot messages per job per pass (at most one of them built)
 _MAX_SNAPSHOTS = 2  # built at once (each logs the changes made while it runs)
 _NO_ROOM = -1
@@ -559,7 +558,7 @@ class ReplayServer:
         return True
 
     def _replay_slice(self, job: _ReplayJob) -> None:
-        want = min(_REPLAY_CHUNK, job.remaining)
+        want = min(RING_TAKE_MAX, job.remaining)  # a pass: one native call
         rc, sent, nbytes, found, next_seq = self.replies.send_range(
             job.account, job.identity, self.topic, job.next_seq, want,
             self.job_bytes, self.max_bytes,

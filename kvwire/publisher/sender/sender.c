@@ -1047,7 +1047,8 @@ PyMODINIT_FUNC PyInit__sender(void) {
         PyModule_AddObjectRef(m, "Account", (PyObject *)&AccountType) < 0 ||
         PyModule_AddIntConstant(m, "STORED", T_STORE) < 0 ||
         PyModule_AddIntConstant(m, "REMOVED", T_REMOVE) < 0 ||
-        PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0) {
+        PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0 ||
+        PyModule_AddIntConstant(m, "RING_TAKE_MAX", RING_TAKE_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }
