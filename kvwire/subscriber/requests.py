@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING
 
 from kvwire.subscriber.actions import RequestReplay, RequestSnapshot
 from kvwire.subscriber.state import RankState, StreamConfig
+from kvwire.wire.framing import Frame
 
 if TYPE_CHECKING:
+    from kvwire.subscriber.batches import Judged
     from kvwire.subscriber.phases import Phase
-    from kvwire.subscriber.stream import Judged
 
 __all__ = ["Replay", "Requests", "Snapshot"]
-
-Frame = bytes | bytearray | memoryview
 
 
 class _Request:

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 from sortedcontainers import SortedDict
 
-__all__ = ["Held", "SeqTracker", "StreamPosition"]
+from kvwire.wire.framing import Frame
 
-Frame = bytes | bytearray | memoryview
+__all__ = ["Held", "SeqTracker", "StreamPosition"]
 
 _LOST_RANGES_KEPT = 64
 

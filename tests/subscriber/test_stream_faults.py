@@ -27,6 +27,9 @@ from kvwire.subscriber import (
     Reserve,
     StateChanged,
     StreamConfig,
+    batches,
+    recovery,
+    timers,
 )
 from kvwire.subscriber import phases as phases_module
 from kvwire.subscriber import stream as stream_module
@@ -179,6 +182,7 @@ def test_the_phase_is_written_only_by_the_event_table() -> None:
     source = inspect.getsource(stream_module)
     assert source.count("self._phase = ") == 2  # the start, and RankStream._move
     assert source.count("self._phase = to") == 1
+    assert not any("._phase = " in inspect.getsource(m) for m in (batches, recovery, timers))
 
 
 def test_every_phase_is_reached_by_the_model() -> None:
@@ -543,7 +547,7 @@ def test_a_snapshot_that_announces_its_block_count_reserves_before_applying(
         __slots__ = ()
         blocks = 4
 
-    parse = stream_module.parse_replay_reply
+    parse = recovery.parse_replay_reply
 
     def parse_with_count(frames: Any) -> Any:
         msg = parse(frames)
@@ -553,14 +557,14 @@ def test_a_snapshot_that_announces_its_block_count_reserves_before_applying(
 
     topic = epoch(snap=True)
     r = late_join(topic)
-    monkeypatch.setattr(stream_module, "parse_replay_reply", parse_with_count)
+    monkeypatch.setattr(recovery, "parse_replay_reply", parse_with_count)
     out = r.reply(chunk(topic, 9, 0, 1, 2), 0.3)
     out += r.reply(chunk(topic, 9, 1, 3, 4), 0.3)
     out += r.reply(snapshot_end_frames(topic, 9, 2), 0.3)
     kinds = [type(a) for a in out if not isinstance(a, StateChanged | RequestReplay)]
     assert kinds == [ClearRank, Reserve, Apply, Apply], kinds
     assert [a for a in out if isinstance(a, Reserve)] == [Reserve(4)]
-    monkeypatch.setattr(stream_module, "parse_replay_reply", parse)
+    monkeypatch.setattr(recovery, "parse_replay_reply", parse)
     plain = late_join(topic)
     out = plain.reply(chunk(topic, 9, 0, 1, 2), 0.3)
     out += plain.reply(snapshot_end_frames(topic, 9, 1), 0.3)
@@ -632,14 +636,14 @@ def test_a_decode_exception_after_a_queued_clear_keeps_the_clear(
     r = Rank(StreamConfig(replay=False))
     r.run(r.s.connected(0.0))
     r.live(epoch(1), 0, store(0, 5), 0.0)
-    real = stream_module.decode_batch
+    real = batches.decode_batch
 
     def deep(payload: Any) -> KVEventBatch:
         if bytes(payload) == b"deep":
             raise RecursionError("maximum recursion depth exceeded")
         return real(payload)
 
-    monkeypatch.setattr(stream_module, "decode_batch", deep)
+    monkeypatch.setattr(batches, "decode_batch", deep)
     out = r.live(epoch(2), 0, b"deep", 0.1)  # a restart, then an undecodable batch
     assert any(isinstance(a, ClearRank) for a in out)
     assert r.blocks == set() and r.s.counters.decode_errors == 1
@@ -656,7 +660,7 @@ def test_an_internal_error_returns_what_was_queued_and_clears(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(RankStream, "_apply", broken)
+    monkeypatch.setattr(batches, "apply", broken)
     out = r.live(epoch(2), 0, store(0, 6), 0.1)  # the restart's clear is queued first
     assert [a for a in out if isinstance(a, ClearRank)]
     assert r.s.counters.internal_errors == 1 and r.s.state is RankState.PARTIAL
