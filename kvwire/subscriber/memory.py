@@ -53,12 +53,11 @@ class TrimAfter:
     a megabyte and a second: trims stay rare during a flood, and the last one comes
     with the first read after it (a heartbeat, the next batch)."""
 
-    __slots__ = ("last", "pending", "threshold", "trims")
+    __slots__ = ("last", "pending", "threshold")
 
     def __init__(self, threshold: int) -> None:
         self.threshold = threshold
         self.pending = 0
-        self.trims = 0
         self.last = time.monotonic()
 
     def idle(self) -> None:
@@ -72,5 +71,4 @@ class TrimAfter:
                 return
         self.pending = 0
         self.last = time.monotonic()
-        self.trims += 1
         release()
