@@ -10,8 +10,6 @@ chained stores and of removals, and the errors for bad input exist once.
 
 from __future__ import annotations
 
-from typing import TypeAlias
-
 import msgspec
 
 from kvwire.wire import Dialect, KVEventBatch, decode_batch
@@ -19,10 +17,7 @@ from kvwire.wire import Dialect, KVEventBatch, decode_batch
 from ._sender import CLEARED, REMOVED, STORED, EngineFormat, Record, encode_collected
 from .formats import wire_format
 
-__all__ = ["CLEARED", "REMOVED", "STORED", "CollectedBatch", "Record", "RecordKind"]
-
-RecordKind: TypeAlias = int
-"""A record's kind: :data:`STORED`, :data:`REMOVED` or :data:`CLEARED`."""
+__all__ = ["CLEARED", "REMOVED", "STORED", "CollectedBatch", "Record"]
 
 _pack = msgspec.msgpack.Encoder().encode  # extra_keys, whatever their items are
 
