@@ -148,7 +148,6 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
     view = WatchView(f"kvwire watch  {source.endpoint}{replay}  ranks {source.ranks}")
     sink = BlockSetSink()
     in_place = out.isatty() and not args.once
-    drawn = 0
     loop = asyncio.get_running_loop()
     end = None if args.duration is None else loop.time() + args.duration
     config = SubscriberConfig(checkpoint=args.checkpoint)
@@ -162,13 +161,10 @@ async def _watch(args: argparse.Namespace, out: TextIO) -> int:
                 continue
             lines = view.render(sub.status(), sink.count)
             if in_place:
-                if drawn:
-                    out.write(f"\x1b[{drawn}F\x1b[J")  # back to the table's top, clear below
-                drawn = len(lines)
-                out.write("\n".join(lines) + "\n")
+                view.redraw(out, lines)
             else:
                 out.write("\n".join(lines) + "\n\n")
-            out.flush()
+                out.flush()
             if done:
                 return 0
 

@@ -180,20 +180,15 @@ class LiveView:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def render(self) -> str:
-        self._view.title = f"policy {self.policy:<12} requests {self.requests:>5}"
-        status = self.cluster.subscriber.status()
-        return "\n".join(self._view.render(status, self.cluster.index.rank_blocks))
-
     def _loop(self) -> None:
-        shown = 0
         while not self._stop.wait(self.interval):
-            text = self.render()
-            if self._tty and shown:
-                sys.stdout.write(f"\x1b[{shown}F\x1b[J")
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-            shown = text.count("\n") + 1
+            self._view.title = f"policy {self.policy:<12} requests {self.requests:>5}"
+            lines = self._view.render(self.cluster.subscriber.status(), self.cluster.index.rank_blocks)
+            if self._tty:
+                self._view.redraw(sys.stdout, lines)
+            else:
+                sys.stdout.write("\n".join(lines) + "\n")
+                sys.stdout.flush()
 
 
 def _plot(runs: list[PolicyRun], path: Path) -> Path | None:

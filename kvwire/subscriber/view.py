@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 import msgspec
 
@@ -55,6 +56,7 @@ class WatchView:
     def __init__(self, title: str) -> None:
         self.title = title
         self._last: dict[tuple[str, int], tuple[float, int]] = {}
+        self._drawn = 0  # lines of the table on a terminal
 
     def render(
         self,
@@ -104,3 +106,11 @@ class WatchView:
         lines.append("")
         lines.append("REPLAYS: succeeded/failed.  ERRORS: undecodable frames + sink errors.")
         return lines
+
+    def redraw(self, out: TextIO, lines: list[str]) -> None:
+        """Write ``lines`` over the table written last (on a terminal)."""
+        if self._drawn:
+            out.write(f"\x1b[{self._drawn}F\x1b[J")  # back to the table's top, clear below
+        self._drawn = len(lines)
+        out.write("\n".join(lines) + "\n")
+        out.flush()
