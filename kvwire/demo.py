@@ -75,11 +75,11 @@ class Cluster:
     def status(self) -> dict[RankKey, RankStatus]:
         return {(s.worker_id, s.rank): s for s in self.subscriber.status()}
 
-    def reset_all(self, timeout: float = 20.0) -> None:
+    def reset_all(self) -> None:
         """Clear every rank's cache and wait until the index agrees (it holds nothing)."""
         for worker, rank in self.keys:
             self.clients[worker].reset(rank)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + 20.0
         while any(self.index.blocks(*k) for k in self.keys):
             if time.monotonic() > deadline:
                 raise RuntimeError("the index did not see the engines' resets in time")

@@ -58,13 +58,8 @@ class WatchView:
         self._last: dict[tuple[str, int], tuple[float, int]] = {}
         self._drawn = 0  # lines of the table on a terminal
 
-    def render(
-        self,
-        statuses: list[RankStatus],
-        blocks: Callable[[str, int], int],
-        now: float | None = None,
-    ) -> list[str]:
-        now = time.monotonic() if now is None else now
+    def render(self, statuses: list[RankStatus], blocks: Callable[[str, int], int]) -> list[str]:
+        now = time.monotonic()
         rows: list[tuple[str, ...]] = []
         for st in statuses:
             key = (st.worker_id, st.rank)
