@@ -322,7 +322,10 @@ def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
     fields = {k: _generic_decoder.decode(v) for k, v in named.items() if k in known and k != "token_ids"}
     try:
         if cls is not AllBlocksCleared:
-            fields["block_hashes"] = [normalise_hash(h) for h in _as_list(fields, "block_hashes")]
+            hashes = fields.get("block_hashes")
+            if not isinstance(hashes, list):
+                raise WireError(f"block_hashes must be an array, got {type(hashes).__name__}")
+            fields["block_hashes"] = [normalise_hash(h) for h in hashes]
         if cls is not BlockStored:
             return msgspec.convert(fields, cls)
         if not is_map and isinstance(fields.get("lora_name"), dict):
@@ -346,13 +349,6 @@ def _token_ids(raw: msgspec.Raw) -> TokenIds:
     tokens = TokenIds(raw)
     tokens.tolist()  # WireError for anything but an array of ints
     return tokens
-
-
-def _as_list(fields: dict[str, Any], name: str) -> list[Any]:
-    value = fields.get(name)
-    if not isinstance(value, list):
-        raise WireError(f"{name} must be an array, got {type(value).__name__}")
-    return value
 
 
 def _decode_generic(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch:
