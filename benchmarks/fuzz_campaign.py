@@ -12,7 +12,8 @@ replay socket, and a fourth to the reference engine's control endpoint.
 
 Pass: the subscriber never dies or stops answering (``status()`` within a
 deadline, polled throughout); its RSS stays bounded (printed: start, peak, end);
-the legit rank ends SYNCED and exact (the index holds exactly the model's blocks);
+the legit rank ends SYNCED and exact (at the publisher's last batch, or past it by the
+heartbeats sent since, and the index holds exactly the model's blocks);
 every bad input is counted (the hostile rank's decode errors cover at least every
 frame built to be undecodable, the publisher's ``replay_invalid`` every request
 built to be invalid, the engine's control errors every junk request); and the
