@@ -12,7 +12,8 @@ replay socket, and a fourth to the reference engine's control endpoint.
 
 Pass: the subscriber never dies or stops answering (``status()`` within a
 deadline, polled throughout); its RSS stays bounded (printed: start, peak, end);
-the legit rank ends SYNCED and exact (the index holds exactly the model's blocks);
+the legit rank ends SYNCED and exact (at the publisher's last batch, or past it by the
+heartbeats sent since, and the index holds exactly the model's blocks);
 every bad input is counted (the hostile rank's decode errors cover at least every
 frame built to be undecodable, the publisher's ``replay_invalid`` every request
 built to be invalid, the engine's control errors every junk request); and the
@@ -131,7 +132,10 @@ def legit_engine(conn: Connection, seed: int) -> None:
         st = publisher.stats()
         conn.send({"held": sorted(model.held), "last_seq": st.last_seq, "batches": sent,
                    "stats": st.as_dict()})  # fmt: skip
-        conn.recv()  # wait for the verdict before closing the replay socket
+        # Until the verdict (before closing the replay socket), the counters on request:
+        # the publisher heartbeats meanwhile, each an empty batch on the next seq.
+        while conn.recv() == "stats":
+            conn.send(publisher.stats().as_dict())
 
 
 # --- the hostile engine -------------------------------------------------------------
@@ -641,19 +645,35 @@ def main(argv: list[str] | None = None) -> int:
             failures.append("the legit engine did not report")
         else:
             want_next = truth["last_seq"] + 1
-            synced = wait_for(
-                lambda: any(s.worker_id == "legit" and s.state is RankState.SYNCED
-                            and s.expected_seq == want_next for s in sub.status()),
-                timeout=30,
-            )  # fmt: skip
-            if not synced:
-                failures.append("the legit rank did not end SYNCED at the publisher's last seq")
+
+            def legit_next() -> int:
+                """The legit rank's next seq while it is SYNCED, else -1."""
+                s = next(s for s in sub.status() if s.worker_id == "legit")
+                return s.expected_seq if s.state is RankState.SYNCED else -1
+
+            # The publisher heartbeats while it waits for the verdict, so the rank may be
+            # past want_next by the heartbeats sent since the truth, and by nothing else.
+            synced = wait_for(lambda: legit_next() >= want_next, timeout=30)
+            seen = legit_next()  # read before the publisher's count, which can only grow
+            engine_conn.send("stats")
+            now = engine_conn.recv() if engine_conn.poll(60) else None
+            beats = None if now is None else now["heartbeats"] - truth["stats"]["heartbeats"]
+            if not synced or beats is None or seen > want_next + beats:
+                legit = [s for s in sub.status() if s.worker_id == "legit"]
+                failures.append(f"the legit rank did not end SYNCED at the publisher's last seq "
+                                f"{truth['last_seq']} (+{beats} heartbeats since): {legit}")  # fmt: skip
             held = index.blocks("legit", 0)
             if held != set(truth["held"]):
                 failures.append(f"legit rank inexact: {len(held ^ set(truth['held']))} blocks differ")
             invalid = truth["stats"]["replay_invalid"]
             if attack is not None and invalid < attack["invalid"]:
                 failures.append(f"publisher counted {invalid} invalid replay requests of {attack['invalid']}")
+        if hostile is not None:
+            # Every hostile frame sent reaches the subscriber (XPUB_NODROP), which may still
+            # be reading them on a loaded host: wait for the count to cover the undecodable.
+            undecodable = hostile["undecodable"]
+            wait_for(lambda: any(s.worker_id == "hostile" and s.counters.decode_errors >= undecodable
+                                 for s in sub.status()), timeout=30)  # fmt: skip
         elapsed = time.monotonic() - t0
         final = {(s.worker_id, s.rank): s for s in sub.status()}
         h = final[("hostile", 0)].counters
@@ -696,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     if truth is not None:
         print(f"  legit rank: {truth['batches']:,} batches, state {lc.state.name}, "
               f"{len(truth['held']):,} blocks held, index {'exact' if index.blocks('legit', 0) == set(truth['held']) else 'INEXACT'}; "
-              f"gaps {lc.counters.gaps}, replays {lc.counters.replays_requested}")  # fmt: skip
+              f"gaps {lc.counters.gaps}, replays {lc.counters.replays_requested}; next seq "
+              f"{lc.expected_seq:,} (the publisher's last batch {truth['last_seq']:,}, then heartbeats)")  # fmt: skip
     print(f"  control endpoint: {control['summary']}")
     st = index.stats()
     print(f"  index: malformed stores {st.malformed_stores:,}, blocks {st.blocks:,}")
