@@ -84,7 +84,8 @@ class PublisherStats:
     time the sender thread took the GIL (once at start, then only for
     ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
     ``mirror_pending``: batches encoded but not yet applied to the snapshot
-    mirror (it takes them in batches, a few times a second). ``skipped``: seqs
+    mirror (it takes them in batches, a few times a second; heartbeats, with
+    nothing to mirror, are not counted). ``skipped``: seqs
     left empty by :meth:`EventPublisher.skip`. ``replay_bytes_in_flight``: reply bytes
     handed to ZeroMQ and not yet taken by their clients (at most
     ``max_replay_bytes``); ``replay_disconnects``: clients whose connection was shut

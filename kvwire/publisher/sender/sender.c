@@ -41,9 +41,11 @@
  * Sent payloads are kept in a ring of `buffer_steps` for replay, which a
  * Python thread reads through Payload objects (buffer protocol, no copy). With
  * the mirror on, every encoded batch (sent or dropped on a full queue) is also
- * pushed, in seq order, onto a feed a Python thread takes in large batches;
- * `service_fd` (an eventfd) becomes readable when the armed feed gets an entry
- * or when wake() is called.
+ * pushed, in seq order, onto a feed a Python thread takes in large batches (the
+ * heartbeats too, which keep the seqs whole but leave nothing to mirror);
+ * `service_fd` (an eventfd) becomes readable when the armed feed gets a batch,
+ * once the chunk holding it is sent (so that the mirror does not compete with
+ * the send), or when wake() is called.
  */
 #define _GNU_SOURCE /* pthread_timedjoin_np */
 #include "sender.h"
@@ -235,7 +237,9 @@ static void wake_service(Sender *s) {
     (void)r; /* EAGAIN: already readable */
 }
 
-static void feed_push(Sender *s, i64 seq, Buf *b) {
+/* Onto the mirror's feed, which only a batch (not a heartbeat: nothing to mirror) makes
+ * pending; the caller wakes the armed mirror (feed_wake) once the batch is on the wire. */
+static void feed_push(Sender *s, i64 seq, Buf *b, int batch) {
     if (s->feed_len >= FEED_MAX) return; /* the mirror sees the gap and stops vouching for itself */
     if (s->feed_len == s->feed_cap) {
         size_t cap = s->feed_cap ? s->feed_cap * 2 : 256;
@@ -246,7 +250,12 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
     }
     if (b) buf_ref(b);
     s->feed[s->feed_len++] = (FeedEntry){seq, b};
-    if (s->feed_armed) {
+    s->feed_batches += batch;
+}
+
+/* Wake the mirror's thread if it asked to be (arm_feed) and a batch is pending. */
+static void feed_wake(Sender *s) {
+    if (s->feed_armed && s->feed_batches) {
         s->feed_armed = 0;
         wake_service(s);
     }
@@ -371,7 +380,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
         if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
-        if (s->mirror) feed_push(s, it->seq, it->payload);
+        if (s->mirror) feed_push(s, it->seq, it->payload, it->kind != K_HEARTBEAT);
         skipped += it->kind == K_SKIP;
         bad += !it->mirror_only && !it->payload && it->kind != K_SKIP;
     }
@@ -405,6 +414,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         it->batch = NULL;
         it->engine = NULL;
     }
+    feed_wake(s); /* the mirror starts once the chunk is sent, not competing with it */
     s->published += sent;
     s->dropped_send_error += failed;
     s->heartbeats += beats;
@@ -793,7 +803,7 @@ static PyObject *sender_stats(Sender *s, PyObject *unused) {
     long long v[13] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
                        s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
                        s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
-                       (i64)s->feed_len, s->skipped};
+                       (i64)s->feed_batches, s->skipped};
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue(
         "{sLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
@@ -887,17 +897,17 @@ static PyObject *sender_take_feed(Sender *s, PyObject *unused) {
     FeedEntry *f = s->feed;
     size_t n = s->feed_len;
     s->feed = NULL;
-    s->feed_len = s->feed_cap = 0;
+    s->feed_len = s->feed_cap = s->feed_batches = 0;
     pthread_mutex_unlock(&s->mu);
     PyObject *out = entries_list(f, n);
     free(f);
     return out;
 }
 
-/* arm_feed(): make service_fd readable at the feed's next entry (now, if it has one). */
+/* arm_feed(): make service_fd readable once the feed has a batch sent (now, if it has one). */
 static PyObject *sender_arm_feed(Sender *s, PyObject *unused) {
     pthread_mutex_lock(&s->mu);
-    if (s->feed_len) wake_service(s);
+    if (s->feed_batches) wake_service(s);
     else s->feed_armed = 1;
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
@@ -957,7 +967,7 @@ static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong
 
 static PyGetSetDef sender_getset[] = {
     {"service_fd", (getter)sender_get_fd, NULL,
-     "An eventfd readable when the armed mirror feed gets an entry, or after wake().", NULL},
+     "An eventfd readable when the armed mirror feed gets a batch, or after wake().", NULL},
     {NULL},
 };
 
@@ -979,7 +989,7 @@ static PyMethodDef sender_methods[] = {
      "replay_range(start_seq, n) -> [(seq, payload)] from the replay ring."},
     {"take_feed", (PyCFunction)sender_take_feed, METH_NOARGS, "The mirror feed so far."},
     {"arm_feed", (PyCFunction)sender_arm_feed, METH_NOARGS,
-     "Make service_fd readable at the feed's next entry."},
+     "Make service_fd readable once the feed has a batch."},
     {"wake", (PyCFunction)sender_wake, METH_NOARGS, "Make service_fd readable."},
     {"clear_wake", (PyCFunction)sender_clear_wake, METH_NOARGS, "Reset service_fd."},
     {"seqs", (PyCFunction)sender_seqs, METH_O, "seqs(ring): queued (False) or buffered (True) seqs."},

@@ -281,6 +281,7 @@ typedef struct {
     /* mirror feed (mu) */
     FeedEntry *feed;
     size_t feed_len, feed_cap;
+    size_t feed_batches; /* entries that are not heartbeats (stats: mirror_feed) */
     int feed_armed;
     /* counters (mu) */
     i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
