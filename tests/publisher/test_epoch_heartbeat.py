@@ -169,7 +169,8 @@ def test_a_heartbeat_leaves_the_mirror_asleep_and_a_batch_wakes_it_once_sent(
         assert counts["published"] == counts["heartbeats"] + 1  # sent before the wake-up
         assert counts["mirror_feed"] == 1
         feed = sender.take_feed()
-        assert [seq for seq, _ in feed] == list(range(feed[0][0], feed[0][0] + len(feed)))  # heartbeats kept
+        first = feed[0][0]
+        assert [seq for seq, _ in feed] == list(range(first, first + len(feed)))  # beats kept
         assert sender.stats()["mirror_feed"] == 0
     finally:
         sender.close(5.0)

@@ -85,15 +85,17 @@ double wall_now(void) {
 /* When the next heartbeat is due (CLOCK_MONOTONIC seconds; INFINITY without heartbeats):
  * kvwire.wire.heartbeat.heartbeat_at, the one rule publisher and subscriber share, ported
  * line for line (change both together). Heartbeats fall on the wall-clock grid of a step,
- * the interval (half of it when the last send was a batch): the first grid instant at or
- * after last_sent + step / 2, where last_sent is the monotonic time of the last batch sent
- * (heartbeats included) and wall is time.time() read at now. */
+ * the interval (half of it when the last send was a batch, shifted by `phase` of a step,
+ * the publisher's own): the first grid instant at or after last_sent + step / 2, where
+ * last_sent is the monotonic time of the last batch sent (heartbeats included) and wall is
+ * time.time() read at now. */
 static double heartbeat_due(double last_sent, double interval, double now, double wall,
-                            int after_batch) {
+                            int after_batch, double phase) {
     if (!(interval > 0)) return INFINITY;
     double step = after_batch ? interval * AFTER_BATCH_STEP : interval;
+    double shift = after_batch ? phase * step : 0.0;
     double earliest = last_sent + HEARTBEAT_QUIET * step;
-    double earliest_wall = wall + (earliest - now);
+    double earliest_wall = wall + (earliest - now) - shift;
     double grid = ceil(earliest_wall / step) * step;
     double wait = grid - earliest_wall;
     return earliest + (wait < 0 ? 0 : wait > step ? step : wait);
@@ -463,7 +465,7 @@ static void *run(void *arg) {
             double now = mono_now();
             double due =
                 s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s, now, wall_now(),
-                                                      s->last_was_batch);
+                                                      s->last_was_batch, s->heartbeat_phase);
             if (due <= now) {
                 Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
                 s->last_sent = now;
@@ -838,6 +840,21 @@ static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_heartbeat_phase(phase): where the after-batch heartbeat grid falls in its step, in [0, 1)
+ * (kvwire.wire.heartbeat.heartbeat_phase; 0 until set). */
+static PyObject *sender_set_heartbeat_phase(Sender *s, PyObject *arg) {
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(v >= 0 && v < 1)) {
+        PyErr_SetString(PyExc_ValueError, "the heartbeat phase must be in [0, 1)");
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->heartbeat_phase = v;
+    pthread_mutex_unlock(&s->mu);
+    Py_RETURN_NONE;
+}
+
 /* [(seq, Payload | None)] for n entries, each entry's reference to its buffer released. */
 static PyObject *entries_list(FeedEntry *e, size_t n) {
     PyObject *out = PyList_New((Py_ssize_t)n);
@@ -985,6 +1002,8 @@ static PyMethodDef sender_methods[] = {
     {"stats", (PyCFunction)sender_stats, METH_NOARGS, "The counters by name."},
     {"set_max_queue", (PyCFunction)sender_set_max_queue, METH_O, "Change the queue's bound."},
     {"set_coalesce", (PyCFunction)sender_set_coalesce, METH_O, "Change coalesce_s."},
+    {"set_heartbeat_phase", (PyCFunction)sender_set_heartbeat_phase, METH_O,
+     "Set where the after-batch heartbeat grid falls in its step, in [0, 1)."},
     {"replay_range", (PyCFunction)(void (*)(void))sender_replay_range, METH_FASTCALL,
      "replay_range(start_seq, n) -> [(seq, payload)] from the replay ring."},
     {"take_feed", (PyCFunction)sender_take_feed, METH_NOARGS, "The mirror feed so far."},
@@ -1014,19 +1033,21 @@ PyTypeObject SenderType = {
 };
 
 
-/* heartbeat_due(last_sent, interval, now, wall, after_batch): the sender's rule, for tests to hold it
- * equal to kvwire.wire.heartbeat.heartbeat_at. */
+/* heartbeat_due(last_sent, interval, now, wall, after_batch, phase=0.0): the sender's rule,
+ * for tests to hold it equal to kvwire.wire.heartbeat.heartbeat_at. */
 static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
-    double last_sent, interval, now, wall;
+    double last_sent, interval, now, wall, phase = 0.0;
     int after_batch;
-    if (!PyArg_ParseTuple(args, "ddddp", &last_sent, &interval, &now, &wall, &after_batch))
+    if (!PyArg_ParseTuple(args, "ddddp|d", &last_sent, &interval, &now, &wall, &after_batch,
+                          &phase))
         return NULL;
-    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall, after_batch));
+    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall, after_batch, phase));
 }
 
 static PyMethodDef module_methods[] = {
     {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
-     "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
+     "heartbeat_due(last_sent, interval, now, wall, after_batch, phase=0.0) -> when the next "
+     "heartbeat is due"},
     {"encode_collected", (PyCFunction)(void (*)(void))encode_collected, METH_FASTCALL,
      "encode_collected(batch, format, pack) -> bytes: a CollectedBatch's payload"},
     {"payload_of", module_payload_of, METH_O, "payload_of(data) -> a Payload holding a copy"},

@@ -270,6 +270,7 @@ typedef struct {
     double deadline;
     double last_sent;
     int last_was_batch; /* the last send was a batch, not a heartbeat */
+    double heartbeat_phase; /* of the after-batch grid's step, in [0, 1) */
     /* done references and batches (mu) */
     PyObject **done;
     size_t done_len, done_cap, done_batches;
