@@ -28,7 +28,9 @@ Cases (``--cases``):
 3. warm restart from the router's checkpoint after ``--down`` s down
    (target: SYNCED and exact 3 s after start), both kinds;
 4. clone from a running replica (target 3 s), both kinds; engines' extra CPU;
-5. 4 replicas started at once: the engines' live delay p99 (target 10 ms);
+5. 4 replicas started at once: the engines' live delay p99 (target 10 ms), batches
+   only, with the floor (the same four routers synced, merely following) and the
+   catch-up's cost over it apart (``live_floor.py`` measures the floor alone);
 6. fresh router, ``--case6-procs`` stock simulator processes x 1,024 ranks
    (target: SYNCED and exact within 10 s);
 7. a checkpoint written by a running router: duration, size, and the router's
