@@ -28,7 +28,9 @@ Cases (``--cases``):
 3. warm restart from the router's checkpoint after ``--down`` s down
    (target: SYNCED and exact 3 s after start), both kinds;
 4. clone from a running replica (target 3 s), both kinds; engines' extra CPU;
-5. 4 replicas started at once: the engines' live delay p99 (target 10 ms);
+5. 4 replicas started at once: the engines' live delay p99 (target 10 ms), batches
+   only, with the floor (the same four routers synced, merely following) and the
+   catch-up's cost over it apart (``live_floor.py`` measures the floor alone);
 6. fresh router, ``--case6-procs`` stock simulator processes x 1,024 ranks
    (target: SYNCED and exact within 10 s);
 7. a checkpoint written by a running router: duration, size, and the router's
@@ -491,15 +493,22 @@ class Fleet:
         ]
 
     def live_endpoints(self, most: int) -> list[str]:
-        """Live endpoints of up to ``most`` ranks spread over the fleet (for the delay probe)."""
-        every = [
-            f"tcp://127.0.0.1:{port + r}"
+        """Live endpoints of up to ``most`` ranks spread over the fleet (for the delay probe).
+
+        An engine process's traffic thread goes round its ranks once a second, every
+        process from about the same instant: a stride within each process, shifted from
+        one process to the next, gives every probed rank's batch a moment of its own.
+        """
+        procs = [
+            [f"tcp://127.0.0.1:{port + r}" for _, port, _, n, _ in engines for r in range(n)]
             for engines in self.layout
-            for _, port, _, n, _ in engines
-            for r in range(n)
         ]
-        stride = max(1, len(every) // most)
-        return every[::stride][:most]
+        take = max(1, -(-most // len(procs)))
+        out: list[str] = []
+        for p, eps in enumerate(procs):
+            stride = max(1, len(eps) // take)
+            out.extend(eps[p * stride // len(procs) :: stride][:take])
+        return out[:most]
 
     def ask_all(self, command: str) -> list[dict[str, Any]]:
         for c in self.children:
@@ -529,7 +538,14 @@ class Fleet:
 
 
 class DelayProbe:
-    """Reads a sample of ranks' live streams; records receive time - the batch's ts."""
+    """Reads a sample of ranks' live streams; records receive time - the batch's ts.
+
+    Batches and heartbeats (empty batches) are recorded apart: every busy rank's
+    heartbeat after a batch falls on a shared wall-clock grid (``docs/wire.md``
+    section 5), so mixed in they would weigh one instant of the second as much as
+    all the batches. The ranks probed are chosen so that their batches come at as
+    many distinct moments of the second as there are ranks (``Fleet.live_endpoints``).
+    """
 
     def __init__(self, endpoints: list[str]) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -540,7 +556,8 @@ class DelayProbe:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
             self.socks.append(s)
-        self.samples: list[float] = []
+        self.samples: list[float] = []  # batches
+        self.beats: list[float] = []  # heartbeats
         self.recording = False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="delay-probe", daemon=True)
@@ -559,33 +576,41 @@ class DelayProbe:
                         break
                     now = time.time()
                     payload = frames[-1]
-                    if self.recording and len(payload) >= 10 and payload[1] == 0xCB:
-                        self.samples.append(now - struct.unpack_from(">d", payload, 2)[0])
+                    # [ts (float 64), events, rank]: 0x90 at 10 is an empty events array.
+                    if self.recording and len(payload) >= 11 and payload[1] == 0xCB:
+                        delay = now - struct.unpack_from(">d", payload, 2)[0]
+                        (self.beats if payload[10] == 0x90 else self.samples).append(delay)
 
     def start(self) -> None:
         self.samples = []
+        self.beats = []
         self.recording = True
 
     def p99_ms(self) -> float | None:
+        """The batches' delay p99 since :meth:`start`; stops recording."""
         self.recording = False
         p = percentile(self.samples, 0.99)
         return None if p is None else 1000 * p
 
     def window(self, seconds: float) -> str:
-        """Record for ``seconds``: "p50/p99/max ms (samples)"."""
+        """Record for ``seconds``: see :meth:`summary`."""
         self.start()
         time.sleep(seconds)
         return self.summary()
 
-    def summary(self) -> str:
-        """What was recorded since :meth:`start`: "p50/p99/max ms (samples)"; stops recording."""
-        self.recording = False
-        got = list(self.samples)
+    @staticmethod
+    def _stats(got: list[float]) -> str:
         if not got:
-            return "no samples"
+            return "none"
         p50, p99 = percentile(got, 0.5), percentile(got, 0.99)
         assert p50 is not None and p99 is not None
         return f"{1000 * p50:.1f}/{1000 * p99:.1f}/{1000 * max(got):.1f} ms ({len(got)})"
+
+    def summary(self) -> str:
+        """What was recorded since :meth:`start`, batches then heartbeats:
+        "p50/p99/max ms (samples), heartbeats p50/p99/max ms (samples)"; stops recording."""
+        self.recording = False
+        return f"{self._stats(list(self.samples))}, heartbeats {self._stats(list(self.beats))}"
 
     def close(self) -> None:
         self.stop.set()
@@ -1153,9 +1178,16 @@ class Bench:
             delay = None if delay is None else 1000 * delay
             c1 = fleet.counters()
             steady = probe.window(seconds)
+            floor_p99 = percentile(probe.samples, 0.99)
+            cost = (
+                "-"
+                if delay is None or floor_p99 is None
+                else f"{delay - 1000 * floor_p99:+.1f} ms"
+            )
             self.log(
                 f"case 5 live delay p50/p99/max: catching up {catching_up}; "
-                f"then 4 routers synced {steady}; engines: {c1['built'] - c0['built']:.0f} "
+                f"then 4 routers synced (the floor) {steady}; catching up costs the batches' "
+                f"p99 {cost} over that floor; engines: {c1['built'] - c0['built']:.0f} "
                 f"snapshots built, {c1['refused'] - c0['refused']:.0f} refused, "
                 f"sender GIL takes {c1['gil'] - c0['gil']:.0f}; routers' RSS "
                 + ", ".join(f"+{r['rss_mb']:.0f} MB" for r in results)
@@ -1174,8 +1206,9 @@ class Bench:
             )
             row.note = (
                 f"{c1['snapshots'] - c0['snapshots']:.0f} snapshots served "
-                f"({c1['built'] - c0['built']:.0f} built); delay p50/p99/max while catching up "
-                f"{catching_up}, floor: {floor}, 4 synced {steady}"
+                f"({c1['built'] - c0['built']:.0f} built); batches' delay p50/p99/max while "
+                f"catching up {catching_up}; floor (4 synced) {steady}, catch-up cost {cost} "
+                f"p99; no router: {floor}"
             ) + reasons(*results)
             pauses = fleet.pause()
             # One router at a time: four checking at once, each holding 20.5 M blocks,

@@ -41,6 +41,7 @@ from kvwire.wire import (
     offset_endpoint,
     validate_endpoints,
 )
+from kvwire.wire.heartbeat import heartbeat_phase
 
 __all__ = ["DEFAULT_ENDPOINT", "EventPublisher", "PendingBatch", "PublisherStats"]
 
@@ -84,7 +85,8 @@ class PublisherStats:
     time the sender thread took the GIL (once at start, then only for
     ``gil_encoded`` batches or a long-unreleased backlog of finished batches).
     ``mirror_pending``: batches encoded but not yet applied to the snapshot
-    mirror (it takes them in batches, a few times a second). ``skipped``: seqs
+    mirror (it takes them in batches, a few times a second; heartbeats, with
+    nothing to mirror, are not counted). ``skipped``: seqs
     left empty by :meth:`EventPublisher.skip`. ``replay_bytes_in_flight``: reply bytes
     handed to ZeroMQ and not yet taken by their clients (at most
     ``max_replay_bytes``); ``replay_disconnects``: clients whose connection was shut
@@ -210,6 +212,11 @@ class EventPublisher:
         self._bound: str | None = None
         self._bound_replay: str | None = None
         self._mirror = Mirror() if self.snapshot else None
+        self.heartbeat_phase = heartbeat_phase(
+            b"%s\0%s\0%d" % (endpoint.encode(), self._topic, rank)
+        )
+        """Where this publisher's heartbeats after a batch fall in the grid's step, in [0, 1):
+        drawn from its endpoint, topic, epoch and rank, so that busy ranks' are spread."""
         # Batches dropped on a full queue still reach the mirror, up to mirror_backlog.
         self._sender = Sender(
             topic=self._topic,
@@ -224,6 +231,7 @@ class EventPublisher:
             batch_type=CollectedBatch,
             encode=self._encode,
         )
+        self._sender.set_heartbeat_phase(self.heartbeat_phase)
         self.publish = self._sender.publish  # type: ignore[method-assign,assignment]
         self._started = False
         self._closed = False

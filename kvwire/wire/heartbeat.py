@@ -4,8 +4,9 @@ A heartbeat is an empty batch on the next seq. Its timing is one rule, shared
 by the publisher (which sends by it) and the subscriber (whose silence
 thresholds follow from its worst case); ``docs/wire.md`` section 5 states it
 and why. In short: heartbeats fall on the wall-clock grid of a step (the
-interval while idle, half of it after a batch), one at each grid instant if
-nothing was sent for half a step; so a fleet's idle ranks heartbeat together,
+interval while idle, half of it after a batch, shifted by the publisher's own
+phase), one at each grid instant if nothing was sent for half a step; so a
+fleet's idle ranks heartbeat together, its busy ones apart,
 a trailing drop shows within ``TRAILING_GAP`` intervals, and a healthy
 publisher is never silent for ``MAX_SILENCE`` intervals. Only the wall clock's
 phase is read: a clock step moves the grid, never the bound.
@@ -13,6 +14,7 @@ phase is read: a clock step moves the grid, never the bound.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "MAX_SILENCE",
     "TRAILING_GAP",
     "heartbeat_at",
+    "heartbeat_phase",
 ]
 
 DEFAULT_INTERVAL_S = 2.0
@@ -41,20 +44,39 @@ TRAILING_GAP = AFTER_BATCH_STEP * MAX_SILENCE
 
 
 def heartbeat_at(
-    last_sent: float, interval: float, now: float, wall: float, after_batch: bool = False
+    last_sent: float,
+    interval: float,
+    now: float,
+    wall: float,
+    after_batch: bool = False,
+    phase: float = 0.0,
 ) -> float:
     """The monotonic time the next heartbeat is due, if nothing else is sent meanwhile.
 
     ``last_sent`` and ``now`` are monotonic (``time.monotonic()``), ``wall`` is
     ``time.time()`` read at ``now``; ``after_batch``: the last send was a batch,
-    not a heartbeat. With ``step`` the interval (half of it after a batch): the
-    first grid instant (a multiple of ``step`` in wall-clock time) at or after
+    not a heartbeat; ``phase``: where this publisher's after-batch grid falls
+    in its step, a fraction in ``[0, 1)`` (see :func:`heartbeat_phase`; the idle
+    grid has none). With ``step`` the interval (half of it after a batch): the
+    first grid instant (``(k + phase) * step`` in wall-clock time) at or after
     ``last_sent + step / 2``. Due when ``now`` has reached it; the sender then
     sends and the next one is an interval later. Always in
-    ``[last_sent + step/2, last_sent + 1.5 step]``.
+    ``[last_sent + step/2, last_sent + 1.5 step]``, whatever the phase.
     """
     step = interval * AFTER_BATCH_STEP if after_batch else interval
+    shift = phase * step if after_batch else 0.0
     earliest = last_sent + HEARTBEAT_QUIET * step
-    earliest_wall = wall + (earliest - now)
+    earliest_wall = wall + (earliest - now) - shift
     grid = math.ceil(earliest_wall / step) * step
     return earliest + min(step, max(0.0, grid - earliest_wall))
+
+
+def heartbeat_phase(identity: bytes) -> float:
+    """A publisher's after-batch grid phase, in ``[0, 1)``, drawn from ``identity`` (bytes
+    that tell it from the fleet's other publishers: its endpoint, topic, epoch and rank).
+
+    Deterministic and spread evenly, so that busy ranks' first heartbeats after their
+    batches do not all fall on one wall-clock instant (``docs/wire.md`` section 5).
+    """
+    digest = hashlib.blake2b(identity, digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 11) / 2.0**53  # 53 bits: exact, below 1

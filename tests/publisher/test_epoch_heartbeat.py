@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import select
 import time
 from typing import Any
 
 import zmq
 
+from kvwire._native import libzmq_path
 from kvwire.publisher import EventPublisher, PublisherConfig
+from kvwire.publisher._sender import Sender
+from kvwire.publisher.batch import CollectedBatch
 from kvwire.wire import (
     END_SEQ,
     BlockRemoved,
@@ -137,3 +141,38 @@ def test_no_heartbeat_when_switched_off(ipc_dir: str, zctx: zmq.Context[Any]) ->
         assert decode_batch(recv_live(sub_on, 2000).payload).events == []
         assert not sub_off.poll(300)
         assert off.stats().heartbeats == 0
+
+
+def test_a_heartbeat_leaves_the_mirror_asleep_and_a_batch_wakes_it_once_sent(
+    zctx: zmq.Context[Any],
+) -> None:
+    """A heartbeat has nothing to mirror: it neither wakes the thread that applies the feed
+    nor counts as pending; a batch wakes it once the batch is on the wire."""
+    pub = zctx.socket(zmq.PUB)
+    pub.bind("inproc://mirror-asleep")
+    sender = Sender(
+        topic=b"kv", dialect="map", rank=0, max_queue=8, buffer_steps=8, coalesce_s=0.0,
+        heartbeat_s=0.05, mirror=True, mirror_backlog=1, batch_type=CollectedBatch,
+        encode=lambda batch: None,
+    )  # fmt: skip
+    sender.start(pub.underlying, libzmq_path())
+    try:
+        service = select.poll()
+        service.register(sender.service_fd, select.POLLIN)
+        sender.arm_feed()  # as the service thread does when the feed is empty
+        wait_for(lambda: sender.stats()["heartbeats"] >= 3, what="heartbeats")
+        assert not service.poll(0), "a heartbeat woke the mirror"
+        assert sender.stats()["mirror_feed"] == 0  # PublisherStats.mirror_pending
+        assert sender.publish(b"\x93\xcb" + bytes(8) + b"\x90\x00")  # a batch (bytes)
+        assert service.poll(5000), "no wake-up for a batch"
+        counts = sender.stats()
+        assert counts["published"] == counts["heartbeats"] + 1  # sent before the wake-up
+        assert counts["mirror_feed"] == 1
+        feed = sender.take_feed()
+        first = feed[0][0]
+        assert [seq for seq, _ in feed] == list(range(first, first + len(feed)))  # beats kept
+        assert sender.stats()["mirror_feed"] == 0
+    finally:
+        sender.close(5.0)
+        sender.join()
+        pub.close(0)

@@ -355,9 +355,10 @@ def test_heartbeats_are_pythons_empty_batch_byte_for_byte(
     since=st.floats(0, 10),
     wall=st.floats(1e9, 2e9),
     after_batch=st.booleans(),
+    phase=st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True)),
 )
 def test_the_senders_heartbeat_rule_is_the_shared_one(
-    last_sent: float, interval: float, since: float, wall: float, after_batch: bool
+    last_sent: float, interval: float, since: float, wall: float, after_batch: bool, phase: float
 ) -> None:
     from kvwire.publisher._sender import heartbeat_due
     from kvwire.wire.heartbeat import heartbeat_at
@@ -365,6 +366,9 @@ def test_the_senders_heartbeat_rule_is_the_shared_one(
     now = last_sent + since * interval
     assert heartbeat_due(last_sent, interval, now, wall, after_batch) == heartbeat_at(
         last_sent, interval, now, wall, after_batch
+    )
+    assert heartbeat_due(last_sent, interval, now, wall, after_batch, phase) == heartbeat_at(
+        last_sent, interval, now, wall, after_batch, phase
     )
 
 

@@ -41,9 +41,11 @@
  * Sent payloads are kept in a ring of `buffer_steps` for replay, which a
  * Python thread reads through Payload objects (buffer protocol, no copy). With
  * the mirror on, every encoded batch (sent or dropped on a full queue) is also
- * pushed, in seq order, onto a feed a Python thread takes in large batches;
- * `service_fd` (an eventfd) becomes readable when the armed feed gets an entry
- * or when wake() is called.
+ * pushed, in seq order, onto a feed a Python thread takes in large batches (the
+ * heartbeats too, which keep the seqs whole but leave nothing to mirror);
+ * `service_fd` (an eventfd) becomes readable when the armed feed gets a batch,
+ * once the chunk holding it is sent (so that the mirror does not compete with
+ * the send), or when wake() is called.
  */
 #define _GNU_SOURCE /* pthread_timedjoin_np */
 #include "sender.h"
@@ -83,15 +85,17 @@ double wall_now(void) {
 /* When the next heartbeat is due (CLOCK_MONOTONIC seconds; INFINITY without heartbeats):
  * kvwire.wire.heartbeat.heartbeat_at, the one rule publisher and subscriber share, ported
  * line for line (change both together). Heartbeats fall on the wall-clock grid of a step,
- * the interval (half of it when the last send was a batch): the first grid instant at or
- * after last_sent + step / 2, where last_sent is the monotonic time of the last batch sent
- * (heartbeats included) and wall is time.time() read at now. */
+ * the interval (half of it when the last send was a batch, shifted by `phase` of a step,
+ * the publisher's own): the first grid instant at or after last_sent + step / 2, where
+ * last_sent is the monotonic time of the last batch sent (heartbeats included) and wall is
+ * time.time() read at now. */
 static double heartbeat_due(double last_sent, double interval, double now, double wall,
-                            int after_batch) {
+                            int after_batch, double phase) {
     if (!(interval > 0)) return INFINITY;
     double step = after_batch ? interval * AFTER_BATCH_STEP : interval;
+    double shift = after_batch ? phase * step : 0.0;
     double earliest = last_sent + HEARTBEAT_QUIET * step;
-    double earliest_wall = wall + (earliest - now);
+    double earliest_wall = wall + (earliest - now) - shift;
     double grid = ceil(earliest_wall / step) * step;
     double wait = grid - earliest_wall;
     return earliest + (wait < 0 ? 0 : wait > step ? step : wait);
@@ -235,7 +239,9 @@ static void wake_service(Sender *s) {
     (void)r; /* EAGAIN: already readable */
 }
 
-static void feed_push(Sender *s, i64 seq, Buf *b) {
+/* Onto the mirror's feed, which only a batch (not a heartbeat: nothing to mirror) makes
+ * pending; the caller wakes the armed mirror (feed_wake) once the batch is on the wire. */
+static void feed_push(Sender *s, i64 seq, Buf *b, int batch) {
     if (s->feed_len >= FEED_MAX) return; /* the mirror sees the gap and stops vouching for itself */
     if (s->feed_len == s->feed_cap) {
         size_t cap = s->feed_cap ? s->feed_cap * 2 : 256;
@@ -246,7 +252,12 @@ static void feed_push(Sender *s, i64 seq, Buf *b) {
     }
     if (b) buf_ref(b);
     s->feed[s->feed_len++] = (FeedEntry){seq, b};
-    if (s->feed_armed) {
+    s->feed_batches += batch;
+}
+
+/* Wake the mirror's thread if it asked to be (arm_feed) and a batch is pending. */
+static void feed_wake(Sender *s) {
+    if (s->feed_armed && s->feed_batches) {
         s->feed_armed = 0;
         wake_service(s);
     }
@@ -371,7 +382,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
     for (int i = 0; i < n; i++) {
         Item *it = &items[i];
         if (it->payload && !it->mirror_only) ring_push(s, it->seq, it->payload);
-        if (s->mirror) feed_push(s, it->seq, it->payload);
+        if (s->mirror) feed_push(s, it->seq, it->payload, it->kind != K_HEARTBEAT);
         skipped += it->kind == K_SKIP;
         bad += !it->mirror_only && !it->payload && it->kind != K_SKIP;
     }
@@ -405,6 +416,7 @@ static void process(Sender *s, Item *items, int n, PyThreadState *ts) {
         it->batch = NULL;
         it->engine = NULL;
     }
+    feed_wake(s); /* the mirror starts once the chunk is sent, not competing with it */
     s->published += sent;
     s->dropped_send_error += failed;
     s->heartbeats += beats;
@@ -453,7 +465,7 @@ static void *run(void *arg) {
             double now = mono_now();
             double due =
                 s->closed ? INFINITY : heartbeat_due(s->last_sent, s->heartbeat_s, now, wall_now(),
-                                                      s->last_was_batch);
+                                                      s->last_was_batch, s->heartbeat_phase);
             if (due <= now) {
                 Item hb = {.seq = s->next_seq, .kind = K_HEARTBEAT, .ts = wall_now(), .rank = s->rank};
                 s->last_sent = now;
@@ -793,7 +805,7 @@ static PyObject *sender_stats(Sender *s, PyObject *unused) {
     long long v[13] = {s->next_seq - 1, (i64)s->q_send, s->published, s->dropped_queue_full,
                        s->dropped_closed, s->dropped_send_error, s->dropped_encode_error,
                        s->heartbeats, s->native_encoded, s->gil_encoded, s->gil_takes,
-                       (i64)s->feed_len, s->skipped};
+                       (i64)s->feed_batches, s->skipped};
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue(
         "{sLsLsLsLsLsLsLsLsLsLsLsLsL}", "last_seq", v[0], "queue_depth", v[1], "published", v[2],
@@ -824,6 +836,21 @@ static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
     }
     pthread_mutex_lock(&s->mu);
     s->coalesce_s = v;
+    pthread_mutex_unlock(&s->mu);
+    Py_RETURN_NONE;
+}
+
+/* set_heartbeat_phase(phase): where the after-batch heartbeat grid falls in its step, in [0, 1)
+ * (kvwire.wire.heartbeat.heartbeat_phase; 0 until set). */
+static PyObject *sender_set_heartbeat_phase(Sender *s, PyObject *arg) {
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(v >= 0 && v < 1)) {
+        PyErr_SetString(PyExc_ValueError, "the heartbeat phase must be in [0, 1)");
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->heartbeat_phase = v;
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
 }
@@ -887,17 +914,17 @@ static PyObject *sender_take_feed(Sender *s, PyObject *unused) {
     FeedEntry *f = s->feed;
     size_t n = s->feed_len;
     s->feed = NULL;
-    s->feed_len = s->feed_cap = 0;
+    s->feed_len = s->feed_cap = s->feed_batches = 0;
     pthread_mutex_unlock(&s->mu);
     PyObject *out = entries_list(f, n);
     free(f);
     return out;
 }
 
-/* arm_feed(): make service_fd readable at the feed's next entry (now, if it has one). */
+/* arm_feed(): make service_fd readable once the feed has a batch sent (now, if it has one). */
 static PyObject *sender_arm_feed(Sender *s, PyObject *unused) {
     pthread_mutex_lock(&s->mu);
-    if (s->feed_len) wake_service(s);
+    if (s->feed_batches) wake_service(s);
     else s->feed_armed = 1;
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
@@ -957,7 +984,7 @@ static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong
 
 static PyGetSetDef sender_getset[] = {
     {"service_fd", (getter)sender_get_fd, NULL,
-     "An eventfd readable when the armed mirror feed gets an entry, or after wake().", NULL},
+     "An eventfd readable when the armed mirror feed gets a batch, or after wake().", NULL},
     {NULL},
 };
 
@@ -975,11 +1002,13 @@ static PyMethodDef sender_methods[] = {
     {"stats", (PyCFunction)sender_stats, METH_NOARGS, "The counters by name."},
     {"set_max_queue", (PyCFunction)sender_set_max_queue, METH_O, "Change the queue's bound."},
     {"set_coalesce", (PyCFunction)sender_set_coalesce, METH_O, "Change coalesce_s."},
+    {"set_heartbeat_phase", (PyCFunction)sender_set_heartbeat_phase, METH_O,
+     "Set where the after-batch heartbeat grid falls in its step, in [0, 1)."},
     {"replay_range", (PyCFunction)(void (*)(void))sender_replay_range, METH_FASTCALL,
      "replay_range(start_seq, n) -> [(seq, payload)] from the replay ring."},
     {"take_feed", (PyCFunction)sender_take_feed, METH_NOARGS, "The mirror feed so far."},
     {"arm_feed", (PyCFunction)sender_arm_feed, METH_NOARGS,
-     "Make service_fd readable at the feed's next entry."},
+     "Make service_fd readable once the feed has a batch."},
     {"wake", (PyCFunction)sender_wake, METH_NOARGS, "Make service_fd readable."},
     {"clear_wake", (PyCFunction)sender_clear_wake, METH_NOARGS, "Reset service_fd."},
     {"seqs", (PyCFunction)sender_seqs, METH_O, "seqs(ring): queued (False) or buffered (True) seqs."},
@@ -1004,19 +1033,21 @@ PyTypeObject SenderType = {
 };
 
 
-/* heartbeat_due(last_sent, interval, now, wall, after_batch): the sender's rule, for tests to hold it
- * equal to kvwire.wire.heartbeat.heartbeat_at. */
+/* heartbeat_due(last_sent, interval, now, wall, after_batch, phase=0.0): the sender's rule,
+ * for tests to hold it equal to kvwire.wire.heartbeat.heartbeat_at. */
 static PyObject *module_heartbeat_due(PyObject *module, PyObject *args) {
-    double last_sent, interval, now, wall;
+    double last_sent, interval, now, wall, phase = 0.0;
     int after_batch;
-    if (!PyArg_ParseTuple(args, "ddddp", &last_sent, &interval, &now, &wall, &after_batch))
+    if (!PyArg_ParseTuple(args, "ddddp|d", &last_sent, &interval, &now, &wall, &after_batch,
+                          &phase))
         return NULL;
-    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall, after_batch));
+    return PyFloat_FromDouble(heartbeat_due(last_sent, interval, now, wall, after_batch, phase));
 }
 
 static PyMethodDef module_methods[] = {
     {"heartbeat_due", module_heartbeat_due, METH_VARARGS,
-     "heartbeat_due(last_sent, interval, now, wall, after_batch) -> when the next heartbeat is due"},
+     "heartbeat_due(last_sent, interval, now, wall, after_batch, phase=0.0) -> when the next "
+     "heartbeat is due"},
     {"encode_collected", (PyCFunction)(void (*)(void))encode_collected, METH_FASTCALL,
      "encode_collected(batch, format, pack) -> bytes: a CollectedBatch's payload"},
     {"payload_of", module_payload_of, METH_O, "payload_of(data) -> a Payload holding a copy"},

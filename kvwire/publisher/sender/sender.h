@@ -270,6 +270,7 @@ typedef struct {
     double deadline;
     double last_sent;
     int last_was_batch; /* the last send was a batch, not a heartbeat */
+    double heartbeat_phase; /* of the after-batch grid's step, in [0, 1) */
     /* done references and batches (mu) */
     PyObject **done;
     size_t done_len, done_cap, done_batches;
@@ -281,6 +282,7 @@ typedef struct {
     /* mirror feed (mu) */
     FeedEntry *feed;
     size_t feed_len, feed_cap;
+    size_t feed_batches; /* entries that are not heartbeats (stats: mirror_feed) */
     int feed_armed;
     /* counters (mu) */
     i64 published, dropped_queue_full, dropped_closed, dropped_send_error, dropped_encode_error;
