@@ -41,7 +41,8 @@ from kvwire.subscriber.checkpoint import (
 from kvwire.subscriber.clone import CloneServer, clone_view
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
-from kvwire.subscriber.link import LinkEnv, RankLink
+from kvwire.subscriber.env import LinkEnv
+from kvwire.subscriber.link import RankLink
 from kvwire.subscriber.reactor import Reactor, watches_descriptors
 from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
