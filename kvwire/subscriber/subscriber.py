@@ -3,7 +3,8 @@
 A thin facade. It keeps the sources and their links (:mod:`kvwire.subscriber.link`,
 one per rank), runs them on the asyncio loop it is given (or one of its own on
 a background thread) through one :class:`~kvwire.subscriber.reactor.Reactor`,
-and says where each rank stands. It runs wherever pyzmq runs: on any event loop
+and says where each rank stands; a view restored or exported is
+:mod:`kvwire.subscriber.persist`'s. It runs wherever pyzmq runs: on any event loop
 with ``add_reader`` (any selector loop: epoll, kqueue, poll, select), with the
 native receive drain where it is built and finds pyzmq's libzmq and pyzmq's own
 reads elsewhere (:func:`kvwire.subscriber.receive.load`).
@@ -182,12 +183,7 @@ class Subscriber:
         From the subscriber's own event loop use :meth:`aremove_source`
         instead (this one only schedules the removal there).
         """
-        with self._lock:
-            if worker_id not in self._sources:
-                raise KeyError(f"no source for worker {worker_id!r}")
-            del self._sources[worker_id]
-            self._readiness.resize(self._total_ranks())
-            loop = self._loop if self._running else None
+        loop = self._drop(worker_id)
         if loop is None:
             return
         if _in_loop(loop):
@@ -198,14 +194,17 @@ class Subscriber:
 
     async def aremove_source(self, worker_id: str) -> None:
         """:meth:`remove_source` for coroutines on the subscriber's loop."""
+        if self._drop(worker_id) is not None:
+            self._close_source(worker_id, True)
+
+    def _drop(self, worker_id: str) -> asyncio.AbstractEventLoop | None:
+        """Follow ``worker_id`` no more; the loop its links close on (None: not running)."""
         with self._lock:
             if worker_id not in self._sources:
                 raise KeyError(f"no source for worker {worker_id!r}")
             del self._sources[worker_id]
             self._readiness.resize(self._total_ranks())
-            running = self._running
-        if running:
-            self._close_source(worker_id, True)
+            return self._loop if self._running else None
 
     async def _aclose_source(self, worker_id: str) -> None:
         self._close_source(worker_id, True)
