@@ -486,7 +486,7 @@ class RankLink:
             now = clock()
             self._misfit(beats + len(messages), now)
             if messages:
-                self.fit_read(messages)
+                self._fit(_sample(messages))
                 trim.pending += len(messages) * self.batch_bytes
             if last is not None:
                 stream.beats(beats, last, now)
