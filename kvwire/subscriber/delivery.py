@@ -77,6 +77,23 @@ class Delivery:
             link.stream.counters.sink_errors += 1
             link.note("sink-clear", "sink.clear raised", exc_info=True)
 
+    def hint(self, link: RankLink, name: str, *args: object) -> None:
+        """Call the sink's optional ``name(worker_id, rank, *args)`` where it has one: only
+        a hint (room to make, blocks to come), so a failure is logged and nothing more."""
+        method = getattr(self.sink, name, None)
+        if method is None:
+            return
+        try:
+            method(link.worker_id, link.rank, *args)
+        except Exception as exc:
+            kind = "sink-" + name.replace("_", "-")
+            link.note(kind, f"sink.{name} raised {exc!r}", exc_info=exc)
+
+    def flush_later(self, link: RankLink) -> None:
+        """``link`` gave the sink batches: flush a buffering sink once the round is over."""
+        if self.sink_flush is not None:
+            self.to_flush[link] = None
+
     def flush(self) -> None:
         """The round of reading is over: let a buffering sink apply what it holds."""
         if not self.to_flush:

@@ -1,8 +1,8 @@
 """One rank's link: its sockets, its :class:`RankStream`, and the stream's actions carried out.
 
 A rank has a SUB socket for live batches and its monitor (connection events);
-a replay DEALER exists only while a replay or snapshot request is out, and is
-closed once the stream has nothing pending, so a rank at rest holds three
+its replay DEALER (:class:`~kvwire.subscriber.channel.ReplayChannel`) exists only
+while a replay or snapshot request is out, so a rank at rest holds three
 sockets (one TCP connection). The :class:`~kvwire.subscriber.reactor.Reactor`
 says when to read (:meth:`RankLink.service`) and when a deadline may have
 passed (:meth:`RankLink.on_timer`); the link reads its sockets in one order,
@@ -29,14 +29,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvwire.ratelog import RateLimitedLog
-from kvwire.security import secure_client
 from kvwire.subscriber.actions import (
     Action,
     Apply,
@@ -48,32 +45,25 @@ from kvwire.subscriber.actions import (
     Reserve,
     StateChanged,
 )
-from kvwire.subscriber.config import QUEUE_SLACK, SubscriberConfig
-from kvwire.subscriber.delivery import Delivery
-from kvwire.subscriber.memory import TrimAfter
-from kvwire.subscriber.reactor import PACE_S, Reactor
-from kvwire.subscriber.receive import Receive
-from kvwire.subscriber.slots import CONTACT_S, FirstContacts, ReplaySlots
+from kvwire.subscriber.channel import ReplayChannel
+from kvwire.subscriber.config import QUEUE_SLACK
+from kvwire.subscriber.env import RECONNECT_MAX_S, RECONNECT_MIN_S, LinkEnv
+from kvwire.subscriber.reactor import PACE_S
+from kvwire.subscriber.slots import CONTACT_S
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState
 from kvwire.subscriber.stream import RankStream
-from kvwire.wire import replay_request_frames, snapshot_request_frames
 
-__all__ = ["LinkEnv", "RankLink"]
+__all__ = ["RankLink"]
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 BURST = 256
 """Live messages read from one rank before the others get a turn."""
 _LIVE_FRAMES = 3  # [topic, seq, payload]; a longer message is read as () and counted
-_REPLY_FRAMES = 6  # the longest replay reply (a snapshot chunk)
 _MONITOR_FRAMES = 2  # [event and value, endpoint]
 _DRAIN_BEFORE_DISCONNECT = 1_000_000
-_REPLAY_HWM = 1024  # replay reply messages queued unread per rank, at most
 _FIRST_BATCH_BYTES = 64 << 10  # a rank's batch size until its first batch is read
-_RECONNECT_MIN_S = 0.1  # the SUB's own reconnect interval, and its maximum
-_RECONNECT_MAX_S = 1.0
 _REOPEN_RATIO = 8  # a SUB is reopened when its derived mark is this many times its own
-_REPLY_TURN_BYTES = 256 << 10  # reply bytes one turn reads: about one snapshot chunk
 _RATE_WINDOW_S = 0.1  # a rank's live message rate is measured over this long, at least
 _QUIET_S = 1.0  # a SUB is reopened only with live messages that follow this long a silence
 
@@ -81,58 +71,6 @@ _QUIET_S = 1.0  # a SUB is reopened only with live messages that follow this lon
 _HELD = frozenset({Apply, ApplyPayload, ClearRank, Reserve})
 """What a rank on hold keeps for the sink until its view is imported."""
 _HELD_COST = 256  # bytes counted for a held action without a payload (a decoded batch, a clear)
-
-
-def _ignore(link: RankLink) -> None:
-    pass
-
-
-class LinkEnv:
-    """What every link of one subscriber shares: settings, context, reactor, output, bounds."""
-
-    __slots__ = (
-        "config",
-        "contacts",
-        "ctx",
-        "delivery",
-        "log",
-        "on_state",
-        "ranks",
-        "reactor",
-        "receive",
-        "reopens",
-        "replays",
-        "trim",
-    )
-
-    def __init__(
-        self,
-        config: SubscriberConfig,
-        ctx: zmq.Context[Any],
-        reactor: Reactor,
-        delivery: Delivery,
-        receive: Receive,
-        log: RateLimitedLog,
-    ) -> None:
-        self.config = config
-        self.ctx = ctx
-        self.reactor = reactor
-        self.delivery = delivery
-        self.receive = receive
-        self.log = log
-        self.replays = ReplaySlots(
-            config.request_limit(),
-            config.source_request_limit(),
-            most=config.request_ceiling(),
-            round_s=config.round_s(),
-        )
-        reactor.on_round = self.replays.round
-        self.contacts = FirstContacts(config.max_replays)
-        self.on_state: Callable[[RankLink], object] = _ignore
-        """Called on the loop after a rank's state changed (the subscriber's readiness)."""
-        self.ranks = 0  # links open: what each rank's share of the receive budget divides by
-        self.trim = TrimAfter(config.receive_budget_bytes)
-        self.reopens = 0  # SUBs reopened for a mark their batch size no longer fits
 
 
 def _sample(messages: list[tuple[bytes, ...]]) -> int:
@@ -149,9 +87,6 @@ class RankLink:
         "chunk",
         "closed",
         "connecting_since",
-        "dealer",
-        "dealer_fd",
-        "dealer_token",
         "endpoints",
         "env",
         "fit_ranks",
@@ -162,7 +97,6 @@ class RankLink:
         "live_blocked",
         "monitor",
         "monitor_fd",
-        "queued",
         "quiet_before",
         "rank",
         "rate_read",
@@ -171,10 +105,10 @@ class RankLink:
         "reconnect_at",
         "reconnect_delay",
         "reopen_due",
+        "replay",
         "restated",
         "share",
         "sized",
-        "slot",
         "stream",
         "sub",
         "sub_fd",
@@ -201,11 +135,7 @@ class RankLink:
         self.sub_fd = -1
         self.monitor: zmq.Socket[bytes] | None = None
         self.monitor_fd = -1
-        self.dealer: zmq.Socket[bytes] | None = None
-        self.dealer_fd = -1
-        self.dealer_token = 0
-        self.slot = False  # holds one of the requests in flight (ReplaySlots)
-        self.queued: tuple[list[bytes], int] | None = None  # a request waiting for a socket
+        self.replay = ReplayChannel(self)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
         self.closed = False
@@ -230,19 +160,9 @@ class RankLink:
         self.held_out: list[Action] | None = None  # on hold: the sink's actions, in order
         self.held_out_bytes = 0
         self.restated = False  # on hold: the state changed meanwhile
-        self._announce()
-
-    def _announce(self) -> None:
-        """Tell a sink with ``add_rank(worker_id, rank)`` that this rank is followed, before
-        any of its events: a ``PrefixIndex`` makes its room while its tables are empty
-        (first seen as its snapshot arrives, 1,024 ranks cost 16 s more to apply)."""
-        add_rank = getattr(self.env.delivery.sink, "add_rank", None)
-        if add_rank is None:
-            return
-        try:
-            add_rank(self.worker_id, self.rank)
-        except Exception as exc:  # only room made early: the first event makes it anyway
-            self.note("sink-add-rank", f"sink.add_rank raised {exc!r}", exc_info=exc)
+        # A PrefixIndex makes a followed rank's room while its tables are empty (first
+        # seen as its snapshot arrives, 1,024 ranks cost 16 s more to apply).
+        env.delivery.hint(self, "add_rank")
 
     def note(self, kind: str, message: str, exc_info: Any = None) -> None:
         """A problem of this rank, logged at most once an interval per kind for all ranks."""
@@ -269,9 +189,7 @@ class RankLink:
         self.held_out_bytes = 0
         if held:
             self.carry_out(held)
-            delivery = self.env.delivery
-            if delivery.sink_flush is not None:
-                delivery.to_flush[self] = None
+            self.env.delivery.flush_later(self)
         if self.restated:
             self.restated = False
             self.env.on_state(self)
@@ -283,20 +201,6 @@ class RankLink:
         return self.held_out is not None and self.held_out_bytes > self.share
 
     # --- sockets -------------------------------------------------------------------------
-
-    def _socket(self, kind: int) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = zmq.Socket(self.env.ctx, kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.env.config.max_message_size)
-        sock.setsockopt(zmq.RECONNECT_IVL, int(_RECONNECT_MIN_S * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(_RECONNECT_MAX_S * 1000))
-        if self.keys is not None:
-            try:
-                secure_client(sock, self.keys)
-            except BaseException:
-                sock.close(linger=0)
-                raise
-        return sock
 
     def connect(self) -> bool:
         """Open the SUB and its monitor and connect; False when they cannot open yet."""
@@ -314,7 +218,7 @@ class RankLink:
         # mark that keeps those within its share holds the bound from the first message.
         first = config.rank_hwm(self.env.ranks, config.max_message_size)
         mark = self.hwm if self.sized else first
-        sub = self._socket(zmq.SUB)
+        sub = self.env.socket(zmq.SUB, self.keys)
         sub.setsockopt(zmq.RCVHWM, mark)
         self.sub_hwm = mark
         sub.setsockopt(zmq.TCP_KEEPALIVE, 1)  # how a dead publisher is noticed
@@ -347,48 +251,6 @@ class RankLink:
                 sock.close(linger=0)
         self.sub = self.monitor = None
 
-    def _open_dealer(self) -> bool:
-        """A replay socket, in the rank's request slot (taken here if it holds none)."""
-        replays = self.env.replays
-        if not self.slot:
-            if not replays.take(self):
-                return False
-            self.slot = True
-        assert self.endpoints.replay_endpoint is not None
-        try:
-            dealer = self._socket(zmq.DEALER)
-        except Exception as exc:  # out of sockets or files: wait for one to close
-            self.slot = False
-            replays.refused(self)
-            self.note(
-                "replay-socket", f"replay socket not opened ({exc}): waiting for one to close"
-            )
-            return False
-        self.dealer = dealer
-        # Bounded: a reply flows as fast as it is read (the publisher waits on a full
-        # pipe), and a hostile replay socket cannot queue more than this in the router.
-        dealer.setsockopt(zmq.RCVHWM, min(self.hwm, _REPLAY_HWM))
-        dealer.connect(self.endpoints.replay_endpoint)
-        self.dealer_fd = self.env.reactor.watch(dealer, self)
-        return True
-
-    def _close_dealer(self, keep_slot: bool = False) -> None:
-        """Close the replay socket; its request slot goes too, unless ``keep_slot``."""
-        dealer = self.dealer
-        if dealer is not None:
-            self.dealer = None
-            self.env.reactor.unwatch(self.dealer_fd)
-            self.dealer_fd = -1
-            dealer.close(linger=0)
-        if self.slot and not keep_slot:
-            self.slot = False
-            self.env.replays.release(self)
-
-    def _release_dealer(self) -> None:
-        """Close the replay socket once the stream waits for no reply."""
-        if self.dealer is not None and not self.stream.replay_pending:
-            self._close_dealer()
-
     def close(self) -> None:
         """Close every socket; the rank is done."""
         if not self.closed:
@@ -396,9 +258,8 @@ class RankLink:
         self.closed = True
         self.env.reactor.forget(self)
         self.env.delivery.forget(self)
-        self.queued = None
         self.env.contacts.done(self)
-        self._close_dealer()
+        self.replay.close()
         self._close_sub()
 
     def _reconnect(self) -> None:
@@ -411,6 +272,10 @@ class RankLink:
         with contextlib.suppress(zmq.ZMQError):
             sub.disconnect(self.endpoints.endpoint)
         sub.connect(self.endpoints.endpoint)
+
+    def fit_read(self, messages: list[tuple[bytes, ...]]) -> None:
+        """Follow the rank's batch size from messages just read (see :meth:`_fit`)."""
+        self._fit(_sample(messages))
 
     def _fit(self, sample: int) -> None:
         """Follow the rank's batch size (``sample``: one just read) and keep its sockets'
@@ -472,7 +337,7 @@ class RankLink:
             return True  # batches that grew: the bound first
         if self.quiet_before < _QUIET_S:
             return False  # within a flood, or too soon to tell
-        return not self.stream.replay_pending and self.queued is None
+        return not self.stream.replay_pending and self.replay.queued is None
 
     def _reopen_sub(self) -> None:
         """Reopen the SUB with the mark its batch size asks for: to the stream, a
@@ -487,7 +352,7 @@ class RankLink:
             self.carry_out(self.stream.disconnected(time.monotonic()))
         self.reconnect_delay = 0.0
         if not self.connect():  # out of files: again shortly
-            self.reconnect_at = time.monotonic() + _RECONNECT_MAX_S
+            self.reconnect_at = time.monotonic() + RECONNECT_MAX_S
         self.schedule()
 
     def _live_room(self) -> int:
@@ -530,8 +395,8 @@ class RankLink:
                 return False  # read on at release (the sockets keep what comes, bounded)
             if self.sub is not None:
                 burst = self._drain_live(BURST)
-            if self.dealer is not None:
-                self._drain_replay()
+            if self.replay.dealer is not None:
+                self.replay.read()
                 self.schedule()
             if self.reopen_due and self._may_reopen():
                 self._reopen_sub()
@@ -570,7 +435,7 @@ class RankLink:
                 # max_message_size, a refused handshake): connect again ourselves, at
                 # once after a connection that worked, then backing off.
                 delay = self.reconnect_delay
-                self.reconnect_delay = min(_RECONNECT_MAX_S, max(_RECONNECT_MIN_S, 2 * delay))
+                self.reconnect_delay = min(RECONNECT_MAX_S, max(RECONNECT_MIN_S, 2 * delay))
                 self.reconnect_at = time.monotonic() + delay
                 if delay == 0:
                     self._reconnect()
@@ -646,42 +511,12 @@ class RankLink:
                     self.carry_out(actions)
                 if self.sub is not sub:
                     return n  # the rank was removed by what it delivered
-            if messages and delivery.sink_flush is not None:
-                delivery.to_flush[self] = None
+            if messages:
+                delivery.flush_later(self)
             if beats + len(messages) < chunk:
                 trim.idle()
                 break  # the socket is empty
         return n
-
-    def _drain_replay(self) -> None:
-        """Read the replies queued, about one snapshot chunk's bytes a turn (at most a
-        read chunk): the requests in flight share the router's rounds (``request_limit``)."""
-        applied = False
-        dealer = self.dealer
-        drain = self.env.receive.drain
-        left = max(1, min(self.chunk, _REPLY_TURN_BYTES // self.batch_bytes))
-        while dealer is not None and self.dealer is dealer:
-            chunk = min(self.chunk, left)
-            if chunk < 1:
-                self.env.reactor.again(self)  # more may wait: the socket will not signal it
-                break
-            messages = drain(dealer, chunk, _REPLY_FRAMES)
-            left -= len(messages)
-            if messages:
-                self._fit(_sample(messages))
-            for frames in messages:
-                actions = self.stream.replay_reply(frames, self.dealer_token, time.monotonic())
-                applied = applied or bool(actions)
-                self.carry_out(actions)
-                if self.dealer is not dealer:
-                    break  # a fresh replay socket replaced this one: read it on its own signal
-            if len(messages) < chunk:
-                break
-        if not self.closed:
-            self._release_dealer()
-            delivery = self.env.delivery
-            if applied and delivery.sink_flush is not None:
-                delivery.to_flush[self] = None
 
     # --- time ----------------------------------------------------------------------------
 
@@ -713,7 +548,7 @@ class RankLink:
         return self.stream.silence_deadline()
 
     def on_timer(self, now: float) -> None:
-        if self.dealer is not None and not self.env.delivery.paused:
+        if self.replay.dealer is not None and not self.env.delivery.paused:
             # A reply waiting unread is the router's delay, not the publisher's silence:
             # read it before a deadline is judged.
             if self.service(True):
@@ -730,7 +565,7 @@ class RankLink:
             if actions:
                 self.carry_out(actions)
             if not self.closed:
-                self._release_dealer()
+                self.replay.release()
                 self._resume_live()
         except Exception:
             self.note("timer-error", "subscriber timer error", exc_info=True)
@@ -758,18 +593,14 @@ class RankLink:
             timed = True
             if kind is ClearRank:
                 delivery.clear(self, action.reason)  # type: ignore[union-attr]
-            elif kind is RequestReplay:
-                assert isinstance(action, RequestReplay)
-                frames = replay_request_frames(action.start_seq)
-                self._send_request(frames, action.token, action.fresh)
-            elif kind is RequestSnapshot:
-                assert isinstance(action, RequestSnapshot)
-                self._send_request(snapshot_request_frames(), action.token, action.fresh)
+            elif kind is RequestReplay or kind is RequestSnapshot:
+                self.replay.request(action)  # type: ignore[arg-type]
             elif kind is Reconnect:
                 self._reconnect()
             elif kind is Reserve:
                 assert isinstance(action, Reserve)
-                self._reserve(action.blocks)
+                # A sink sizes its tables for the blocks a snapshot or replay announced.
+                delivery.hint(self, "reserve", action.blocks)
             elif kind is StateChanged:
                 assert isinstance(action, StateChanged)
                 if self.connecting_since is not None and action.new is not RankState.SYNCING:
@@ -787,53 +618,7 @@ class RankLink:
         if timed:
             self.schedule()
 
-    def _reserve(self, blocks: int) -> None:
-        """The stream announced ``blocks`` blocks to come (a snapshot, a replay): a sink
-        with ``reserve(worker_id, rank, blocks)`` sizes its tables for them."""
-        reserve = getattr(self.env.delivery.sink, "reserve", None)
-        if reserve is None:
-            return
-        try:
-            reserve(self.worker_id, self.rank, blocks)
-        except Exception as exc:  # only a hint: the batches apply all the same
-            self.note("sink-reserve", f"sink.reserve raised {exc!r}", exc_info=exc)
-
     def sink_failed(self, exc: Exception) -> None:
         """The sink raised on this rank's batch: the stream decides what the view is worth."""
         self.note("sink-apply", f"sink.apply raised {exc!r}", exc_info=exc)
         self.carry_out(self.stream.sink_failed(time.monotonic(), repr(exc)))
-
-    def _send_request(self, frames: list[bytes], token: int, fresh: bool) -> bool:
-        """Send a replay or snapshot request, or queue it for its turn (False); ``fresh``
-        needs a new socket (no late replies). A rank holding a request slot keeps it."""
-        self.dealer_token = token
-        if fresh or self.dealer is None:
-            self._close_dealer(keep_slot=True)
-            if not self._open_dealer():
-                # Wait for a turn (the bounds on requests in flight, or out of files);
-                # the stream's deadlines for it start when it is sent.
-                if self.queued is None:
-                    self.env.replays.wait(self)
-                self.queued = (frames, token)
-                self.stream.request_waiting(token)
-                return False
-            self.queued = None
-        dealer = self.dealer
-        assert dealer is not None
-        try:
-            dealer.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the request times out and is retried
-            self.note("replay-not-sent", f"replay request not sent: {exc}")
-        return True
-
-    def send_queued(self) -> None:
-        """The rank's turn: send the request that waited for it (if still wanted)."""
-        request, self.queued = self.queued, None
-        if request is None or self.closed or self.dealer is not None:
-            return
-        if not self.stream.replay_pending:
-            return  # given up meanwhile (a disconnect): the next one asks anew
-        frames, token = request
-        if self._send_request(frames, token, fresh=False):
-            self.stream.request_sent(token, time.monotonic())
-            self.schedule()

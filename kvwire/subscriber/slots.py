@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvwire.subscriber.channel import ReplayChannel
     from kvwire.subscriber.link import RankLink
 
 __all__ = ["CONTACT_S", "FirstContacts", "ReplaySlots"]
@@ -69,7 +70,7 @@ class ReplaySlots:
         self.lowest = limit  # the lowest limit the rounds' times led to
         self._cap = limit  # lowered while the process is out of files
         self._by_source: dict[str, int] = {}
-        self._waiting: dict[str, deque[tuple[int, RankLink]]] = {}
+        self._waiting: dict[str, deque[tuple[int, ReplayChannel]]] = {}
         self._ticket = 0
 
     def round(self, seconds: float) -> None:
@@ -92,7 +93,7 @@ class ReplaySlots:
     def in_flight(self, source: str) -> int:
         return self._by_source.get(source, 0)
 
-    def take(self, link: RankLink) -> bool:
+    def take(self, link: ReplayChannel) -> bool:
         """Count one more request of ``link``, if one may go out now."""
         source = link.worker_id
         held = self._by_source.get(source, 0)
@@ -104,7 +105,7 @@ class ReplaySlots:
         self.source_peak = max(self.source_peak, held + 1)
         return True
 
-    def _give(self, link: RankLink) -> None:
+    def _give(self, link: ReplayChannel) -> None:
         self.open -= 1
         source = link.worker_id
         left = self._by_source[source] - 1
@@ -113,18 +114,18 @@ class ReplaySlots:
         else:
             del self._by_source[source]
 
-    def refused(self, link: RankLink) -> None:
+    def refused(self, link: ReplayChannel) -> None:
         """The socket could not open (out of files): hold further ones to those open."""
         self._give(link)
         self._cap = max(1, self.open)
 
-    def wait(self, link: RankLink) -> None:
-        """``link`` has a request waiting for its turn (:meth:`RankLink.send_queued`)."""
+    def wait(self, link: ReplayChannel) -> None:
+        """``link`` has a request waiting for its turn (:meth:`ReplayChannel.send_queued`)."""
         self._ticket += 1
         self.waited += 1
         self._waiting.setdefault(link.worker_id, deque()).append((self._ticket, link))
 
-    def release(self, link: RankLink) -> None:
+    def release(self, link: ReplayChannel) -> None:
         """A request's socket closed: send the oldest waiting ones that may go now."""
         self._give(link)
         if self._cap < self.limit:

@@ -3,7 +3,8 @@
 A thin facade. It keeps the sources and their links (:mod:`kvwire.subscriber.link`,
 one per rank), runs them on the asyncio loop it is given (or one of its own on
 a background thread) through one :class:`~kvwire.subscriber.reactor.Reactor`,
-and says where each rank stands. It runs wherever pyzmq runs: on any event loop
+and says where each rank stands; a view restored or exported is
+:mod:`kvwire.subscriber.persist`'s. It runs wherever pyzmq runs: on any event loop
 with ``add_reader`` (any selector loop: epoll, kqueue, poll, select), with the
 native receive drain where it is built and finds pyzmq's libzmq and pyzmq's own
 reads elsewhere (:func:`kvwire.subscriber.receive.load`).
@@ -17,7 +18,6 @@ import contextlib
 import logging
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any
@@ -26,26 +26,17 @@ import msgspec
 import zmq
 
 from kvwire.ratelog import RateLimitedLog
-from kvwire.security import SecurityError, ServerKeys, release_context
+from kvwire.security import ServerKeys, release_context
 from kvwire.subscriber import receive
-from kvwire.subscriber.checkpoint import (
-    BackgroundWrite,
-    CheckpointError,
-    CheckpointInfo,
-    Restored,
-    RestoreProgress,
-    ViewStream,
-    load_file,
-    write_file,
-)
-from kvwire.subscriber.clone import CloneServer, clone_view
+from kvwire.subscriber.checkpoint import CheckpointInfo, Restored, RestoreProgress
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
-from kvwire.subscriber.link import LinkEnv, RankLink
+from kvwire.subscriber.env import LinkEnv
+from kvwire.subscriber.link import RankLink
+from kvwire.subscriber.persist import Restore, ViewExport
 from kvwire.subscriber.reactor import Reactor, watches_descriptors
 from kvwire.subscriber.readiness import Readiness, SyncProgress
 from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
-from kvwire.subscriber.seq import StreamPosition
 from kvwire.subscriber.sink import EventSink, SinkItem, ViewSink
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -140,18 +131,9 @@ class Subscriber:
                 "checkpoint and clone_from need a sink that exports and imports its view "
                 f"(a ViewSink: export_rank, import_rank, view_format), got {type(sink).__name__}"
             )
-        # While a view loads: the ranks it may hold (their links wait on hold), those
-        # waiting for a position, and those resumed from the view being loaded.
-        self._restoring: frozenset[tuple[str, int]] = frozenset()
-        self._waiting: dict[tuple[str, int], RankLink] = {}
-        self._resumed: dict[tuple[str, int], RankLink] = {}
-        self._restored: Restored | None = None
-        self._restore_progress = RestoreProgress()
-        self._refusals: list[str] = []
-        self._restore_cancel = threading.Event()
-        self._writing: BackgroundWrite | None = None
-        self._periodic: asyncio.TimerHandle | None = None
-        self._servers: list[CloneServer] = []
+        view_sink = self._view_sink
+        self._restore = Restore(config, view_sink, self._replace, self._by_rank.get)
+        self._export = ViewExport(config, view_sink, self._all_links, self._delivery.flush)
 
     @property
     def config(self) -> SubscriberConfig:
@@ -201,12 +183,7 @@ class Subscriber:
         From the subscriber's own event loop use :meth:`aremove_source`
         instead (this one only schedules the removal there).
         """
-        with self._lock:
-            if worker_id not in self._sources:
-                raise KeyError(f"no source for worker {worker_id!r}")
-            del self._sources[worker_id]
-            self._readiness.resize(self._total_ranks())
-            loop = self._loop if self._running else None
+        loop = self._drop(worker_id)
         if loop is None:
             return
         if _in_loop(loop):
@@ -217,14 +194,17 @@ class Subscriber:
 
     async def aremove_source(self, worker_id: str) -> None:
         """:meth:`remove_source` for coroutines on the subscriber's loop."""
+        if self._drop(worker_id) is not None:
+            self._close_source(worker_id, True)
+
+    def _drop(self, worker_id: str) -> asyncio.AbstractEventLoop | None:
+        """Follow ``worker_id`` no more; the loop its links close on (None: not running)."""
         with self._lock:
             if worker_id not in self._sources:
                 raise KeyError(f"no source for worker {worker_id!r}")
             del self._sources[worker_id]
             self._readiness.resize(self._total_ranks())
-            running = self._running
-        if running:
-            self._close_source(worker_id, True)
+            return self._loop if self._running else None
 
     async def _aclose_source(self, worker_id: str) -> None:
         self._close_source(worker_id, True)
@@ -264,44 +244,8 @@ class Subscriber:
         payloads = self._delivery.payload_sink is not None
         stream = RankStream(endpoints.rank, self._rank_config(source), payloads=payloads)
         link = RankLink(source, endpoints, stream, env)
-        key = (source.worker_id, endpoints.rank)
-        if key in self._restoring:
-            link.hold()
-            self._waiting[key] = link
+        self._restore.hold(link)
         return link
-
-    # --- a view loaded at start, overlapped with the ranks' replays -----------------------
-
-    def _resume_ranks(self, positions: dict[tuple[str, int], StreamPosition]) -> None:
-        """On the loop, from the restoring thread: these ranks' views are being imported;
-        each resumes at its position and connects now, its replay asked at once, on hold."""
-        env = self._env
-        if env is None or not self._running:
-            return
-        ready = []
-        for key, pos in positions.items():
-            link = self._waiting.get(key)
-            if link is None or link.closed:
-                continue  # removed meanwhile: its view is cleared at the end
-            try:
-                link.stream.resume(pos)
-            except ValueError as exc:  # the view of the rank is of no position: cold
-                self._log.note("resume", f"not resumed ({exc}): starting cold", link.subject)
-                continue
-            del self._waiting[key]
-            self._resumed[key] = link
-            ready.append(link)
-        env.contacts.add(ready)
-
-    def _restore_refused(self) -> None:
-        """On the loop: the view being loaded was refused (and cleared from the sink).
-        The ranks resumed from it start over with fresh streams, still on hold (another
-        view may follow); nothing they read reached the sink."""
-        resumed, self._resumed = self._resumed, {}
-        for key, link in resumed.items():
-            fresh = None if link.closed else self._replace(link)
-            if fresh is not None:
-                self._waiting[key] = fresh
 
     def _replace(self, old: RankLink) -> RankLink | None:
         """Close ``old`` and put a fresh link (a fresh stream) for its rank in its place;
@@ -314,41 +258,11 @@ class Subscriber:
             if source is None or old not in links:
                 return None
         new = self._new_link(source, old.endpoints)
-        self._waiting.pop((old.worker_id, old.rank), None)
         with self._lock:
             links[links.index(old)] = new
             self._by_rank[(new.worker_id, new.rank)] = new
         self._readiness.opened(new, new.stream.state)
         return new
-
-    def _restore_over(self, restored: Restored | None) -> None:
-        """On the loop, the view loaded (or not): the ranks resumed from it give the sink
-        what they held and go on; the others start cold (their imported view cleared)."""
-        env = self._env
-        assert env is not None
-        imported = restored.positions if restored is not None else {}
-        self._restoring = frozenset()
-        waiting, self._waiting = self._waiting, {}
-        resumed, self._resumed = self._resumed, {}
-        sink = self._delivery.sink
-        cold = []
-        for key, link in resumed.items():
-            if key in imported:
-                link.release()
-            elif not link.closed:  # (a view refused without being told: never applied)
-                fresh = self._replace(link)
-                if fresh is not None:
-                    waiting[key] = fresh
-        for key, link in waiting.items():
-            if key in imported and sink is not None:
-                sink.clear(*key)  # a view it could not resume from
-            link.release()
-            cold.append(link)
-        for key in imported:
-            now = self._by_rank.get(key)
-            if (now is None or now.closed) and sink is not None:
-                sink.clear(*key)  # its source was removed meanwhile
-        env.contacts.add(cold)
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
         with self._lock:
@@ -365,9 +279,9 @@ class Subscriber:
 
     def status(self) -> list[RankStatus]:
         """Every rank's state, position and counters (a snapshot; any thread)."""
-        with self._lock:
-            links = [link for links in self._links.values() for link in links]
-        return sorted((_status(link) for link in links), key=lambda s: (s.worker_id, s.rank))
+        return sorted(
+            (_status(link) for link in self._all_links()), key=lambda s: (s.worker_id, s.rank)
+        )
 
     def rank_state(self, worker_id: str, rank: int) -> RankState | None:
         """The rank's state now, or None if it is not followed (yet); cheap, any thread."""
@@ -420,9 +334,7 @@ class Subscriber:
         the cheap question).
         """
         ranks, counts = self._readiness.counts()
-        with self._lock:
-            links = [link for links in self._links.values() for link in links]
-        phases = [link.stream.phase for link in links]
+        phases = [link.stream.phase for link in self._all_links()]
         return SyncProgress(
             ranks=ranks,
             synced=counts[RankState.SYNCED],
@@ -465,6 +377,8 @@ class Subscriber:
         delivery = self._delivery
         self._env = env = LinkEnv(self._config, ctx, reactor, delivery, receive.load(), self._log)
         env.on_state = self._state_changed
+        self._restore.env = env
+        self._export.start(loop, ctx)
         delivery.on_backpressure(reactor.hold, self._read_on)
         config = self._config
         try:
@@ -473,38 +387,34 @@ class Subscriber:
                 self._thread_ready.set()  # start() returns; readiness says when it recovered
                 # The ranks' links open now, on hold: each connects and asks its replay
                 # once its position is read, while the view is imported.
-                self._restoring = frozenset(self._followed())
+                self._restore.begin(self._followed())
                 for source in self.sources:
                     self._open_source(source)
-                restored = await asyncio.to_thread(self._restore, ctx)
+                restored = await asyncio.to_thread(
+                    self._restore.load, ctx, loop, lambda: self._stop_requested
+                )
                 if not self._stop_requested:
-                    self._restore_over(restored)
+                    self._restore.over(restored)
             else:
                 for source in self.sources:
                     self._open_source(source)
             self._thread_ready.set()
-            if config.checkpoint_every is not None:
-                self._periodic = loop.call_later(config.checkpoint_every, self._checkpoint_due)
+            self._export.start_periodic()
             await self._stop_event.wait()
         finally:
             with self._lock:
                 self._running = False
                 self._finished = True
                 workers = list(self._links)
-            self._restore_cancel.set()
-            for server in self._servers:
-                server.close()
-            if self._periodic is not None:
-                self._periodic.cancel()
-            if config.checkpoint is not None:
-                self._final_checkpoint(config.checkpoint)
+            self._restore.stop()
+            self._export.stop()
             env.contacts.running = False
             for worker_id in workers:
                 self._close_source(worker_id, False)
             reactor.close()
             self._log.flush(force=True)
             if self._given_ctx is None:
-                if any(server.keyed for server in self._servers):
+                if self._export.keyed:
                     release_context(ctx)  # the clone service's ZAP handler
                 ctx.destroy(linger=0)
             delivery.end()
@@ -532,7 +442,7 @@ class Subscriber:
 
     def _request_stop(self) -> None:
         self._stop_requested = True
-        self._restore_cancel.set()
+        self._restore.cancel.set()
         if self._stop_event is not None:
             self._stop_event.set()
 
@@ -613,80 +523,20 @@ class Subscriber:
     @property
     def restored(self) -> Restored | None:
         """What was loaded at start (a checkpoint or a peer's clone), or None: started cold."""
-        return self._restored
+        return self._restore.restored
 
     @property
     def restore_refusals(self) -> list[str]:
         """Why each checkpoint or clone offered at start was refused (nothing applied from it)."""
-        return list(self._refusals)
+        return list(self._restore.refusals)
 
     def restore_progress(self) -> RestoreProgress:
         """The start-up restore (clone or checkpoint) as it goes: bytes read and expected,
         ranks imported, whether it is over (a copy; any thread)."""
-        return msgspec.structs.replace(self._restore_progress)
+        return msgspec.structs.replace(self._restore.progress)
 
     def _followed(self) -> set[tuple[str, int]]:
         return {(s.worker_id, e.rank) for s in self.sources for e in s.rank_endpoints()}
-
-    def _restore(self, ctx: zmq.Context[Any]) -> Restored | None:
-        """At start, on a worker thread: clone the peer's view, or else load the
-        checkpoint. Each rank of it resumes where it was taken as soon as its position
-        is read (:meth:`_resume_ranks`), on hold until the whole view is imported."""
-        config, sink, loop = self._config, self._view_sink, self._loop
-        assert sink is not None and loop is not None
-        followed = self._restoring
-
-        def announce(positions: dict[tuple[str, int], StreamPosition]) -> None:
-            loop.call_soon_threadsafe(self._resume_ranks, positions)
-
-        restored = None
-        if config.clone_from is not None:
-            try:
-                restored = clone_view(
-                    ctx,
-                    config.clone_from,
-                    sink,
-                    followed,
-                    keys=config.clone_keys,
-                    timeout=config.clone_timeout,
-                    max_bytes=config.clone_max_bytes,
-                    cancel=self._restore_cancel,
-                    progress=self._restore_progress,
-                    announce=announce,
-                )
-            except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
-                loop.call_soon_threadsafe(self._restore_refused)
-                self._refused(f"clone from {config.clone_from} refused: {exc}")
-        if restored is None and config.checkpoint is not None and not self._stop_requested:
-            try:
-                self._restore_progress = RestoreProgress()
-                restored = load_file(
-                    config.checkpoint,
-                    sink,
-                    followed,
-                    progress=self._restore_progress,
-                    announce=announce,
-                )
-            except FileNotFoundError:
-                log.info("no checkpoint at %s yet: starting cold", config.checkpoint)
-            except (CheckpointError, OSError) as exc:
-                loop.call_soon_threadsafe(self._restore_refused)
-                self._refused(f"checkpoint {config.checkpoint} refused: {exc}")
-        self._restore_progress.done = True
-        if restored is None:
-            return None
-        self._restored = restored
-        log.info(
-            "%s: %d ranks resume from a view %.1f s old (%d bytes in %.3f s; %d records of "
-            "ranks not followed skipped)",
-            restored.source, len(restored.positions), time.time() - restored.created,
-            restored.nbytes, restored.seconds, restored.skipped,
-        )  # fmt: skip
-        return restored
-
-    def _refused(self, why: str) -> None:
-        self._refusals.append(why)
-        log.warning("%s; nothing applied from it", why)
 
     def _all_links(self) -> list[RankLink]:
         with self._lock:
@@ -710,7 +560,7 @@ class Subscriber:
                 "checkpoint() would block the subscriber's loop: await acheckpoint()"
             )
         out: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
-        loop.call_soon_threadsafe(self._begin_checkpoint, path, out)
+        loop.call_soon_threadsafe(self._export.begin, path, out)
         return out.result(timeout)
 
     async def acheckpoint(self, path: str | None = None) -> CheckpointInfo:
@@ -720,95 +570,10 @@ class Subscriber:
             raise RuntimeError("the subscriber is not running")
         out: concurrent.futures.Future[CheckpointInfo] = concurrent.futures.Future()
         if _in_loop(loop):
-            self._begin_checkpoint(path, out)
+            self._export.begin(path, out)
         else:
-            loop.call_soon_threadsafe(self._begin_checkpoint, path, out)
+            loop.call_soon_threadsafe(self._export.begin, path, out)
         return await asyncio.wrap_future(out)
-
-    def _begin_checkpoint(
-        self, path: str | None, out: concurrent.futures.Future[CheckpointInfo] | None
-    ) -> None:
-        """On the loop: start a background write, or queue behind the one under way."""
-        loop, sink = self._loop, self._view_sink
-        try:
-            target = path if path is not None else self._config.checkpoint
-            if target is None:
-                raise ValueError("no checkpoint path: give one, or set config.checkpoint")
-            if sink is None:
-                raise TypeError("checkpoints need a ViewSink (export_rank, import_rank)")
-            if not self._running or loop is None:
-                raise RuntimeError("the subscriber stopped")
-        except Exception as exc:
-            if out is not None:
-                out.set_exception(exc)
-            return
-        busy = self._writing
-        if busy is not None:
-            if out is None:
-                return  # a periodic write while one is under way: skipped
-            busy.future.add_done_callback(
-                lambda _: loop.call_soon_threadsafe(self._begin_checkpoint, target, out)
-            )
-            return
-        write = BackgroundWrite(
-            loop.call_later, ViewStream(self._all_links(), sink, self._delivery.flush), target
-        )
-        self._writing = write
-
-        def done(f: concurrent.futures.Future[CheckpointInfo]) -> None:
-            loop.call_soon_threadsafe(self._written, write)
-            if out is not None:
-                exc = f.exception()
-                if exc is not None:
-                    out.set_exception(exc)
-                else:
-                    out.set_result(f.result())
-
-        write.future.add_done_callback(done)
-        write.step()
-
-    def _written(self, write: BackgroundWrite) -> None:
-        if self._writing is write:
-            self._writing = None
-        exc = write.future.exception()
-        if exc is not None:
-            log.warning("checkpoint not written: %s", exc)
-        else:
-            info = write.future.result()
-            log.info(
-                "checkpoint %s written: %d ranks (%d left out), %d bytes in %.3f s",
-                info.path, info.ranks, info.skipped, info.nbytes, info.seconds,
-            )  # fmt: skip
-
-    def _checkpoint_due(self) -> None:
-        every = self._config.checkpoint_every
-        if not self._running or every is None or self._loop is None:
-            return
-        self._begin_checkpoint(None, None)
-        self._periodic = self._loop.call_later(every, self._checkpoint_due)
-
-    def _final_checkpoint(self, path: str) -> None:
-        """On a clean stop, on the loop: the view of every rank written before it closes."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.abort()
-            # (it may be renaming a whole view already: that older one must not land last)
-            with contextlib.suppress(Exception):
-                writing.future.exception(timeout=30)
-        sink = self._view_sink
-        if sink is None:
-            return
-        start = time.monotonic()
-        view = ViewStream(self._all_links(), sink, self._delivery.flush)
-        try:
-            nbytes = write_file(path, view)
-        except (CheckpointError, OSError) as exc:
-            log.warning("checkpoint %s not written at stop: %s", path, exc)
-            return
-        log.info(
-            "checkpoint %s written at stop: %d ranks (%d left out), %d bytes in %.3f s",
-            path, view.records, view.skipped, nbytes, time.monotonic() - start,
-        )  # fmt: skip
 
     def serve_view(
         self, endpoint: str = "tcp://127.0.0.1:*", keys: ServerKeys | None = None,
@@ -828,26 +593,17 @@ class Subscriber:
         if self._view_sink is None:
             raise TypeError("serving a view needs a ViewSink (export_rank, import_rank)")
         if _in_loop(loop):
-            return self._serve(endpoint, keys)
+            return self._export.serve(endpoint, keys)
         out: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def serve() -> None:
             try:
-                out.set_result(self._serve(endpoint, keys))
+                out.set_result(self._export.serve(endpoint, keys))
             except BaseException as exc:
                 out.set_exception(exc)
 
         loop.call_soon_threadsafe(serve)
         return out.result(timeout)
-
-    def _serve(self, endpoint: str, keys: ServerKeys | None) -> str:
-        env, loop, sink = self._env, self._loop, self._view_sink
-        if env is None or loop is None or sink is None or not self._running:
-            raise RuntimeError("the subscriber stopped")
-        flush = self._delivery.flush
-        server = CloneServer(loop, env.ctx, endpoint, self._all_links, sink, keys, flush)
-        self._servers.append(server)
-        return server.endpoint
 
     # --- iterator output ----------------------------------------------------------------
 
