@@ -2337,6 +2337,7 @@ static int import_unlocked(Index *self, ViewIn *vs, size_t nv, int *flags, int p
     Fail f = {0};
     Py_ssize_t bad = -1;
     int rc;
+    if (!nv) return 0;
     Py_INCREF(self);
     self->importing = 1;
     Py_BEGIN_ALLOW_THREADS
