@@ -70,7 +70,8 @@ static int alloc_limited;
 static Py_ssize_t alloc_left;
 
 static inline int alloc_fails(void) {
-    return __atomic_load_n(&alloc_limited, __ATOMIC_RELAXED) && __atomic_fetch_sub(&alloc_left, 1, __ATOMIC_RELAXED) <= 0;
+    return __atomic_load_n(&alloc_limited, __ATOMIC_RELAXED) &&
+           __atomic_fetch_sub(&alloc_left, 1, __ATOMIC_RELAXED) <= 0;
 }
 
 static void *mem_malloc(size_t n) { return alloc_fails() ? NULL : PyMem_RawMalloc(n); }
@@ -1138,6 +1139,7 @@ typedef struct {
      * and refusals at max_bytes (any path: the Python one adds none) */
     Py_ssize_t counts[6];
     int importing; /* import_ranks runs without the GIL: every other call is refused */
+    int calls;     /* method calls under way (GUARDED_O, GUARDED_FAST) */
 } Index;
 
 /* A call on an index while its import runs without the GIL (from another
@@ -1146,6 +1148,15 @@ static int busy(const Index *self) {
     if (!self->importing) return 0;
     PyErr_SetString(PyExc_RuntimeError, "this prefix index is importing rank views (a concurrent call)");
     return 1;
+}
+
+/* An import starts only when no other call on the index is under way (that
+ * one, from this thread or another, let Python code run midway). */
+static int may_import(const Index *self) {
+    if (busy(self)) return 0;
+    if (self->calls <= 1) return 1; /* the import's own */
+    PyErr_SetString(PyExc_RuntimeError, "another call on this prefix index is under way (a concurrent import)");
+    return 0;
 }
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
@@ -1502,7 +1513,6 @@ static int slot_arg(PyObject *arg, size_t *out) {
 
 /* ensure_rank(sid): make room for rank slot sid. */
 static PyObject *Index_ensure_rank(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     size_t s;
     if (slot_arg(arg, &s) < 0 || ensure_slot(self, s) < 0) return NULL;
     Py_RETURN_NONE;
@@ -1703,7 +1713,6 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 9, "store") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
@@ -1792,7 +1801,6 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
 static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 3, "remove") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
@@ -1830,7 +1838,6 @@ static int clear_core(Index *self, size_t sid) {
 
 /* clear_rank(sid): forget every block of the rank. */
 static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     if (clear_core(self, sid) < 0) return NULL;
@@ -1838,7 +1845,6 @@ static PyObject *Index_clear_rank(Index *self, PyObject *arg) {
 }
 
 static PyObject *Index_blocks(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     Table *t = &self->ranks[sid].entries;
@@ -1857,7 +1863,6 @@ static PyObject *Index_blocks(Index *self, PyObject *arg) {
 
 /* rank_stats(sid) -> (entries, detached entries, over-cap mark: CAP_BLOCKS | CAP_BYTES) */
 static PyObject *Index_rank_stats(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     Rank *rk = &self->ranks[sid];
@@ -1942,7 +1947,6 @@ static void entry_to_rec(const Entry *e, unsigned char *q) {
 /* export_rank(sid) -> bytes: the rank's view (None: an empty one), in one
  * pass over its table. */
 static PyObject *Index_export_rank(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     const Rank *rk = NULL;
     if (arg != Py_None) {
         size_t sid;
@@ -2369,7 +2373,6 @@ static void view_init(Index *self, ViewIn *vi) {
  * its rank cleared and marked over cap (what a refused store does). Runs
  * without the GIL (import_unlocked). */
 static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 2, "import_ranks") < 0) return NULL;
     PyObject *sids = PySequence_Fast(args[0], "import_ranks: sids must be a sequence");
     if (!sids) return NULL;
@@ -2418,8 +2421,8 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
         }
     }
     /* Getting a buffer may have run Python code (3.12's __buffer__), which
-     * may have started an import of this index in another thread. */
-    if (busy(self)) goto out;
+     * may have called this index, from this thread or another. */
+    if (!may_import(self)) goto out;
     if (import_unlocked(self, vs, (size_t)nv, flags, 1) < 0) goto out;
     result = PyList_New(nv);
     if (!result) goto out;
@@ -2449,7 +2452,6 @@ out:
 /* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: import_ranks of
  * one view (its ValueError says why, without a position). */
 static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
     ViewIn vi = {0};
     view_init(self, &vi);
@@ -2457,7 +2459,7 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
     if (PyObject_GetBuffer(args[1], &vi.v, PyBUF_SIMPLE) < 0) return NULL;
     int flags = 0;
     PyObject *result = NULL;
-    if (!busy(self) && import_unlocked(self, &vi, 1, &flags, 0) == 0) result = PyLong_FromLong(flags);
+    if (may_import(self) && import_unlocked(self, &vi, 1, &flags, 0) == 0) result = PyLong_FromLong(flags);
     import_free(&vi.im);
     PyBuffer_Release(&vi.v);
     return result;
@@ -2469,7 +2471,6 @@ static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_
  * size (over clears too) until the next hint or forget_rank. Not taken where
  * the index could not make that room within max_bytes. */
 static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 2, "reserve") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
@@ -2501,7 +2502,6 @@ static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t na
 
 /* forget_rank(sid): clear_rank, and the slot's hint dropped (it is free). */
 static PyObject *Index_forget_rank(Index *self, PyObject *arg) {
-    if (busy(self)) return NULL;
     size_t sid;
     if (check_sid(self, arg, &sid) < 0) return NULL;
     Rank *rk = &self->ranks[sid];
@@ -3159,7 +3159,6 @@ static int names_arg(PyObject *names) {
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
  * the runs held on GPU, on GPU or CPU, and anywhere. */
 static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 3, "match") < 0) return NULL;
     if (names_arg(args[1]) < 0) return NULL;
     Py_buffer kv;
@@ -3316,7 +3315,6 @@ done:
 
 /* match_tokens(chain, tokens, packed, start, extra, names, tiers_type) */
 static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain) return NULL;
@@ -3338,7 +3336,6 @@ static int configured(Index *self) {
  * None) with configure()'s chain, root and names: PrefixIndex.match's
  * common call, a tokenizer's list, in one argument. */
 static PyObject *Index_match_list(Index *self, PyObject *tokens) {
-    if (busy(self)) return NULL;
     if (configured(self) < 0) return NULL;
     return match_tokens_core(self, self->chain, tokens, 0, self->root, Py_None, self->names, Py_None);
 }
@@ -3347,7 +3344,6 @@ static PyObject *Index_match_list(Index *self, PyObject *tokens) {
  * per-index arguments of apply_payload and match_list. groups None:
  * apply_payload takes no payload (groups it cannot compare natively). */
 static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 6, "configure") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain || chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
@@ -3603,7 +3599,6 @@ static int limits_of(Index *self, PyObject *limits) {
  * payload is outside the subset read here (or groups are not native);
  * nothing changed, the caller decodes it the general way. */
 static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (busy(self)) return NULL;
     if (nargs_ok(nargs, 3, "apply_payload") < 0) return NULL;
     if (configured(self) < 0) return NULL;
     if (!self->groups) Py_RETURN_FALSE;
@@ -3731,33 +3726,72 @@ static PyObject *Index_get_memory_summed(Index *self, void *c) {
     return PyLong_FromSize_t(total);
 }
 
+/* Every method runs through one of these: refused while an import of the
+ * index runs without the GIL (busy), and counted while it runs (calls), so
+ * that an import does not start beside a call under way that let Python
+ * code run midway (a token's __index__, a buffer's __buffer__). */
+#define GUARDED_O(f)                                              \
+    static PyObject *f##_guarded(Index *self, PyObject *arg) {   \
+        if (busy(self)) return NULL;                              \
+        self->calls++;                                            \
+        PyObject *r = f(self, arg);                               \
+        self->calls--;                                            \
+        return r;                                                 \
+    }
+#define GUARDED_FAST(f)                                                                   \
+    static PyObject *f##_guarded(Index *self, PyObject *const *args, Py_ssize_t nargs) { \
+        if (busy(self)) return NULL;                                                      \
+        self->calls++;                                                                    \
+        PyObject *r = f(self, args, nargs);                                               \
+        self->calls--;                                                                    \
+        return r;                                                                         \
+    }
+GUARDED_O(Index_ensure_rank)
+GUARDED_O(Index_clear_rank)
+GUARDED_O(Index_forget_rank)
+GUARDED_O(Index_export_rank)
+GUARDED_O(Index_blocks)
+GUARDED_O(Index_rank_stats)
+GUARDED_O(Index_match_list)
+GUARDED_FAST(Index_store)
+GUARDED_FAST(Index_remove)
+GUARDED_FAST(Index_reserve)
+GUARDED_FAST(Index_import_rank)
+GUARDED_FAST(Index_import_ranks)
+GUARDED_FAST(Index_configure)
+GUARDED_FAST(Index_apply_payload)
+GUARDED_FAST(Index_match)
+GUARDED_FAST(Index_match_tokens)
+
 static PyMethodDef Index_methods[] = {
-    {"ensure_rank", (PyCFunction)Index_ensure_rank, METH_O, "ensure_rank(sid): room for rank slot sid"},
-    {"store", (PyCFunction)(void (*)(void))Index_store, METH_FASTCALL,
+    {"ensure_rank", (PyCFunction)Index_ensure_rank_guarded, METH_O, "ensure_rank(sid): room for rank slot sid"},
+    {"store", (PyCFunction)(void (*)(void))Index_store_guarded, METH_FASTCALL,
      "store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags"},
-    {"remove", (PyCFunction)(void (*)(void))Index_remove, METH_FASTCALL,
+    {"remove", (PyCFunction)(void (*)(void))Index_remove_guarded, METH_FASTCALL,
      "remove(sid, hashes, tier) -> unknown removals"},
-    {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
-    {"forget_rank", (PyCFunction)Index_forget_rank, METH_O, "forget_rank(sid): clear_rank, and its hint dropped"},
-    {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
+    {"clear_rank", (PyCFunction)Index_clear_rank_guarded, METH_O, "clear_rank(sid)"},
+    {"forget_rank", (PyCFunction)Index_forget_rank_guarded, METH_O,
+     "forget_rank(sid): clear_rank, and its hint dropped"},
+    {"reserve", (PyCFunction)(void (*)(void))Index_reserve_guarded, METH_FASTCALL,
      "reserve(sid, blocks) -> whether taken: the rank's tables sized for that many blocks"},
-    {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
-    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
+    {"export_rank", (PyCFunction)Index_export_rank_guarded, METH_O,
+     "export_rank(sid | None) -> the rank's view as bytes"},
+    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank_guarded, METH_FASTCALL,
      "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
-    {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks, METH_FASTCALL,
+    {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks_guarded, METH_FASTCALL,
      "import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET]: each rank holds what its view says"},
-    {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
-    {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
-    {"configure", (PyCFunction)(void (*)(void))Index_configure, METH_FASTCALL,
+    {"blocks", (PyCFunction)Index_blocks_guarded, METH_O, "blocks(sid) -> engine hashes held"},
+    {"rank_stats", (PyCFunction)Index_rank_stats_guarded, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
+    {"configure", (PyCFunction)(void (*)(void))Index_configure_guarded, METH_FASTCALL,
      "configure(chain, root, index_max_block_size, groups, tiers, names): apply_payload's and "
      "match_list's per-index arguments"},
-    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload, METH_FASTCALL,
+    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload_guarded, METH_FASTCALL,
      "apply_payload(sid, payload, limits) -> True, or False (decode it the general way)"},
-    {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
+    {"match", (PyCFunction)(void (*)(void))Index_match_guarded, METH_FASTCALL,
      "match(keys, names, tiers_type) -> Matches {name: depth}"},
-    {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
+    {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens_guarded, METH_FASTCALL,
      "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> Matches {name: depth}"},
-    {"match_list", (PyCFunction)Index_match_list, METH_O,
+    {"match_list", (PyCFunction)Index_match_list_guarded, METH_O,
      "match_list(tokens) -> Matches {name: depth}, with configure()'s chain, root and names"},
     {NULL},
 };

@@ -104,6 +104,30 @@ def test_other_threads_run_during_an_import_and_calls_on_its_index_are_refused(
     assert [core.export_rank(s) for s in sids] == views
 
 
+def test_an_import_does_not_start_beside_a_call_under_way() -> None:
+    """A call that lets Python code run midway (a holder name's __hash__) is counted: an
+    import of the same index started from that code is refused (it would change the tables
+    under the call), and a plain call from it is not."""
+    src, views = build(2, 100, 10)
+    core = src._core
+    seen: list[str] = []
+
+    class Name:
+        def __hash__(self) -> int:
+            assert core.rank_stats(0)[0] == 100
+            try:
+                core.import_ranks([1], [views[0]])
+            except RuntimeError as exc:
+                seen.append(str(exc))
+            return 1
+
+    found = core.match(src.keys(tokens_of(0, 100, 10)), [Name(), Name()], None)
+    assert seen == ["another call on this prefix index is under way (a concurrent import)"] * 2
+    assert sorted(found.values()) == [10, 100]
+    assert [core.export_rank(s) for s in (0, 1)] == views  # rank 1 not replaced
+    assert core.import_ranks([1], [views[0]]) == [0]  # once the call is over
+
+
 def test_a_prefix_index_call_from_another_thread_waits_for_the_import(
     big: tuple[PrefixIndex, list[bytes]],
 ) -> None:
