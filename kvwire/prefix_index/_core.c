@@ -17,9 +17,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdarg.h>
 #include <stddef.h>
-#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __linux__
@@ -60,94 +58,6 @@ static inline u64 fmix64(u64 x) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Memory and errors: one family, one channel.                              */
-
-/* Every array of this module comes from the raw allocator (malloc; mmap for
- * the big tables below), which needs no GIL: import_ranks builds its tables
- * with the GIL released. Alloc and free pair within the family.
- * _fail_allocs(n) (tests) makes every allocation after the next n fail. */
-static int alloc_limited;
-static Py_ssize_t alloc_left;
-
-static inline int alloc_fails(void) {
-    return __atomic_load_n(&alloc_limited, __ATOMIC_RELAXED) &&
-           __atomic_fetch_sub(&alloc_left, 1, __ATOMIC_RELAXED) <= 0;
-}
-
-static void *mem_malloc(size_t n) { return alloc_fails() ? NULL : PyMem_RawMalloc(n); }
-static void *mem_calloc(size_t n, size_t size) { return alloc_fails() ? NULL : PyMem_RawCalloc(n, size); }
-static void *mem_realloc(void *p, size_t n) { return alloc_fails() ? NULL : PyMem_RawRealloc(p, n); }
-static void mem_free(void *p) { PyMem_RawFree(p); }
-
-/* Errors: fail(type, fmt, ...) and no_memory() return -1 with the error
- * raised, or, inside a section that runs without the GIL (fail_sink set,
- * per thread), recorded there (the first one) and raised by fail_raise once
- * the GIL is back: no Python call without it. Where fail_muted is set (a
- * best-effort step: a table's shrink) an error is dropped, and one pending
- * stays as it was. */
-typedef struct {
-    PyObject *type; /* NULL: none; PyExc_MemoryError with msg "": no_memory() */
-    char msg[240];
-} Fail;
-
-static _Thread_local Fail *fail_sink;
-static _Thread_local int fail_muted;
-
-__attribute__((format(printf, 2, 3))) static int fail(PyObject *type, const char *fmt, ...) {
-    if (fail_muted) return -1;
-    char msg[sizeof(((Fail *)0)->msg)];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (!fail_sink) {
-        PyErr_SetString(type, msg);
-        return -1;
-    }
-    if (!fail_sink->type) {
-        fail_sink->type = type;
-        memcpy(fail_sink->msg, msg, sizeof msg);
-    }
-    return -1;
-}
-
-static int no_memory(void) {
-    if (fail_muted) return -1;
-    if (!fail_sink) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (!fail_sink->type) {
-        fail_sink->type = PyExc_MemoryError;
-        fail_sink->msg[0] = 0;
-    }
-    return -1;
-}
-
-/* Raise what f recorded (with the GIL): a ValueError as ValueError((why,
- * at)) where at >= 0. Returns -1. */
-static int fail_raise(const Fail *f, Py_ssize_t at) {
-    if (!f->type) {
-        PyErr_SetString(PyExc_SystemError, "a native call failed without a reason");
-        return -1;
-    }
-    if (f->type == PyExc_MemoryError && !f->msg[0]) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (f->type == PyExc_ValueError && at >= 0) {
-        PyObject *args = Py_BuildValue("(sn)", f->msg, at);
-        if (args) {
-            PyErr_SetObject(PyExc_ValueError, args);
-            Py_DECREF(args);
-        }
-        return -1;
-    }
-    PyErr_SetString(f->type, f->msg);
-    return -1;
-}
-
-/* ------------------------------------------------------------------------ */
 /* Token ids in, as u64 (two's complement for negatives).                    */
 
 typedef struct {
@@ -160,8 +70,8 @@ static u64 *scratch_get(Scratch *s, Py_ssize_t n) {
     if (n > s->cap) {
         Py_ssize_t cap = s->cap ? s->cap : 256;
         while (cap < n) cap *= 2;
-        u64 *p = mem_realloc(s->p, (size_t)cap * sizeof(u64));
-        if (!p) { no_memory(); return NULL; }
+        u64 *p = PyMem_Realloc(s->p, (size_t)cap * sizeof(u64));
+        if (!p) { PyErr_NoMemory(); return NULL; }
         s->p = p;
         s->cap = cap;
     }
@@ -169,7 +79,7 @@ static u64 *scratch_get(Scratch *s, Py_ssize_t n) {
 }
 
 static void scratch_free(Scratch *s) {
-    mem_free(s->p);
+    PyMem_Free(s->p);
     s->p = NULL;
     s->cap = 0;
 }
@@ -178,7 +88,10 @@ static void scratch_free(Scratch *s) {
  * exception set: TypeError for input of the wrong kind, ValueError for bad
  * content, MemoryError. Callers that treat unusable tokens as malformed
  * clear only the first two. */
-static int refuse(PyObject *type, const char *why) { return fail(type, "%s", why); }
+static int refuse(PyObject *type, const char *why) {
+    PyErr_SetString(type, why);
+    return -1;
+}
 
 /* 0 when a METH_FASTCALL method got its `want` arguments; else -1 with TypeError. */
 static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
@@ -477,24 +390,24 @@ static int KeyChain_init(KeyChain *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "a block holds at least one token");
         return -1;
     }
-    u64 *w = mem_malloc((size_t)n * sizeof(u64));
-    if (!w) { Py_DECREF(seq); no_memory(); return -1; }
+    u64 *w = PyMem_Malloc((size_t)n * sizeof(u64));
+    if (!w) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (u64_arg(PySequence_Fast_GET_ITEM(seq, i), &w[i], "a weight")) {
-            mem_free(w);
+            PyMem_Free(w);
             Py_DECREF(seq);
             return -1;
         }
     }
     Py_DECREF(seq);
-    mem_free(self->w);
+    PyMem_Free(self->w);
     self->w = w;
     self->bs = n;
     return 0;
 }
 
 static void KeyChain_dealloc(KeyChain *self) {
-    mem_free(self->w);
+    PyMem_Free(self->w);
     scratch_free(&self->tok);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -651,7 +564,6 @@ static void *table_alloc(size_t *bytes_io, int presized) {
 #if TABLE_MMAP
     if (presized && bytes >= HUGE_MIN / 2) bytes = *bytes_io = (bytes + HUGE_MIN - 1) & ~(HUGE_MIN - 1);
     if (bytes >= HUGE_MIN) {
-        if (alloc_fails()) return NULL;
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
@@ -660,12 +572,12 @@ static void *table_alloc(size_t *bytes_io, int presized) {
         populate(p, bytes);
         return p;
     }
-    void *p = mem_calloc(1, bytes);
+    void *p = PyMem_Calloc(1, bytes);
     if (p && bytes >= POPULATE_MIN) populate(p, bytes);
     return p;
 #else
     (void)presized;
-    return mem_calloc(1, bytes);
+    return PyMem_Calloc(1, bytes);
 #endif
 }
 
@@ -676,7 +588,7 @@ static void table_free(void *p, size_t bytes) {
         return;
     }
 #endif
-    mem_free(p);
+    PyMem_Free(p);
 }
 
 /* The rank tables' arena. A rank's table is probed at a random place per
@@ -722,13 +634,12 @@ static void *arena_alloc(Arena *ar, size_t size) {
     }
     if (ar->n == ar->cap) {
         size_t cap = ar->cap ? 2 * ar->cap : 16;
-        Chunk *c = mem_realloc(ar->c, cap * sizeof(Chunk));
+        Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
         if (!c) return NULL;
         ar->c = c;
         ar->cap = cap;
     }
     /* Aligned to 2 MiB, so that the kernel can back it with one huge page. */
-    if (alloc_fails()) return NULL;
     char *m = mmap(NULL, 2 * HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return NULL;
     char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
@@ -761,7 +672,7 @@ static void arena_release(Arena *ar) {
 #if TABLE_MMAP
     for (size_t i = 0; i < ar->n; i++) munmap(ar->c[i].base, HUGE_MIN);
 #endif
-    mem_free(ar->c);
+    PyMem_Free(ar->c);
     ar->c = NULL;
     ar->n = ar->cap = 0;
 }
@@ -882,7 +793,7 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
     size_t bytes = cap * t->rs;
     int in_arena;
     char *a = t_alloc(t, &bytes, cap <= t->floor, &in_arena);
-    if (!a) { no_memory(); return -1; }
+    if (!a) { PyErr_NoMemory(); return -1; }
     int shift = shift_for(cap);
     size_t m = cap - 1;
     /* Where old slot j's records land, about: j scaled by cap / t->cap. */
@@ -973,9 +884,7 @@ static int t_settle(Table *t, Occupied occ) {
     if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
         /* Shrinking only saves memory; on failure keep the bigger table. */
         size_t cap = cap_for(t->count * 2);
-        fail_muted++;
-        t_rehash(t, cap > t->floor ? cap : t->floor, occ);
-        fail_muted--;
+        if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
     }
     return 0;
 }
@@ -1138,26 +1047,7 @@ typedef struct {
     /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused;
      * and refusals at max_bytes (any path: the Python one adds none) */
     Py_ssize_t counts[6];
-    int importing; /* import_ranks runs without the GIL: every other call is refused */
-    int calls;     /* method calls under way (GUARDED_O, GUARDED_FAST) */
 } Index;
-
-/* A call on an index while its import runs without the GIL (from another
- * thread: PrefixIndex's lock keeps its own calls apart) raises RuntimeError. */
-static int busy(const Index *self) {
-    if (!self->importing) return 0;
-    PyErr_SetString(PyExc_RuntimeError, "this prefix index is importing rank views (a concurrent call)");
-    return 1;
-}
-
-/* An import starts only when no other call on the index is under way (that
- * one, from this thread or another, let Python code run midway). */
-static int may_import(const Index *self) {
-    if (busy(self)) return 0;
-    if (self->calls <= 1) return 1; /* the import's own */
-    PyErr_SetString(PyExc_RuntimeError, "another call on this prefix index is under way (a concurrent import)");
-    return 0;
-}
 
 /* Valid and empty from the start: __init__ only sets the per-rank bound, so
  * an Index that never ran it (Index.__new__(Index)) is safe to use. */
@@ -1174,7 +1064,6 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
-    if (busy(self)) return -1;
     static char *kwlist[] = {"max_entries", "expected_blocks_per_rank", "max_bytes", NULL};
     Py_ssize_t max_entries = 0, expected = 0, max_bytes = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|n$nn", kwlist, &max_entries, &expected, &max_bytes))
@@ -1217,9 +1106,9 @@ static void Index_dealloc(Index *self) {
     Py_XDECREF(self->names);
     Py_XDECREF(self->limits);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
-    mem_free(self->ranks);
+    PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
-    mem_free(self->pool.a);
+    PyMem_Free(self->pool.a);
     arena_release(&self->arena);
     scratch_free(&self->tok);
     scratch_free(&self->keys);
@@ -1235,8 +1124,8 @@ static int relayout(Index *self, size_t words, size_t tiers) {
     Pool *p = &self->pool;
     const size_t rw = 1 + words * tiers;
     if (p->cap) {
-        u64 *a = mem_calloc(p->cap, rw * sizeof(u64));
-        if (!a) { no_memory(); return -1; }
+        u64 *a = PyMem_Calloc(p->cap, rw * sizeof(u64));
+        if (!a) { PyErr_NoMemory(); return -1; }
         for (size_t j = 0; j < p->top; j++) {
             const u64 *o = p->a + j * p->rw;
             u64 *n = a + j * rw;
@@ -1245,7 +1134,7 @@ static int relayout(Index *self, size_t words, size_t tiers) {
             for (size_t w = 0; w < self->words; w++)
                 for (size_t k = 0; k < self->tiers; k++) n[1 + w * tiers + k] = o[1 + w * self->tiers + k];
         }
-        mem_free(p->a);
+        PyMem_Free(p->a);
         self->mem += p->cap * rw * sizeof(u64) - p->bytes; /* wraps back when it shrinks */
         p->bytes = p->cap * rw * sizeof(u64);
         p->a = a;
@@ -1276,8 +1165,8 @@ static Py_ssize_t pool_take(Index *self) {
         if (p->top == p->cap) {
             const size_t cap = p->cap ? 2 * p->cap : 16;
             if (cap - 1 > WHO_ROW_MAX) return refuse(PyExc_MemoryError, "the holder pool is full");
-            u64 *a = mem_realloc(p->a, cap * p->rw * sizeof(u64));
-            if (!a) { no_memory(); return -1; }
+            u64 *a = PyMem_Realloc(p->a, cap * p->rw * sizeof(u64));
+            if (!a) { PyErr_NoMemory(); return -1; }
             memset(a + p->cap * p->rw, 0, (cap - p->cap) * p->rw * sizeof(u64));
             self->mem += cap * p->rw * sizeof(u64) - p->bytes;
             p->bytes = cap * p->rw * sizeof(u64);
@@ -1297,7 +1186,7 @@ static void pool_put(Index *self, size_t row) {
     r[0] = p->free;
     p->free = row + 1;
     if (--p->live) return;
-    mem_free(p->a);
+    PyMem_Free(p->a);
     self->mem -= p->bytes;
     p->a = NULL;
     p->cap = p->top = p->free = p->bytes = 0;
@@ -1486,8 +1375,8 @@ static void rank_init(Index *self, Rank *rk) {
 static int ensure_slot(Index *self, size_t s) {
     size_t need = s + 1;
     if (need > self->nranks) {
-        Rank *r = mem_realloc(self->ranks, need * sizeof(Rank));
-        if (!r) { no_memory(); return -1; }
+        Rank *r = PyMem_Realloc(self->ranks, need * sizeof(Rank));
+        if (!r) { PyErr_NoMemory(); return -1; }
         for (size_t i = self->nranks; i < need; i++) rank_init(self, &r[i]);
         self->ranks = r;
         self->nranks = need;
@@ -2014,7 +1903,7 @@ static void import_free(Import *im) {
     if (im->e.a) t_rehash(&im->e, 0, entry_occ);
     if (im->m.a) t_rehash(&im->m, 0, multi_occ);
     if (im->k.a) t_rehash(&im->k, 0, keyrec_occ);
-    mem_free(im->f);
+    PyMem_Free(im->f);
     im->f = NULL;
 }
 
@@ -2037,7 +1926,7 @@ static int view_tables(const unsigned char *recs, size_t n, Import *im) {
     int fbits = 10;
     while (fbits < 40 && ((size_t)1 << fbits) < 16 * n) fbits++;
     const size_t words = ((size_t)1 << fbits) >> 6;
-    if (!(im->f = mem_calloc(2 * words, sizeof(u64)))) { no_memory(); return -1; }
+    if (!(im->f = PyMem_Calloc(2 * words, sizeof(u64)))) { PyErr_NoMemory(); return -1; }
     im->fshift = 64 - fbits;
     u64 *once = im->f, *twice = im->f + words;
     if (t_reserve(e, (Py_ssize_t)n, entry_occ) < 0) return -1;
@@ -2060,7 +1949,8 @@ static int view_tables(const unsigned char *recs, size_t n, Import *im) {
         Entry *slot = (Entry *)t_upsert(e, v.h, entry_occ, &added);
         if (!slot) return -1;
         if (!added) {
-            return fail(PyExc_ValueError, "a rank view holds engine hash %llu twice", (unsigned long long)v.h);
+            PyErr_Format(PyExc_ValueError, "a rank view holds engine hash %llu twice", (unsigned long long)v.h);
+            return -1;
         }
         *slot = v;
         const size_t b = filter_bit(im, v.key);
@@ -2120,19 +2010,22 @@ static int view_check(const Index *self, ViewIn *vi) {
     const unsigned char *p = vi->v.buf;
     const size_t len = (size_t)vi->v.len;
     if (len < VIEW_HEAD) {
-        return fail(PyExc_ValueError, "a rank view of %zu bytes is shorter than its %d-byte header", len,
-                    VIEW_HEAD);
+        PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes is shorter than its %d-byte header",
+                     len, VIEW_HEAD);
+        return -1;
     }
     if (memcmp(p, VIEW_MAGIC, 4) != 0) return view_refuse("not a prefix index rank view (bad magic)");
     const u64 version = get_le(p + 4, 2), mark = get_le(p + 6, 2), n = get_le(p + 8, 8);
     if (version != VIEW_VERSION) {
-        return fail(PyExc_ValueError, "a rank view of layout version %llu; this index reads version %d",
-                    (unsigned long long)version, VIEW_VERSION);
+        PyErr_Format(PyExc_ValueError, "a rank view of layout version %llu; this index reads version %d",
+                     (unsigned long long)version, VIEW_VERSION);
+        return -1;
     }
     if (mark & ~(u64)(CAP_BLOCKS | CAP_BYTES)) return view_refuse("a rank view's over-cap mark has unknown bits");
     if (n > (len - VIEW_HEAD) / VIEW_REC || (len - VIEW_HEAD) != n * VIEW_REC) {
-        return fail(PyExc_ValueError, "a rank view of %zu bytes cannot hold the %llu entries its header gives",
-                    len, (unsigned long long)n);
+        PyErr_Format(PyExc_ValueError, "a rank view of %zu bytes cannot hold the %llu entries its header gives",
+                     len, (unsigned long long)n);
+        return -1;
     }
     Ck ck;
     ck_begin(&ck, p);
@@ -2140,8 +2033,9 @@ static int view_check(const Index *self, ViewIn *vi) {
     if (ck_end(&ck) != get_le(p + 16, 8))
         return view_refuse("a rank view's checksum does not match its contents (corrupt)");
     if (self->max_entries && n > self->max_entries) {
-        return fail(PyExc_ValueError, "a rank view of %llu blocks is past this index's max_blocks_per_rank (%zu)",
-                    (unsigned long long)n, self->max_entries);
+        PyErr_Format(PyExc_ValueError, "a rank view of %llu blocks is past this index's max_blocks_per_rank (%zu)",
+                     (unsigned long long)n, self->max_entries);
+        return -1;
     }
     vi->recs = p + VIEW_HEAD;
     vi->n = (size_t)n;
@@ -2256,8 +2150,7 @@ static int insert_bits(size_t cap) {
  * With max_bytes a view past the budget is refused like a store (flags[i]:
  * OVER_CAP | OVER_BUDGET; its rank left empty and over cap). A MemoryError
  * while the shared table grows may leave the views before it imported (the
- * caller clears them). 0, or -1 with the error recorded (fail: it runs
- * without the GIL, import_unlocked). */
+ * caller clears them). 0, or -1 with an exception. */
 static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize_t *bad) {
     Ins *ins = NULL;
     size_t *start = NULL;
@@ -2283,9 +2176,9 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
     const size_t group = most;
     const int bits = 14;
     if (group) {
-        ins = mem_malloc(2 * group * sizeof(Ins));
-        start = mem_malloc((((size_t)1 << bits) + 1) * sizeof(size_t));
-        if (!ins || !start) { no_memory(); goto done; }
+        ins = PyMem_Malloc(2 * group * sizeof(Ins));
+        start = PyMem_Malloc((((size_t)1 << bits) + 1) * sizeof(size_t));
+        if (!ins || !start) { PyErr_NoMemory(); goto done; }
     }
     if (ensure_slot(self, top) < 0) goto done;
     if (tiers && self->tiers == 1 && relayout(self, self->words, 3) < 0) goto done;
@@ -2326,40 +2219,9 @@ restore:
     nodes->floor = floor;
     t_settle(nodes, node_occ); /* as the drops would have left it */
 done:
-    mem_free(ins);
-    mem_free(start);
+    PyMem_Free(ins);
+    PyMem_Free(start);
     return rc;
-}
-
-/* import_views with the GIL released, so that the process's other threads
- * (a router's event loop, its engines' receivers) run beside a checkpoint's
- * import: every input is read already (the views' buffers held by the
- * caller), everything the import allocates comes from the raw allocator,
- * and its errors are recorded (Fail) and raised here once the GIL is back.
- * Meanwhile any other call on the index raises RuntimeError (busy). */
-static int import_unlocked(Index *self, ViewIn *vs, size_t nv, int *flags, int positioned) {
-    Fail f = {0};
-    Py_ssize_t bad = -1;
-    int rc;
-    if (!nv) return 0;
-    Py_INCREF(self);
-    self->importing = 1;
-    Py_BEGIN_ALLOW_THREADS
-    fail_sink = &f;
-    rc = import_views(self, vs, nv, flags, &bad);
-    fail_sink = NULL;
-    Py_END_ALLOW_THREADS
-    self->importing = 0;
-    Py_DECREF(self);
-    return rc < 0 ? fail_raise(&f, positioned ? bad : -1) : 0;
-}
-
-static void view_init(Index *self, ViewIn *vi) {
-    vi->im = (Import){
-        .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
-        .k = {.rs = sizeof(KeyRec)},
-        .m = {.rs = sizeof(Multi), .acct = &self->mem},
-    };
 }
 
 /* import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET per view]
@@ -2370,8 +2232,7 @@ static void view_init(Index *self, ViewIn *vi) {
  * index cannot hold (past max_entries), raises ValueError((why, i)) with
  * nothing changed; MemoryError also changes nothing (but see max_bytes in
  * import_views). A view that would take the index past max_bytes leaves
- * its rank cleared and marked over cap (what a refused store does). Runs
- * without the GIL (import_unlocked). */
+ * its rank cleared and marked over cap (what a refused store does). */
 static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_ok(nargs, 2, "import_ranks") < 0) return NULL;
     PyObject *sids = PySequence_Fast(args[0], "import_ranks: sids must be a sequence");
@@ -2390,16 +2251,20 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "import_ranks: as many views as sids");
         goto out;
     }
-    vs = mem_calloc((size_t)nv + 1, sizeof(ViewIn));
-    flags = mem_calloc((size_t)nv + 1, sizeof(int));
+    vs = PyMem_Calloc((size_t)nv + 1, sizeof(ViewIn));
+    flags = PyMem_Calloc((size_t)nv + 1, sizeof(int));
     if (!vs || !flags) {
-        no_memory();
+        PyErr_NoMemory();
         goto out;
     }
     size_t top = 0;
     for (Py_ssize_t i = 0; i < nv; i++) {
         ViewIn *vi = &vs[i];
-        view_init(self, vi);
+        vi->im = (Import){
+            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
+            .k = {.rs = sizeof(KeyRec)},
+            .m = {.rs = sizeof(Multi), .acct = &self->mem},
+        };
         if (slot_arg(PySequence_Fast_GET_ITEM(sids, i), &vi->sid) < 0) goto out;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(views, i), &vi->v, PyBUF_SIMPLE) < 0) goto out;
         vi->held = 1;
@@ -2407,8 +2272,8 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
     }
     if (nv) {
         const size_t words = (top >> 6) + 1;
-        if (!(seen = mem_calloc(words, sizeof(u64)))) {
-            no_memory();
+        if (!(seen = PyMem_Calloc(words, sizeof(u64)))) {
+            PyErr_NoMemory();
             goto out;
         }
         for (Py_ssize_t i = 0; i < nv; i++) {
@@ -2420,10 +2285,27 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
             seen[s >> 6] |= 1ULL << (s & 63);
         }
     }
-    /* Getting a buffer may have run Python code (3.12's __buffer__), which
-     * may have called this index, from this thread or another. */
-    if (!may_import(self)) goto out;
-    if (import_unlocked(self, vs, (size_t)nv, flags, 1) < 0) goto out;
+    Py_ssize_t bad = -1;
+    if (import_views(self, vs, (size_t)nv, flags, &bad) < 0) {
+        if (bad >= 0 && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            /* Which view: ValueError((why, i)). */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyObject *why = value ? PyObject_Str(value) : NULL;
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (why) {
+                PyObject *exc_args = Py_BuildValue("(Nn)", why, bad);
+                if (exc_args) {
+                    PyErr_SetObject(PyExc_ValueError, exc_args);
+                    Py_DECREF(exc_args);
+                }
+            }
+        }
+        goto out;
+    }
     result = PyList_New(nv);
     if (!result) goto out;
     for (Py_ssize_t i = 0; i < nv; i++) {
@@ -2441,9 +2323,9 @@ out:
             if (vs[i].held) PyBuffer_Release(&vs[i].v);
         }
     }
-    mem_free(vs);
-    mem_free(flags);
-    mem_free(seen);
+    PyMem_Free(vs);
+    PyMem_Free(flags);
+    PyMem_Free(seen);
     Py_DECREF(sids);
     Py_DECREF(views);
     return result;
@@ -2453,13 +2335,19 @@ out:
  * one view (its ValueError says why, without a position). */
 static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
-    ViewIn vi = {0};
-    view_init(self, &vi);
+    ViewIn vi = {
+        .im = {
+            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
+            .k = {.rs = sizeof(KeyRec)},
+            .m = {.rs = sizeof(Multi), .acct = &self->mem},
+        },
+    };
     if (slot_arg(args[0], &vi.sid) < 0) return NULL;
     if (PyObject_GetBuffer(args[1], &vi.v, PyBUF_SIMPLE) < 0) return NULL;
     int flags = 0;
+    Py_ssize_t bad = -1;
     PyObject *result = NULL;
-    if (may_import(self) && import_unlocked(self, &vi, 1, &flags, 0) == 0) result = PyLong_FromLong(flags);
+    if (import_views(self, &vi, 1, &flags, &bad) == 0) result = PyLong_FromLong(flags);
     import_free(&vi.im);
     PyBuffer_Release(&vi.v);
     return result;
@@ -2541,8 +2429,8 @@ static int walk_begin(Walk *wk, const Index *self, int tiers) {
     wk->at = 0;
     size_t W = wk->W;
     if (W == 1) wk->acc = wk->one;
-    else if (!(wk->acc = mem_malloc(3 * W * sizeof(u64) + 3 * (W << 6) * sizeof(i32)))) {
-        no_memory();
+    else if (!(wk->acc = PyMem_Malloc(3 * W * sizeof(u64) + 3 * (W << 6) * sizeof(i32)))) {
+        PyErr_NoMemory();
         return -1;
     }
     wk->depth = (i32 *)(wk->acc + 3 * W);
@@ -2553,7 +2441,7 @@ static int walk_begin(Walk *wk, const Index *self, int tiers) {
 }
 
 static void walk_end(Walk *wk) {
-    if (wk->acc != wk->one) mem_free(wk->acc);
+    if (wk->acc != wk->one) PyMem_Free(wk->acc);
     wk->acc = NULL;
 }
 
@@ -2973,10 +2861,7 @@ static PyObject *Matches_best(Matches *self, PyObject *const *args, Py_ssize_t n
     const Py_ssize_t n = Py_SIZE(self);
     if (want > n) want = n;
     Py_ssize_t small[16], *top = small, k = 0;
-    if (want > 16 && !(top = mem_malloc((size_t)want * sizeof *top))) {
-        no_memory();
-        return NULL;
-    }
+    if (want > 16 && !(top = PyMem_Malloc((size_t)want * sizeof *top))) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < n && want > 0; i++) {
         const i32 d = self->h[i].b;
         if (k == want && d <= self->h[top[k - 1]].b) continue;
@@ -2992,7 +2877,7 @@ static PyObject *Matches_best(Matches *self, PyObject *const *args, Py_ssize_t n
         if (!pair) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, pair);
     }
-    if (top != small) mem_free(top);
+    if (top != small) PyMem_Free(top);
     return out;
 }
 
@@ -3521,7 +3406,7 @@ static int rd_batch(PCtx *cx, Rd *r, Py_ssize_t *count) {
     KvScan *s = &cx->self->scan;
     s->ev_len = s->h_len = 0;
     int rc = kvs_batch(s, r);
-    if (rc < 0 && !PyErr_Occurred()) no_memory();
+    if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
     if (rc) return rc;
     for (Py_ssize_t k = 0; k < s->ev_len; k++)
         if ((rc = index_event(cx, &s->ev[k]))) return rc;
@@ -3681,117 +3566,70 @@ static size_t rank_bytes(const Rank *r) {
 }
 
 static PyObject *Index_get_max_entries(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(self->max_entries);
 }
 
 static PyObject *Index_get_expected(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(self->expected);
 }
 
 static PyObject *Index_get_nodes(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(self->nodes.count);
 }
 
 static PyObject *Index_get_pooled(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(self->pool.live);
 }
 
 static PyObject *Index_get_counters(Index *self, void *c) {
-    if (busy(self)) return NULL;
     const Py_ssize_t *n = self->counts;
     return Py_BuildValue("nnnnnn", n[0], n[1], n[2], n[3], n[4], n[5]);
 }
 
 static PyObject *Index_get_max_bytes(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(self->max_bytes);
 }
 
 /* The running count (O(1): the budget reads it per growing store). */
 static PyObject *Index_get_memory(Index *self, void *c) {
-    if (busy(self)) return NULL;
     return PyLong_FromSize_t(index_memory(self));
 }
 
 /* The same, summed table by table: what the running count must equal (tests). */
 static PyObject *Index_get_memory_summed(Index *self, void *c) {
-    if (busy(self)) return NULL;
     size_t total = self->nodes.bytes + self->pool.bytes;
     for (size_t i = 0; i < self->nranks; i++) total += rank_bytes(&self->ranks[i]);
     total += self->arena.n * HUGE_MIN; /* its chunks, in use or not */
     return PyLong_FromSize_t(total);
 }
 
-/* Every method runs through one of these: refused while an import of the
- * index runs without the GIL (busy), and counted while it runs (calls), so
- * that an import does not start beside a call under way that let Python
- * code run midway (a token's __index__, a buffer's __buffer__). */
-#define GUARDED_O(f)                                              \
-    static PyObject *f##_guarded(Index *self, PyObject *arg) {   \
-        if (busy(self)) return NULL;                              \
-        self->calls++;                                            \
-        PyObject *r = f(self, arg);                               \
-        self->calls--;                                            \
-        return r;                                                 \
-    }
-#define GUARDED_FAST(f)                                                                   \
-    static PyObject *f##_guarded(Index *self, PyObject *const *args, Py_ssize_t nargs) { \
-        if (busy(self)) return NULL;                                                      \
-        self->calls++;                                                                    \
-        PyObject *r = f(self, args, nargs);                                               \
-        self->calls--;                                                                    \
-        return r;                                                                         \
-    }
-GUARDED_O(Index_ensure_rank)
-GUARDED_O(Index_clear_rank)
-GUARDED_O(Index_forget_rank)
-GUARDED_O(Index_export_rank)
-GUARDED_O(Index_blocks)
-GUARDED_O(Index_rank_stats)
-GUARDED_O(Index_match_list)
-GUARDED_FAST(Index_store)
-GUARDED_FAST(Index_remove)
-GUARDED_FAST(Index_reserve)
-GUARDED_FAST(Index_import_rank)
-GUARDED_FAST(Index_import_ranks)
-GUARDED_FAST(Index_configure)
-GUARDED_FAST(Index_apply_payload)
-GUARDED_FAST(Index_match)
-GUARDED_FAST(Index_match_tokens)
-
 static PyMethodDef Index_methods[] = {
-    {"ensure_rank", (PyCFunction)Index_ensure_rank_guarded, METH_O, "ensure_rank(sid): room for rank slot sid"},
-    {"store", (PyCFunction)(void (*)(void))Index_store_guarded, METH_FASTCALL,
+    {"ensure_rank", (PyCFunction)Index_ensure_rank, METH_O, "ensure_rank(sid): room for rank slot sid"},
+    {"store", (PyCFunction)(void (*)(void))Index_store, METH_FASTCALL,
      "store(sid, chain, hashes, parent, tokens, packed, start, extra, tier) -> flags"},
-    {"remove", (PyCFunction)(void (*)(void))Index_remove_guarded, METH_FASTCALL,
+    {"remove", (PyCFunction)(void (*)(void))Index_remove, METH_FASTCALL,
      "remove(sid, hashes, tier) -> unknown removals"},
-    {"clear_rank", (PyCFunction)Index_clear_rank_guarded, METH_O, "clear_rank(sid)"},
-    {"forget_rank", (PyCFunction)Index_forget_rank_guarded, METH_O,
-     "forget_rank(sid): clear_rank, and its hint dropped"},
-    {"reserve", (PyCFunction)(void (*)(void))Index_reserve_guarded, METH_FASTCALL,
+    {"clear_rank", (PyCFunction)Index_clear_rank, METH_O, "clear_rank(sid)"},
+    {"forget_rank", (PyCFunction)Index_forget_rank, METH_O, "forget_rank(sid): clear_rank, and its hint dropped"},
+    {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
      "reserve(sid, blocks) -> whether taken: the rank's tables sized for that many blocks"},
-    {"export_rank", (PyCFunction)Index_export_rank_guarded, METH_O,
-     "export_rank(sid | None) -> the rank's view as bytes"},
-    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank_guarded, METH_FASTCALL,
+    {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
+    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
      "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
-    {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks_guarded, METH_FASTCALL,
+    {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks, METH_FASTCALL,
      "import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET]: each rank holds what its view says"},
-    {"blocks", (PyCFunction)Index_blocks_guarded, METH_O, "blocks(sid) -> engine hashes held"},
-    {"rank_stats", (PyCFunction)Index_rank_stats_guarded, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
-    {"configure", (PyCFunction)(void (*)(void))Index_configure_guarded, METH_FASTCALL,
+    {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
+    {"rank_stats", (PyCFunction)Index_rank_stats, METH_O, "rank_stats(sid) -> (entries, detached, over_cap)"},
+    {"configure", (PyCFunction)(void (*)(void))Index_configure, METH_FASTCALL,
      "configure(chain, root, index_max_block_size, groups, tiers, names): apply_payload's and "
      "match_list's per-index arguments"},
-    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload_guarded, METH_FASTCALL,
+    {"apply_payload", (PyCFunction)(void (*)(void))Index_apply_payload, METH_FASTCALL,
      "apply_payload(sid, payload, limits) -> True, or False (decode it the general way)"},
-    {"match", (PyCFunction)(void (*)(void))Index_match_guarded, METH_FASTCALL,
+    {"match", (PyCFunction)(void (*)(void))Index_match, METH_FASTCALL,
      "match(keys, names, tiers_type) -> Matches {name: depth}"},
-    {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens_guarded, METH_FASTCALL,
+    {"match_tokens", (PyCFunction)(void (*)(void))Index_match_tokens, METH_FASTCALL,
      "match_tokens(chain, tokens, packed, start, extra, names, tiers_type) -> Matches {name: depth}"},
-    {"match_list", (PyCFunction)Index_match_list_guarded, METH_O,
+    {"match_list", (PyCFunction)Index_match_list, METH_O,
      "match_list(tokens) -> Matches {name: depth}, with configure()'s chain, root and names"},
     {NULL},
 };
@@ -3823,23 +3661,8 @@ static PyTypeObject IndexType = {
     .tp_getset = Index_getset,
 };
 
-/* _fail_allocs(n): every allocation of this module after the next n fails
- * (MemoryError), n < 0: none does (tests of the error paths). */
-static PyObject *core_fail_allocs(PyObject *mod, PyObject *arg) {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    __atomic_store_n(&alloc_left, n, __ATOMIC_RELAXED);
-    __atomic_store_n(&alloc_limited, n >= 0, __ATOMIC_RELAXED);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef core_functions[] = {
-    {"_fail_allocs", core_fail_allocs, METH_O, "_fail_allocs(n): allocations after the next n fail (n < 0: none)"},
-    {NULL, NULL, 0, NULL},
-};
-
 static struct PyModuleDef coremodule = {
-    PyModuleDef_HEAD_INIT, "_core", "The prefix index's native tables and key chain.", -1, core_functions,
+    PyModuleDef_HEAD_INIT, "_core", "The prefix index's native tables and key chain.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__core(void) {

@@ -15,9 +15,6 @@ CAP_BLOCKS: int
 CAP_BYTES: int
 VIEW_VERSION: int
 
-def _fail_allocs(n: int, /) -> None:
-    """Every allocation of this module after the next ``n`` fails (``n < 0``: none; tests)."""
-
 class KeyChain:
     """The chained block key function of one (seed, block size)."""
 
