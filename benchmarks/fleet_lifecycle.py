@@ -574,12 +574,16 @@ class DelayProbe:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    now = time.time()
-                    payload = frames[-1]
-                    # [ts (float 64), events, rank]: 0x90 at 10 is an empty events array.
-                    if self.recording and len(payload) >= 11 and payload[1] == 0xCB:
-                        delay = now - struct.unpack_from(">d", payload, 2)[0]
-                        (self.beats if payload[10] == 0x90 else self.samples).append(delay)
+                    self._take(time.time(), frames[-1])
+
+    def _take(self, now: float, payload: bytes) -> None:
+        # [ts (float 64), events, rank]: 0x90 at 10 is an empty events array.
+        if self.recording and len(payload) >= 11 and payload[1] == 0xCB:
+            ts = struct.unpack_from(">d", payload, 2)[0]
+            self._record(ts, now - ts, payload[10] == 0x90)
+
+    def _record(self, ts: float, delay: float, beat: bool) -> None:
+        (self.beats if beat else self.samples).append(delay)
 
     def start(self) -> None:
         self.samples = []

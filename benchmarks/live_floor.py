@@ -19,7 +19,6 @@ processes x 128); ``--ranks-per-engine 32`` for a small one.
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 import tempfile
 import threading
@@ -28,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zmq
 from _fleet import percentile
 from fleet_lifecycle import LOG, DelayProbe, Fleet, Router
 
@@ -42,26 +40,10 @@ class SplitProbe(DelayProbe):
         self.sent: list[tuple[float, float]] = []  # (ts, delay) of batches
         super().__init__(endpoints)
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        for s in self.socks:
-            poller.register(s, zmq.POLLIN)
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(100):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    now = time.time()
-                    payload = frames[-1]
-                    if self.recording and len(payload) >= 11 and payload[1] == 0xCB:
-                        ts = struct.unpack_from(">d", payload, 2)[0]
-                        if payload[10] == 0x90:
-                            self.beats.append(now - ts)
-                        else:
-                            self.samples.append(now - ts)
-                            self.sent.append((ts, now - ts))
+    def _record(self, ts: float, delay: float, beat: bool) -> None:
+        super()._record(ts, delay, beat)
+        if not beat:
+            self.sent.append((ts, delay))
 
     def start(self) -> None:
         self.sent = []
