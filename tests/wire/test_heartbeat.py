@@ -66,24 +66,16 @@ def test_ranks_idle_since_different_times_heartbeat_together() -> None:
     assert dues == {10.25, 10.75, 11.25}
 
 
-@settings(max_examples=50)
-@given(
-    interval=intervals,
-    offset=times,
-    gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=40),
-)
-def test_a_sender_following_the_rule_bounds_silence_and_trailing_drops(
-    interval: float, offset: float, gaps: list[float]
-) -> None:
-    """Batches at arbitrary times, heartbeats by the rule in between: the longest silence
-    is under 1.5 intervals, and the first send after each batch comes within 0.75."""
+def assert_bounds_hold(interval: float, offset: float, gaps: list[float], phase: float) -> None:
+    """A sender by the rule between batches at ``gaps`` (in intervals): silences and
+    trailing drops stay within MAX_SILENCE and TRAILING_GAP."""
     now = last = 0.0
     after_batch = False
     sends = [0.0]
     trailing = []  # from each batch to the next send
     for gap in gaps:
         batch = now + gap * interval
-        while (at := heartbeat_at(last, interval, now, now + offset, after_batch)) < batch:
+        while (at := heartbeat_at(last, interval, now, now + offset, after_batch, phase)) < batch:
             if after_batch:
                 trailing.append(at - last)
             sends.append(at)
@@ -97,6 +89,20 @@ def test_a_sender_following_the_rule_bounds_silence_and_trailing_drops(
     longest = max(b - a for a, b in itertools.pairwise(sends))
     assert longest <= MAX_SILENCE * interval * (1 + 1e-9) + 1e-9
     assert all(t <= TRAILING_GAP * interval * (1 + 1e-9) + 1e-9 for t in trailing)
+
+
+@settings(max_examples=50)
+@given(
+    interval=intervals,
+    offset=times,
+    gaps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=40),
+)
+def test_a_sender_following_the_rule_bounds_silence_and_trailing_drops(
+    interval: float, offset: float, gaps: list[float]
+) -> None:
+    """Batches at arbitrary times, heartbeats by the rule in between: the longest silence
+    is under 1.5 intervals, and the first send after each batch comes within 0.75."""
+    assert_bounds_hold(interval, offset, gaps, 0.0)
 
 
 def test_idle_heartbeats_come_once_an_interval_after_the_first() -> None:
@@ -139,26 +145,7 @@ def test_with_a_phase_silence_and_trailing_drops_keep_their_bounds(
     interval: float, offset: float, phase: float, gaps: list[float]
 ) -> None:
     """MAX_SILENCE and TRAILING_GAP, derived without a phase, hold for every phase."""
-    now = last = 0.0
-    after_batch = False
-    sends = [0.0]
-    trailing = []
-    for gap in gaps:
-        batch = now + gap * interval
-        while (at := heartbeat_at(last, interval, now, now + offset, after_batch, phase)) < batch:
-            if after_batch:
-                trailing.append(at - last)
-            sends.append(at)
-            now = last = at
-            after_batch = False
-        if after_batch:
-            trailing.append(batch - last)
-        sends.append(batch)
-        now = last = batch
-        after_batch = True
-    longest = max(b - a for a, b in itertools.pairwise(sends))
-    assert longest <= MAX_SILENCE * interval * (1 + 1e-9) + 1e-9
-    assert all(t <= TRAILING_GAP * interval * (1 + 1e-9) + 1e-9 for t in trailing)
+    assert_bounds_hold(interval, offset, gaps, phase)
 
 
 def test_busy_ranks_after_batch_heartbeats_spread_idle_ones_meet() -> None:
