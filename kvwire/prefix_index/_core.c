@@ -881,8 +881,9 @@ __attribute__((always_inline)) static inline char *t_upsert(Table *t, u64 k, Occ
 static int t_settle(Table *t, Occupied occ) {
     if (t->cap <= t->floor) return 0; /* presized: kept at its size, even empty */
     if (t->count == 0) return t_rehash(t, 0, occ);
-    if (t->cap > MIN_CAP && t->count * 8 < t->cap) {
-        /* Shrinking only saves memory; on failure keep the bigger table. */
+    /* Shrinking only saves memory; on failure keep the bigger table. Not while an error
+     * is pending (a rollback's): clearing the shrink's own failure would wipe it. */
+    if (t->cap > MIN_CAP && t->count * 8 < t->cap && !PyErr_Occurred()) {
         size_t cap = cap_for(t->count * 2);
         if (t_rehash(t, cap > t->floor ? cap : t->floor, occ) < 0) PyErr_Clear();
     }
