@@ -82,7 +82,11 @@ def test_batches_read_during_the_import_reach_the_sink_after_the_view_in_order(
         sink = SlowImport()
         with Subscriber([source], sink, config=fast(checkpoint=path)) as sub:
             try:
-                wait_for(lambda: replays_done(sub), 10, "the tails replayed during the import")
+                wait_for(
+                    lambda: replays_done(sub) and all(st.connected for st in sub.status()),
+                    10,
+                    "the tails replayed during the import",
+                )
                 publish(engs, pubs, MORE)  # live batches, read while the view is held back
                 seqs = BEFORE + TAIL + MORE
                 wait_for(
@@ -102,7 +106,10 @@ def test_batches_read_during_the_import_reach_the_sink_after_the_view_in_order(
             for r in range(2):
                 assert sink.of(r) == ["import"] + ["apply"] * (TAIL + MORE), "view first, in order"
             for st in sub.status():
-                assert st.counters.replayed == TAIL and st.counters.resyncs == 0
+                # A live batch sent before the SUB's subscription reached the engine (a
+                # loaded host) is lost there and replayed instead: held all the same.
+                assert TAIL <= st.counters.replayed <= TAIL + MORE
+                assert st.counters.resyncs == 0 and st.counters.seqs_lost == 0
 
 
 @pytest.mark.parametrize("snapshot", [False, True])
