@@ -1,0 +1,191 @@
+"""What a warm restart cannot beat on this host: the fresh memory its index is built in.
+
+A restarted router is a new process: it imports its checkpoint's view into tables whose every
+page is new to it, and the kernel zeroes each on first touch. On a VM whose host backs guest
+memory lazily (and takes freed pages back, as free page reporting does), a first touch also
+costs the host a fault, and those faults do not run in parallel. This prints, in one run:
+
+- the first-touch rate of fresh anonymous memory advised for huge pages, as the index's tables
+  are (one thread, then two at once, each after ``--settle`` idle seconds, as a router is down
+  before it restarts), and of the same amount touched again at once (pages just freed: what a
+  warm host gives);
+- a fresh process loading a checkpoint of ``--ranks`` x ``--blocks`` blocks (fleet_lifecycle's
+  case 3 fleet: 1,024 x 20,000, content-chained runs of 16 blocks) through ``load_file`` into a
+  ``PrefixIndex``: wall time, user and system CPU, the index's bytes;
+- the checkpoint file read through a read-only mapping (its pages are in the page cache: memory
+  a load could use without fresh pages);
+- the floor: the index's bytes at the first-touch rate, beside case 3's 3 s target.
+
+Run: ``.venv/bin/python benchmarks/restart_floor.py [--ranks 1024] [--blocks 20000]``
+(about 3 min and 4 GB at the defaults; run it alone: other processes' memory changes what is
+fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from kvwire.prefix_index import PrefixIndex
+from kvwire.subscriber.checkpoint import Encoder, Header, Record, load_file, write_file
+from kvwire.subscriber.seq import StreamPosition
+from kvwire.wire.codec import encode_batch
+from kvwire.wire.events import BlockStored, KVEvent, KVEventBatch
+
+BLOCK = 16
+RUN = 16
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_libc = ctypes.CDLL(None, use_errno=True)  # (a foreign call lets go of the GIL)
+
+
+def touch(region: mmap.mmap, start: int, length: int) -> None:
+    """Fault in ``region[start:start + length]`` for writing, as the index populates its tables."""
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region)) + start
+    if _libc.madvise(ctypes.c_void_p(base), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
+        np.frombuffer(region, np.uint8, length, start)[::4096] = 1  # an older kernel
+
+
+def first_touch(nbytes: int, threads: int) -> float:
+    """Seconds to fault in ``nbytes`` of a new mapping, split among ``threads``."""
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    part = nbytes // threads
+    workers = [
+        threading.Thread(target=touch, args=(region, i * part, part)) for i in range(threads)
+    ]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t
+    region.close()
+    return seconds
+
+
+def write_checkpoint(path: str, ranks: int, blocks: int) -> int:
+    """A checkpoint of ``ranks`` views, each of ``blocks`` blocks in content-chained runs."""
+    index = PrefixIndex(BLOCK)
+    enc = Encoder()
+    fleet = [("w", r, f"tcp://127.0.0.1:{5557 + r}") for r in range(ranks)]
+    pieces = [
+        enc.start_parts(Header(view_format=index.view_format(), created=time.time(), fleet=fleet))
+    ]
+    h = 1
+    for r in range(ranks):
+        tokens = np.arange(blocks * BLOCK, dtype=np.int64) + r * (blocks * BLOCK)
+        events: list[KVEvent] = []
+        for c in range(0, blocks, RUN):
+            n = min(RUN, blocks - c)
+            events.append(
+                BlockStored(
+                    block_hashes=list(range(h, h + n)),
+                    parent_block_hash=None,
+                    token_ids=tokens[c * BLOCK : (c + n) * BLOCK].tolist(),
+                    block_size=BLOCK,
+                )
+            )
+            h += n
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=events))
+        index.apply_payload("w", r, payload)
+        pos = StreamPosition(topic=b"", epoch=None, next_seq=1, anchor_seq=0, anchor=payload[:64])
+        pieces.append(
+            enc.record_parts(
+                Record(worker_id="w", rank=r, position=pos, blob=index.export_rank("w", r))
+            )
+        )
+        index.clear("w", r)
+    pieces.append(enc.end_parts())
+    return write_file(path, pieces)
+
+
+def child(path: str, ranks: int) -> None:
+    """A fresh process loads the checkpoint: what a restarted router does first."""
+    index = PrefixIndex(BLOCK)
+    t0, c0 = time.perf_counter(), os.times()
+    load_file(path, index, [("w", r) for r in range(ranks)])
+    t1, c1 = time.perf_counter(), os.times()
+    print(json.dumps({
+        "wall": t1 - t0, "user": c1.user - c0.user, "sys": c1.system - c0.system,
+        "bytes": index.stats().memory_bytes,
+    }))  # fmt: skip
+
+
+def mapped_read(path: str) -> float:
+    """Seconds to read every page of ``path`` through a read-only mapping (the file is in
+    the page cache, just written): memory that needs no fresh page."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        t = time.perf_counter()
+        int(np.frombuffer(m, np.uint8)[::4096].sum())
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=10.0, help="idle seconds before a first touch")
+    ap.add_argument("--target", type=float, default=3.0, help="seconds (case 3)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.ranks)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvwire-floor-") as tmp:
+        path = os.path.join(tmp, "view.ckpt")
+        t = time.perf_counter()
+        size = write_checkpoint(path, args.ranks, args.blocks)
+        print(f"checkpoint: {args.ranks} ranks x {args.blocks:,} blocks, {size / 2**20:.0f} MiB "
+              f"(built in {time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
+        loads: list[dict[str, float]] = []
+        for _ in range(args.repeats):
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", path, "--ranks", str(args.ranks)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            x = json.loads(out.stdout)
+            loads.append(x)
+            print(f"load in a fresh process: {x['wall']:.2f} s wall, user {x['user']:.2f} s, "
+                  f"system {x['sys']:.2f} s, index {x['bytes'] / 2**20:.0f} MiB", flush=True)  # fmt: skip
+        mapped = size / min(mapped_read(path) for _ in range(args.repeats))
+    print(f"the checkpoint read through a read-only mapping: {mapped / 1e9:.2f} GB/s")
+    nbytes = int(loads[-1]["bytes"])
+    rates: dict[str, list[float]] = {"one thread": [], "two threads": [], "again": []}
+    for _ in range(args.repeats):
+        # Idle first, as while a router is down: memory freed by the step before goes back.
+        time.sleep(args.settle)
+        rates["one thread"].append(nbytes / first_touch(nbytes, 1))
+        rates["again"].append(nbytes / first_touch(nbytes, 1))
+        time.sleep(args.settle)
+        rates["two threads"].append(nbytes / first_touch(nbytes, 2))
+    for what, r in rates.items():
+        print(f"first touch of {nbytes / 2**20:.0f} MiB, {what}: "
+              + " / ".join(f"{x / 1e9:.2f}" for x in r) + " GB/s")  # fmt: skip
+
+    def median(xs: list[dict[str, float]], key: str) -> float:
+        return sorted(x[key] for x in xs)[len(xs) // 2]
+
+    cold = min(min(rates["one thread"]), min(rates["two threads"]))
+    print(
+        f"floor: the index's {nbytes / 2**20:.0f} MiB at the slowest first touch seen "
+        f"({cold / 1e9:.2f} GB/s) take {nbytes / cold:.2f} s before any work; a load in a fresh "
+        f"process {median(loads, 'wall'):.2f} s (median; {median(loads, 'sys'):.2f} s of it in the "
+        f"kernel); target {args.target:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
