@@ -544,9 +544,6 @@ class RankLink:
         assert epoch is not None and epoch.heartbeat_s is not None
         return quiet, epoch.heartbeat_s
 
-    def silence_deadline(self) -> float | None:
-        return self.stream.silence_deadline()
-
     def on_timer(self, now: float) -> None:
         if self.replay.dealer is not None and not self.env.delivery.paused:
             # A reply waiting unread is the router's delay, not the publisher's silence:

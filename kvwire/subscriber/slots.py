@@ -90,9 +90,6 @@ class ReplaySlots:
                 self._cap += 1
                 self._grant()
 
-    def in_flight(self, source: str) -> int:
-        return self._by_source.get(source, 0)
-
     def take(self, link: ReplayChannel) -> bool:
         """Count one more request of ``link``, if one may go out now."""
         source = link.worker_id
