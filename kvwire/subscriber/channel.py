@@ -1,7 +1,7 @@
 """A rank's replay and snapshot requests: the DEALER they go out on, and their turn.
 
 The socket exists only while the stream has a request out or due, and holds one
-of the subscriber's request slots (:class:`~kvwire.subscriber.slots.ReplaySlots`)
+of the subscriber's request slots (:class:`~kvwire.subscriber.env.ReplaySlots`)
 meanwhile; a request that finds no slot (or no file to open a socket with) waits
 its turn here, its deadlines started only when it is sent. Its replies are read
 a bounded share at a time, so that the ranks recovering share the router's rounds.

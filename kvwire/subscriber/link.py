@@ -47,9 +47,8 @@ from kvwire.subscriber.actions import (
 )
 from kvwire.subscriber.channel import ReplayChannel
 from kvwire.subscriber.config import QUEUE_SLACK
-from kvwire.subscriber.env import RECONNECT_MAX_S, RECONNECT_MIN_S, LinkEnv
+from kvwire.subscriber.env import CONTACT_S, RECONNECT_MAX_S, RECONNECT_MIN_S, LinkEnv
 from kvwire.subscriber.reactor import PACE_S
-from kvwire.subscriber.slots import CONTACT_S
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState
 from kvwire.subscriber.stream import RankStream

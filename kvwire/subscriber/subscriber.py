@@ -30,12 +30,11 @@ from kvwire.subscriber import receive
 from kvwire.subscriber.checkpoint import CheckpointInfo, Restored, RestoreProgress
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
-from kvwire.subscriber.env import LinkEnv
+from kvwire.subscriber.env import LinkEnv, ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.link import RankLink
 from kvwire.subscriber.persist import Restore, ViewExport
 from kvwire.subscriber.reactor import Reactor, watches_descriptors
 from kvwire.subscriber.readiness import Readiness, SyncProgress
-from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.sink import EventSink, SinkItem, ViewSink
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
