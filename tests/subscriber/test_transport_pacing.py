@@ -18,7 +18,7 @@ import pytest
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import BlockSetSink, RankState, RankStream, StreamConfig, Subscriber
 from kvwire.subscriber.config import QUEUE_SLACK, REPLY_BLOCKS, SubscriberConfig
-from kvwire.subscriber.requests import Requests
+from kvwire.subscriber.recovery import Requests
 from kvwire.subscriber.stream import Phase
 from kvwire.wire import KVEventBatch
 from tests.subscriber.helpers import EPHEMERAL, Engine, bound_source, fast, rank_status
