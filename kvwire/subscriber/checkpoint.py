@@ -667,10 +667,6 @@ class ViewStream:
         )
 
     @property
-    def nbytes(self) -> int:
-        return self._enc.nbytes
-
-    @property
     def records(self) -> int:
         return self._enc.records
 

@@ -50,8 +50,7 @@ except ImportError:  # not a Unix: no soft limit to raise
     resource = None
 
 if TYPE_CHECKING:
-    from kvwire.subscriber.channel import ReplayChannel
-    from kvwire.subscriber.link import RankLink
+    from kvwire.subscriber.link import RankLink, ReplayChannel
 
 __all__ = [
     "CONTACT_S", "RECONNECT_MAX_S", "RECONNECT_MIN_S", "FirstContacts", "LinkEnv",
