@@ -275,10 +275,6 @@ class RankLink:
             sub.disconnect(self.endpoints.endpoint)
         sub.connect(self.endpoints.endpoint)
 
-    def fit_read(self, messages: list[tuple[bytes, ...]]) -> None:
-        """Follow the rank's batch size from messages just read (see :meth:`_fit`)."""
-        self._fit(_sample(messages))
-
     def _fit(self, sample: int) -> None:
         """Follow the rank's batch size (``sample``: one just read) and keep its sockets'
         marks and its read chunk within its share of the receive budget.
@@ -758,7 +754,7 @@ class ReplayChannel:
             messages = drain(dealer, chunk, _REPLY_FRAMES)
             left -= len(messages)
             if messages:
-                link.fit_read(messages)
+                link._fit(_sample(messages))
             for frames in messages:
                 actions = link.stream.replay_reply(frames, self.token, time.monotonic())
                 applied = applied or bool(actions)
