@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from kvwire.subscriber import recovery
 from kvwire.subscriber.actions import Apply, ApplyPayload
 from kvwire.subscriber.phases import Event, Phase
-from kvwire.subscriber.requests import Replay, Snapshot
 from kvwire.subscriber.state import RankState
 from kvwire.wire import AllBlocksCleared, KVEventBatch, decode_batch, split_topic
 from kvwire.wire.framing import Frame
@@ -224,14 +223,14 @@ def _resume_following(s: RankStream) -> None:
     """A live batch shows where the stream is: waiting for one, or silence, ends."""
     if s._phase is Phase.AWAIT_LIVE or s._phase is Phase.STALE:
         s._move(Event.FOLLOW)
-    elif isinstance(s._req.active, Replay):
+    elif isinstance(s._req.active, recovery.Replay):
         s._req.active.claim = RankState.SYNCED  # a probe of a stale rank
 
 
 def _held_overflow(s: RankStream) -> None:
     s.counters.held_overflows += 1
     why = f"held buffer full ({s.config.max_held} batches, {s.config.max_held_bytes} bytes)"
-    if isinstance(s._req.active, Snapshot):
+    if isinstance(s._req.active, recovery.Snapshot):
         recovery.snapshot_failed(s, why)
     elif s._holding():
         # Still unverified after a (re)connect: as good as a failed replay.

@@ -209,16 +209,10 @@ class Encoder:
     def _frame(self, kind: bytes, body: bytes) -> bytes:
         return _FRAME.pack(kind, len(body)) + body
 
-    def start(self, header: Header) -> bytes:
-        return b"".join(self.start_parts(header))
-
     def start_parts(self, header: Header) -> Piece:
         return self._out(
             [_PREAMBLE.pack(MAGIC, VERSION) + self._frame(_HEADER, _enc.encode(header))]
         )
-
-    def record(self, record: Record) -> bytes:
-        return b"".join(self.record_parts(record))
 
     def record_parts(self, record: Record) -> Piece:
         """The record's frame as its head (the msgpack up to the blob) and the blob itself:
@@ -230,9 +224,6 @@ class Encoder:
         meta = meta[: -len(_EMPTY_BIN)] + _bin_head(len(blob))
         head = _FRAME.pack(_RECORD, len(meta) + len(blob)) + meta
         return self._out([head, blob] if blob else [head])
-
-    def end(self) -> bytes:
-        return b"".join(self.end_parts())
 
     def end_parts(self) -> Piece:
         body = self._out([self._frame(_END, _enc.encode(End(records=self.records)))])
@@ -248,17 +239,15 @@ class Decoder:
     """Reads the format from chunks of any size (sans-I/O): :meth:`feed` returns what completed.
 
     Holds at most one frame (``max_frame`` bytes) and the chunk being read.
-    ``records=False`` checks framing and CRC only (records are counted, not
-    decoded): a file's first pass. Raises :class:`CheckpointError`.
+    Raises :class:`CheckpointError`.
     """
 
-    def __init__(self, *, max_frame: int = MAX_FRAME, records: bool = True) -> None:
+    def __init__(self, *, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
         self._view = False
         self._crc = 0
         self._stage = 0  # 0 preamble, 1 header frame, 2 records/end, 3 crc, 4 done
         self._max_frame = max_frame
-        self._decode_records = records
         self.records = 0
         self.nbytes = 0
 
@@ -332,8 +321,7 @@ class Decoder:
                         body.release()
                 self._crc = zlib.crc32(memoryview(buf)[pos:end], self._crc)
                 pos = end
-                if item is not None:
-                    out.append(item)
+                out.append(item)
         if self._view:
             self._buf = bytearray(buf[pos:])
         else:
@@ -358,9 +346,7 @@ class Decoder:
         what :meth:`Encoder.record_parts` makes of the record it decodes to, so the blob is
         the frame's last field and the bytes are the ones the general path would read."""
         bin_head = _bin_head(len(blob))
-        if not self._decode_records or len(head) < _FRAME.size + len(bin_head):
-            return None
-        if head[:1] != _RECORD:
+        if len(head) < _FRAME.size + len(bin_head) or head[:1] != _RECORD:
             return None
         length = _FRAME.unpack_from(head)[1]
         if length != len(head) - _FRAME.size + len(blob) or length > self._max_frame:
@@ -380,7 +366,7 @@ class Decoder:
         self.records += 1
         return Record(worker_id=r.worker_id, rank=r.rank, position=r.position, blob=blob)
 
-    def _frame(self, kind: bytes, body: memoryview) -> Item | None:
+    def _frame(self, kind: bytes, body: memoryview) -> Item:
         try:
             if self._stage == 1:
                 if kind != _HEADER:
@@ -389,8 +375,6 @@ class Decoder:
                 return _dec_header.decode(body)
             if kind == _RECORD:
                 self.records += 1
-                if not self._decode_records:
-                    return None
                 # From the caller's bytes the blob is a view of them; from the buffer (which
                 # moves on), a copy.
                 r = _dec_record.decode(body)
@@ -681,10 +665,6 @@ class ViewStream:
             created=time.time(),
             fleet=[(r.worker_id, r.rank, r.endpoints.endpoint) for r in self._ranks],
         )
-
-    @property
-    def nbytes(self) -> int:
-        return self._enc.nbytes
 
     @property
     def records(self) -> int:

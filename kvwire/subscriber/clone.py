@@ -138,7 +138,6 @@ class CloneServer:
         self.endpoint: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         warn_if_exposed(log, self.endpoint, "clone service (Subscriber.serve_view)",
                         secured=keys is not None)  # fmt: skip
-        self.served = 0
         self._fd = cast(int, sock.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._readable)
         self._timer = loop.call_later(SESSION_IDLE_S, self._expire)
@@ -181,7 +180,6 @@ class CloneServer:
                 self._send(ident, _ERROR, f"no view to serve: {exc}".encode())
                 return
             self._sessions[ident] = _Session(view, now)
-            self.served += 1
         elif verb == _CREDIT and len(frames) == 4 and len(frames[3]) == _U32.size:
             session = self._sessions.get(ident)
             if session is None:

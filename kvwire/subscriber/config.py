@@ -2,7 +2,8 @@
 
 ``Subscriber(sources, sink, config=SubscriberConfig(...))``. A struct, so that
 a router reading its settings from a file or the environment builds it with
-``msgspec.convert`` and gets the same checks as a caller constructing it.
+``msgspec.convert`` and gets the same checks as a caller constructing it (each
+field's range is its annotation: :func:`kvwire.settings.check_fields`).
 A name shared with the publisher's settings means the same there: ``hwm`` is
 the ZeroMQ high-water mark of this side's socket (the SUB's receive queue, as
 the publisher's is its PUB's send queue).
@@ -17,10 +18,14 @@ and repairs by replay: never a wrong view.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvwire.security import ClientKeys
-from kvwire.subscriber.state import StreamConfig
+from kvwire.settings import check_fields
+from kvwire.subscriber.state import StreamConfig, _Count, _Seconds
 from kvwire.wire.framing import SNAPSHOT_CHUNK_BLOCKS
 
 __all__ = ["QUEUE_SLACK", "SubscriberConfig"]
@@ -36,30 +41,30 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream: StreamConfig = StreamConfig()
     """Every rank's sequencing (:class:`RankStream`); its ``replay`` flag is set per
     source from whether the source has a replay endpoint."""
-    hwm: int = 100_000
+    hwm: _Count = 100_000
     """Live messages each rank's SUB socket queues unread at most; past it ZeroMQ drops
     them, which the rank sees as a gap (repaired by replay). Large batches lower the
     mark further (``receive_budget_bytes``)."""
-    receive_budget_bytes: int = 256 << 20
+    receive_budget_bytes: _Count = 256 << 20
     """Payload bytes the receive path of all ranks together may hold: the SUB and
     replay sockets' queues and the burst being applied. Each rank's share is this
     over ``ranks + min(ranks, max_replays) + 1`` (a live queue per rank, a replay
     queue per open replay socket, one burst), and its sockets' high-water marks are
     set from the share and the size of the batches it receives (:meth:`rank_hwm`);
     the rank reads at most its share in one go (:meth:`read_chunk`)."""
-    max_message_size: int = 64 << 20
+    max_message_size: _Count = 64 << 20
     """ZeroMQ's size limit on every receiving socket (SUB and replay DEALER), in
     bytes: libzmq drops a larger message with its connection, which the rank sees as
     a lost seq."""
-    max_replays: int = 128
+    max_replays: _Count = 128
     """Replay sockets open at once (further requests wait for one to close), and
     ranks making first contact at once (the others connect as those settle, or after
     5 s)."""
-    probe_rate: float = 16.0
+    probe_rate: Annotated[float, Meta(gt=0)] = 16.0
     """Idle probes of all ranks together, per second: each rank's
     ``stream.idle_probe`` interval is stretched to ``ranks / probe_rate`` when that
     is longer, so probing a large fleet at rest costs a bounded amount."""
-    backlog: int = 10_000
+    backlog: _Count = 10_000
     """Items the async iterator (a Subscriber without a sink) holds before reading
     stops; the publishers' high-water marks then turn the excess into gaps."""
 
@@ -69,7 +74,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     valid (each rank resumes from its position and replays only what it missed),
     written on a clean stop and every ``checkpoint_every`` seconds. Needs a
     :class:`~kvwire.subscriber.ViewSink`."""
-    checkpoint_every: float | None = None
+    checkpoint_every: _Seconds | None = None
     """Seconds between periodic checkpoint writes (None: only on stop and when asked)."""
     clone_from: str | None = None
     """A peer router's clone endpoint (``Subscriber.serve_view``): at start, before the
@@ -78,26 +83,15 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     router starts cold."""
     clone_keys: ClientKeys | None = None
     """CURVE keys to reach a clone endpoint that has server keys (``kvwire.security``)."""
-    clone_timeout: float = 10.0
+    clone_timeout: _Seconds = 10.0
     """Seconds a clone may go without receiving anything before it is refused."""
-    clone_max_bytes: int = 4 << 30
+    clone_max_bytes: _Count = 4 << 30
     """The most bytes a clone receives: a larger view is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("hwm", "max_message_size", "max_replays", "backlog", "receive_budget_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.probe_rate > 0:
-            raise ValueError(f"probe_rate must be > 0, got {self.probe_rate}")
-        for name in ("checkpoint_every", "clone_timeout"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        check_fields(self)
         if self.checkpoint_every is not None and self.checkpoint is None:
             raise ValueError("checkpoint_every needs a checkpoint path")
-        if self.clone_max_bytes < 1:
-            raise ValueError(f"clone_max_bytes must be >= 1, got {self.clone_max_bytes}")
-        self._check_pacing()
 
     def rank_share(self, ranks: int) -> int:
         """Bytes one rank's queues may hold when ``ranks`` ranks are followed."""
@@ -121,21 +115,15 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     # --- pacing: replay and snapshot requests in flight ---------------------------------------
 
-    max_requests: int | None = None
+    max_requests: _Count | None = None
     """Replay and snapshot requests in flight at once across all ranks (each holds a
     replay socket, so never more than ``max_replays``); the others wait their turn,
     oldest first, and a request's deadlines run from when it is sent. ``None``: it
     starts at :meth:`request_limit`, what the router can apply, and follows the
     rounds of reading as measured, up to :meth:`request_ceiling`; a number fixes it."""
-    max_requests_per_source: int | None = None
+    max_requests_per_source: _Count | None = None
     """The same for the ranks of one source (one engine process serves them all).
     ``None``: a quarter of :meth:`request_limit` (:meth:`source_request_limit`)."""
-
-    def _check_pacing(self) -> None:
-        for name in ("max_requests", "max_requests_per_source"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
     def request_limit(self) -> int:
         """Requests in flight at once: ``max_requests``, or what the router can apply.

@@ -295,7 +295,7 @@ class Reactor:
         self._arm_sweep(now)
         horizon = self._sweep_at
         due = [
-            link for link in self._swept if (at := link.silence_deadline()) is None or at <= horizon
+            link for link in self._swept if (at := link.stream.silence_deadline()) is None or at <= horizon
         ]
         for link in due:
             del self._swept[link]

@@ -69,10 +69,9 @@ class SyncProgress(msgspec.Struct, frozen=True, kw_only=True):
 class Readiness:
     """Ranks per state, updated where they change, and the waiters woken when they do.
 
-    The links report from the subscriber's loop (:meth:`opened`, :meth:`moved`,
-    :meth:`closed`); any thread may read and wait. Each report names the rank's
-    state as it is now, so a change reported twice or out of order still counts
-    right.
+    The links report from the subscriber's loop (:meth:`moved`, :meth:`closed`);
+    any thread may read and wait. Each report names the rank's state as it is
+    now, so a change reported twice or out of order still counts right.
     """
 
     def __init__(self, ranks: int = 0) -> None:
@@ -90,9 +89,6 @@ class Readiness:
         with self._cond:
             self._ranks = ranks
             self._changed()
-
-    def opened(self, rank: object, state: RankState) -> None:
-        self.moved(rank, state)
 
     def moved(self, rank: object, state: RankState) -> None:
         """``rank`` is in ``state`` now."""

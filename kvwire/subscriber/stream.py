@@ -10,7 +10,7 @@ The state is a :class:`~kvwire.subscriber.phases.Phase` (moved only by
 :data:`~kvwire.subscriber.phases.EVENTS`, in ``_move``; each input handled by the
 method :data:`~kvwire.subscriber.phases.HANDLERS` names), the position
 (:class:`~kvwire.subscriber.seq.SeqTracker`), what was asked
-(:class:`~kvwire.subscriber.requests.Requests`), the publisher life followed
+(:class:`~kvwire.subscriber.recovery.Requests`), the publisher life followed
 (epoch and topic, changed with the position in ``_adopt`` only) and whether
 the view is *exact*. The state a router reads, and whether the fast path
 applies, are derived once per input (``_finish``). The rules live with their
@@ -45,7 +45,7 @@ import msgspec
 from kvwire.subscriber import batches, recovery, timers
 from kvwire.subscriber.actions import Action, Apply, ApplyPayload, ClearRank, StateChanged
 from kvwire.subscriber.phases import EVENTS, HANDLERS, TRANSITIONS, Event, Input, Phase
-from kvwire.subscriber.requests import Replay, Requests
+from kvwire.subscriber.recovery import Replay, Requests
 from kvwire.subscriber.seq import SeqTracker, StreamPosition
 from kvwire.subscriber.state import LossPolicy, RankCounters, RankState, RankStatus, StreamConfig
 from kvwire.wire import Epoch, decode_batch, parse_epoch

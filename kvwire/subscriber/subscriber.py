@@ -19,7 +19,6 @@ import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterable
-from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -31,12 +30,11 @@ from kvwire.subscriber import receive
 from kvwire.subscriber.checkpoint import CheckpointInfo, Restored, RestoreProgress
 from kvwire.subscriber.config import SubscriberConfig
 from kvwire.subscriber.delivery import Delivery
-from kvwire.subscriber.env import LinkEnv
+from kvwire.subscriber.env import LinkEnv, ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.link import RankLink
 from kvwire.subscriber.persist import Restore, ViewExport
 from kvwire.subscriber.reactor import Reactor, watches_descriptors
 from kvwire.subscriber.readiness import Readiness, SyncProgress
-from kvwire.subscriber.resources import ResourceLimitError, check_sockets, ensure_capacity
 from kvwire.subscriber.sink import EventSink, SinkItem, ViewSink
 from kvwire.subscriber.source import EngineSource, RankEndpoints
 from kvwire.subscriber.state import RankState, RankStatus, StreamConfig
@@ -234,7 +232,7 @@ class Subscriber:
             for link in links:
                 self._by_rank[(link.worker_id, link.rank)] = link
         for link in links:
-            self._readiness.opened(link, link.stream.state)
+            self._readiness.moved(link, link.stream.state)
         env.contacts.add([link for link in links if not link.on_hold])
 
     def _new_link(self, source: EngineSource, endpoints: RankEndpoints) -> RankLink:
@@ -261,7 +259,7 @@ class Subscriber:
         with self._lock:
             links[links.index(old)] = new
             self._by_rank[(new.worker_id, new.rank)] = new
-        self._readiness.opened(new, new.stream.state)
+        self._readiness.moved(new, new.stream.state)
         return new
 
     def _close_source(self, worker_id: str, clear: bool) -> None:
@@ -459,12 +457,7 @@ class Subscriber:
         await asyncio.sleep(0)  # let run() open the sockets
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     def start(self, timeout: float = 5.0) -> Subscriber:
@@ -510,12 +503,7 @@ class Subscriber:
     def __enter__(self) -> Subscriber:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # --- checkpoints and clones ---------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvwire.subscriber import recovery
 from kvwire.subscriber.actions import Reconnect
 from kvwire.subscriber.phases import HANDLERS, Input, Phase
-from kvwire.subscriber.requests import Replay, Snapshot
+from kvwire.subscriber.recovery import Replay, Snapshot
 from kvwire.wire.heartbeat import MAX_SILENCE
 
 if TYPE_CHECKING:

@@ -63,7 +63,7 @@ def built_view(
     enc = Encoder()
     fleet_of = ranks if fleet_ranks is None else fleet_ranks
     out = [
-        enc.start(
+        *enc.start_parts(
             Header(
                 view_format=fmt,
                 created=1.0,
@@ -76,6 +76,6 @@ def built_view(
         view = BlockSetSink()
         view._blocks[(w, r)] = {i * 10 + k for k in range(3)}
         blob = view.export_rank(w, r)
-        out.append(enc.record(Record(worker_id=w, rank=r, position=pos, blob=blob)))
-    out.append(enc.end())
+        out += enc.record_parts(Record(worker_id=w, rank=r, position=pos, blob=blob))
+    out += enc.end_parts()
     return b"".join(out)

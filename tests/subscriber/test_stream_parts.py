@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvwire.subscriber import RequestReplay, RequestSnapshot, StreamConfig
-from kvwire.subscriber.requests import Requests
+from kvwire.subscriber.recovery import Requests
 from kvwire.subscriber.seq import SeqTracker
 from kvwire.subscriber.stream import Phase
 

@@ -23,7 +23,7 @@ from kvwire.subscriber import (
     Subscriber,
     SubscriberConfig,
 )
-from kvwire.subscriber import resources as resources_module
+from kvwire.subscriber import env as resources_module
 from kvwire.wire import (
     ReplayRequest,
     WireError,

@@ -18,7 +18,7 @@ import pytest
 from kvwire.publisher import EventPublisher, PublisherConfig
 from kvwire.subscriber import BlockSetSink, RankState, RankStream, StreamConfig, Subscriber
 from kvwire.subscriber.config import QUEUE_SLACK, REPLY_BLOCKS, SubscriberConfig
-from kvwire.subscriber.requests import Requests
+from kvwire.subscriber.recovery import Requests
 from kvwire.subscriber.stream import Phase
 from kvwire.wire import KVEventBatch
 from tests.subscriber.helpers import EPHEMERAL, Engine, bound_source, fast, rank_status
@@ -367,7 +367,7 @@ def test_the_request_limit_follows_the_rounds_of_reading() -> None:
     """Fast rounds with requests waiting raise the limit one a round (up to ``most``),
     each rise sending the oldest waiting request; a slow round takes a quarter off, and
     the requests out then finish before others go. A fixed limit never moves."""
-    from kvwire.subscriber.slots import ReplaySlots
+    from kvwire.subscriber.env import ReplaySlots
 
     slots = ReplaySlots(4, 100, most=6, round_s=0.25)
     ranks = [_Waiter(slots, f"s{i % 3}") for i in range(10)]
