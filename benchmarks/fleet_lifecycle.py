@@ -740,6 +740,8 @@ def router_child(spec: dict[str, Any]) -> None:
     )
     sources = [EngineSource(w, ep, rep, ranks=n) for w, ep, rep, n in spec["sources"]]
     keys = [(s.worker_id, r) for s in sources for r in range(s.ranks)]
+    if spec.get("nice"):
+        os.nice(spec["nice"])
     index = TimedIndex(BLOCK_SIZE)
     index.delays = []
     options = {k: spec[k] for k in ("checkpoint", "checkpoint_every", "clone_from") if spec.get(k)}
@@ -1168,13 +1170,14 @@ class Bench:
 
     def replicas_case(self, fleet: Fleet, probe: DelayProbe) -> Row:
         a = self.args
-        row = Row("5 four replicas at once", "kvwire", fleet.ranks)
+        nice = f" (routers at nice {a.router_nice})" if a.router_nice else ""
+        row = Row("5 four replicas at once" + nice, "kvwire", fleet.ranks)
         seconds = max(a.window, 8.0)
         floor = self.delay_floor(probe, seconds)
         self.log(f"case 5 live delay p50/p99/max, engines serving nothing: {floor}")
         c0 = fleet.counters()
         probe.start()
-        routers = [Router(f"replica-{i}", fleet, a.timeout) for i in range(4)]
+        routers = [Router(f"replica-{i}", fleet, a.timeout, nice=a.router_nice) for i in range(4)]
         try:
             results = [r.wait() for r in routers]
             catching_up = probe.summary()
@@ -1400,6 +1403,13 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the rows to this file, as JSON")
     parser.add_argument("--busy", action="store_true", help="a CPU hog on one core throughout")
+    parser.add_argument(
+        "--router-nice",
+        type=int,
+        default=0,
+        help="case 5's routers at this niceness: as if on hosts of their own, the engines' "
+        "threads first (a diagnostic: what the engines' serving costs, apart from sharing cores)",
+    )
     parser.add_argument(
         "--pending",
         action="store_true",
