@@ -18,6 +18,7 @@ plot of hit rate over time. Needs no Docker.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import threading
@@ -144,22 +145,6 @@ def _oracle(cluster: Cluster, router: KvRouter) -> Chooser:
     return choose
 
 
-def _round_robin(keys: Sequence[RankKey]) -> Chooser:
-    counter = iter(range(1 << 62))
-
-    def choose(tokens: list[int], loads: dict[RankKey, Load]) -> RankKey:
-        return keys[next(counter) % len(keys)]
-
-    return choose
-
-
-def _kv_aware(cluster: Cluster) -> Chooser:
-    def choose(tokens: list[int], loads: dict[RankKey, Load]) -> RankKey:
-        return cluster.router.choose(tokens, loads).target
-
-    return choose
-
-
 class LiveView:
     """Prints ``kvwire watch``'s table of the ranks once a second."""
 
@@ -253,10 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _cluster(["engine-a", "engine-b"], args.num_blocks, args.out) as cluster:
         view = LiveView(cluster)
         view.start()
+        turn = itertools.cycle(cluster.keys)
         try:
             policies: list[tuple[str, Chooser]] = [
-                ("kv-aware", _kv_aware(cluster)),
-                ("round-robin", _round_robin(cluster.keys)),
+                ("kv-aware", lambda tokens, loads: cluster.router.choose(tokens, loads).target),
+                ("round-robin", lambda tokens, loads: next(turn)),
                 ("oracle", _oracle(cluster, cluster.router)),
             ]
             runs = [

@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass
-from types import TracebackType
 from typing import Any, Protocol
 
 import msgspec
@@ -505,12 +504,7 @@ class EventPublisher:
     def __enter__(self) -> EventPublisher:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- the sender's Python encoder ------------------------------------------------

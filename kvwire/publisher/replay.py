@@ -227,9 +227,8 @@ class _SnapshotJob(_Job):
         super().__init__(identity, conn, account)
         self.snap = snap
         self.index = 0  # the next chunk to send
-        self.started = (
-            not fresh
-        )  # a fresh snapshot's first chunk waits a pass: starting it did work
+        # A fresh snapshot's first chunk waits a pass: starting it did work.
+        self.started = not fresh
         snap.users += 1
 
 
@@ -398,9 +397,8 @@ class ReplayServer:
         taken = account.taken
         if taken != job.taken or not account.in_flight:
             job.taken = taken
-            job.stalled_since = (
-                None  # progress, or nothing the client owes (a full pipe re-marks it)
-            )
+            # progress, or nothing the client owes (a full pipe re-marks it)
+            job.stalled_since = None
         if job.stalled_since is None and account.in_flight:
             job.stalled_since = now
 
