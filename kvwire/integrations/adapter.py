@@ -25,7 +25,7 @@ import msgspec
 from kvwire.integrations.config import IntegrationConfig, bind_addresses
 from kvwire.publisher import EventPublisher
 from kvwire.publisher._sender import EngineFormat, EnginePublish
-from kvwire.publisher.formats import struct_layout
+from kvwire.publisher.batch import struct_layout
 from kvwire.wire import Dialect
 
 __all__ = [

@@ -121,12 +121,9 @@ def _capture(values: Any, what: str, pending: list[_DeviceInts]) -> _Captured:
         return snapshot(values, what)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex:
-            raise TypeError(
-                f"{what} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}"
-            )
-        if values.dtype == torch.bool:
-            raise TypeError(f"{what} must be a 1-D integer tensor, got torch.bool")
+        dtype = values.dtype
+        if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{what} must be a 1-D integer tensor, got {dtype} {tuple(values.shape)}")
         if values.is_cuda:
             copy = _DeviceInts(values)
             pending.append(copy)
