@@ -256,16 +256,12 @@ class ReplayServer:
         self.replies = replies
         self.topic = topic
         self.end_topic = end_topic
-        self.max_batches = config.replay_batches
+        self.config = config
         self.mirror = mirror
         self.sync_mirror = sync_mirror
         self.rank = rank
-        self.dialect = config.dialect
-        self.max_jobs = config.max_replay_jobs
-        self.stall_s = config.replay_stall_s
         self.max_bytes = config.max_replay_bytes
         self.job_bytes = replay_share(config)
-        self.snapshot_chunk_blocks = config.snapshot_chunk_blocks
         # A shared snapshot is joined while the replay buffer surely covers what followed it.
         self.reuse_seqs = config.buffer_steps // 2
         self._note = note_error
@@ -444,7 +440,7 @@ class ReplayServer:
                 self._count_served(old)
             account = old.account
             self._end(old)
-        elif len(self._jobs) >= self.max_jobs and not self._evict():
+        elif len(self._jobs) >= self.config.max_replay_jobs and not self._evict():
             self.dropped += 1
             self._note("replay_busy", "replay request dropped: every replay slot is busy")
             return
@@ -452,7 +448,7 @@ class ReplayServer:
             account = self.replies.account()
         job: _Job
         if isinstance(request, ReplayRequest):
-            job = _ReplayJob(identity, _peer(frames), account, request.start_seq, self.max_batches)
+            job = _ReplayJob(identity, _peer(frames), account, request.start_seq, self.config.replay_batches)
         else:
             found = self._join_snapshot(identity)
             if found is None:
@@ -508,10 +504,11 @@ class ReplayServer:
             with contextlib.suppress(zmq.ZMQError):
                 self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
             return None
+        config = self.config
         cursor = mirror.snapshot(
-            self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
+            self.rank, chunk_blocks=config.snapshot_chunk_blocks, dialect=config.dialect
         )
-        snap = _Snapshot(cursor, self.rank, self.dialect)
+        snap = _Snapshot(cursor, self.rank, config.dialect)
         self.snapshot_bytes_built += snap.built
         self.snapshots_built += 1
         self._current = snap
@@ -522,7 +519,7 @@ class ReplayServer:
     def _step(self, job: _Job, now: float) -> bool:
         """Send one slice of ``job``; returns whether the job is finished (or cut off)."""
         self._settle(job, now)
-        if job.stalled_since is not None and now - job.stalled_since > self.stall_s:
+        if job.stalled_since is not None and now - job.stalled_since > self.config.replay_stall_s:
             return self._cut(job, "its client stopped reading", drop=True)
         if job.sent_all:
             if job.account.in_flight:
