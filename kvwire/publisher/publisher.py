@@ -1,14 +1,9 @@
 """The engine-side event publisher: a live PUB socket and an optional replay ROUTER.
 
-The engine thread only ever reserves a sequence number and appends to a bounded
-queue, both under one lock (in C) so that seq order is queue order whatever
-thread publishes. A native sender thread encodes, sends, keeps batches for
-replay and heartbeats when idle, without the GIL for a collector's batches of
-Python ints (:mod:`kvwire.publisher._sender`). A Python service thread serves
-replay and snapshot requests (:mod:`kvwire.publisher.replay`) and keeps the
-rank's mirror for snapshots. A full queue drops the batch (counted, logged at a
-bounded rate) instead of blocking the engine, and because the seq was reserved
-first the drop is a visible gap to every consumer.
+The engine thread only reserves a seq and queues (:meth:`EventPublisher.publish`);
+a native sender thread (:mod:`kvwire.publisher._sender`) encodes and sends; a Python
+service thread serves replay and snapshots (:mod:`kvwire.publisher.replay`) and
+keeps the mirror. The class docstring says what each costs.
 """
 
 from __future__ import annotations
@@ -148,8 +143,8 @@ class EventPublisher:
     (``kvwire.security.release_context``).
 
     ``publish()`` never blocks: at most ``config.max_queue_size`` batches wait
-    for the sender thread, beyond that a batch is dropped and counted. The
-    sender sends the oldest queued batch ``config.send_coalesce_s`` after its
+    for the sender thread, beyond that a batch is dropped (counted, logged at a
+    bounded rate). The sender sends the oldest queued batch ``config.send_coalesce_s`` after its
     ``publish()`` (with every batch published meanwhile), so that batches close
     together share one wake-up; none waits longer, and a backlog does not wait
     at all (nor does a burst: 64 batches queued wake the sender). While batches
