@@ -310,7 +310,7 @@ class SnapshotCursor:
             if run is None:
                 step: Any = next(self._runs_left, _END)
                 if step is _END:
-                    self._finish()
+                    self.close()
                     break
                 if step is None:  # between roots: those that wait for nothing, in C
                     got, self._next_root, n = self._core.simple_parts(
@@ -349,14 +349,11 @@ class SnapshotCursor:
             chain.lora, extra, chain.group,
         )  # fmt: skip
 
-    def _finish(self) -> None:
+    def close(self) -> None:
+        """Stop serving (done, or the client gone): the mirror stops logging for this snapshot."""
         self._done = True
         self._unlog()
         self._mirror._release(self)
         self._undo = {}
         self._chains = []
         self._yielded = set()
-
-    def close(self) -> None:
-        """Stop serving (client gone): the mirror stops logging for this snapshot."""
-        self._finish()

@@ -479,30 +479,20 @@ class ReplayServer:
     def _join_snapshot(self, identity: bytes) -> tuple[_Snapshot, bool] | None:
         """The shared snapshot this request is served from, and whether it was just made."""
         mirror = self.mirror
-        reason: str | None
-        if mirror is None:
-            # As the engines' own publishers answer it: a start seq past the buffer.
-            self.snapshots_refused += 1
-            with contextlib.suppress(zmq.ZMQError):
-                self.router.send_multipart(
-                    [identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK
-                )
+        if mirror is None:  # as the engines' own publishers answer it: a start seq past the buffer
+            self._refuse(identity, replay_end_frames(self.end_topic))
             return None
         self.sync_mirror()
         current = self._current
         if mirror.distrust_reason is not None:
-            reason = f"state cannot be vouched for: {mirror.distrust_reason}"
-        elif current is not None and mirror.next_seq - current.next_seq <= self.reuse_seqs:
+            why = f"state cannot be vouched for: {mirror.distrust_reason}"
+            self._refuse(identity, snapshot_refused_frames(self.topic, why))
+            return None
+        if current is not None and mirror.next_seq - current.next_seq <= self.reuse_seqs:
             return current, False
-        elif mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
-            reason = "busy: too many snapshots in progress"
-        else:
-            reason = None
-        if reason is not None:
-            self.snapshots_refused += 1
-            frames = snapshot_refused_frames(self.topic, reason)
-            with contextlib.suppress(zmq.ZMQError):
-                self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
+        if mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
+            why = "busy: too many snapshots in progress"
+            self._refuse(identity, snapshot_refused_frames(self.topic, why))
             return None
         config = self.config
         cursor = mirror.snapshot(
@@ -513,6 +503,11 @@ class ReplayServer:
         self.snapshots_built += 1
         self._current = snap
         return snap, True
+
+    def _refuse(self, identity: bytes, frames: list[bytes]) -> None:
+        self.snapshots_refused += 1
+        with contextlib.suppress(zmq.ZMQError):
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
 
     # --- sending -----------------------------------------------------------------------
 
