@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import msgspec
@@ -115,6 +115,10 @@ class PublisherStats:
     def as_dict(self) -> dict[str, int]:
         """The counters by name, e.g. for metrics or a control reply."""
         return asdict(self)
+
+
+_STATS_FIELDS = {f.name for f in fields(PublisherStats)}
+"""What ``stats()`` takes from the sender's counters as they are: those of the same names."""
 
 
 class EventPublisher:
@@ -324,26 +328,15 @@ class EventPublisher:
         replay = self._replay
         mirror = self._mirror
         return PublisherStats(
+            **{name: n for name, n in c.items() if name in _STATS_FIELDS},
             enqueued=c["last_seq"] + 1 - c["dropped_queue_full"] - c["dropped_closed"],
-            published=c["published"],
-            dropped_queue_full=c["dropped_queue_full"],
-            dropped_send_error=c["dropped_send_error"],
-            dropped_encode_error=c["dropped_encode_error"],
-            dropped_closed=c["dropped_closed"],
             replay_served=replay.served if replay else 0,
             replay_invalid=replay.invalid if replay else 0,
             replay_dropped=replay.dropped if replay else 0,
-            queue_depth=c["queue_depth"],
-            last_seq=c["last_seq"],
-            heartbeats=c["heartbeats"],
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
             mirrored_blocks=mirror.count_blocks() if mirror else 0,
-            native_encoded=c["native_encoded"],
-            gil_encoded=c["gil_encoded"],
-            sender_gil_takes=c["sender_gil_takes"],
             mirror_pending=c["mirror_feed"] + self._mirror_in_hand,
-            skipped=c["skipped"],
             replay_bytes_in_flight=replay.bytes_in_flight if replay else 0,
             replay_disconnects=replay.disconnects if replay else 0,
             snapshots_built=replay.snapshots_built if replay else 0,
