@@ -107,13 +107,9 @@ class Mirror:
         self._apply(events)
 
     def apply_feed(self, feed: list[tuple[int, Any]]) -> None:
-        """Mirror the sender's feed ``[(seq, payload or None)]`` in order, as one C call where it can.
-
-        Payloads are read in C (the first pass over them without the GIL when
-        they are large); an entry it does not take (a seq gap, a batch that
-        did not encode, a payload outside the reader's subset) is applied
-        here, and the rest resumes in C.
-        """
+        """Mirror the sender's feed ``[(seq, payload or None)]`` in order, as one C call where it
+        can (see the module); an entry C does not take (a seq gap, a batch that did not encode,
+        a payload outside the reader's subset) is applied here, and the rest resumes in C."""
         i, n = 0, len(feed)
         while i < n:
             try:

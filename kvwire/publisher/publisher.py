@@ -146,11 +146,9 @@ class EventPublisher:
     ranks of a process sharing its I/O thread), that is the caller's
     (``kvwire.security.release_context``).
 
-    ``publish()`` never blocks: at most ``config.max_queue_size`` batches wait
-    for the sender thread, beyond that a batch is dropped (counted, logged at a
-    bounded rate). The sender sends the oldest queued batch ``config.send_coalesce_s`` after its
-    ``publish()`` (with every batch published meanwhile), so that batches close
-    together share one wake-up; none waits longer, and a backlog does not wait
+    ``publish()`` never blocks (a batch past ``config.max_queue_size`` is dropped,
+    counted and logged at a bounded rate). The sender holds the oldest queued batch
+    ``config.send_coalesce_s`` (see there); none waits longer, and a backlog does not wait
     at all (nor does a burst: 64 batches queued wake the sender). While batches
     keep coming (each within 50 ms of the previous one, until 50 ms after the
     last) it looks at the queue every ``send_coalesce_s`` instead of being
@@ -158,14 +156,11 @@ class EventPublisher:
     publishing now and then, or only heartbeats, is woken instead of polling
     for nothing.
 
-    The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
-    takes the GIL for a collector's batch of Python lists, tuples or arrays'
-    snapshots of exact ints (the hooks' common case): it reads those objects,
-    which the collector's contract keeps unchanged, encodes them byte for byte
-    as :meth:`CollectedBatch.encode` would and sends them zero-copy; nor for
-    ``bytes`` already encoded, which it copies as they are. Anything
-    else (a ``KVEventBatch``, an engine plugin's batch, numpy or CUDA captures,
-    int subclasses, ``extra_keys``) is encoded by Python with the GIL taken;
+    The sender is a native thread (:mod:`kvwire.publisher._sender`) that encodes a
+    collector's batch without the GIL when it keeps the collector's contract
+    (:mod:`kvwire.publisher.collector`), byte for byte as :meth:`CollectedBatch.encode`
+    would, and copies ``bytes`` already encoded as they are; anything else (a
+    ``KVEventBatch``, an engine plugin's batch) is encoded by Python with the GIL taken;
     :meth:`stats` counts both (``native_encoded``, ``gil_encoded``,
     ``sender_gil_takes``). Replay, snapshots and the mirror run on a Python
     thread that sleeps in a poll without the GIL and wakes for requests, and,
