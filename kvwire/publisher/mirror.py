@@ -57,8 +57,7 @@ from kvwire.publisher._mirror import Chain, Core
 from kvwire.publisher.config import PublisherConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEventBatch
 from kvwire.wire.codec import StoredParts, decode_batch, encode_parts
-from kvwire.wire.errors import WireError
-from kvwire.wire.events import TokenIds
+from kvwire.wire.events import TokenIds, WireError
 
 __all__ = ["Mirror", "SnapshotCursor"]
 

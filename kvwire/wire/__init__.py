@@ -1,6 +1,6 @@
 """The wire contract both sides share: event structs, msgpack codec, frames, endpoints."""
 
-from kvwire.wire import endpoints, errors, events, framing
+from kvwire.wire import endpoints, events, framing
 from kvwire.wire.codec import (
     DEFAULT_LIMITS,
     DecodeLimits,
@@ -10,7 +10,6 @@ from kvwire.wire.codec import (
     normalise_hash,
 )
 from kvwire.wire.endpoints import *  # noqa: F403
-from kvwire.wire.errors import *  # noqa: F403
 from kvwire.wire.events import *  # noqa: F403
 from kvwire.wire.framing import *  # noqa: F403
 
@@ -22,7 +21,6 @@ __all__ = [
     "encode_batch",
     "normalise_hash",
     *endpoints.__all__,
-    *errors.__all__,
     *events.__all__,
     *framing.__all__,
 ]

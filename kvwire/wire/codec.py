@@ -18,7 +18,6 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 
 from kvwire.wire import _pack, _scan
-from kvwire.wire.errors import WireError
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,6 +25,7 @@ from kvwire.wire.events import (
     KVEvent,
     KVEventBatch,
     TokenIds,
+    WireError,
     packed_count,
 )
 
