@@ -559,13 +559,8 @@ class ReplayServer:
             self.bytes_sent += nbytes
             self._sent = True
         _raise_for(rc)
-        if sent < found:  # no room now
-            return
-        if job.remaining > 0 and found == want:
-            return
-        self.router.send_multipart([job.identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
-        job.sent_all = True
-        self._sent = True
+        if sent == found and (job.remaining == 0 or found < want):  # room, and nothing more
+            self._send_end(job, replay_end_frames(self.end_topic))
 
     def _snapshot_slice(self, job: _SnapshotJob) -> None:
         if not job.started:
@@ -581,14 +576,17 @@ class ReplayServer:
             if made:
                 self.snapshot_bytes_built += len(payload or b"")
             if payload is None:
-                frames = snapshot_end_frames(self.topic, snap.next_seq, len(snap.chunks))
-                self.router.send_multipart([job.identity, *frames], zmq.NOBLOCK)
-                job.sent_all = True
-                self._sent = True
+                self._send_end(job, snapshot_end_frames(self.topic, snap.next_seq, len(snap.chunks)))
                 return
             if not self._send_payload(job, (*head, pack_seq(job.index)), payload):
                 return
             job.index += 1
+
+    def _send_end(self, job: _Job, frames: list[bytes]) -> None:
+        """The marker that closes a reply; the job is complete once its client took all."""
+        self.router.send_multipart([job.identity, *frames], zmq.NOBLOCK)
+        job.sent_all = True
+        self._sent = True
 
 
 def _raise_for(rc: int) -> None:
