@@ -339,8 +339,7 @@ class EventPublisher:
 
     def replayable_seqs(self) -> list[int]:
         """The seqs the replay buffer holds, oldest first (for tests and diagnostics)."""
-        seqs: list[int] = self._sender.seqs(True)
-        return seqs
+        return list(self._sender.seqs(True))
 
     @property
     def bound_endpoint(self) -> str:
