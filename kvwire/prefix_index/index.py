@@ -274,14 +274,15 @@ class PrefixIndex:
                 sid = self._add_rank(worker_id, rank)
             groups = self._groups
             for ev in batch.events:
-                if isinstance(ev, (BlockStored, BlockRemoved)):
+                if isinstance(ev, BlockStored):
                     if ev.group_idx not in groups:
                         self._ignored += 1
-                    elif not ev.block_hashes:
-                        continue
-                    elif isinstance(ev, BlockStored):
+                    elif ev.block_hashes:
                         self._store(sid, ev)
-                    else:
+                elif isinstance(ev, BlockRemoved):
+                    if ev.group_idx not in groups:
+                        self._ignored += 1
+                    elif ev.block_hashes:
                         self._remove(sid, ev)
                 elif isinstance(ev, AllBlocksCleared):
                     self._core.clear_rank(sid)
