@@ -1,15 +1,7 @@
-"""The ``kvwire`` command line.
-
-``kvwire watch ENDPOINT``: a live per-rank view of an engine's KV-event
-stream (state, seq, events/s, gaps, replays, blocks held). ``kvwire dump
-ENDPOINT``: every decoded batch as a JSON line. ``kvwire keygen NAME``: a
-CURVE key pair for authenticated, encrypted sockets. ``watch`` and ``dump``
-work against any engine publishing KV events (vLLM, SGLang, TensorRT-LLM,
-kvwire's publisher): pass the engine's base endpoint, its replay endpoint if
-it has one, its number of data-parallel ranks (or, for ranks that bound
-unrelated ports, each rank's endpoints with ``--rank-endpoint``) and, for a
-CURVE engine, its public key and this client's secret key. Subcommands register themselves on the parser, so
-more can be added next to these.
+"""The ``kvwire`` command line: ``watch``, ``dump`` and ``keygen`` (each one's help says what
+it does). ``watch`` and ``dump`` follow any engine publishing KV events (vLLM, SGLang,
+TensorRT-LLM, kvwire's publisher). Subcommands register themselves on the parser, so more
+can be added next to these.
 """
 
 from __future__ import annotations

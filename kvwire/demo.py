@@ -18,6 +18,7 @@ plot of hit rate over time. Needs no Docker.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import threading
@@ -33,7 +34,7 @@ from kvwire.reference.control import ControlClient
 from kvwire.reference.launch import EngineProcess
 from kvwire.reference.serve import EngineConfig
 from kvwire.reference.workload import SyntheticWorkload, WorkloadConfig
-from kvwire.subscriber import RankStatus, Subscriber
+from kvwire.subscriber import Subscriber
 from kvwire.subscriber.view import WatchView
 
 __all__ = ["main"]
@@ -71,9 +72,6 @@ class Cluster:
             (w, r) for w, e in engines.items() for r in range(e.config.ranks)
         ]
         self.router = KvRouter(self.index, rank_states=self.subscriber)
-
-    def status(self) -> dict[RankKey, RankStatus]:
-        return {(s.worker_id, s.rank): s for s in self.subscriber.status()}
 
     def reset_all(self) -> None:
         """Clear every rank's cache and wait until the index agrees (it holds nothing)."""
@@ -130,32 +128,14 @@ def _oracle(cluster: Cluster, router: KvRouter) -> Chooser:
 
     def choose(tokens: list[int], loads: dict[RankKey, Load]) -> RankKey:
         prompt = len(tokens) // BLOCK_SIZE
-        best: tuple[float, int, RankKey] | None = None
-        for key, load in loads.items():
+
+        def cost(key: RankKey) -> tuple[float, int, RankKey]:
             cached = cluster.clients[key[0]].probe(key[1], tokens)
-            cost = router.prefill_weight * max(prompt - router.overlap_credit * cached, 0)
-            cost += load.decode_blocks
-            cand = (cost, load.decode_blocks, key)
-            if best is None or cand < best:
-                best = cand
-        assert best is not None
-        return best[2]
+            decode = loads[key].decode_blocks
+            prefill = router.prefill_weight * max(prompt - router.overlap_credit * cached, 0)
+            return prefill + decode, decode, key
 
-    return choose
-
-
-def _round_robin(keys: Sequence[RankKey]) -> Chooser:
-    counter = iter(range(1 << 62))
-
-    def choose(tokens: list[int], loads: dict[RankKey, Load]) -> RankKey:
-        return keys[next(counter) % len(keys)]
-
-    return choose
-
-
-def _kv_aware(cluster: Cluster) -> Chooser:
-    def choose(tokens: list[int], loads: dict[RankKey, Load]) -> RankKey:
-        return cluster.router.choose(tokens, loads).target
+        return min(loads, key=cost)
 
     return choose
 
@@ -253,10 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _cluster(["engine-a", "engine-b"], args.num_blocks, args.out) as cluster:
         view = LiveView(cluster)
         view.start()
+        turn = itertools.cycle(cluster.keys)
         try:
             policies: list[tuple[str, Chooser]] = [
-                ("kv-aware", _kv_aware(cluster)),
-                ("round-robin", _round_robin(cluster.keys)),
+                ("kv-aware", lambda tokens, loads: cluster.router.choose(tokens, loads).target),
+                ("round-robin", lambda tokens, loads: next(turn)),
                 ("oracle", _oracle(cluster, cluster.router)),
             ]
             runs = [
@@ -265,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
         finally:
             view.stop()
-        final = cluster.status()
+        final = cluster.subscriber.status()
     oracle = runs[-1].hit_rate or 1.0
     print(f"\nprefix-cache hit rate over {args.requests} requests per policy (same workload):")
     print(f"{'policy':<13}{'hit rate':>9}{'of oracle':>11}")
@@ -274,8 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv = runs[0].hit_rate / oracle
     verdict = "met" if kv >= TARGET else "MISSED"
     print(f"target: kv-aware >= {100 * TARGET:.0f}% of the oracle: {verdict} ({100 * kv:.1f}%)")
-    gaps = sum(s.counters.gaps for s in final.values())
-    print(f"ranks: {', '.join(f'{w}/{r} {s.state.name}' for (w, r), s in final.items())}; gaps seen: {gaps}")
+    gaps = sum(s.counters.gaps for s in final)
+    print(f"ranks: {', '.join(f'{s.worker_id}/{s.rank} {s.state.name}' for s in final)}; gaps seen: {gaps}")
     plot = _plot(runs, args.out / "demo-hit-rate.png")
     if plot is not None:
         print(f"plot: {plot}")

@@ -247,18 +247,11 @@ def warn_if_exposed(
     """
     if is_loopback(endpoint):
         return False
-    if secured:
-        logger.warning(
-            "%s bound on %s, reachable beyond this host (CURVE keys required to connect)",
-            what,
-            endpoint,
+    risk = "(CURVE keys required to connect)"
+    if not secured:
+        risk = (
+            "WITHOUT authentication or encryption: anyone who reaches it reads users' prompt "
+            "token ids (give it CURVE keys, see kvwire.security, or bind 127.0.0.1)"
         )
-    else:
-        logger.warning(
-            "%s bound on %s, reachable beyond this host WITHOUT authentication or "
-            "encryption: anyone who reaches it reads users' prompt token ids "
-            "(give it CURVE keys, see kvwire.security, or bind 127.0.0.1)",
-            what,
-            endpoint,
-        )
+    logger.warning("%s bound on %s, reachable beyond this host %s", what, endpoint, risk)
     return True

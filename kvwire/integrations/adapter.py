@@ -25,7 +25,7 @@ import msgspec
 from kvwire.integrations.config import IntegrationConfig, bind_addresses
 from kvwire.publisher import EventPublisher
 from kvwire.publisher._sender import EngineFormat, EnginePublish
-from kvwire.publisher.formats import struct_layout
+from kvwire.publisher.batch import struct_layout
 from kvwire.wire import Dialect
 
 __all__ = [
@@ -80,12 +80,8 @@ def binds(endpoint: str, bind: bool | None = None) -> bool:
     """
     if bind is not None:
         return bind
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or "0.0.0.0" in endpoint
-        or endpoint.startswith(("ipc://", "inproc://"))
-    )
+    wildcard = any(host in endpoint for host in ("*", "::", "0.0.0.0"))
+    return wildcard or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class EngineEventPublisher:

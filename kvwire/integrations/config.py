@@ -4,20 +4,10 @@ vLLM and SGLang create their publisher from their own ``--kv-events-config``
 (endpoints, buffer, queue, topic), and vLLM's config accepts no new fields, so
 everything kvwire adds comes from the environment. The variables, their
 defaults and what each means are listed once, in ``docs/engines.md``
-(Settings).
-
-Each variable is a field of :class:`IntegrationConfig` (the plugins) or
-:class:`RelayConfig` (the TensorRT-LLM relay only): ``KVWIRE_`` and the field's
-name upper-cased (``KVWIRE_PUBLISHER`` is ``enabled``), read with
-``msgspec.convert`` against the field's type and range, the same ranges as
-:class:`~kvwire.publisher.PublisherConfig`'s; an empty variable counts as
-unset, and unset ones take the publisher's defaults. A value outside them is
-refused when it is read, naming the variable, its value and what is allowed.
-A plugin that is off reads nothing else, so it can never stop its engine.
-
-Everything that would change the bytes on the wire (epoch, heartbeats)
-stays off unless a variable turns it on, so existing consumers of vLLM's and
-SGLang's streams keep reading exactly what the engines' own publishers send.
+(Settings). Each is a field of :class:`IntegrationConfig` (the plugins) or
+:class:`RelayConfig` (the TensorRT-LLM relay only), with the ranges of
+:class:`~kvwire.publisher.PublisherConfig`'s, read by
+:func:`kvwire.settings.read_env`.
 """
 
 from __future__ import annotations

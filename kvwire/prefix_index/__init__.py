@@ -8,43 +8,9 @@
   rank states from the ``Subscriber`` (any :class:`RankStateSource`).
 """
 
-from kvwire.prefix_index.index import (
-    CPU,
-    GPU,
-    STORAGE,
-    IndexStats,
-    Matches,
-    PrefixIndex,
-    RankKey,
-    TierDepths,
-    tier_of,
-)
+from kvwire.prefix_index import index, router
+from kvwire.prefix_index.index import *  # noqa: F403
 from kvwire.prefix_index.keys import as_token_array, block_keys
-from kvwire.prefix_index.router import (
-    Candidate,
-    Decision,
-    KvRouter,
-    Load,
-    RankStates,
-    RankStateSource,
-)
+from kvwire.prefix_index.router import *  # noqa: F403
 
-__all__ = [
-    "CPU",
-    "GPU",
-    "STORAGE",
-    "Candidate",
-    "Decision",
-    "IndexStats",
-    "KvRouter",
-    "Load",
-    "Matches",
-    "PrefixIndex",
-    "RankKey",
-    "RankStateSource",
-    "RankStates",
-    "TierDepths",
-    "as_token_array",
-    "block_keys",
-    "tier_of",
-]
+__all__ = [*index.__all__, "as_token_array", "block_keys", *router.__all__]

@@ -458,13 +458,7 @@ class PrefixIndex:
         cache_salt: Any = None,
     ) -> U64:
         """This index's key of each full block of ``tokens`` (see :func:`block_keys`)."""
-        scheme = self._scheme
-        src, packed, n_tokens = token_source(tokens)
-        n = n_tokens // self.block_size
-        extra = None if extra_keys is None else scheme.extra_hashes(extra_keys, n)
-        out = np.empty(n, dtype=np.uint64)
-        scheme.native.keys_into(src, packed, scheme.root(lora_name, cache_salt), 0, extra, out)
-        return out
+        return self._scheme.chain(tokens, self._scheme.root(lora_name, cache_salt), 0, extra_keys)
 
     def match(
         self,

@@ -151,14 +151,18 @@ class KeyScheme:
 
     # --- the chain ------------------------------------------------------------
 
-    def chain(self, tokens: Any, start: int, position: int = 0, extra: U64 | None = None) -> U64:
+    def chain(
+        self, tokens: Any, start: int, position: int = 0, extra_keys: Sequence[Any] | None = None
+    ) -> U64:
         """Keys of the full blocks of ``tokens`` after chaining state ``start``.
 
         ``tokens`` is anything :func:`token_source` takes; ``position`` is the
-        absolute block position of its first block.
+        absolute block position of its first block; ``extra_keys`` as :func:`block_keys`.
         """
         src, packed, n_tokens = token_source(tokens)
-        out = np.empty(n_tokens // self.block_size, dtype=np.uint64)
+        n = n_tokens // self.block_size
+        out = np.empty(n, dtype=np.uint64)
+        extra = self.extra_hashes(extra_keys, n)
         self.native.keys_into(src, packed, start & _MASK, position, extra, out)
         return out
 
@@ -242,9 +246,5 @@ def block_keys(
     if position < 0:
         raise ValueError(f"position must be >= 0, got {position}")
     scheme = key_scheme(seed & _MASK, block_size)
-    src, packed, n_tokens = token_source(tokens)
-    extra = scheme.extra_hashes(extra_keys, n_tokens // block_size)
-    start = scheme.root(lora_name, cache_salt) if parent_key is None else parent_key & _MASK
-    out = np.empty(n_tokens // block_size, dtype=np.uint64)
-    scheme.native.keys_into(src, packed, start, position, extra, out)
-    return out
+    start = scheme.root(lora_name, cache_salt) if parent_key is None else parent_key
+    return scheme.chain(tokens, start, position, extra_keys)

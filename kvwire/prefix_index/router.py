@@ -210,7 +210,8 @@ class KvRouter:
             chosen = min(scored, key=lambda k: (scored[k].cost, _load_of(scored[k], bs), k))
         else:
             probs = _softmax({k: c.cost for k, c in scored.items()}, temp)
-            chosen = _sample(probs, self.rng)
+            keys = sorted(probs)
+            chosen = self.rng.choices(keys, [probs[k] for k in keys])[0]
         reason = self._reason(chosen, scored, prompt_blocks, temp, probs)
         return Decision(chosen[0], chosen[1], prompt_blocks, scored, reason, probs)
 
@@ -276,13 +277,3 @@ def _softmax(costs: dict[RankKey, float], temperature: float) -> dict[RankKey, f
     total = sum(weights.values())
     return {k: w / total for k, w in weights.items()}
 
-
-def _sample(probs: dict[RankKey, float], rng: random.Random) -> RankKey:
-    x = rng.random()
-    acc = 0.0
-    keys = sorted(probs)
-    for k in keys:
-        acc += probs[k]
-        if x < acc:
-            return k
-    return keys[-1]

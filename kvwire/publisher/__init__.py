@@ -6,31 +6,10 @@ TensorRT-LLM) live in :mod:`kvwire.integrations`; the reference engine that
 the demo and the tests drive lives in :mod:`kvwire.reference`.
 """
 
+from kvwire.publisher import collector, publisher
 from kvwire.publisher.batch import CollectedBatch, Record
-from kvwire.publisher.collector import (
-    BatchPublisher,
-    CollectorStats,
-    EventCollector,
-    HashFormat,
-)
+from kvwire.publisher.collector import *  # noqa: F403
 from kvwire.publisher.config import PublisherConfig
-from kvwire.publisher.publisher import (
-    DEFAULT_ENDPOINT,
-    EventPublisher,
-    PendingBatch,
-    PublisherStats,
-)
+from kvwire.publisher.publisher import *  # noqa: F403
 
-__all__ = [
-    "DEFAULT_ENDPOINT",
-    "BatchPublisher",
-    "CollectedBatch",
-    "CollectorStats",
-    "EventCollector",
-    "EventPublisher",
-    "HashFormat",
-    "PendingBatch",
-    "PublisherConfig",
-    "PublisherStats",
-    "Record",
-]
+__all__ = [*collector.__all__, *publisher.__all__, "CollectedBatch", "PublisherConfig", "Record"]

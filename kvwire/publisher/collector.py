@@ -10,10 +10,10 @@ without waiting (a CUDA event marks when the copy is done). Conversion,
 coalescing and msgpack encoding happen later, on the publisher's sender thread.
 
 The hooks themselves are C (``Collector`` in :mod:`kvwire.publisher._sender`):
-for lists and tuples a call creates no Python object, it appends a record
-to C memory holding their values (or, for what is not exact ints, references). With an
-:class:`~kvwire.publisher.EventPublisher`, ``flush()`` queues those records on
-its native sender as they are; with any other publisher it builds a
+for lists and tuples a call creates no Python object, it appends a record to C
+memory holding their values (or, for what is not exact ints, references). With
+an :class:`~kvwire.publisher.EventPublisher`, ``flush()`` queues those records
+on its native sender as they are; with any other publisher it builds a
 :class:`CollectedBatch` and calls ``publish()``.
 
 The contract is what lets the native sender read a batch's lists without the
@@ -121,12 +121,10 @@ def _capture(values: Any, what: str, pending: list[_DeviceInts]) -> _Captured:
         return snapshot(values, what)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex:
-            raise TypeError(
-                f"{what} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}"
-            )
-        if values.dtype == torch.bool:
-            raise TypeError(f"{what} must be a 1-D integer tensor, got torch.bool")
+        dtype = values.dtype
+        if values.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            shape = tuple(values.shape)
+            raise TypeError(f"{what} must be a 1-D integer tensor, got {dtype} {shape}")
         if values.is_cuda:
             copy = _DeviceInts(values)
             pending.append(copy)
@@ -170,16 +168,9 @@ class EventCollector(Collector):
 
     Every int goes out in its smallest msgpack form, so the bytes are those of
     ``encode_batch`` (and vLLM's); arrays and tensors are read natively, without
-    a Python int per element.
-
-    The hooks (:meth:`stored`, :meth:`removed`, :meth:`cleared`, :meth:`flush`)
-    are the native base class's methods (:mod:`kvwire.publisher._sender`): a
-    call runs no Python frame and, with lists or tuples, creates no Python
-    object, so that the engine thread's own cost is its calls alone. The
-    records are kept in C memory; with an
-    :class:`~kvwire.publisher.EventPublisher` as ``publisher``, :meth:`flush`
-    queues them on its native sender as they are, otherwise it builds a
-    :class:`CollectedBatch` and calls ``publisher.publish``.
+    a Python int per element. The hooks are the native base class's methods: a
+    call runs no Python frame, so that the engine thread's own cost is its calls
+    alone (the module says where the records go).
     """
 
     _block_size: int

@@ -57,8 +57,7 @@ from kvwire.publisher._mirror import Chain, Core
 from kvwire.publisher.config import PublisherConfig
 from kvwire.wire import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEventBatch
 from kvwire.wire.codec import StoredParts, decode_batch, encode_parts
-from kvwire.wire.errors import WireError
-from kvwire.wire.events import TokenIds
+from kvwire.wire.events import TokenIds, WireError
 
 __all__ = ["Mirror", "SnapshotCursor"]
 
@@ -107,13 +106,9 @@ class Mirror:
         self._apply(events)
 
     def apply_feed(self, feed: list[tuple[int, Any]]) -> None:
-        """Mirror the sender's feed ``[(seq, payload or None)]`` in order, as one C call where it can.
-
-        Payloads are read in C (the first pass over them without the GIL when
-        they are large); an entry it does not take (a seq gap, a batch that
-        did not encode, a payload outside the reader's subset) is applied
-        here, and the rest resumes in C.
-        """
+        """Mirror the sender's feed ``[(seq, payload or None)]`` in order, as one C call where it
+        can (see the module); an entry C does not take (a seq gap, a batch that did not encode,
+        a payload outside the reader's subset) is applied here, and the rest resumes in C."""
         i, n = 0, len(feed)
         while i < n:
             try:
@@ -310,7 +305,7 @@ class SnapshotCursor:
             if run is None:
                 step: Any = next(self._runs_left, _END)
                 if step is _END:
-                    self._finish()
+                    self.close()
                     break
                 if step is None:  # between roots: those that wait for nothing, in C
                     got, self._next_root, n = self._core.simple_parts(
@@ -349,14 +344,11 @@ class SnapshotCursor:
             chain.lora, extra, chain.group,
         )  # fmt: skip
 
-    def _finish(self) -> None:
+    def close(self) -> None:
+        """Stop serving (done, or the client gone): the mirror stops logging for this snapshot."""
         self._done = True
         self._unlog()
         self._mirror._release(self)
         self._undo = {}
         self._chains = []
         self._yielded = set()
-
-    def close(self) -> None:
-        """Stop serving (client gone): the mirror stops logging for this snapshot."""
-        self._finish()

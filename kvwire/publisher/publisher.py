@@ -1,14 +1,9 @@
 """The engine-side event publisher: a live PUB socket and an optional replay ROUTER.
 
-The engine thread only ever reserves a sequence number and appends to a bounded
-queue, both under one lock (in C) so that seq order is queue order whatever
-thread publishes. A native sender thread encodes, sends, keeps batches for
-replay and heartbeats when idle, without the GIL for a collector's batches of
-Python ints (:mod:`kvwire.publisher._sender`). A Python service thread serves
-replay and snapshot requests (:mod:`kvwire.publisher.replay`) and keeps the
-rank's mirror for snapshots. A full queue drops the batch (counted, logged at a
-bounded rate) instead of blocking the engine, and because the seq was reserved
-first the drop is a visible gap to every consumer.
+The engine thread only reserves a seq and queues (:meth:`EventPublisher.publish`);
+a native sender thread (:mod:`kvwire.publisher._sender`) encodes and sends; a Python
+service thread serves replay and snapshots (:mod:`kvwire.publisher.replay`) and
+keeps the mirror. The class docstring says what each costs.
 """
 
 from __future__ import annotations
@@ -17,8 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
-from types import TracebackType
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import msgspec
@@ -123,6 +117,10 @@ class PublisherStats:
         return asdict(self)
 
 
+_STATS_FIELDS = {f.name for f in fields(PublisherStats)}
+"""What ``stats()`` takes from the sender's counters as they are: those of the same names."""
+
+
 class EventPublisher:
     """Publishes KV-event batches on a ZeroMQ PUB socket, with optional replay.
 
@@ -148,11 +146,9 @@ class EventPublisher:
     ranks of a process sharing its I/O thread), that is the caller's
     (``kvwire.security.release_context``).
 
-    ``publish()`` never blocks: at most ``config.max_queue_size`` batches wait
-    for the sender thread, beyond that a batch is dropped and counted. The
-    sender sends the oldest queued batch ``config.send_coalesce_s`` after its
-    ``publish()`` (with every batch published meanwhile), so that batches close
-    together share one wake-up; none waits longer, and a backlog does not wait
+    ``publish()`` never blocks (a batch past ``config.max_queue_size`` is dropped,
+    counted and logged at a bounded rate). The sender holds the oldest queued batch
+    ``config.send_coalesce_s`` (see there); none waits longer, and a backlog does not wait
     at all (nor does a burst: 64 batches queued wake the sender). While batches
     keep coming (each within 50 ms of the previous one, until 50 ms after the
     last) it looks at the queue every ``send_coalesce_s`` instead of being
@@ -160,14 +156,11 @@ class EventPublisher:
     publishing now and then, or only heartbeats, is woken instead of polling
     for nothing.
 
-    The sender is a native thread (:mod:`kvwire.publisher._sender`) that never
-    takes the GIL for a collector's batch of Python lists, tuples or arrays'
-    snapshots of exact ints (the hooks' common case): it reads those objects,
-    which the collector's contract keeps unchanged, encodes them byte for byte
-    as :meth:`CollectedBatch.encode` would and sends them zero-copy; nor for
-    ``bytes`` already encoded, which it copies as they are. Anything
-    else (a ``KVEventBatch``, an engine plugin's batch, numpy or CUDA captures,
-    int subclasses, ``extra_keys``) is encoded by Python with the GIL taken;
+    The sender is a native thread (:mod:`kvwire.publisher._sender`) that encodes a
+    collector's batch without the GIL when it keeps the collector's contract
+    (:mod:`kvwire.publisher.collector`), byte for byte as :meth:`CollectedBatch.encode`
+    would, and copies ``bytes`` already encoded as they are; anything else (a
+    ``KVEventBatch``, an engine plugin's batch) is encoded by Python with the GIL taken;
     :meth:`stats` counts both (``native_encoded``, ``gil_encoded``,
     ``sender_gil_takes``). Replay, snapshots and the mirror run on a Python
     thread that sleeps in a poll without the GIL and wakes for requests, and,
@@ -330,26 +323,15 @@ class EventPublisher:
         replay = self._replay
         mirror = self._mirror
         return PublisherStats(
+            **{name: n for name, n in c.items() if name in _STATS_FIELDS},
             enqueued=c["last_seq"] + 1 - c["dropped_queue_full"] - c["dropped_closed"],
-            published=c["published"],
-            dropped_queue_full=c["dropped_queue_full"],
-            dropped_send_error=c["dropped_send_error"],
-            dropped_encode_error=c["dropped_encode_error"],
-            dropped_closed=c["dropped_closed"],
             replay_served=replay.served if replay else 0,
             replay_invalid=replay.invalid if replay else 0,
             replay_dropped=replay.dropped if replay else 0,
-            queue_depth=c["queue_depth"],
-            last_seq=c["last_seq"],
-            heartbeats=c["heartbeats"],
             snapshots_served=replay.snapshots_served if replay else 0,
             snapshots_refused=replay.snapshots_refused if replay else 0,
             mirrored_blocks=mirror.count_blocks() if mirror else 0,
-            native_encoded=c["native_encoded"],
-            gil_encoded=c["gil_encoded"],
-            sender_gil_takes=c["sender_gil_takes"],
             mirror_pending=c["mirror_feed"] + self._mirror_in_hand,
-            skipped=c["skipped"],
             replay_bytes_in_flight=replay.bytes_in_flight if replay else 0,
             replay_disconnects=replay.disconnects if replay else 0,
             snapshots_built=replay.snapshots_built if replay else 0,
@@ -357,8 +339,7 @@ class EventPublisher:
 
     def replayable_seqs(self) -> list[int]:
         """The seqs the replay buffer holds, oldest first (for tests and diagnostics)."""
-        seqs: list[int] = self._sender.seqs(True)
-        return seqs
+        return list(self._sender.seqs(True))
 
     @property
     def bound_endpoint(self) -> str:
@@ -505,12 +486,7 @@ class EventPublisher:
     def __enter__(self) -> EventPublisher:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- the sender's Python encoder ------------------------------------------------

@@ -227,9 +227,8 @@ class _SnapshotJob(_Job):
         super().__init__(identity, conn, account)
         self.snap = snap
         self.index = 0  # the next chunk to send
-        self.started = (
-            not fresh
-        )  # a fresh snapshot's first chunk waits a pass: starting it did work
+        # A fresh snapshot's first chunk waits a pass: starting it did work.
+        self.started = not fresh
         snap.users += 1
 
 
@@ -257,16 +256,12 @@ class ReplayServer:
         self.replies = replies
         self.topic = topic
         self.end_topic = end_topic
-        self.max_batches = config.replay_batches
+        self.config = config
         self.mirror = mirror
         self.sync_mirror = sync_mirror
         self.rank = rank
-        self.dialect = config.dialect
-        self.max_jobs = config.max_replay_jobs
-        self.stall_s = config.replay_stall_s
         self.max_bytes = config.max_replay_bytes
         self.job_bytes = replay_share(config)
-        self.snapshot_chunk_blocks = config.snapshot_chunk_blocks
         # A shared snapshot is joined while the replay buffer surely covers what followed it.
         self.reuse_seqs = config.buffer_steps // 2
         self._note = note_error
@@ -398,9 +393,8 @@ class ReplayServer:
         taken = account.taken
         if taken != job.taken or not account.in_flight:
             job.taken = taken
-            job.stalled_since = (
-                None  # progress, or nothing the client owes (a full pipe re-marks it)
-            )
+            # progress, or nothing the client owes (a full pipe re-marks it)
+            job.stalled_since = None
         if job.stalled_since is None and account.in_flight:
             job.stalled_since = now
 
@@ -446,7 +440,7 @@ class ReplayServer:
                 self._count_served(old)
             account = old.account
             self._end(old)
-        elif len(self._jobs) >= self.max_jobs and not self._evict():
+        elif len(self._jobs) >= self.config.max_replay_jobs and not self._evict():
             self.dropped += 1
             self._note("replay_busy", "replay request dropped: every replay slot is busy")
             return
@@ -454,7 +448,7 @@ class ReplayServer:
             account = self.replies.account()
         job: _Job
         if isinstance(request, ReplayRequest):
-            job = _ReplayJob(identity, _peer(frames), account, request.start_seq, self.max_batches)
+            job = _ReplayJob(identity, _peer(frames), account, request.start_seq, self.config.replay_batches)
         else:
             found = self._join_snapshot(identity)
             if found is None:
@@ -485,46 +479,42 @@ class ReplayServer:
     def _join_snapshot(self, identity: bytes) -> tuple[_Snapshot, bool] | None:
         """The shared snapshot this request is served from, and whether it was just made."""
         mirror = self.mirror
-        reason: str | None
-        if mirror is None:
-            # As the engines' own publishers answer it: a start seq past the buffer.
-            self.snapshots_refused += 1
-            with contextlib.suppress(zmq.ZMQError):
-                self.router.send_multipart(
-                    [identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK
-                )
+        if mirror is None:  # as the engines' own publishers answer it: a start seq past the buffer
+            self._refuse(identity, replay_end_frames(self.end_topic))
             return None
         self.sync_mirror()
         current = self._current
         if mirror.distrust_reason is not None:
-            reason = f"state cannot be vouched for: {mirror.distrust_reason}"
-        elif current is not None and mirror.next_seq - current.next_seq <= self.reuse_seqs:
-            return current, False
-        elif mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
-            reason = "busy: too many snapshots in progress"
-        else:
-            reason = None
-        if reason is not None:
-            self.snapshots_refused += 1
-            frames = snapshot_refused_frames(self.topic, reason)
-            with contextlib.suppress(zmq.ZMQError):
-                self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
+            why = f"state cannot be vouched for: {mirror.distrust_reason}"
+            self._refuse(identity, snapshot_refused_frames(self.topic, why))
             return None
+        if current is not None and mirror.next_seq - current.next_seq <= self.reuse_seqs:
+            return current, False
+        if mirror.snapshots_in_progress >= _MAX_SNAPSHOTS:
+            why = "busy: too many snapshots in progress"
+            self._refuse(identity, snapshot_refused_frames(self.topic, why))
+            return None
+        config = self.config
         cursor = mirror.snapshot(
-            self.rank, chunk_blocks=self.snapshot_chunk_blocks, dialect=self.dialect
+            self.rank, chunk_blocks=config.snapshot_chunk_blocks, dialect=config.dialect
         )
-        snap = _Snapshot(cursor, self.rank, self.dialect)
+        snap = _Snapshot(cursor, self.rank, config.dialect)
         self.snapshot_bytes_built += snap.built
         self.snapshots_built += 1
         self._current = snap
         return snap, True
+
+    def _refuse(self, identity: bytes, frames: list[bytes]) -> None:
+        self.snapshots_refused += 1
+        with contextlib.suppress(zmq.ZMQError):
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
 
     # --- sending -----------------------------------------------------------------------
 
     def _step(self, job: _Job, now: float) -> bool:
         """Send one slice of ``job``; returns whether the job is finished (or cut off)."""
         self._settle(job, now)
-        if job.stalled_since is not None and now - job.stalled_since > self.stall_s:
+        if job.stalled_since is not None and now - job.stalled_since > self.config.replay_stall_s:
             return self._cut(job, "its client stopped reading", drop=True)
         if job.sent_all:
             if job.account.in_flight:
@@ -569,13 +559,8 @@ class ReplayServer:
             self.bytes_sent += nbytes
             self._sent = True
         _raise_for(rc)
-        if sent < found:  # no room now
-            return
-        if job.remaining > 0 and found == want:
-            return
-        self.router.send_multipart([job.identity, *replay_end_frames(self.end_topic)], zmq.NOBLOCK)
-        job.sent_all = True
-        self._sent = True
+        if sent == found and (job.remaining == 0 or found < want):  # room, and nothing more
+            self._send_end(job, replay_end_frames(self.end_topic))
 
     def _snapshot_slice(self, job: _SnapshotJob) -> None:
         if not job.started:
@@ -591,14 +576,17 @@ class ReplayServer:
             if made:
                 self.snapshot_bytes_built += len(payload or b"")
             if payload is None:
-                frames = snapshot_end_frames(self.topic, snap.next_seq, len(snap.chunks))
-                self.router.send_multipart([job.identity, *frames], zmq.NOBLOCK)
-                job.sent_all = True
-                self._sent = True
+                self._send_end(job, snapshot_end_frames(self.topic, snap.next_seq, len(snap.chunks)))
                 return
             if not self._send_payload(job, (*head, pack_seq(job.index)), payload):
                 return
             job.index += 1
+
+    def _send_end(self, job: _Job, frames: list[bytes]) -> None:
+        """The marker that closes a reply; the job is complete once its client took all."""
+        self.router.send_multipart([job.identity, *frames], zmq.NOBLOCK)
+        job.sent_all = True
+        self._sent = True
 
 
 def _raise_for(rc: int) -> None:

@@ -231,16 +231,12 @@ class ControlClient:
         self.keys = keys
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._sock = self._connect()
-
-    def _connect(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 256 << 20)  # a Truth reply of a large cache fits
-        if self.keys is not None:
-            secure_client(sock, self.keys)
-        sock.connect(self.endpoint)
-        return sock
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 256 << 20)  # a Truth reply of a large cache fits
+        if keys is not None:
+            secure_client(self._sock, keys)
+        self._sock.connect(endpoint)
 
     def call(self, command: Command, *, timeout: float | None = None) -> Reply:
         """Send ``command`` and wait for its reply; raises :class:`ControlError`."""

@@ -15,14 +15,10 @@ it serves the control endpoint (see :mod:`kvwire.reference.control`) and,
 when asked, drives itself with the seeded synthetic workload. Each command or
 workload step is one scheduler iteration: one flush, at most one batch per rank.
 
-Binds to 127.0.0.1 unless ``--host`` says otherwise; events carry users'
-prompt token ids, so binding beyond loopback is an explicit choice, logged as
-a warning. The control endpoint obeys whoever reaches it unless it has keys
-(``--control-secret-key``, ``--control-allow-dir``): then only CURVE clients
-whose public key is in the allow-list directory get in, and keys are rotated
-by changing the directory. Every command is bounded before any work is done,
-and the control socket refuses messages larger than a prompt the cache could
-hold (:attr:`EngineConfig.control_max_message`).
+Binds to 127.0.0.1 unless ``--host`` says otherwise (:mod:`kvwire.security` warns
+beyond loopback). The control endpoint obeys whoever reaches it unless it has keys
+(``--control-secret-key``, ``--control-allow-dir``: only CURVE clients on the
+allow-list get in); commands are bounded as :mod:`kvwire.reference.control` says.
 """
 
 from __future__ import annotations

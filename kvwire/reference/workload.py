@@ -9,7 +9,6 @@ can drive themselves reproducibly.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["SyntheticWorkload", "WorkloadConfig", "WorkloadRequest"]
@@ -34,24 +33,21 @@ class WorkloadConfig:
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    """One prompt to prefill. ``conversation`` is ``None`` for one-off prompts."""
+    """One prompt to prefill."""
 
     request_id: str
     token_ids: list[int]
-    conversation: int | None
-    turn: int
 
 
 @dataclass
 class _Conversation:
-    ident: int
     tokens: list[int]
     turns: int = 0
 
 
 @dataclass
 class SyntheticWorkload:
-    """Iterate to get requests; ``next_request()`` gives one at a time."""
+    """``next_request()`` gives the stream's requests one at a time."""
 
     config: WorkloadConfig = field(default_factory=WorkloadConfig)
 
@@ -63,7 +59,6 @@ class SyntheticWorkload:
             for _ in range(cfg.system_prompts)
         ]
         self._live: list[_Conversation] = []
-        self._next_conversation = 0
         self._count = 0
 
     def _tokens(self, n: int) -> list[int]:
@@ -78,9 +73,7 @@ class SyntheticWorkload:
         # A few system prompts are far more popular than the rest (Zipf-like).
         weights = [1.0 / (i + 1) for i in range(len(self._systems))]
         system = self._rng.choices(self._systems, weights)[0]
-        conv = _Conversation(self._next_conversation, list(system))
-        self._next_conversation += 1
-        return conv
+        return _Conversation(list(system))
 
     def next_request(self) -> WorkloadRequest:
         """The next prompt of the stream."""
@@ -88,7 +81,7 @@ class SyntheticWorkload:
         self._count += 1
         rid = f"r{cfg.seed}-{self._count}"
         if self._rng.random() < cfg.oneoff_share:
-            return WorkloadRequest(rid, self._tokens(self._span(cfg.oneoff_tokens)), None, 0)
+            return WorkloadRequest(rid, self._tokens(self._span(cfg.oneoff_tokens)))
         while len(self._live) < cfg.live_conversations:
             self._live.append(self._new_conversation())
         conv = self._rng.choice(self._live)
@@ -96,11 +89,7 @@ class SyntheticWorkload:
             conv.tokens.extend(self._tokens(self._span(cfg.reply_tokens)))
         conv.tokens.extend(self._tokens(self._span(cfg.user_turn_tokens)))
         conv.turns += 1
-        request = WorkloadRequest(rid, list(conv.tokens), conv.ident, conv.turns)
+        request = WorkloadRequest(rid, list(conv.tokens))
         if conv.turns >= cfg.max_turns:
             self._live.remove(conv)
         return request
-
-    def __iter__(self) -> Iterator[WorkloadRequest]:
-        while True:
-            yield self.next_request()

@@ -18,7 +18,6 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 
 from kvwire.wire import _pack, _scan
-from kvwire.wire.errors import WireError
 from kvwire.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,6 +25,7 @@ from kvwire.wire.events import (
     KVEvent,
     KVEventBatch,
     TokenIds,
+    WireError,
     packed_count,
 )
 
@@ -93,15 +93,12 @@ class _Envelope(msgspec.Struct, array_like=True, gc=False):
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _wire_tokens(tokens: list[int] | TokenIds) -> IntArray:
-    """Token ids as the encoder takes them: a lazily decoded array goes back as it came."""
-    return tokens.raw if type(tokens) is TokenIds else tokens  # type: ignore[return-value]
-
-
 def _to_map(e: KVEvent) -> Any:
     if type(e) is BlockStored:
         hashes, parent, tokens, *rest = _astuple(e)
-        return _MapBlockStored(hashes, parent, _wire_tokens(tokens), *rest)
+        if type(tokens) is TokenIds:  # a lazily decoded array goes back as it came
+            tokens = tokens.raw
+        return _MapBlockStored(hashes, parent, tokens, *rest)
     if type(e) is BlockRemoved:
         return _MapBlockRemoved(*_astuple(e))
     return e
@@ -335,20 +332,14 @@ def _event_from_generic(index: int, raw: msgspec.Raw) -> KVEvent:
             fields["parent_block_hash"] = normalise_hash(fields["parent_block_hash"])
         tokens = None
         if "token_ids" in named:
-            tokens = _token_ids(named["token_ids"])
+            tokens = TokenIds(named["token_ids"])
+            tokens.tolist()  # WireError for anything but an array of ints
             fields["token_ids"] = []
         e = msgspec.convert(fields, _ListBlockStored)
         _set(e, "token_ids", tokens)
         return BlockStored(*msgspec.structs.astuple(e))
     except (WireError, msgspec.ValidationError) as exc:
         raise WireError(f"event {index} ({kind}): {exc}") from None
-
-
-def _token_ids(raw: msgspec.Raw) -> TokenIds:
-    """Packed token ids, each checked to be an int, kept as they came."""
-    tokens = TokenIds(raw)
-    tokens.tolist()  # WireError for anything but an array of ints
-    return tokens
 
 
 def _decode_generic(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> KVEventBatch:
@@ -453,17 +444,6 @@ _scan.bind(
 _decode_typed = _scan.typed
 
 
-def _check_stored(e: BlockStored, limits: DecodeLimits) -> None:
-    """Raise :class:`WireError` when a store's block size or token count is out of bounds."""
-    size = e.block_size
-    if not 1 <= size <= limits.max_block_size:
-        raise WireError(f"block_size {size} is outside 1..{limits.max_block_size}")
-    tokens: Any = e.token_ids
-    n = len(TokenIds(tokens) if type(tokens) is msgspec.Raw else tokens)
-    if n > limits.max_tokens:
-        raise WireError(f"an event carries {n} token ids, more than {limits.max_tokens}")
-
-
 def _check_limits(batch: KVEventBatch, limits: DecodeLimits) -> KVEventBatch:
     """``batch`` when it is within ``limits``; else :class:`WireError`."""
     if len(batch.events) > limits.max_events:
@@ -475,6 +455,13 @@ def _check_limits(batch: KVEventBatch, limits: DecodeLimits) -> KVEventBatch:
             raise WireError(
                 f"an event lists {len(e.block_hashes)} blocks, more than {limits.max_blocks}"  # type: ignore[union-attr]
             )
-        if type(e) is BlockStored:
-            _check_stored(e, limits)
+        if type(e) is not BlockStored:
+            continue
+        size = e.block_size
+        if not 1 <= size <= limits.max_block_size:
+            raise WireError(f"block_size {size} is outside 1..{limits.max_block_size}")
+        tokens: Any = e.token_ids
+        n = len(TokenIds(tokens) if type(tokens) is msgspec.Raw else tokens)
+        if n > limits.max_tokens:
+            raise WireError(f"an event carries {n} token ids, more than {limits.max_tokens}")
     return batch

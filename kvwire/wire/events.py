@@ -1,4 +1,4 @@
-"""The KV-cache event types every engine dialect shares (see WIRE.md).
+"""The KV-cache event types every engine dialect shares (see WIRE.md), and the wire's error.
 
 These structs are what :func:`kvwire.wire.decode_batch` returns and what
 :func:`kvwire.wire.encode_batch` takes. Hashes are always unsigned 64-bit
@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 import msgspec
 
-from kvwire.wire.errors import WireError
-
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
@@ -21,8 +19,16 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "TokenIds",
+    "WireError",
     "enc_hook",
 ]
+
+
+class WireError(ValueError):
+    """A payload or frame that is not valid KV-event traffic, the one exception the wire
+    layer raises for bad input. The message names what was wrong. Decoding either returns a
+    whole batch or raises this; it never returns half a batch."""
+
 
 _token_decoder = msgspec.msgpack.Decoder(list[int])
 

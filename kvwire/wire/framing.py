@@ -29,7 +29,7 @@ from typing import Annotated, NamedTuple
 
 import msgspec
 
-from kvwire.wire.errors import WireError
+from kvwire.wire.events import WireError
 
 __all__ = [
     "END_SEQ",

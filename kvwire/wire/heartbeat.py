@@ -2,14 +2,10 @@
 
 A heartbeat is an empty batch on the next seq. Its timing is one rule, shared
 by the publisher (which sends by it) and the subscriber (whose silence
-thresholds follow from its worst case); ``docs/wire.md`` section 5 states it
-and why. In short: heartbeats fall on the wall-clock grid of a step (the
-interval while idle, half of it after a batch, shifted by the publisher's own
-phase), one at each grid instant if nothing was sent for half a step; so a
-fleet's idle ranks heartbeat together, its busy ones apart,
-a trailing drop shows within ``TRAILING_GAP`` intervals, and a healthy
-publisher is never silent for ``MAX_SILENCE`` intervals. Only the wall clock's
-phase is read: a clock step moves the grid, never the bound.
+thresholds follow from its worst case): :func:`heartbeat_at` is it, and
+``docs/wire.md`` section 5 says why. A fleet's idle ranks heartbeat together,
+its busy ones apart. Only the wall clock's phase is read: a clock step moves
+the grid, never the bound.
 """
 
 from __future__ import annotations

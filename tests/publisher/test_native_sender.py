@@ -587,7 +587,7 @@ def test_list_iterations_create_no_python_objects(ipc_dir: str) -> None:
 def test_kvwire_dialects_are_layouts_of_the_wire_structs() -> None:
     """The writer's formats for collector batches come from kvwire.wire's structs by the
     rule the engines' formats use (the adapter reads an engine's structs with it too)."""
-    from kvwire.publisher.formats import struct_layout, wire_format
+    from kvwire.publisher.batch import struct_layout, wire_format
     from kvwire.wire.codec import POSITIONAL_FIELDS
 
     for cls in POSITIONAL_FIELDS:
