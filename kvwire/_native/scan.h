@@ -25,6 +25,7 @@
 #define KVWIRE_SCAN_H
 
 #include "msgpack_read.h"
+#include "pyext.h"
 
 /* --- the event field table ---------------------------------------------------- */
 /* BlockStored's fields in declaration (positional) order, then the tag:
@@ -497,6 +498,12 @@ static inline int kvs_limits_of(PyObject *limits, KvLimits *lim) {
     }
     *lim = (KvLimits){v[0], v[1], v[2], v[3]};
     return bad;
+}
+
+/* What a check of a payload says: (events, data_parallel_rank | None, cleared). */
+static inline PyObject *kvs_summary(const KvScan *s, Py_ssize_t events) {
+    PyObject *rank = s->has_rank ? kvw_int(s->rank, s->rank_neg) : Py_NewRef(Py_None);
+    return rank ? Py_BuildValue("(nNO)", events, rank, s->cleared ? Py_True : Py_False) : NULL;
 }
 
 #endif /* KVWIRE_SCAN_H */

@@ -25,6 +25,7 @@
 #endif
 
 #include "../_native/msgpack_read.h"
+#include "../_native/pyext.h"
 /* The index reads token ids straight into block sums (rd_token_sums, below). */
 struct KvScan;
 struct KvEv;
@@ -90,13 +91,6 @@ static void scratch_free(Scratch *s) {
  * clear only the first two. */
 static int refuse(PyObject *type, const char *why) {
     PyErr_SetString(type, why);
-    return -1;
-}
-
-/* 0 when a METH_FASTCALL method got its `want` arguments; else -1 with TypeError. */
-static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
-    if (nargs == want) return 0;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
     return -1;
 }
 
@@ -422,7 +416,7 @@ static int chain_ready(const KeyChain *c) {
 /* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
 static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
     if (chain_ready(self) < 0) return NULL;
-    if (nargs_ok(nargs, 6, "keys_into") < 0) return NULL;
+    if (kvw_nargs(nargs, 6, "keys_into") < 0) return NULL;
     int packed = PyObject_IsTrue(args[1]);
     u64 start, position;
     if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
@@ -1603,7 +1597,7 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 9, "store") < 0) return NULL;
+    if (kvw_nargs(nargs, 9, "store") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     KeyChain *chain = chain_arg(args[1]);
@@ -1691,7 +1685,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
 static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "remove") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "remove") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     long tier = PyLong_AsLong(args[2]);
@@ -2235,7 +2229,7 @@ done:
  * import_views). A view that would take the index past max_bytes leaves
  * its rank cleared and marked over cap (what a refused store does). */
 static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "import_ranks") < 0) return NULL;
+    if (kvw_nargs(nargs, 2, "import_ranks") < 0) return NULL;
     PyObject *sids = PySequence_Fast(args[0], "import_ranks: sids must be a sequence");
     if (!sids) return NULL;
     PyObject *views = PySequence_Fast(args[1], "import_ranks: views must be a sequence");
@@ -2332,35 +2326,13 @@ out:
     return result;
 }
 
-/* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: import_ranks of
- * one view (its ValueError says why, without a position). */
-static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
-    ViewIn vi = {
-        .im = {
-            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
-            .k = {.rs = sizeof(KeyRec)},
-            .m = {.rs = sizeof(Multi), .acct = &self->mem},
-        },
-    };
-    if (slot_arg(args[0], &vi.sid) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &vi.v, PyBUF_SIMPLE) < 0) return NULL;
-    int flags = 0;
-    Py_ssize_t bad = -1;
-    PyObject *result = NULL;
-    if (import_views(self, &vi, 1, &flags, &bad) == 0) result = PyLong_FromLong(flags);
-    import_free(&vi.im);
-    PyBuffer_Release(&vi.v);
-    return result;
-}
-
 /* reserve(sid, blocks) -> whether taken: the rank will hold about `blocks`
  * (at most max_entries and 2**24). Its table, and the shared table's share,
  * are sized for it at its next store, and its table stays at least that
  * size (over clears too) until the next hint or forget_rank. Not taken where
  * the index could not make that room within max_bytes. */
 static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "reserve") < 0) return NULL;
+    if (kvw_nargs(nargs, 2, "reserve") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     Py_ssize_t blocks = PyLong_AsSsize_t(args[1]);
@@ -3045,7 +3017,7 @@ static int names_arg(PyObject *names) {
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
  * the runs held on GPU, on GPU or CPU, and anywhere. */
 static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "match") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "match") < 0) return NULL;
     if (names_arg(args[1]) < 0) return NULL;
     Py_buffer kv;
     if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
@@ -3201,7 +3173,7 @@ done:
 
 /* match_tokens(chain, tokens, packed, start, extra, names, tiers_type) */
 static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
+    if (kvw_nargs(nargs, 7, "match_tokens") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain) return NULL;
     int packed = PyObject_IsTrue(args[2]);
@@ -3230,7 +3202,7 @@ static PyObject *Index_match_list(Index *self, PyObject *tokens) {
  * per-index arguments of apply_payload and match_list. groups None:
  * apply_payload takes no payload (groups it cannot compare natively). */
 static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 6, "configure") < 0) return NULL;
+    if (kvw_nargs(nargs, 6, "configure") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain || chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
     PyObject *groups = args[3] == Py_None ? NULL : args[3];
@@ -3485,7 +3457,7 @@ static int limits_of(Index *self, PyObject *limits) {
  * payload is outside the subset read here (or groups are not native);
  * nothing changed, the caller decodes it the general way. */
 static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "apply_payload") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "apply_payload") < 0) return NULL;
     if (configured(self) < 0) return NULL;
     if (!self->groups) Py_RETURN_FALSE;
     int lim = limits_of(self, args[2]);
@@ -3615,8 +3587,6 @@ static PyMethodDef Index_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
      "reserve(sid, blocks) -> whether taken: the rank's tables sized for that many blocks"},
     {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
-    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
-     "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
     {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks, METH_FASTCALL,
      "import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET]: each rank holds what its view says"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
@@ -3667,25 +3637,12 @@ static struct PyModuleDef coremodule = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
-    if (PyType_Ready(&NamesType) < 0 || PyType_Ready(&MatchesType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&coremodule);
-    if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
-        PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0 ||
-        PyModule_AddObjectRef(m, "Matches", (PyObject *)&MatchesType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "ORPHAN", ORPHAN) < 0 ||
-        PyModule_AddIntConstant(m, "OVER_CAP", OVER_CAP) < 0 ||
-        PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0 ||
-        PyModule_AddIntConstant(m, "OVER_BUDGET", OVER_BUDGET) < 0 ||
-        PyModule_AddIntConstant(m, "CAP_BLOCKS", CAP_BLOCKS) < 0 ||
-        PyModule_AddIntConstant(m, "CAP_BYTES", CAP_BYTES) < 0 ||
-        PyModule_AddIntConstant(m, "VIEW_VERSION", VIEW_VERSION) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    if (PyType_Ready(&NamesType) < 0) return NULL;
+    static PyTypeObject *const types[] = {&KeyChainType, &IndexType, &MatchesType, NULL};
+    static const KvwConst consts[] = {
+        {"ORPHAN", ORPHAN}, {"OVER_CAP", OVER_CAP}, {"MALFORMED", MALFORMED},
+        {"OVER_BUDGET", OVER_BUDGET}, {"CAP_BLOCKS", CAP_BLOCKS}, {"CAP_BYTES", CAP_BYTES},
+        {"VIEW_VERSION", VIEW_VERSION}, {NULL},
+    };
+    return kvw_module(&coremodule, types, consts);
 }

@@ -59,6 +59,7 @@
 
 #include "../../_native/libzmq.h"
 #include "../../_native/msgpack.h"
+#include "../../_native/pyext.h"
 
 #define CHUNK 64          /* batches popped, encoded and sent per pass */
 #define DONE_MAX 8192     /* references waiting for a GIL holder before the thread takes it */
@@ -707,10 +708,7 @@ static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssiz
 }
 
 static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "start(socket_address, libzmq_path)");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "start") < 0) return NULL;
     void *pub = PyLong_AsVoidPtr(args[0]);
     if (!pub && PyErr_Occurred()) return NULL;
     const char *path = PyUnicode_AsUTF8(args[1]);
@@ -827,32 +825,29 @@ static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
+/* *field = arg under mu, once arg is in [0, max] ([0, max) when open); else ValueError `bad`. */
+static PyObject *set_setting(Sender *s, double *field, PyObject *arg, double max, int open,
+                             const char *bad) {
     double v = PyFloat_AsDouble(arg);
     if (v == -1.0 && PyErr_Occurred()) return NULL;
-    if (!(v >= 0 && v <= 60)) {
-        PyErr_SetString(PyExc_ValueError, "coalesce_s must be in [0, 60]");
+    if (!(v >= 0 && (open ? v < max : v <= max))) {
+        PyErr_SetString(PyExc_ValueError, bad);
         return NULL;
     }
     pthread_mutex_lock(&s->mu);
-    s->coalesce_s = v;
+    *field = v;
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
+}
+
+static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
+    return set_setting(s, &s->coalesce_s, arg, 60, 0, "coalesce_s must be in [0, 60]");
 }
 
 /* set_heartbeat_phase(phase): where the after-batch heartbeat grid falls in its step, in [0, 1)
  * (kvwire.wire.heartbeat.heartbeat_phase; 0 until set). */
 static PyObject *sender_set_heartbeat_phase(Sender *s, PyObject *arg) {
-    double v = PyFloat_AsDouble(arg);
-    if (v == -1.0 && PyErr_Occurred()) return NULL;
-    if (!(v >= 0 && v < 1)) {
-        PyErr_SetString(PyExc_ValueError, "the heartbeat phase must be in [0, 1)");
-        return NULL;
-    }
-    pthread_mutex_lock(&s->mu);
-    s->heartbeat_phase = v;
-    pthread_mutex_unlock(&s->mu);
-    Py_RETURN_NONE;
+    return set_setting(s, &s->heartbeat_phase, arg, 1, 1, "the heartbeat phase must be in [0, 1)");
 }
 
 /* [(seq, Payload | None)] for n entries, each entry's reference to its buffer released. */
@@ -894,10 +889,7 @@ size_t ring_take(Sender *s, i64 start, size_t want, FeedEntry *out) {
 /* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
  * first whose seq is >= start_seq. */
 static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "replay_range(start_seq, n)");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "replay_range") < 0) return NULL;
     long long start = PyLong_AsLongLong(args[0]);
     Py_ssize_t want = PyLong_AsSsize_t(args[1]);
     if (PyErr_Occurred()) return NULL;
@@ -1060,28 +1052,11 @@ static struct PyModuleDef sendermodule = {
 };
 
 PyMODINIT_FUNC PyInit__sender(void) {
-    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
-        PyType_Ready(&CollectorType) < 0 || PyType_Ready(&EngineFormatType) < 0 ||
-        PyType_Ready(&EnginePublishType) < 0 || PyType_Ready(&RecordType) < 0 ||
-        PyType_Ready(&RepliesType) < 0 || PyType_Ready(&AccountType) < 0)
-        return NULL;
+    static PyTypeObject *const types[] = {&SenderType,        &PayloadType,       &CollectorType,
+                                          &EngineFormatType,  &EnginePublishType, &RecordType,
+                                          &RepliesType,       &AccountType,       NULL};
+    static const KvwConst consts[] = {{"STORED", T_STORE}, {"REMOVED", T_REMOVE}, {"CLEARED", T_CLEAR},
+                                      {"RING_TAKE_MAX", RING_TAKE_MAX}, {NULL}};
     if (records_init() < 0 || collector_init() < 0) return NULL;
-    PyObject *m = PyModule_Create(&sendermodule);
-    if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
-        PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0 ||
-        PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0 ||
-        PyModule_AddObjectRef(m, "EngineFormat", (PyObject *)&EngineFormatType) < 0 ||
-        PyModule_AddObjectRef(m, "EnginePublish", (PyObject *)&EnginePublishType) < 0 ||
-        PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
-        PyModule_AddObjectRef(m, "Replies", (PyObject *)&RepliesType) < 0 ||
-        PyModule_AddObjectRef(m, "Account", (PyObject *)&AccountType) < 0 ||
-        PyModule_AddIntConstant(m, "STORED", T_STORE) < 0 ||
-        PyModule_AddIntConstant(m, "REMOVED", T_REMOVE) < 0 ||
-        PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0 ||
-        PyModule_AddIntConstant(m, "RING_TAKE_MAX", RING_TAKE_MAX) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return kvw_module(&sendermodule, types, consts);
 }
