@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -135,14 +136,10 @@ static inline int token_of(PyObject *o, u64 *out) {
 static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
                             Py_ssize_t *count, Py_ssize_t *used) {
     PyObject *VE = PyExc_ValueError;
-    if (len < 1) return refuse(VE, "empty token_ids");
-    Py_ssize_t n, i = 1;
-    unsigned char h = p[0];
-    if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
-    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
-    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
-    else return refuse(VE, "token_ids is not an array");
-    if (n > len - i) return refuse(VE, "array longer than its bytes");
+    Rd r = {p, len, 0};
+    Py_ssize_t n;
+    if (RD_ARRAY(&r, &n)) return refuse(VE, "token_ids is not an array (or longer than its bytes)");
+    Py_ssize_t i = r.i;
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -3182,8 +3179,6 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     return match_tokens_core(self, chain, args[1], packed, state, args[4], args[5], args[6]);
 }
 
-static Py_ssize_t ssize_arg(PyObject *o, int *fail);
-
 static int configured(Index *self) {
     if (self->chain) return 0;
     PyErr_SetString(PyExc_ValueError, "Index used before configure()");
@@ -3213,7 +3208,7 @@ static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t 
     u64 root;
     if (u64_arg(args[1], &root, "root") < 0) return NULL;
     int bad = 0;
-    Py_ssize_t index_max_bs = ssize_arg(args[2], &bad);
+    Py_ssize_t index_max_bs = kvs_limit(args[2], &bad);
     if (bad) groups = NULL; /* a bound this path does not read: the general way */
     int none_ok = groups ? PySet_Contains(groups, Py_None) : 0;
     if (none_ok < 0) return NULL;
@@ -3430,13 +3425,6 @@ static void scratch_trim(Scratch *s) {
     if (s->cap > SCRATCH_KEEP) scratch_free(s);
 }
 
-static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
-    Py_ssize_t v = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
-    if (v < 0) *fail = 1;
-    PyErr_Clear();
-    return v;
-}
-
 /* The DecodeLimits' bounds into the index, read once per limits object (a
  * frozen struct, held so its id is not reused); 1: a bound this path does
  * not read (the general way). */
@@ -3538,29 +3526,9 @@ static size_t rank_bytes(const Rank *r) {
     return (r->entries.in_arena ? 0 : r->entries.bytes) + r->multi.bytes;
 }
 
-static PyObject *Index_get_max_entries(Index *self, void *c) {
-    return PyLong_FromSize_t(self->max_entries);
-}
-
-static PyObject *Index_get_expected(Index *self, void *c) {
-    return PyLong_FromSize_t(self->expected);
-}
-
-static PyObject *Index_get_nodes(Index *self, void *c) {
-    return PyLong_FromSize_t(self->nodes.count);
-}
-
-static PyObject *Index_get_pooled(Index *self, void *c) {
-    return PyLong_FromSize_t(self->pool.live);
-}
-
 static PyObject *Index_get_counters(Index *self, void *c) {
     const Py_ssize_t *n = self->counts;
     return Py_BuildValue("nnnnnn", n[0], n[1], n[2], n[3], n[4], n[5]);
-}
-
-static PyObject *Index_get_max_bytes(Index *self, void *c) {
-    return PyLong_FromSize_t(self->max_bytes);
 }
 
 /* The running count (O(1): the budget reads it per growing store). */
@@ -3605,14 +3573,21 @@ static PyMethodDef Index_methods[] = {
     {NULL},
 };
 
+/* (size_t members read as T_ULONG: the same type on the LP64 systems this builds on) */
+_Static_assert(sizeof(size_t) == sizeof(unsigned long), "size_t is unsigned long");
+#define INDEX_SIZE(name, field, doc) {name, T_ULONG, offsetof(Index, field), READONLY, doc}
+static PyMemberDef Index_members[] = {
+    INDEX_SIZE("nodes", nodes.count, "distinct keys held"),
+    INDEX_SIZE("pooled", pool.live, "keys two or more ranks hold (a pool row each)"),
+    INDEX_SIZE("max_entries", max_entries, "engine hashes a rank may hold (0: no bound)"),
+    INDEX_SIZE("expected_blocks_per_rank", expected, "blocks a rank's tables are presized for (0: none)"),
+    INDEX_SIZE("max_bytes", max_bytes, "the tables' memory budget (0: none)"),
+    {NULL},
+};
+
 static PyGetSetDef Index_getset[] = {
-    {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
-    {"pooled", (getter)Index_get_pooled, NULL, "keys two or more ranks hold (a pool row each)", NULL},
-    {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
-    {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
     {"memory_summed", (getter)Index_get_memory_summed, NULL, "memory, summed table by table (tests)", NULL},
-    {"max_bytes", (getter)Index_get_max_bytes, NULL, "the tables' memory budget (0: none)", NULL},
     {"counters", (getter)Index_get_counters, NULL,
      "apply_payload's (orphans, unknown removals, ignored, malformed, refused), and refusals at max_bytes",
      NULL},
@@ -3630,6 +3605,7 @@ static PyTypeObject IndexType = {
     .tp_dealloc = (destructor)Index_dealloc,
     .tp_methods = Index_methods,
     .tp_getset = Index_getset,
+    .tp_members = Index_members,
 };
 
 static struct PyModuleDef coremodule = {

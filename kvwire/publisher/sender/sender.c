@@ -53,6 +53,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <structmember.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -693,20 +694,6 @@ static PyObject *sender_skip(Sender *s, PyObject *unused) {
     return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
-/* publish_engine(batch, format) -> bool | None: publish() for an engine's batch struct,
- * its fields read here and encoded by the thread; None (nothing queued, no seq taken)
- * when the batch is not one `format` describes, for the caller to publish otherwise. */
-static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !Py_IS_TYPE(args[1], &EngineFormatType)) {
-        PyErr_SetString(PyExc_TypeError, "publish_engine(batch, format: EngineFormat)");
-        return NULL;
-    }
-    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0], s->vpool);
-    if (!eb) Py_RETURN_NONE;
-    Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(args[0]), .engine = eb};
-    return PyBool_FromLong(sender_enqueue(s, &it));
-}
-
 static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
     if (kvw_nargs(nargs, 2, "start") < 0) return NULL;
     void *pub = PyLong_AsVoidPtr(args[0]);
@@ -972,11 +959,9 @@ static PyObject *sender_slabs(Sender *s, PyObject *unused) {
                          atomic_load(&s->vpool->made), atomic_load(&s->vpool->mapped));
 }
 
-static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong(s->service_fd); }
-
-static PyGetSetDef sender_getset[] = {
-    {"service_fd", (getter)sender_get_fd, NULL,
-     "An eventfd readable when the armed mirror feed gets a batch, or after wake().", NULL},
+static PyMemberDef sender_members[] = {
+    {"service_fd", T_INT, offsetof(Sender, service_fd), READONLY,
+     "An eventfd readable when the armed mirror feed gets a batch, or after wake()."},
     {NULL},
 };
 
@@ -984,8 +969,6 @@ static PyMethodDef sender_methods[] = {
     {"publish", (PyCFunction)sender_publish, METH_O, "Reserve a seq and queue a batch; never blocks."},
     {"skip", (PyCFunction)sender_skip, METH_NOARGS,
      "Reserve a seq and send nothing under it (a visible gap); never blocks."},
-    {"publish_engine", (PyCFunction)(void (*)(void))sender_publish_engine, METH_FASTCALL,
-     "publish_engine(batch, format) -> bool | None: queue an engine's batch struct."},
     {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
      "start(socket_address, libzmq_path): start the thread, sole user of the PUB socket."},
     {"close", (PyCFunction)sender_close, METH_O,
@@ -1021,7 +1004,7 @@ PyTypeObject SenderType = {
     .tp_clear = (inquiry)sender_clear,
     .tp_new = sender_new,
     .tp_methods = sender_methods,
-    .tp_getset = sender_getset,
+    .tp_members = sender_members,
 };
 
 
