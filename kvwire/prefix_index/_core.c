@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "../_native/intbuf.h"
 #include "../_native/msgpack_read.h"
 #include "../_native/pyext.h"
 /* The index reads token ids straight into block sums (rd_token_sums, below). */
@@ -217,33 +218,14 @@ static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
 
 /* A 1-D C-contiguous buffer of native integers (numpy arrays, array.array). */
 static int tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *count) {
-    PyObject *TE = PyExc_TypeError;
-    const char *f = v->format ? v->format : "B";
-    if (*f == '@' || *f == '=' || *f == '<') f++;
-    else if (*f == '>' || *f == '!') return refuse(TE, "big-endian token arrays are not supported");
-    if (f[0] == 0 || f[1] != 0) return refuse(TE, "token ids must be integers");
-    int is_signed;
-    switch (*f) {
-        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
-        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
-        default: return refuse(TE, "token ids must be integers");
-    }
+    int is_signed = kvw_int_format(v, "token ids", PyExc_TypeError);
+    if (is_signed < 0) return -1;
     if (v->ndim > 1) return refuse(PyExc_ValueError, "tokens must be 1-D");
-    Py_ssize_t w = v->itemsize;
-    if (w != 1 && w != 2 && w != 4 && w != 8) return refuse(TE, "unsupported integer width");
-    Py_ssize_t n = v->len / w;
+    const Py_ssize_t w = v->itemsize, n = v->len / w;
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
     const char *b = v->buf;
-#define CONVERT(T) for (Py_ssize_t k = 0; k < n; k++) { T x; memcpy(&x, b + k * sizeof(T), sizeof x); t[k] = (u64)x; }
-    if (is_signed) {
-        if (w == 1) { CONVERT(int8_t) } else if (w == 2) { CONVERT(int16_t) }
-        else if (w == 4) { CONVERT(int32_t) } else { CONVERT(int64_t) }
-    } else {
-        if (w == 1) { CONVERT(uint8_t) } else if (w == 2) { CONVERT(uint16_t) }
-        else if (w == 4) { CONVERT(uint32_t) } else { CONVERT(uint64_t) }
-    }
-#undef CONVERT
+    KVW_EACH_INT(b, 0, w, is_signed, n, k, x, t[k] = x;)
     *out = t;
     *count = n;
     return 0;
