@@ -1015,9 +1015,7 @@ typedef struct {
     Py_ssize_t index_max_bs;
     int none_ok;
     /* the DecodeLimits last given to apply_payload (frozen) and its bounds */
-    PyObject *limits;
-    KvLimits lim;
-    int lim_bad; /* a bound the native path does not read: the general way */
+    KvLimitsSeen limits;
     /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused;
      * and refusals at max_bytes (any path: the Python one adds none) */
     Py_ssize_t counts[6];
@@ -1078,7 +1076,7 @@ static void Index_dealloc(Index *self) {
     Py_XDECREF(self->groups);
     Py_XDECREF(self->tier_of);
     Py_XDECREF(self->names);
-    Py_XDECREF(self->limits);
+    Py_XDECREF(self->limits.obj);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -2266,17 +2264,12 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             PyErr_NormalizeException(&type, &value, &tb);
-            PyObject *why = value ? PyObject_Str(value) : NULL;
+            PyObject *exc_args = Py_BuildValue("(Nn)", PyObject_Str(value), bad);
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
-            if (why) {
-                PyObject *exc_args = Py_BuildValue("(Nn)", why, bad);
-                if (exc_args) {
-                    PyErr_SetObject(PyExc_ValueError, exc_args);
-                    Py_DECREF(exc_args);
-                }
-            }
+            if (exc_args) PyErr_SetObject(PyExc_ValueError, exc_args);
+            Py_XDECREF(exc_args);
         }
         goto out;
     }
@@ -3407,19 +3400,6 @@ static void scratch_trim(Scratch *s) {
     if (s->cap > SCRATCH_KEEP) scratch_free(s);
 }
 
-/* The DecodeLimits' bounds into the index, read once per limits object (a
- * frozen struct, held so its id is not reused); 1: a bound this path does
- * not read (the general way). */
-static int limits_of(Index *self, PyObject *limits) {
-    if (limits != self->limits) {
-        int bad = kvs_limits_of(limits, &self->lim);
-        if (bad < 0) return -1;
-        self->lim_bad = bad;
-        Py_XSETREF(self->limits, Py_NewRef(limits)); /* last: the old one's release may run code */
-    }
-    return self->lim_bad;
-}
-
 /* apply_payload(sid, payload, limits) -> True | False
  *
  * decode_batch(payload, limits) applied to rank sid with configure()'s
@@ -3430,11 +3410,11 @@ static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssiz
     if (kvw_nargs(nargs, 3, "apply_payload") < 0) return NULL;
     if (configured(self) < 0) return NULL;
     if (!self->groups) Py_RETURN_FALSE;
-    int lim = limits_of(self, args[2]);
+    int lim = kvs_limits_seen(&self->limits, args[2]); /* 1: a bound not read here */
     if (lim) return lim < 0 ? NULL : Py_NewRef(Py_False);
     PCtx cx = {.self = self, .chain = self->chain, .groups = self->groups, .tiers = self->tier_of,
                .none_ok = self->none_ok, .index_max_bs = self->index_max_bs};
-    self->scan.lim = self->lim;
+    self->scan.lim = self->limits.lim;
     self->scan.keep_hashes = self->scan.keep_events = 1;
     self->scan.ctx = &cx;
     const u64 root = self->root;

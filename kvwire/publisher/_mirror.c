@@ -495,22 +495,13 @@ static int remove_hash(Core *self, Medium *m, u64 h) {
     return 0;
 }
 
-static int Core_init_state(Core *self) {
-    if (!self->logs && !(self->logs = PyList_New(0))) return -1;
-    return 0;
-}
-
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
         PyErr_SetString(PyExc_TypeError, "Core() takes no arguments");
         return NULL;
     }
     Core *self = (Core *)type->tp_alloc(type, 0);
-    if (!self) return NULL;
-    if (Core_init_state(self) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    if (self && !(self->logs = PyList_New(0))) Py_CLEAR(self);
     return (PyObject *)self;
 }
 

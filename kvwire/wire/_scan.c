@@ -7,24 +7,15 @@
 #include "../_native/pyext.h"
 #include "../_native/scan.h"
 
-/* The DecodeLimits last given (a frozen struct, held so its id is not
- * reused) and its bounds: read once, not on every small payload. */
-static PyObject *last_limits;
-static KvLimits last_lim;
-static int last_bad;
+static KvLimitsSeen last_limits;
 
 /* Read payload with limits into s, the payload's buffer held in *view
  * (release it after reading the view); 0, FALL (with no exception, nothing
  * held) or -1 (nothing held). */
 static int scan_held(PyObject *payload, PyObject *limits, KvScan *s, Py_buffer *view) {
-    if (limits != last_limits) {
-        int bad = kvs_limits_of(limits, &last_lim);
-        if (bad < 0) return -1;
-        last_bad = bad;
-        Py_XSETREF(last_limits, Py_NewRef(limits));
-    }
-    if (last_bad) return FALL;
-    s->lim = last_lim;
+    int bad = kvs_limits_seen(&last_limits, limits);
+    if (bad) return bad < 0 ? -1 : FALL;
+    s->lim = last_limits.lim;
     if (PyObject_GetBuffer(payload, view, PyBUF_SIMPLE) < 0) {
         PyErr_Clear(); /* not bytes-like: decode_batch says what it is */
         return FALL;
