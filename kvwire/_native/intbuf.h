@@ -7,9 +7,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Whether a buffer holds native-endian integers, 1-D: 1 signed, 0 unsigned, -1 with `err`
- * (ValueError or TypeError) set naming `what`. */
-static inline int kvw_int_buffer(const Py_buffer *v, const char *what, PyObject *err) {
+/* Whether a buffer's items are native-endian integers of 1, 2, 4 or 8 bytes: 1 signed,
+ * 0 unsigned, -1 with `err` (ValueError or TypeError) set naming `what`. */
+static inline int kvw_int_format(const Py_buffer *v, const char *what, PyObject *err) {
     const char *f = v->format ? v->format : "B";
     if (*f == '@' || *f == '=' || *f == '<') f++;
     else if (*f == '>' || *f == '!') {
@@ -27,28 +27,43 @@ static inline int kvw_int_buffer(const Py_buffer *v, const char *what, PyObject 
         PyErr_Format(err, "%s must be a 1-D integer array; got buffer format '%s'", what, v->format);
         return -1;
     }
-    if (v->ndim != 1) {
+    return is_signed;
+}
+
+/* The same, for a 1-D buffer. */
+static inline int kvw_int_buffer(const Py_buffer *v, const char *what, PyObject *err) {
+    int is_signed = kvw_int_format(v, what, err);
+    if (is_signed >= 0 && v->ndim != 1) {
         PyErr_Format(err, "%s must be a 1-D integer array; got %d dimensions", what, v->ndim);
         return -1;
     }
     return is_signed;
 }
 
-/* Item i of a buffer kvw_int_buffer accepted: its 64-bit pattern (sign-extended when
- * is_signed). */
-static inline uint64_t kvw_buffer_item(const Py_buffer *v, Py_ssize_t i, int is_signed) {
-    const char *p = (const char *)v->buf + i * (v->strides ? v->strides[0] : v->itemsize);
-    switch (v->itemsize * 2 + !is_signed) {
-        case 2: { int8_t x; memcpy(&x, p, 1); return (uint64_t)(int64_t)x; }
-        case 3: { uint8_t x; memcpy(&x, p, 1); return x; }
-        case 4: { int16_t x; memcpy(&x, p, 2); return (uint64_t)(int64_t)x; }
-        case 5: { uint16_t x; memcpy(&x, p, 2); return x; }
-        case 8: { int32_t x; memcpy(&x, p, 4); return (uint64_t)(int64_t)x; }
-        case 9: { uint32_t x; memcpy(&x, p, 4); return x; }
-        case 16: { int64_t x; memcpy(&x, p, 8); return (uint64_t)x; }
-        default: { uint64_t x; memcpy(&x, p, 8); return x; }
+/* `body` for each item i < n of the `size`-byte ints kvw_int_format accepted at p, `stride`
+ * bytes apart (a literal 0: contiguous, which the compiler vectorizes), with x the item's
+ * 64-bit pattern (sign-extended when is_signed): a loop per width and sign, each item one
+ * load (token ids and hashes go through here by the million). Pass p, stride and n as
+ * locals: they are read on every item. */
+#define KVW_EACH_INT(p, stride, size, is_signed, n, i, x, body)                             \
+    switch ((size) * 2 + !(is_signed)) {                                                    \
+        case 2: KVW_EACH_AS(int8_t, p, stride, n, i, x, body) break;                        \
+        case 3: KVW_EACH_AS(uint8_t, p, stride, n, i, x, body) break;                       \
+        case 4: KVW_EACH_AS(int16_t, p, stride, n, i, x, body) break;                       \
+        case 5: KVW_EACH_AS(uint16_t, p, stride, n, i, x, body) break;                      \
+        case 8: KVW_EACH_AS(int32_t, p, stride, n, i, x, body) break;                       \
+        case 9: KVW_EACH_AS(uint32_t, p, stride, n, i, x, body) break;                      \
+        case 16: KVW_EACH_AS(int64_t, p, stride, n, i, x, body) break;                      \
+        default: KVW_EACH_AS(uint64_t, p, stride, n, i, x, body) break;                     \
     }
-}
+#define KVW_EACH_AS(T, p, stride, n, i, x, body)                                            \
+    for (Py_ssize_t i = 0; i < (n); i++) {                                                  \
+        T kvw_item;                                                                         \
+        memcpy(&kvw_item, (p) + i * ((stride) ? (stride) : (Py_ssize_t)sizeof kvw_item),     \
+               sizeof kvw_item);                                                            \
+        uint64_t x = (uint64_t)kvw_item;                                                    \
+        body                                                                                \
+    }
 
 /* Any int, or object with __index__ (numpy scalars), `what` of a value: its 64-bit pattern
  * in *bits, *is_unsigned when it is above 2**63 - 1. 0, or -1 with ValueError (not an int,

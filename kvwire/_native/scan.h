@@ -25,6 +25,7 @@
 #define KVWIRE_SCAN_H
 
 #include "msgpack_read.h"
+#include "pyext.h"
 
 /* --- the event field table ---------------------------------------------------- */
 /* BlockStored's fields in declaration (positional) order, then the tag:
@@ -497,6 +498,31 @@ static inline int kvs_limits_of(PyObject *limits, KvLimits *lim) {
     }
     *lim = (KvLimits){v[0], v[1], v[2], v[3]};
     return bad;
+}
+
+/* The DecodeLimits a reader was given last (frozen, held so that its id is not reused) and
+ * its bounds: read once, not on every small payload. */
+typedef struct {
+    PyObject *obj;
+    KvLimits lim;
+    int bad;
+} KvLimitsSeen;
+
+/* kvs_limits_of(limits) through *seen. */
+static inline int kvs_limits_seen(KvLimitsSeen *seen, PyObject *limits) {
+    if (limits != seen->obj) {
+        int bad = kvs_limits_of(limits, &seen->lim);
+        if (bad < 0) return -1;
+        seen->bad = bad;
+        Py_XSETREF(seen->obj, Py_NewRef(limits)); /* last: the old one's release may run code */
+    }
+    return seen->bad;
+}
+
+/* What a check of a payload says: (events, data_parallel_rank | None, cleared). */
+static inline PyObject *kvs_summary(const KvScan *s, Py_ssize_t events) {
+    PyObject *rank = s->has_rank ? kvw_int(s->rank, s->rank_neg) : Py_NewRef(Py_None);
+    return rank ? Py_BuildValue("(nNO)", events, rank, s->cleared ? Py_True : Py_False) : NULL;
 }
 
 #endif /* KVWIRE_SCAN_H */

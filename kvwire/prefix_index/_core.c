@@ -20,11 +20,14 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
 
+#include "../_native/intbuf.h"
 #include "../_native/msgpack_read.h"
+#include "../_native/pyext.h"
 /* The index reads token ids straight into block sums (rd_token_sums, below). */
 struct KvScan;
 struct KvEv;
@@ -93,13 +96,6 @@ static int refuse(PyObject *type, const char *why) {
     return -1;
 }
 
-/* 0 when a METH_FASTCALL method got its `want` arguments; else -1 with TypeError. */
-static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
-    if (nargs == want) return 0;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
-    return -1;
-}
-
 /* A token id as u64 (two's complement); 0, or -1 with TypeError or
  * ValueError set. Runs no Python code (PyLong_Check'ed conversions only),
  * so a caller reading a list's items cannot see the list change. Small
@@ -141,14 +137,10 @@ static inline int token_of(PyObject *o, u64 *out) {
 static int tokens_packed_at(const unsigned char *p, Py_ssize_t len, Scratch *s, u64 **out,
                             Py_ssize_t *count, Py_ssize_t *used) {
     PyObject *VE = PyExc_ValueError;
-    if (len < 1) return refuse(VE, "empty token_ids");
-    Py_ssize_t n, i = 1;
-    unsigned char h = p[0];
-    if (h >= 0x90 && h <= 0x9f) n = h & 0x0f;
-    else if (h == 0xdc) { if (len < 3) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 2); i = 3; }
-    else if (h == 0xdd) { if (len < 5) return refuse(VE, "truncated array header"); n = (Py_ssize_t)kvw_get_be(p + 1, 4); i = 5; }
-    else return refuse(VE, "token_ids is not an array");
-    if (n > len - i) return refuse(VE, "array longer than its bytes");
+    Rd r = {p, len, 0};
+    Py_ssize_t n;
+    if (RD_ARRAY(&r, &n)) return refuse(VE, "token_ids is not an array (or longer than its bytes)");
+    Py_ssize_t i = r.i;
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -226,33 +218,14 @@ static int tokens_seq(PyObject *seq, Scratch *s, u64 **out, Py_ssize_t *count) {
 
 /* A 1-D C-contiguous buffer of native integers (numpy arrays, array.array). */
 static int tokens_buffer(Py_buffer *v, Scratch *s, u64 **out, Py_ssize_t *count) {
-    PyObject *TE = PyExc_TypeError;
-    const char *f = v->format ? v->format : "B";
-    if (*f == '@' || *f == '=' || *f == '<') f++;
-    else if (*f == '>' || *f == '!') return refuse(TE, "big-endian token arrays are not supported");
-    if (f[0] == 0 || f[1] != 0) return refuse(TE, "token ids must be integers");
-    int is_signed;
-    switch (*f) {
-        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = 1; break;
-        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': is_signed = 0; break;
-        default: return refuse(TE, "token ids must be integers");
-    }
+    int is_signed = kvw_int_format(v, "token ids", PyExc_TypeError);
+    if (is_signed < 0) return -1;
     if (v->ndim > 1) return refuse(PyExc_ValueError, "tokens must be 1-D");
-    Py_ssize_t w = v->itemsize;
-    if (w != 1 && w != 2 && w != 4 && w != 8) return refuse(TE, "unsupported integer width");
-    Py_ssize_t n = v->len / w;
+    const Py_ssize_t w = v->itemsize, n = v->len / w;
     u64 *t = scratch_get(s, n);
     if (!t) return -1;
     const char *b = v->buf;
-#define CONVERT(T) for (Py_ssize_t k = 0; k < n; k++) { T x; memcpy(&x, b + k * sizeof(T), sizeof x); t[k] = (u64)x; }
-    if (is_signed) {
-        if (w == 1) { CONVERT(int8_t) } else if (w == 2) { CONVERT(int16_t) }
-        else if (w == 4) { CONVERT(int32_t) } else { CONVERT(int64_t) }
-    } else {
-        if (w == 1) { CONVERT(uint8_t) } else if (w == 2) { CONVERT(uint16_t) }
-        else if (w == 4) { CONVERT(uint32_t) } else { CONVERT(uint64_t) }
-    }
-#undef CONVERT
+    KVW_EACH_INT(b, 0, w, is_signed, n, k, x, t[k] = x;)
     *out = t;
     *count = n;
     return 0;
@@ -422,7 +395,7 @@ static int chain_ready(const KeyChain *c) {
 /* keys_into(tokens, packed, start, position, extra, out) -> blocks written */
 static PyObject *KeyChain_keys_into(KeyChain *self, PyObject *const *args, Py_ssize_t nargs) {
     if (chain_ready(self) < 0) return NULL;
-    if (nargs_ok(nargs, 6, "keys_into") < 0) return NULL;
+    if (kvw_nargs(nargs, 6, "keys_into") < 0) return NULL;
     int packed = PyObject_IsTrue(args[1]);
     u64 start, position;
     if (packed < 0 || u64_arg(args[2], &start, "start") || u64_arg(args[3], &position, "position"))
@@ -1042,9 +1015,7 @@ typedef struct {
     Py_ssize_t index_max_bs;
     int none_ok;
     /* the DecodeLimits last given to apply_payload (frozen) and its bounds */
-    PyObject *limits;
-    KvLimits lim;
-    int lim_bad; /* a bound the native path does not read: the general way */
+    KvLimitsSeen limits;
     /* apply_payload's counters: orphans, unknown removals, ignored, malformed, refused;
      * and refusals at max_bytes (any path: the Python one adds none) */
     Py_ssize_t counts[6];
@@ -1105,7 +1076,7 @@ static void Index_dealloc(Index *self) {
     Py_XDECREF(self->groups);
     Py_XDECREF(self->tier_of);
     Py_XDECREF(self->names);
-    Py_XDECREF(self->limits);
+    Py_XDECREF(self->limits.obj);
     for (size_t i = 0; i < self->nranks; i++) rank_free(&self->ranks[i]);
     PyMem_Free(self->ranks);
     t_rehash(&self->nodes, 0, node_occ);
@@ -1603,7 +1574,7 @@ static int store_core(Index *self, size_t sid, KeyChain *chain, int tier, const 
 }
 
 static PyObject *Index_store(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 9, "store") < 0) return NULL;
+    if (kvw_nargs(nargs, 9, "store") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     KeyChain *chain = chain_arg(args[1]);
@@ -1691,7 +1662,7 @@ static Py_ssize_t remove_core(Index *self, size_t sid, const u64 *hashes, Py_ssi
 
 /* remove(sid, hashes, tier) -> removals of copies the rank did not hold */
 static PyObject *Index_remove(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "remove") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "remove") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     long tier = PyLong_AsLong(args[2]);
@@ -2235,7 +2206,7 @@ done:
  * import_views). A view that would take the index past max_bytes leaves
  * its rank cleared and marked over cap (what a refused store does). */
 static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "import_ranks") < 0) return NULL;
+    if (kvw_nargs(nargs, 2, "import_ranks") < 0) return NULL;
     PyObject *sids = PySequence_Fast(args[0], "import_ranks: sids must be a sequence");
     if (!sids) return NULL;
     PyObject *views = PySequence_Fast(args[1], "import_ranks: views must be a sequence");
@@ -2293,17 +2264,12 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             PyErr_NormalizeException(&type, &value, &tb);
-            PyObject *why = value ? PyObject_Str(value) : NULL;
+            PyObject *exc_args = Py_BuildValue("(Nn)", PyObject_Str(value), bad);
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
-            if (why) {
-                PyObject *exc_args = Py_BuildValue("(Nn)", why, bad);
-                if (exc_args) {
-                    PyErr_SetObject(PyExc_ValueError, exc_args);
-                    Py_DECREF(exc_args);
-                }
-            }
+            if (exc_args) PyErr_SetObject(PyExc_ValueError, exc_args);
+            Py_XDECREF(exc_args);
         }
         goto out;
     }
@@ -2332,35 +2298,13 @@ out:
     return result;
 }
 
-/* import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: import_ranks of
- * one view (its ValueError says why, without a position). */
-static PyObject *Index_import_rank(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "import_rank") < 0) return NULL;
-    ViewIn vi = {
-        .im = {
-            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem},
-            .k = {.rs = sizeof(KeyRec)},
-            .m = {.rs = sizeof(Multi), .acct = &self->mem},
-        },
-    };
-    if (slot_arg(args[0], &vi.sid) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &vi.v, PyBUF_SIMPLE) < 0) return NULL;
-    int flags = 0;
-    Py_ssize_t bad = -1;
-    PyObject *result = NULL;
-    if (import_views(self, &vi, 1, &flags, &bad) == 0) result = PyLong_FromLong(flags);
-    import_free(&vi.im);
-    PyBuffer_Release(&vi.v);
-    return result;
-}
-
 /* reserve(sid, blocks) -> whether taken: the rank will hold about `blocks`
  * (at most max_entries and 2**24). Its table, and the shared table's share,
  * are sized for it at its next store, and its table stays at least that
  * size (over clears too) until the next hint or forget_rank. Not taken where
  * the index could not make that room within max_bytes. */
 static PyObject *Index_reserve(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 2, "reserve") < 0) return NULL;
+    if (kvw_nargs(nargs, 2, "reserve") < 0) return NULL;
     size_t sid;
     if (check_sid(self, args[0], &sid) < 0) return NULL;
     Py_ssize_t blocks = PyLong_AsSsize_t(args[1]);
@@ -3045,7 +2989,7 @@ static int names_arg(PyObject *names) {
  * tiers_type None: depths as ints; else tiers_type(gpu, cpu, storage) from
  * the runs held on GPU, on GPU or CPU, and anywhere. */
 static PyObject *Index_match(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "match") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "match") < 0) return NULL;
     if (names_arg(args[1]) < 0) return NULL;
     Py_buffer kv;
     if (get_u64s(args[0], &kv, 0, "keys") < 0) return NULL;
@@ -3201,7 +3145,7 @@ done:
 
 /* match_tokens(chain, tokens, packed, start, extra, names, tiers_type) */
 static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 7, "match_tokens") < 0) return NULL;
+    if (kvw_nargs(nargs, 7, "match_tokens") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain) return NULL;
     int packed = PyObject_IsTrue(args[2]);
@@ -3209,8 +3153,6 @@ static PyObject *Index_match_tokens(Index *self, PyObject *const *args, Py_ssize
     if (packed < 0 || u64_arg(args[3], &state, "start") < 0) return NULL;
     return match_tokens_core(self, chain, args[1], packed, state, args[4], args[5], args[6]);
 }
-
-static Py_ssize_t ssize_arg(PyObject *o, int *fail);
 
 static int configured(Index *self) {
     if (self->chain) return 0;
@@ -3230,7 +3172,7 @@ static PyObject *Index_match_list(Index *self, PyObject *tokens) {
  * per-index arguments of apply_payload and match_list. groups None:
  * apply_payload takes no payload (groups it cannot compare natively). */
 static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 6, "configure") < 0) return NULL;
+    if (kvw_nargs(nargs, 6, "configure") < 0) return NULL;
     KeyChain *chain = chain_arg(args[0]);
     if (!chain || chain_ready(chain) < 0 || names_arg(args[5]) < 0) return NULL;
     PyObject *groups = args[3] == Py_None ? NULL : args[3];
@@ -3241,7 +3183,7 @@ static PyObject *Index_configure(Index *self, PyObject *const *args, Py_ssize_t 
     u64 root;
     if (u64_arg(args[1], &root, "root") < 0) return NULL;
     int bad = 0;
-    Py_ssize_t index_max_bs = ssize_arg(args[2], &bad);
+    Py_ssize_t index_max_bs = kvs_limit(args[2], &bad);
     if (bad) groups = NULL; /* a bound this path does not read: the general way */
     int none_ok = groups ? PySet_Contains(groups, Py_None) : 0;
     if (none_ok < 0) return NULL;
@@ -3458,26 +3400,6 @@ static void scratch_trim(Scratch *s) {
     if (s->cap > SCRATCH_KEEP) scratch_free(s);
 }
 
-static Py_ssize_t ssize_arg(PyObject *o, int *fail) {
-    Py_ssize_t v = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
-    if (v < 0) *fail = 1;
-    PyErr_Clear();
-    return v;
-}
-
-/* The DecodeLimits' bounds into the index, read once per limits object (a
- * frozen struct, held so its id is not reused); 1: a bound this path does
- * not read (the general way). */
-static int limits_of(Index *self, PyObject *limits) {
-    if (limits != self->limits) {
-        int bad = kvs_limits_of(limits, &self->lim);
-        if (bad < 0) return -1;
-        self->lim_bad = bad;
-        Py_XSETREF(self->limits, Py_NewRef(limits)); /* last: the old one's release may run code */
-    }
-    return self->lim_bad;
-}
-
 /* apply_payload(sid, payload, limits) -> True | False
  *
  * decode_batch(payload, limits) applied to rank sid with configure()'s
@@ -3485,14 +3407,14 @@ static int limits_of(Index *self, PyObject *limits) {
  * payload is outside the subset read here (or groups are not native);
  * nothing changed, the caller decodes it the general way. */
 static PyObject *Index_apply_payload(Index *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_ok(nargs, 3, "apply_payload") < 0) return NULL;
+    if (kvw_nargs(nargs, 3, "apply_payload") < 0) return NULL;
     if (configured(self) < 0) return NULL;
     if (!self->groups) Py_RETURN_FALSE;
-    int lim = limits_of(self, args[2]);
+    int lim = kvs_limits_seen(&self->limits, args[2]); /* 1: a bound not read here */
     if (lim) return lim < 0 ? NULL : Py_NewRef(Py_False);
     PCtx cx = {.self = self, .chain = self->chain, .groups = self->groups, .tiers = self->tier_of,
                .none_ok = self->none_ok, .index_max_bs = self->index_max_bs};
-    self->scan.lim = self->lim;
+    self->scan.lim = self->limits.lim;
     self->scan.keep_hashes = self->scan.keep_events = 1;
     self->scan.ctx = &cx;
     const u64 root = self->root;
@@ -3566,29 +3488,9 @@ static size_t rank_bytes(const Rank *r) {
     return (r->entries.in_arena ? 0 : r->entries.bytes) + r->multi.bytes;
 }
 
-static PyObject *Index_get_max_entries(Index *self, void *c) {
-    return PyLong_FromSize_t(self->max_entries);
-}
-
-static PyObject *Index_get_expected(Index *self, void *c) {
-    return PyLong_FromSize_t(self->expected);
-}
-
-static PyObject *Index_get_nodes(Index *self, void *c) {
-    return PyLong_FromSize_t(self->nodes.count);
-}
-
-static PyObject *Index_get_pooled(Index *self, void *c) {
-    return PyLong_FromSize_t(self->pool.live);
-}
-
 static PyObject *Index_get_counters(Index *self, void *c) {
     const Py_ssize_t *n = self->counts;
     return Py_BuildValue("nnnnnn", n[0], n[1], n[2], n[3], n[4], n[5]);
-}
-
-static PyObject *Index_get_max_bytes(Index *self, void *c) {
-    return PyLong_FromSize_t(self->max_bytes);
 }
 
 /* The running count (O(1): the budget reads it per growing store). */
@@ -3615,8 +3517,6 @@ static PyMethodDef Index_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
      "reserve(sid, blocks) -> whether taken: the rank's tables sized for that many blocks"},
     {"export_rank", (PyCFunction)Index_export_rank, METH_O, "export_rank(sid | None) -> the rank's view as bytes"},
-    {"import_rank", (PyCFunction)(void (*)(void))Index_import_rank, METH_FASTCALL,
-     "import_rank(sid, view) -> 0, or OVER_CAP | OVER_BUDGET: the rank holds what the view says"},
     {"import_ranks", (PyCFunction)(void (*)(void))Index_import_ranks, METH_FASTCALL,
      "import_ranks(sids, views) -> [0, or OVER_CAP | OVER_BUDGET]: each rank holds what its view says"},
     {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(sid) -> engine hashes held"},
@@ -3635,14 +3535,21 @@ static PyMethodDef Index_methods[] = {
     {NULL},
 };
 
+/* (size_t members read as T_ULONG: the same type on the LP64 systems this builds on) */
+_Static_assert(sizeof(size_t) == sizeof(unsigned long), "size_t is unsigned long");
+#define INDEX_SIZE(name, field, doc) {name, T_ULONG, offsetof(Index, field), READONLY, doc}
+static PyMemberDef Index_members[] = {
+    INDEX_SIZE("nodes", nodes.count, "distinct keys held"),
+    INDEX_SIZE("pooled", pool.live, "keys two or more ranks hold (a pool row each)"),
+    INDEX_SIZE("max_entries", max_entries, "engine hashes a rank may hold (0: no bound)"),
+    INDEX_SIZE("expected_blocks_per_rank", expected, "blocks a rank's tables are presized for (0: none)"),
+    INDEX_SIZE("max_bytes", max_bytes, "the tables' memory budget (0: none)"),
+    {NULL},
+};
+
 static PyGetSetDef Index_getset[] = {
-    {"nodes", (getter)Index_get_nodes, NULL, "distinct keys held", NULL},
-    {"pooled", (getter)Index_get_pooled, NULL, "keys two or more ranks hold (a pool row each)", NULL},
-    {"max_entries", (getter)Index_get_max_entries, NULL, "engine hashes a rank may hold (0: no bound)", NULL},
-    {"expected_blocks_per_rank", (getter)Index_get_expected, NULL, "blocks a rank's tables are presized for (0: none)", NULL},
     {"memory", (getter)Index_get_memory, NULL, "bytes held by the tables", NULL},
     {"memory_summed", (getter)Index_get_memory_summed, NULL, "memory, summed table by table (tests)", NULL},
-    {"max_bytes", (getter)Index_get_max_bytes, NULL, "the tables' memory budget (0: none)", NULL},
     {"counters", (getter)Index_get_counters, NULL,
      "apply_payload's (orphans, unknown removals, ignored, malformed, refused), and refusals at max_bytes",
      NULL},
@@ -3660,6 +3567,7 @@ static PyTypeObject IndexType = {
     .tp_dealloc = (destructor)Index_dealloc,
     .tp_methods = Index_methods,
     .tp_getset = Index_getset,
+    .tp_members = Index_members,
 };
 
 static struct PyModuleDef coremodule = {
@@ -3667,25 +3575,12 @@ static struct PyModuleDef coremodule = {
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&KeyChainType) < 0 || PyType_Ready(&IndexType) < 0) return NULL;
-    if (PyType_Ready(&NamesType) < 0 || PyType_Ready(&MatchesType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&coremodule);
-    if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "KeyChain", (PyObject *)&KeyChainType) < 0 ||
-        PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0 ||
-        PyModule_AddObjectRef(m, "Matches", (PyObject *)&MatchesType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "ORPHAN", ORPHAN) < 0 ||
-        PyModule_AddIntConstant(m, "OVER_CAP", OVER_CAP) < 0 ||
-        PyModule_AddIntConstant(m, "MALFORMED", MALFORMED) < 0 ||
-        PyModule_AddIntConstant(m, "OVER_BUDGET", OVER_BUDGET) < 0 ||
-        PyModule_AddIntConstant(m, "CAP_BLOCKS", CAP_BLOCKS) < 0 ||
-        PyModule_AddIntConstant(m, "CAP_BYTES", CAP_BYTES) < 0 ||
-        PyModule_AddIntConstant(m, "VIEW_VERSION", VIEW_VERSION) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    if (PyType_Ready(&NamesType) < 0) return NULL;
+    static PyTypeObject *const types[] = {&KeyChainType, &IndexType, &MatchesType, NULL};
+    static const KvwConst consts[] = {
+        {"ORPHAN", ORPHAN}, {"OVER_CAP", OVER_CAP}, {"MALFORMED", MALFORMED},
+        {"OVER_BUDGET", OVER_BUDGET}, {"CAP_BLOCKS", CAP_BLOCKS}, {"CAP_BYTES", CAP_BYTES},
+        {"VIEW_VERSION", VIEW_VERSION}, {NULL},
+    };
+    return kvw_module(&coremodule, types, consts);
 }

@@ -30,7 +30,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 
+#include "../_native/pyext.h"
 #include "../_native/scan.h"
 
 typedef uint64_t u64;
@@ -107,23 +109,10 @@ static PyObject *Chain_hash_at(Chain *c, PyObject *arg) {
 
 static PyObject *Chain_hash_list(Chain *c, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t a, b;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "hash_list(start, end) takes 2 arguments");
+    if (kvw_nargs(nargs, 2, "hash_list") < 0 || index_arg(c, args[0], &a) < 0 ||
+        index_arg(c, args[1], &b) < 0)
         return NULL;
-    }
-    if (index_arg(c, args[0], &a) < 0 || index_arg(c, args[1], &b) < 0) return NULL;
-    if (b < a) b = a;
-    PyObject *out = PyList_New(b - a);
-    if (!out) return NULL;
-    for (Py_ssize_t i = a; i < b; i++) {
-        PyObject *h = PyLong_FromUnsignedLongLong(c->hashes[i]);
-        if (!h) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i - a, h);
-    }
-    return out;
+    return kvw_u64_list(c->hashes + a, b < a ? 0 : b - a);
 }
 
 static int u64_arg(PyObject *o, u64 *out) {
@@ -141,11 +130,9 @@ static int u64_arg(PyObject *o, u64 *out) {
 static PyObject *Chain_index(Chain *c, PyObject *const *args, Py_ssize_t nargs) {
     u64 h;
     Py_ssize_t start;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "index(h, start) takes 2 arguments");
+    if (kvw_nargs(nargs, 2, "index") < 0 || u64_arg(args[0], &h) < 0 ||
+        index_arg(c, args[1], &start) < 0)
         return NULL;
-    }
-    if (u64_arg(args[0], &h) < 0 || index_arg(c, args[1], &start) < 0) return NULL;
     for (Py_ssize_t i = start; i < Py_SIZE(c); i++)
         if (c->hashes[i] == h) return PyLong_FromSsize_t(i);
     return PyLong_FromLong(-1);
@@ -156,21 +143,19 @@ static PyObject *Chain_get_parent(Chain *c, void *unused) {
     return PyLong_FromUnsignedLongLong(c->parent);
 }
 
-static PyObject *Chain_get_block_size(Chain *c, void *unused) { return PyLong_FromSsize_t(c->block_size); }
-static PyObject *Chain_get_tokens(Chain *c, void *unused) { return Py_NewRef(c->tokens); }
-static PyObject *Chain_get_medium(Chain *c, void *unused) { return Py_NewRef(c->medium); }
-static PyObject *Chain_get_lora(Chain *c, void *unused) { return Py_NewRef(c->lora); }
-static PyObject *Chain_get_extra(Chain *c, void *unused) { return Py_NewRef(c->extra); }
-static PyObject *Chain_get_group(Chain *c, void *unused) { return Py_NewRef(c->group); }
-
 static PyGetSetDef Chain_getset[] = {
     {"parent", (getter)Chain_get_parent, NULL, "block 0's parent hash, or None", NULL},
-    {"block_size", (getter)Chain_get_block_size, NULL, "tokens per block", NULL},
-    {"tokens", (getter)Chain_get_tokens, NULL, "token ids, a packed msgpack array", NULL},
-    {"medium", (getter)Chain_get_medium, NULL, "the medium", NULL},
-    {"lora", (getter)Chain_get_lora, NULL, "lora_name", NULL},
-    {"extra", (getter)Chain_get_extra, NULL, "extra_keys", NULL},
-    {"group", (getter)Chain_get_group, NULL, "group_idx", NULL},
+    {NULL},
+};
+
+#define CHAIN_FIELD(name, doc) {#name, T_OBJECT, offsetof(Chain, name), READONLY, doc}
+static PyMemberDef Chain_members[] = {
+    {"block_size", T_PYSSIZET, offsetof(Chain, block_size), READONLY, "tokens per block"},
+    CHAIN_FIELD(tokens, "token ids, a packed msgpack array"),
+    CHAIN_FIELD(medium, "the medium"),
+    CHAIN_FIELD(lora, "lora_name"),
+    CHAIN_FIELD(extra, "extra_keys"),
+    CHAIN_FIELD(group, "group_idx"),
     {NULL},
 };
 
@@ -196,6 +181,7 @@ static PyTypeObject ChainType = {
     .tp_as_sequence = &Chain_as_sequence,
     .tp_methods = Chain_methods,
     .tp_getset = Chain_getset,
+    .tp_members = Chain_members,
 };
 
 /* ------------------------------------------------------------------------ */
@@ -509,22 +495,13 @@ static int remove_hash(Core *self, Medium *m, u64 h) {
     return 0;
 }
 
-static int Core_init_state(Core *self) {
-    if (!self->logs && !(self->logs = PyList_New(0))) return -1;
-    return 0;
-}
-
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
         PyErr_SetString(PyExc_TypeError, "Core() takes no arguments");
         return NULL;
     }
     Core *self = (Core *)type->tp_alloc(type, 0);
-    if (!self) return NULL;
-    if (Core_init_state(self) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    if (self && !(self->logs = PyList_New(0))) Py_CLEAR(self);
     return (PyObject *)self;
 }
 
@@ -557,10 +534,7 @@ static int opt_str(PyObject *o, const char *what) {
 
 /* store(hashes, parent, tokens, block_size, medium, lora, extra, group) */
 static PyObject *Core_store(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "store() takes 8 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 8, "store") < 0) return NULL;
     PyObject *hashes = PySequence_Fast(args[0], "hashes must be a sequence");
     if (!hashes) return NULL;
     PyObject *parent = args[1], *tokens = args[2], *medium = args[4], *extra = args[6], *group = args[7];
@@ -600,10 +574,7 @@ done:
 
 /* remove(medium, hashes) */
 static PyObject *Core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "remove() takes 2 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "remove") < 0) return NULL;
     if (opt_str(args[0], "medium") < 0) return NULL;
     Py_ssize_t mi = medium_index(self, args[0], 0);
     if (mi == -1) return NULL;
@@ -664,9 +635,7 @@ static int apply_event(Core *self, const KvEv *ev) {
     PyObject *tokens = PyBytes_FromStringAndSize((const char *)ev->tok, ev->tok_len);
     PyObject *lora = ev->lora_len < 0 ? Py_NewRef(Py_None)
                                       : PyUnicode_FromStringAndSize(ev->lora, ev->lora_len);
-    PyObject *group = !ev->has_group ? Py_NewRef(Py_None)
-                      : ev->group_neg ? PyLong_FromLongLong((long long)ev->group)
-                                      : PyLong_FromUnsignedLongLong(ev->group);
+    PyObject *group = ev->has_group ? kvw_int(ev->group, ev->group_neg) : Py_NewRef(Py_None);
     Chain *c = NULL;
     int rc = -1;
     if (tokens && lora && group)
@@ -721,10 +690,7 @@ static PyObject *Core_apply_payload(Core *self, PyObject *payload) {
  * (len(feed): all). The first pass over all of them runs without the GIL
  * when they are large. */
 static PyObject *Core_apply_feed(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "apply_feed(feed, start, next_seq) takes 3 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 3, "apply_feed") < 0) return NULL;
     if (not_busy(self) < 0) return NULL;
     if (!PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "feed must be a list");
@@ -839,10 +805,7 @@ static int chain_arg(PyObject *o) {
 
 /* runs(chain, undo): the runs (start, end) of blocks the chain held at the snapshot's start. */
 static PyObject *Core_runs(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "runs(chain, undo) takes 2 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "runs") < 0) return NULL;
     if (chain_arg(args[0]) < 0 || undo_arg(args[1]) < 0) return NULL;
     Chain *c = (Chain *)Py_NewRef(args[0]);
     PyObject *undo = Py_NewRef(args[1]);
@@ -914,14 +877,9 @@ static PyObject *Core_simple_parts(Core *self, PyObject *const *args, Py_ssize_t
             if (all < 0) goto fail;
             break;
         }
-        PyObject *hashes = PyList_New(n);
+        PyObject *hashes = kvw_u64_list(c->hashes, n);
         PyObject *tokens = hashes ? PyObject_CallOneArg(raw, c->tokens) : NULL;
         PyObject *block_size = tokens ? PyLong_FromSsize_t(c->block_size) : NULL;
-        for (Py_ssize_t k = 0; block_size && k < n; k++) {
-            PyObject *h = PyLong_FromUnsignedLongLong(c->hashes[k]);
-            if (!h) Py_CLEAR(block_size);
-            else PyList_SET_ITEM(hashes, k, h);
-        }
         PyObject *part = NULL;
         if (block_size) {
             PyObject *argv[9] = {hashes, Py_None, tokens, block_size, Py_None,
@@ -951,10 +909,7 @@ fail:
 
 /* owner(medium, h, undo): a chain that held h when the snapshot began, or None. */
 static PyObject *Core_owner(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "owner(medium, h, undo) takes 3 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 3, "owner") < 0) return NULL;
     if (undo_arg(args[2]) < 0) return NULL;
     u64 h;
     if (u64_arg(args[1], &h) < 0) return NULL;
@@ -1057,14 +1012,6 @@ static int limits_init(void) {
 }
 
 PyMODINIT_FUNC PyInit__mirror(void) {
-    if (limits_init() < 0) return NULL;
-    if (PyType_Ready(&ChainType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&mirror_module);
-    if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Chain", (PyObject *)&ChainType) < 0 ||
-        PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    static PyTypeObject *const types[] = {&ChainType, &CoreType, NULL};
+    return limits_init() < 0 ? NULL : kvw_module(&mirror_module, types, NULL);
 }

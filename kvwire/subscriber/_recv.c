@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "../_native/libzmq.h"
+#include "../_native/pyext.h"
 #include "../_native/scan.h"
 
 #define MAX_FRAMES 64
@@ -184,11 +185,8 @@ done:
 /* What drain() and drain_beats() check alike: the number of arguments, that
  * libzmq is loaded, and cap (the second argument). */
 static int read_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
-                       const char *usage, Py_ssize_t *cap) {
-    if (nargs != want) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return -1;
-    }
+                       const char *name, Py_ssize_t *cap) {
+    if (kvw_nargs(nargs, want, name) < 0) return -1;
     if (!kvw_zmq_loaded) {
         PyErr_SetString(PyExc_RuntimeError, "libzmq not loaded: call load(path) first");
         return -1;
@@ -205,7 +203,7 @@ static int read_common(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
 
 static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t cap;
-    if (read_common(args, nargs, 3, "drain(socket, cap, max_frames)", &cap) < 0)
+    if (read_common(args, nargs, 3, "drain", &cap) < 0)
         return NULL;
     Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
     if (max_frames == -1 && PyErr_Occurred())
@@ -222,7 +220,7 @@ static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 
 static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t cap;
-    if (read_common(args, nargs, 5, "drain_beats(socket, cap, topic, expected, rank)", &cap) < 0)
+    if (read_common(args, nargs, 5, "drain_beats", &cap) < 0)
         return NULL;
     if (!PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "topic must be bytes");
@@ -267,11 +265,7 @@ static PyObject *drain_beats(PyObject *self, PyObject *const *args, Py_ssize_t n
  * which accepts or refuses it. */
 
 static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "check_batch(payload, max_events, max_blocks, max_block_size, max_tokens)");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 5, "check_batch") < 0) return NULL;
     int bad = 0;
     KvScan s = {.lim = {kvs_limit(args[1], &bad), kvs_limit(args[2], &bad), kvs_limit(args[3], &bad),
                         kvs_limit(args[4], &bad)}};
@@ -289,16 +283,7 @@ static PyObject *check_batch(PyObject *self, PyObject *const *args, Py_ssize_t n
     kvs_free(&s);
     if (rc < 0) return PyErr_NoMemory();
     if (rc) Py_RETURN_NONE;
-    PyObject *r_obj;
-    if (!s.has_rank)
-        r_obj = Py_NewRef(Py_None);
-    else if (s.rank_neg)
-        r_obj = PyLong_FromLongLong((long long)s.rank);
-    else
-        r_obj = PyLong_FromUnsignedLongLong(s.rank);
-    if (r_obj == NULL)
-        return NULL;
-    return Py_BuildValue("(nNO)", m, r_obj, s.cleared ? Py_True : Py_False);
+    return kvs_summary(&s, m);
 }
 
 static PyMethodDef methods[] = {

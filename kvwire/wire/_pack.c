@@ -101,20 +101,8 @@ static PyObject *pack_buffer(Py_buffer *v, int mode, const char *what) {
     if (!out) return NULL;
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out), *p = kvw_put_array_header(start, (size_t)n);
     const char *b = v->buf;
-#define LOOP(T, UNS)                                                  \
-    for (Py_ssize_t i = 0; i < n; i++) {                              \
-        T x;                                                          \
-        memcpy(&x, b + i * stride, sizeof x);                         \
-        p = put_mode(p, (u64)x, UNS, mode);                           \
-    }
-    if (is_signed) {
-        if (w == 1) { LOOP(int8_t, 0) } else if (w == 2) { LOOP(int16_t, 0) }
-        else if (w == 4) { LOOP(int32_t, 0) } else { LOOP(int64_t, 0) }
-    } else {
-        if (w == 1) { LOOP(uint8_t, 1) } else if (w == 2) { LOOP(uint16_t, 1) }
-        else if (w == 4) { LOOP(uint32_t, 1) } else { LOOP(uint64_t, 1) }
-    }
-#undef LOOP
+    if (is_signed) KVW_EACH_INT(b, stride, w, 1, n, i, x, p = put_mode(p, x, 0, mode);)
+    else KVW_EACH_INT(b, stride, w, 0, n, i, x, p = put_mode(p, x, 1, mode);)
     return finish(out, start, p);
 }
 

@@ -4,26 +4,18 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "../_native/pyext.h"
 #include "../_native/scan.h"
 
-/* The DecodeLimits last given (a frozen struct, held so its id is not
- * reused) and its bounds: read once, not on every small payload. */
-static PyObject *last_limits;
-static KvLimits last_lim;
-static int last_bad;
+static KvLimitsSeen last_limits;
 
 /* Read payload with limits into s, the payload's buffer held in *view
  * (release it after reading the view); 0, FALL (with no exception, nothing
  * held) or -1 (nothing held). */
 static int scan_held(PyObject *payload, PyObject *limits, KvScan *s, Py_buffer *view) {
-    if (limits != last_limits) {
-        int bad = kvs_limits_of(limits, &last_lim);
-        if (bad < 0) return -1;
-        last_bad = bad;
-        Py_XSETREF(last_limits, Py_NewRef(limits));
-    }
-    if (last_bad) return FALL;
-    s->lim = last_lim;
+    int bad = kvs_limits_seen(&last_limits, limits);
+    if (bad) return bad < 0 ? -1 : FALL;
+    s->lim = last_limits.lim;
     if (PyObject_GetBuffer(payload, view, PyBUF_SIMPLE) < 0) {
         PyErr_Clear(); /* not bytes-like: decode_batch says what it is */
         return FALL;
@@ -43,24 +35,15 @@ static int scan(PyObject *payload, PyObject *limits, KvScan *s) {
     return rc;
 }
 
-static PyObject *int_of(uint64_t v, int neg) {
-    return neg ? PyLong_FromLongLong((long long)v) : PyLong_FromUnsignedLongLong(v);
-}
-
 /* check(payload, limits) -> (events, data_parallel_rank, cleared) | None */
 static PyObject *check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "check(payload, limits) takes 2 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "check") < 0) return NULL;
     KvScan s = {.keep_hashes = 0};
     int rc = scan(args[0], args[1], &s);
     Py_ssize_t m = s.ev_len;
     kvs_free(&s);
     if (rc) return rc < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *rank = s.has_rank ? int_of(s.rank, s.rank_neg) : Py_NewRef(Py_None);
-    if (!rank) return NULL;
-    return Py_BuildValue("(nNO)", m, rank, s.cleared ? Py_True : Py_False);
+    return kvs_summary(&s, m);
 }
 
 /* --- decode_batch's typed path ------------------------------------------------ */
@@ -225,13 +208,7 @@ static PyObject *opt_str(const char *p, Py_ssize_t n) {
 
 /* An event's hashes as a new list of ints (none for a clear). */
 static PyObject *hashes_of(const KvScan *s, const KvEv *ev) {
-    PyObject *out = PyList_New(ev->n);
-    for (Py_ssize_t j = 0; out && j < ev->n; j++) {
-        PyObject *h = PyLong_FromUnsignedLongLong(s->h[ev->hoff + j]);
-        if (!h) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, j, h);
-    }
-    return out;
+    return kvw_u64_list(ev->n ? s->h + ev->hoff : NULL, ev->n); /* (a clear's hoff is -1) */
 }
 
 /* A store's packed token ids as decode_batch hands them out: TokenIds(Raw). */
@@ -259,7 +236,7 @@ static PyObject *event_of(const KvScan *s, const KvEv *ev, const Py_buffer *payl
     int given = ev->medium_len < 0 || (ev->medium >= p && ev->medium < p + payload->len);
     v[F_MEDIUM] = given ? opt_str(ev->medium, ev->medium_len)
                         : Py_NewRef(stored ? stored_medium : removed_medium);
-    v[F_GROUP] = ev->has_group ? int_of(ev->group, ev->group_neg) : Py_NewRef(Py_None);
+    v[F_GROUP] = ev->has_group ? kvw_int(ev->group, ev->group_neg) : Py_NewRef(Py_None);
     if (!v[F_MEDIUM] || !v[F_GROUP]) goto out;
     if (!stored) {
         PyObject *args[3] = {v[REMOVED_FIELDS[0]], v[REMOVED_FIELDS[1]], v[REMOVED_FIELDS[2]]};
@@ -283,7 +260,7 @@ out:
 /* The batch a scan read, built from its flat view (no second walk). */
 static PyObject *batch_of(const KvScan *s, const Py_buffer *payload) {
     PyObject *a[3] = {PyFloat_FromDouble(s->ts), PyList_New(s->ev_len),
-                      s->has_rank ? int_of(s->rank, s->rank_neg) : Py_NewRef(Py_None)};
+                      s->has_rank ? kvw_int(s->rank, s->rank_neg) : Py_NewRef(Py_None)};
     PyObject *batch = NULL;
     if (!a[0] || !a[1] || !a[2]) goto out;
     for (Py_ssize_t k = 0; k < s->ev_len; k++) {
@@ -306,10 +283,7 @@ static int scratch_busy;
 
 /* typed(payload, limits) -> KVEventBatch | None */
 static PyObject *typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "typed(payload, limits) takes 2 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "typed") < 0) return NULL;
     if (!dec_maps) {
         PyErr_SetString(PyExc_RuntimeError, "kvwire.wire._scan.bind() was not called");
         return NULL;
@@ -361,10 +335,7 @@ done:
 /* view(payload, limits) -> [event] | None, an event (kind, hashes, parent,
  * tokens, block_size, medium, lora_name, group_idx, extras). */
 static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "view(payload, limits) takes 2 arguments");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "view") < 0) return NULL;
     KvScan s = {.keep_hashes = 1, .keep_events = 1};
     int rc = scan(args[0], args[1], &s);
     if (rc) {
@@ -383,7 +354,7 @@ static PyObject *view(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                                     : Py_NewRef(Py_None),
                             ev->block_size, opt_str(ev->medium, ev->medium_len),
                             opt_str(ev->lora, ev->lora_len),
-                            ev->has_group ? int_of(ev->group, ev->group_neg) : Py_NewRef(Py_None),
+                            ev->has_group ? kvw_int(ev->group, ev->group_neg) : Py_NewRef(Py_None),
                             ev->extras);
         if (!item) Py_CLEAR(out);
         else PyList_SET_ITEM(out, k, item);

@@ -132,7 +132,7 @@ def test_index_before_init_is_an_empty_valid_index() -> None:
             except ValueError as exc:
                 print(exc)
         other = Index.__new__(Index)
-        other.import_rank(3, idx.export_rank(0))
+        other.import_ranks([3], [idx.export_rank(0)])
         print(other.match(keys, ["a", "b", "c", "d"], None), other.rank_stats(3), other.reserve(3, 10))
         other.forget_rank(3)
         print(other.nodes, other.memory, other.export_rank(None) == idx.export_rank(None))

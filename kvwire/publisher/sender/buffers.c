@@ -131,28 +131,25 @@ static Slab *slab_get(Pool *p) {
  * with buf_end(), before the next buf_new() on the pool. */
 Buf *buf_new(Pool *pool, size_t cap) {
     size_t need = (sizeof(Buf) + cap + 15) & ~(size_t)15;
+    Slab *s = NULL;
+    Buf *b;
     if (pool && need <= SLAB_CAP / 4) {
-        Slab *s = pool->cur;
+        s = pool->cur;
         if (!s || s->used + need > SLAB_CAP) {
             if (s) slab_release(s);
             s = pool->cur = slab_get(pool);
         }
-        if (s) {
-            Buf *b = (Buf *)(s->mem + s->used);
-            UNPOISON(b, need);
-            atomic_fetch_add_explicit(&s->live, 1, memory_order_relaxed);
-            atomic_init(&b->refs, 1);
-            b->len = 0;
-            b->slab = s;
-            return b;
-        }
     }
-    Buf *b = malloc(sizeof(Buf) + cap);
-    if (b) {
-        atomic_init(&b->refs, 1);
-        b->len = 0;
-        b->slab = NULL;
+    if (s) {
+        b = (Buf *)(s->mem + s->used);
+        UNPOISON(b, need);
+        atomic_fetch_add_explicit(&s->live, 1, memory_order_relaxed);
+    } else if (!(b = malloc(sizeof(Buf) + cap))) {
+        return NULL;
     }
+    atomic_init(&b->refs, 1);
+    b->len = 0;
+    b->slab = s;
     return b;
 }
 

@@ -3,7 +3,7 @@
  * The plugins' publish(batch) hands over the engine's KVEventBatch of tagged event structs
  * (BlockStored, BlockRemoved, AllBlocksCleared). An EngineFormat, made once from the
  * engine's classes, says where each field lies in a struct (its slot's offset) and how
- * msgspec writes it (key, omitted when None). publish_engine() reads the slots on the
+ * msgspec writes it (key, omitted when None). EnginePublish reads the slots on the
  * engine thread (a new reference to each value: the structs themselves are mutable) and
  * queues them; the sender thread writes the bytes msgspec writes for the structs
  * (writer.c), for values of the kinds value_size() takes (None, exact ints, compact ASCII

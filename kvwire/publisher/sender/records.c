@@ -9,6 +9,7 @@
 #include <structmember.h>
 
 #include "../../_native/intbuf.h"
+#include "../../_native/pyext.h"
 
 static PyObject *S_ts, *S_records, *S_rank, *S_block_size, *S_signed, *S_numpy;
 
@@ -357,12 +358,13 @@ static PyObject *exact_ints(PyObject *values, const char *what) {
     }
     int is_signed = kvw_int_buffer(&view, what, PyExc_ValueError);
     PyObject *out = is_signed < 0 ? NULL : PyList_New(view.shape[0]);
-    for (Py_ssize_t i = 0; out && i < view.shape[0]; i++) {
-        u64 x = kvw_buffer_item(&view, i, is_signed);
-        PyObject *o = is_signed ? PyLong_FromLongLong((long long)x) : PyLong_FromUnsignedLongLong(x);
+    const char *b = view.buf;
+    Py_ssize_t n = out ? view.shape[0] : 0, stride = out ? view.strides[0] : 0;
+    KVW_EACH_INT(b, stride, view.itemsize, is_signed, n, i, x, {
+        PyObject *o = out ? kvw_int(x, is_signed) : NULL;
         if (!o) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, o);
-    }
+    })
     PyBuffer_Release(&view);
     Py_DECREF(arr);
     return out;
@@ -400,17 +402,18 @@ static int rec_copy_arrays(Rec *r) {
     uint32_t *tokens = (uint32_t *)(v + len[0]);
     rc = 0;
     int neg, mixed;
+    const char *b[2] = {viewed[0] ? view[0].buf : NULL, viewed[1] ? view[1].buf : NULL};
+    Py_ssize_t stride[2] = {viewed[0] ? view[0].strides[0] : 0, viewed[1] ? view[1].strides[0] : 0};
     if (viewed[0]) {
-        for (Py_ssize_t i = 0; i < len[0]; i++) v[i] = kvw_buffer_item(&view[0], i, is_signed[0]);
+        KVW_EACH_INT(b[0], stride[0], view[0].itemsize, is_signed[0], len[0], i, x, v[i] = x;)
     } else if (read_bits(src[0], v, &neg, &mixed) < 0) {
         goto done;
     }
     if (viewed[1]) {
-        for (Py_ssize_t i = 0; i < len[1]; i++) {
-            u64 x = kvw_buffer_item(&view[1], i, is_signed[1]);
+        KVW_EACH_INT(b[1], stride[1], view[1].itemsize, is_signed[1], len[1], i, x, {
             if (x > UINT32_MAX) goto done; /* (negative ones included) */
             tokens[i] = (uint32_t)x;
-        }
+        })
     } else if (src[1] && read_tokens(src[1], tokens) < 0) {
         goto done;
     }

@@ -53,12 +53,14 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <structmember.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "../../_native/libzmq.h"
 #include "../../_native/msgpack.h"
+#include "../../_native/pyext.h"
 
 #define CHUNK 64          /* batches popped, encoded and sent per pass */
 #define DONE_MAX 8192     /* references waiting for a GIL holder before the thread takes it */
@@ -692,25 +694,8 @@ static PyObject *sender_skip(Sender *s, PyObject *unused) {
     return PyBool_FromLong(sender_enqueue(s, &it));
 }
 
-/* publish_engine(batch, format) -> bool | None: publish() for an engine's batch struct,
- * its fields read here and encoded by the thread; None (nothing queued, no seq taken)
- * when the batch is not one `format` describes, for the caller to publish otherwise. */
-static PyObject *sender_publish_engine(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !Py_IS_TYPE(args[1], &EngineFormatType)) {
-        PyErr_SetString(PyExc_TypeError, "publish_engine(batch, format: EngineFormat)");
-        return NULL;
-    }
-    EBatch *eb = ebatch_read((EngineFormat *)args[1], args[0], s->vpool);
-    if (!eb) Py_RETURN_NONE;
-    Item it = {.kind = K_ENGINE, .obj = eb->native ? NULL : Py_NewRef(args[0]), .engine = eb};
-    return PyBool_FromLong(sender_enqueue(s, &it));
-}
-
 static PyObject *sender_start(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "start(socket_address, libzmq_path)");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "start") < 0) return NULL;
     void *pub = PyLong_AsVoidPtr(args[0]);
     if (!pub && PyErr_Occurred()) return NULL;
     const char *path = PyUnicode_AsUTF8(args[1]);
@@ -827,32 +812,29 @@ static PyObject *sender_set_max_queue(Sender *s, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
+/* *field = arg under mu, once arg is in [0, max] ([0, max) when open); else ValueError `bad`. */
+static PyObject *set_setting(Sender *s, double *field, PyObject *arg, double max, int open,
+                             const char *bad) {
     double v = PyFloat_AsDouble(arg);
     if (v == -1.0 && PyErr_Occurred()) return NULL;
-    if (!(v >= 0 && v <= 60)) {
-        PyErr_SetString(PyExc_ValueError, "coalesce_s must be in [0, 60]");
+    if (!(v >= 0 && (open ? v < max : v <= max))) {
+        PyErr_SetString(PyExc_ValueError, bad);
         return NULL;
     }
     pthread_mutex_lock(&s->mu);
-    s->coalesce_s = v;
+    *field = v;
     pthread_mutex_unlock(&s->mu);
     Py_RETURN_NONE;
+}
+
+static PyObject *sender_set_coalesce(Sender *s, PyObject *arg) {
+    return set_setting(s, &s->coalesce_s, arg, 60, 0, "coalesce_s must be in [0, 60]");
 }
 
 /* set_heartbeat_phase(phase): where the after-batch heartbeat grid falls in its step, in [0, 1)
  * (kvwire.wire.heartbeat.heartbeat_phase; 0 until set). */
 static PyObject *sender_set_heartbeat_phase(Sender *s, PyObject *arg) {
-    double v = PyFloat_AsDouble(arg);
-    if (v == -1.0 && PyErr_Occurred()) return NULL;
-    if (!(v >= 0 && v < 1)) {
-        PyErr_SetString(PyExc_ValueError, "the heartbeat phase must be in [0, 1)");
-        return NULL;
-    }
-    pthread_mutex_lock(&s->mu);
-    s->heartbeat_phase = v;
-    pthread_mutex_unlock(&s->mu);
-    Py_RETURN_NONE;
+    return set_setting(s, &s->heartbeat_phase, arg, 1, 1, "the heartbeat phase must be in [0, 1)");
 }
 
 /* [(seq, Payload | None)] for n entries, each entry's reference to its buffer released. */
@@ -894,10 +876,7 @@ size_t ring_take(Sender *s, i64 start, size_t want, FeedEntry *out) {
 /* replay_range(start_seq, n) -> [(seq, Payload)]: up to n buffered batches from the
  * first whose seq is >= start_seq. */
 static PyObject *sender_replay_range(Sender *s, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "replay_range(start_seq, n)");
-        return NULL;
-    }
+    if (kvw_nargs(nargs, 2, "replay_range") < 0) return NULL;
     long long start = PyLong_AsLongLong(args[0]);
     Py_ssize_t want = PyLong_AsSsize_t(args[1]);
     if (PyErr_Occurred()) return NULL;
@@ -980,11 +959,9 @@ static PyObject *sender_slabs(Sender *s, PyObject *unused) {
                          atomic_load(&s->vpool->made), atomic_load(&s->vpool->mapped));
 }
 
-static PyObject *sender_get_fd(Sender *s, void *unused) { return PyLong_FromLong(s->service_fd); }
-
-static PyGetSetDef sender_getset[] = {
-    {"service_fd", (getter)sender_get_fd, NULL,
-     "An eventfd readable when the armed mirror feed gets a batch, or after wake().", NULL},
+static PyMemberDef sender_members[] = {
+    {"service_fd", T_INT, offsetof(Sender, service_fd), READONLY,
+     "An eventfd readable when the armed mirror feed gets a batch, or after wake()."},
     {NULL},
 };
 
@@ -992,8 +969,6 @@ static PyMethodDef sender_methods[] = {
     {"publish", (PyCFunction)sender_publish, METH_O, "Reserve a seq and queue a batch; never blocks."},
     {"skip", (PyCFunction)sender_skip, METH_NOARGS,
      "Reserve a seq and send nothing under it (a visible gap); never blocks."},
-    {"publish_engine", (PyCFunction)(void (*)(void))sender_publish_engine, METH_FASTCALL,
-     "publish_engine(batch, format) -> bool | None: queue an engine's batch struct."},
     {"start", (PyCFunction)(void (*)(void))sender_start, METH_FASTCALL,
      "start(socket_address, libzmq_path): start the thread, sole user of the PUB socket."},
     {"close", (PyCFunction)sender_close, METH_O,
@@ -1029,7 +1004,7 @@ PyTypeObject SenderType = {
     .tp_clear = (inquiry)sender_clear,
     .tp_new = sender_new,
     .tp_methods = sender_methods,
-    .tp_getset = sender_getset,
+    .tp_members = sender_members,
 };
 
 
@@ -1060,28 +1035,11 @@ static struct PyModuleDef sendermodule = {
 };
 
 PyMODINIT_FUNC PyInit__sender(void) {
-    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&PayloadType) < 0 ||
-        PyType_Ready(&CollectorType) < 0 || PyType_Ready(&EngineFormatType) < 0 ||
-        PyType_Ready(&EnginePublishType) < 0 || PyType_Ready(&RecordType) < 0 ||
-        PyType_Ready(&RepliesType) < 0 || PyType_Ready(&AccountType) < 0)
-        return NULL;
+    static PyTypeObject *const types[] = {&SenderType,        &PayloadType,       &CollectorType,
+                                          &EngineFormatType,  &EnginePublishType, &RecordType,
+                                          &RepliesType,       &AccountType,       NULL};
+    static const KvwConst consts[] = {{"STORED", T_STORE}, {"REMOVED", T_REMOVE}, {"CLEARED", T_CLEAR},
+                                      {"RING_TAKE_MAX", RING_TAKE_MAX}, {NULL}};
     if (records_init() < 0 || collector_init() < 0) return NULL;
-    PyObject *m = PyModule_Create(&sendermodule);
-    if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Sender", (PyObject *)&SenderType) < 0 ||
-        PyModule_AddObjectRef(m, "Payload", (PyObject *)&PayloadType) < 0 ||
-        PyModule_AddObjectRef(m, "Collector", (PyObject *)&CollectorType) < 0 ||
-        PyModule_AddObjectRef(m, "EngineFormat", (PyObject *)&EngineFormatType) < 0 ||
-        PyModule_AddObjectRef(m, "EnginePublish", (PyObject *)&EnginePublishType) < 0 ||
-        PyModule_AddObjectRef(m, "Record", (PyObject *)&RecordType) < 0 ||
-        PyModule_AddObjectRef(m, "Replies", (PyObject *)&RepliesType) < 0 ||
-        PyModule_AddObjectRef(m, "Account", (PyObject *)&AccountType) < 0 ||
-        PyModule_AddIntConstant(m, "STORED", T_STORE) < 0 ||
-        PyModule_AddIntConstant(m, "REMOVED", T_REMOVE) < 0 ||
-        PyModule_AddIntConstant(m, "CLEARED", T_CLEAR) < 0 ||
-        PyModule_AddIntConstant(m, "RING_TAKE_MAX", RING_TAKE_MAX) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return kvw_module(&sendermodule, types, consts);
 }

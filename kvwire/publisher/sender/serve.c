@@ -115,17 +115,18 @@ static void account_dealloc(Account *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *account_in_flight(Account *self, void *unused) {
-    return PyLong_FromLongLong(atomic_load_explicit(&self->acct->in_flight, memory_order_acquire));
+/* The counter at byte `off` of an Acct or a Total (a getter's closure). */
+static PyObject *counter(const void *of, void *off) {
+    const atomic_llong *c = (const atomic_llong *)((const char *)of + (size_t)off);
+    return PyLong_FromLongLong(atomic_load_explicit(c, memory_order_acquire));
 }
 
-static PyObject *account_taken(Account *self, void *unused) {
-    return PyLong_FromLongLong(atomic_load_explicit(&self->acct->taken, memory_order_acquire));
-}
+static PyObject *account_get(Account *self, void *off) { return counter(self->acct, off); }
 
+#define ACCT_AT(field) (void *)offsetof(Acct, field)
 static PyGetSetDef account_getset[] = {
-    {"in_flight", (getter)account_in_flight, NULL, "bytes sent and not taken yet", NULL},
-    {"taken", (getter)account_taken, NULL, "bytes libzmq has let go of, since the start", NULL},
+    {"in_flight", (getter)account_get, NULL, "bytes sent and not taken yet", ACCT_AT(in_flight)},
+    {"taken", (getter)account_get, NULL, "bytes libzmq has let go of, since the start", ACCT_AT(taken)},
     {NULL},
 };
 
@@ -370,14 +371,6 @@ static PyObject *replies_arm(Replies *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *replies_in_flight(Replies *self, void *unused) {
-    return PyLong_FromLongLong(atomic_load_explicit(&self->total->in_flight, memory_order_acquire));
-}
-
-static PyObject *replies_taken(Replies *self, void *unused) {
-    return PyLong_FromLongLong(atomic_load_explicit(&self->total->taken, memory_order_acquire));
-}
-
 static PyMethodDef replies_methods[] = {
     {"account", (PyCFunction)replies_account, METH_NOARGS, "account() -> a new reply's Account"},
     {"send", (PyCFunction)(void (*)(void))replies_send, METH_FASTCALL,
@@ -392,15 +385,14 @@ static PyMethodDef replies_methods[] = {
     {NULL},
 };
 
-static PyObject *replies_peak(Replies *self, void *unused) {
-    return PyLong_FromLongLong(atomic_load_explicit(&self->total->peak, memory_order_acquire));
-}
+static PyObject *replies_get(Replies *self, void *off) { return counter(self->total, off); }
 
+#define TOTAL_AT(field) (void *)offsetof(Total, field)
 static PyGetSetDef replies_getset[] = {
-    {"peak", (getter)replies_peak, NULL, "the most bytes ever in flight at once", NULL},
-    {"in_flight", (getter)replies_in_flight, NULL, "bytes sent to every client, not taken yet",
-     NULL},
-    {"taken", (getter)replies_taken, NULL, "bytes libzmq has let go of, since the start", NULL},
+    {"peak", (getter)replies_get, NULL, "the most bytes ever in flight at once", TOTAL_AT(peak)},
+    {"in_flight", (getter)replies_get, NULL, "bytes sent to every client, not taken yet",
+     TOTAL_AT(in_flight)},
+    {"taken", (getter)replies_get, NULL, "bytes libzmq has let go of, since the start", TOTAL_AT(taken)},
     {NULL},
 };
 

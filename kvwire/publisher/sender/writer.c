@@ -10,6 +10,7 @@
  * GIL, what it cannot read so). */
 #include "pyread.h"
 #include "../../_native/msgpack.h"
+#include "../../_native/msgpack_read.h"
 
 static inline size_t rec_nh(const Rec *r) { return r->vals ? r->nh : (size_t)seq_len(r->hashes); }
 static inline size_t rec_nt(const Rec *r) { return r->vals ? r->nt : (size_t)seq_len(r->tokens); }
@@ -54,21 +55,11 @@ static inline int same_text(PyObject *a, PyObject *b) {
 
 /* A msgpack array's length and where its items start, or -1 (not an array). */
 static Py_ssize_t array_body(PyObject *raw, const unsigned char **body) {
-    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(raw);
-    Py_ssize_t len = PyBytes_GET_SIZE(raw);
-    if (len >= 1 && (p[0] & 0xf0) == 0x90) {
-        *body = p + 1;
-        return p[0] & 0x0f;
-    }
-    if (len >= 3 && p[0] == 0xdc) {
-        *body = p + 3;
-        return (Py_ssize_t)p[1] << 8 | p[2];
-    }
-    if (len >= 5 && p[0] == 0xdd) {
-        *body = p + 5;
-        return (Py_ssize_t)((u64)p[1] << 24 | (u64)p[2] << 16 | (u64)p[3] << 8 | p[4]);
-    }
-    return -1;
+    Rd r = {(const unsigned char *)PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw), 0};
+    Py_ssize_t n;
+    if (RD_ARRAY(&r, &n)) return -1;
+    *body = r.p + r.i;
+    return n;
 }
 
 /* Whether every record has the shape the native encoder takes (the ints in its
