@@ -4,7 +4,7 @@
  * fields omitted when None, or a tagged array), from one of two sources: an engine batch's
  * struct slots as read on the engine thread, or a collector batch's records, coalesced (a
  * store continuing the previous one's chain joins its event, as does a removal following
- * one of the same medium and group) in kvwire's map or array dialect (formats.py derives
+ * one of the same medium and group) in kvwire's map or array dialect (batch.py derives
  * both from kvwire.wire.events). Plus the heartbeat. Nothing here reads a reference count or
  * takes the GIL: the sender thread calls it as it is (encode_collected prepares, with the
  * GIL, what it cannot read so). */
