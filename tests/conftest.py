@@ -67,6 +67,19 @@ def wire_fixture(request: pytest.FixtureRequest) -> dict[str, Any]:
     return load_fixture(request.param)
 
 
+PROPERTY_TIMEOUT_S = 600
+"""The hang limit of a property test: its examples are a fixed amount of CPU (the
+longest, about 10 s), so its wall time grows with what else runs on the cores;
+pyproject's 120 s, meant for a test stuck waiting, is too close beside busy cores."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        hypothesis = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+        if hypothesis and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(PROPERTY_TIMEOUT_S))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Show how long each rank took to converge after each end-to-end fault."""
     from tests.e2e.harness import REPORTS

@@ -228,6 +228,19 @@ class CloneServer:
         self._sock.close(linger=0)
 
 
+def _ask(sock: zmq.Socket[bytes], *frames: bytes) -> None:
+    """Send a client message without blocking. A DEALER's pipe to the peer is made at
+    ``connect``; a peer that refuses the handshake (keys, or none where it wants them)
+    ends it, and a blocking send would then wait forever, past ``timeout`` and
+    ``cancel``: the refusal comes before the OPEN whenever this thread runs late."""
+    try:
+        sock.send_multipart([PROTOCOL, *frames], zmq.NOBLOCK)
+    except zmq.Again:
+        raise CheckpointError(
+            "the peer closed the connection during the handshake (wrong or missing keys?)"
+        ) from None
+
+
 def clone_view(
     ctx: zmq.Context[Any],
     endpoint: str,
@@ -271,8 +284,8 @@ def clone_view(
         if keys is not None:
             secure_client(sock, keys)
         sock.connect(endpoint)
-        sock.send_multipart([PROTOCOL, _OPEN])
-        sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(window)])
+        _ask(sock, _OPEN)
+        _ask(sock, _CREDIT, _U32.pack(window))
         silent_since = time.monotonic()
         owed = 0  # credits for pieces received, not yet returned
         while True:
@@ -286,7 +299,7 @@ def clone_view(
                 # (Each call here lets the subscriber's loop take the GIL: once a drain,
                 # not a few times a piece.)
                 if owed:
-                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    _ask(sock, _CREDIT, _U32.pack(owed))
                     owed = 0
                 restorer.announce()
                 if not sock.poll(100) and time.monotonic() - silent_since > timeout:
@@ -309,7 +322,7 @@ def clone_view(
                 # IMPORT_BATCH records, a batch of them) is imported here.
                 owed += 1
                 if owed >= _CREDIT_BATCH:
-                    sock.send_multipart([PROTOCOL, _CREDIT, _U32.pack(owed)])
+                    _ask(sock, _CREDIT, _U32.pack(owed))
                     owed = 0
                 for item in decoder.feed_parts(parts):
                     restorer.take(item)

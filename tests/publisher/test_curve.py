@@ -52,8 +52,14 @@ def replay(ctx: zmq.Context[Any], endpoint: str, ck: ClientKeys | None, wait_s: 
     if ck is not None:
         secure_client(sock, ck)
     sock.connect(endpoint)
-    sock.send_multipart(replay_request_frames(0))
     out: list[Any] = []
+    try:
+        # Not blocking: a client the server refused before this send has no pipe left
+        # (libzmq ends the session on a refused handshake), and a blocking send waits forever.
+        sock.send_multipart(replay_request_frames(0), zmq.NOBLOCK)
+    except zmq.Again:
+        sock.close(linger=0)
+        return out  # refused already
     try:
         while sock.poll(int(wait_s * 1000)):
             out.append(parse_replay_reply(sock.recv_multipart()))

@@ -59,8 +59,12 @@ def _ask(
         secure_client(dealer, client)
     dealer.connect(endpoint)
     try:
-        dealer.send(b"hello")
+        # Not blocking: a client the server refused before this send has no pipe left
+        # (libzmq ends the session on a refused handshake), and a blocking send waits forever.
+        dealer.send(b"hello", zmq.NOBLOCK)
         return bool(server.poll(int(wait_s * 1000)))
+    except zmq.Again:
+        return False  # refused already
     finally:
         dealer.close(linger=0)
 

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvwire.security import ClientKeys, ServerKeys, generate_keypair
+from kvwire.security import (
+    ClientKeys,
+    ServerKeys,
+    generate_keypair,
+    release_context,
+    secure_server,
+)
 from kvwire.subscriber import CheckpointError, EngineSource, Subscriber
 from kvwire.subscriber.clone import PROTOCOL, clone_view
 from tests.subscriber.ckpt_helpers import ViewSet, engines, fleet
@@ -255,6 +261,55 @@ def test_curve_keys_guard_the_clone_endpoint(tmp_path: Path) -> None:
             with Subscriber([source], sink, config=config) as replica:
                 wait_for(lambda: exact(replica, sink, engs), 10, "the keyed replica exact")
                 assert replica.restored is not None
+
+
+class _LateSocket(zmq.Socket[bytes]):
+    """A socket whose ``connect`` returns once the peer has refused the handshake: the
+    clone client's thread running late, as on a loaded machine."""
+
+    def connect(self, addr: str) -> None:  # type: ignore[override]
+        super().connect(addr)
+        # A DEALER may send while its pipe lives; the refused session ends it.
+        wait_for(lambda: not self.get(zmq.EVENTS) & zmq.POLLOUT, 10, "the handshake refused")
+
+
+class _LateContext(zmq.Context[_LateSocket]):
+    _socket_class = _LateSocket
+
+
+def test_a_clone_refused_before_it_asks_fails_without_blocking(tmp_path: Path) -> None:
+    """A peer that wants keys refuses a keyless client during the handshake. However
+    late the client sends its first request, the clone fails at once (it used to wait
+    forever in a blocking send, past its timeout and the subscriber's stop)."""
+    _, server_secret = generate_keypair(tmp_path / "keys", "router")
+    (tmp_path / "allow").mkdir()
+    server_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = server_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    secure_server(router, ServerKeys(server_secret, tmp_path / "allow"))
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    ctx = _LateContext()
+    errors: list[BaseException] = []
+
+    def clone() -> None:
+        try:
+            clone_view(ctx, endpoint, ViewSet(), [("w", 0)], timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=clone, daemon=True)
+    try:
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the clone blocked on a refused connection"
+        assert len(errors) == 1 and isinstance(errors[0], CheckpointError), errors
+        assert "handshake" in str(errors[0])
+    finally:
+        ctx.destroy(linger=0)  # (frees a send still blocked)
+        router.close(linger=0)
+        release_context(server_ctx)
+        server_ctx.destroy(linger=0)
 
 
 def test_serving_needs_a_running_subscriber_with_a_view_sink() -> None:

@@ -166,17 +166,19 @@ def test_a_flood_stays_within_the_receive_budget() -> None:
                 # Opened before any batch: the mark that fits max_message_size.
                 assert link.sub_hwm == config.rank_hwm(4, config.max_message_size)
             gate.clear()
-            for pub, model in zip(pubs, models, strict=True):
-                model.publish(pub, 1)
-            for _ in range(3):
+            try:
                 for pub, model in zip(pubs, models, strict=True):
-                    model.publish(pub, 30, blocks=3000)  # ~60 KB each
-            wait_for(lambda: all(p.queue_depth == 0 for p in pubs), 10, "the flood sent")
-            for link in _marks(sub):
-                queued = (link.sub_hwm + QUEUE_SLACK) * max(link.batch_bytes, 1)
-                assert queued <= max(share, (1 + QUEUE_SLACK) * link.batch_bytes)
-                assert link.stream.held_bytes <= share
-            gate.set()
+                    model.publish(pub, 1)
+                for _ in range(3):
+                    for pub, model in zip(pubs, models, strict=True):
+                        model.publish(pub, 30, blocks=3000)  # ~60 KB each
+                wait_for(lambda: all(p.queue_depth == 0 for p in pubs), 10, "the flood sent")
+                for link in _marks(sub):
+                    queued = (link.sub_hwm + QUEUE_SLACK) * max(link.batch_bytes, 1)
+                    assert queued <= max(share, (1 + QUEUE_SLACK) * link.batch_bytes)
+                    assert link.stream.held_bytes <= share
+            finally:
+                gate.set()  # a failure above is reported, not a loop stuck in the sink
 
             def done() -> bool:
                 return all(s.state is RankState.SYNCED for s in sub.status()) and all(
@@ -294,9 +296,14 @@ def test_a_sub_throttled_by_its_first_mark_is_reopened_with_a_higher_one() -> No
                     break
             assert link.reopen_due or env.reopens, "the rate never showed"
             # Reopened with the first message after a quiet second (a heartbeat), no
-            # recovery being out; then exact again.
-            wait_for(lambda: env.reopens >= 1 and exact(), 30, "reopened, exact")
-            assert link.sub_hwm > 1
+            # recovery being out; then exact again. The count goes up as the reopen
+            # starts and the new SUB's mark is set once it is open: the wait is for the
+            # mark, then for the replay of what the old SUB held.
+            def settled() -> bool:
+                reopened = env.reopens >= 1 and link.sub_hwm > 1
+                return reopened and exact() and not sub.status()[0].replay_pending
+
+            wait_for(settled, 30, "reopened with a higher mark, exact")
             st = sub.status()[0]
             assert st.counters.resyncs == 0 and st.counters.seqs_lost == 0, st
 
