@@ -14,12 +14,19 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
+from msgspec import Meta
 
-__all__ = ["check_fields", "convert_strings", "describe", "read_env"]
+__all__ = ["Positive", "Seconds", "check_fields", "convert_strings", "describe", "read_env"]
+
+Positive = Annotated[int, Meta(ge=1)]
+"""A count of at least one (items, bytes, sockets): every config's counts."""
+
+Seconds = Annotated[float, Meta(gt=0)]
+"""A duration in seconds, more than zero."""
 
 S = TypeVar("S", bound=msgspec.Struct)
 

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from kvwire.settings import check_fields
+from kvwire.settings import Positive, Seconds, check_fields
 from kvwire.wire.framing import SNAPSHOT_CHUNK_BLOCKS
 from kvwire.wire.heartbeat import DEFAULT_INTERVAL_S
 
@@ -28,9 +28,6 @@ __all__ = [
     "PublisherConfig",
     "SendCoalesceSeconds",
 ]
-
-Positive = Annotated[int, Meta(ge=1)]
-"""A count of at least one."""
 
 Hwm = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 """A ZeroMQ high-water mark: libzmq takes an ``int``, and 0 (no limit) is not offered."""
@@ -104,7 +101,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     buffer_steps: Positive = 10_000
     max_replay_batches: Positive | None = None
     max_replay_jobs: Positive = 64
-    replay_stall_s: Annotated[float, Meta(gt=0)] = 2.0
+    replay_stall_s: Seconds = 2.0
     max_replay_bytes: Positive = 64 * 2**20
     epoch: bool = True
     heartbeat_s: HeartbeatSeconds | None = DEFAULT_INTERVAL_S

@@ -24,8 +24,8 @@ import msgspec
 from msgspec import Meta
 
 from kvwire.security import ClientKeys
-from kvwire.settings import check_fields
-from kvwire.subscriber.state import StreamConfig, _Count, _Seconds
+from kvwire.settings import Positive, Seconds, check_fields
+from kvwire.subscriber.state import StreamConfig
 from kvwire.wire.framing import SNAPSHOT_CHUNK_BLOCKS
 
 __all__ = ["QUEUE_SLACK", "SubscriberConfig"]
@@ -41,22 +41,22 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream: StreamConfig = StreamConfig()
     """Every rank's sequencing (:class:`RankStream`); its ``replay`` flag is set per
     source from whether the source has a replay endpoint."""
-    hwm: _Count = 100_000
+    hwm: Positive = 100_000
     """Live messages each rank's SUB socket queues unread at most; past it ZeroMQ drops
     them, which the rank sees as a gap (repaired by replay). Large batches lower the
     mark further (``receive_budget_bytes``)."""
-    receive_budget_bytes: _Count = 256 << 20
+    receive_budget_bytes: Positive = 256 << 20
     """Payload bytes the receive path of all ranks together may hold: the SUB and
     replay sockets' queues and the burst being applied. Each rank's share is this
     over ``ranks + min(ranks, max_replays) + 1`` (a live queue per rank, a replay
     queue per open replay socket, one burst), and its sockets' high-water marks are
     set from the share and the size of the batches it receives (:meth:`rank_hwm`);
     the rank reads at most its share in one go (:meth:`read_chunk`)."""
-    max_message_size: _Count = 64 << 20
+    max_message_size: Positive = 64 << 20
     """ZeroMQ's size limit on every receiving socket (SUB and replay DEALER), in
     bytes: libzmq drops a larger message with its connection, which the rank sees as
     a lost seq."""
-    max_replays: _Count = 128
+    max_replays: Positive = 128
     """Replay sockets open at once (further requests wait for one to close), and
     ranks making first contact at once (the others connect as those settle, or after
     5 s)."""
@@ -64,7 +64,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Idle probes of all ranks together, per second: each rank's
     ``stream.idle_probe`` interval is stretched to ``ranks / probe_rate`` when that
     is longer, so probing a large fleet at rest costs a bounded amount."""
-    backlog: _Count = 10_000
+    backlog: Positive = 10_000
     """Items the async iterator (a Subscriber without a sink) holds before reading
     stops; the publishers' high-water marks then turn the excess into gaps."""
 
@@ -74,7 +74,7 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     valid (each rank resumes from its position and replays only what it missed),
     written on a clean stop and every ``checkpoint_every`` seconds. Needs a
     :class:`~kvwire.subscriber.ViewSink`."""
-    checkpoint_every: _Seconds | None = None
+    checkpoint_every: Seconds | None = None
     """Seconds between periodic checkpoint writes (None: only on stop and when asked)."""
     clone_from: str | None = None
     """A peer router's clone endpoint (``Subscriber.serve_view``): at start, before the
@@ -83,9 +83,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
     router starts cold."""
     clone_keys: ClientKeys | None = None
     """CURVE keys to reach a clone endpoint that has server keys (``kvwire.security``)."""
-    clone_timeout: _Seconds = 10.0
+    clone_timeout: Seconds = 10.0
     """Seconds a clone may go without receiving anything before it is refused."""
-    clone_max_bytes: _Count = 4 << 30
+    clone_max_bytes: Positive = 4 << 30
     """The most bytes a clone receives: a larger view is refused."""
 
     def __post_init__(self) -> None:
@@ -115,13 +115,13 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     # --- pacing: replay and snapshot requests in flight ---------------------------------------
 
-    max_requests: _Count | None = None
+    max_requests: Positive | None = None
     """Replay and snapshot requests in flight at once across all ranks (each holds a
     replay socket, so never more than ``max_replays``); the others wait their turn,
     oldest first, and a request's deadlines run from when it is sent. ``None``: it
     starts at :meth:`request_limit`, what the router can apply, and follows the
     rounds of reading as measured, up to :meth:`request_ceiling`; a number fixes it."""
-    max_requests_per_source: _Count | None = None
+    max_requests_per_source: Positive | None = None
     """The same for the ranks of one source (one engine process serves them all).
     ``None``: a quarter of :meth:`request_limit` (:meth:`source_request_limit`)."""
 

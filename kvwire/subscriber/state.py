@@ -8,13 +8,11 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvwire.settings import check_fields
+from kvwire.settings import Positive, Seconds, check_fields
 from kvwire.wire.codec import DEFAULT_LIMITS, DecodeLimits
 
 __all__ = ["LossPolicy", "RankCounters", "RankState", "RankStatus", "StreamConfig"]
 
-_Count = Annotated[int, Meta(ge=1)]
-_Seconds = Annotated[float, Meta(gt=0)]
 
 
 class RankState(enum.Enum):
@@ -58,45 +56,45 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     replay: bool = True
     """Whether the publisher has a replay endpoint (otherwise every gap is a loss)."""
-    max_held: _Count = 10_000
+    max_held: Positive = 10_000
     """Later batches held while a gap is replayed; beyond this the gap is a loss."""
-    max_held_bytes: _Count = 256 << 20
+    max_held_bytes: Positive = 256 << 20
     """The same bound in payload bytes, so held batches cannot grow memory without
     bound whatever their size."""
     decode_limits: DecodeLimits = DEFAULT_LIMITS
     """What a batch may ask of the consumer (events, blocks, block size, tokens);
     a batch beyond them is a decode error (see :class:`kvwire.wire.codec.DecodeLimits`)."""
-    replay_timeout: _Seconds = 1.0
+    replay_timeout: Seconds = 1.0
     """A replay that goes this long without a reply frame has timed out."""
     replay_retries: Annotated[int, Meta(ge=0)] = 3
     """Retries after a timeout (or a reply that stops short) before giving up."""
-    backoff_initial: _Seconds = 0.05
-    backoff_max: _Seconds = 1.0
-    idle_probe: _Seconds | None = 1.0
+    backoff_initial: Seconds = 0.05
+    backoff_max: Seconds = 1.0
+    idle_probe: Seconds | None = 1.0
     """After this long without a live batch, ask the replay socket what was missed
     (a lost last batch, a silent restart); publishers that heartbeat are not
     probed. Where nothing can be asked (no replay endpoint, no heartbeats) the
     same silence makes the rank STALE. ``None`` disables both."""
     loss_policy: LossPolicy = LossPolicy.CLEAR
-    replay_deadline: _Seconds = 10.0
+    replay_deadline: Seconds = 10.0
     """Overall limit on one replay request, however its frames trickle in: past it
     the replay has failed (no retry: a publisher that trickles will do it again)."""
     snapshot: bool = True
     """Ask a publisher whose epoch advertises snapshots (``.snap``) for one when
     the view is lost, instead of staying PARTIAL."""
-    snapshot_backoff_max: _Seconds = 30.0
+    snapshot_backoff_max: Seconds = 30.0
     """The longest wait between two snapshots of a rank that is not exact. A snapshot
     that failed (refused, timed out, incomplete) or did not end in sequence is asked
     again, the wait doubling from ``backoff_initial`` up to this, for as long as the
     publisher advertises them: the rank follows live (PARTIAL) meanwhile."""
-    snapshot_deadline: _Seconds = 30.0
+    snapshot_deadline: Seconds = 30.0
     """Overall limit on one snapshot request; past it the snapshot has failed."""
-    max_snapshot_chunks: _Count = 1_000_000
+    max_snapshot_chunks: Positive = 1_000_000
     """Chunks one snapshot may have; more is a failed snapshot."""
-    max_seq_jump: _Count = 1 << 32
+    max_seq_jump: Positive = 1 << 32
     """A live seq more than this past the highest known is not a loss of that many
     batches but a broken stream: the rank is cleared and follows the new seq."""
-    dedup_window: _Count = 65_536
+    dedup_window: Positive = 65_536
     """Replayed batches remembered (seq and payload hash) until their live copy
     arrives, to tell that copy from a restarted publisher's batch."""
 
