@@ -403,13 +403,18 @@ class Decoder:
             )
 
 
-IMPORT_BATCH = 64
+IMPORT_BATCH = 16
 """Records imported in one call of a sink's ``import_ranks`` (a file's, once it is checked;
-a clone's, as they arrive): about 1.3 M blocks, 0.05-0.15 s, at 20,000 blocks a rank (the
-GIL is held that long: the subscriber's loop, opening the ranks' links, goes between)."""
+a clone's, as they arrive): about 0.3 M blocks, 15-40 ms, at 20,000 blocks a rank. The GIL
+is held that long; the subscriber's loop takes a turn between calls (``turn``), in which
+the announced ranks connect and their replays are asked and read, so that a warm start's
+catch-up runs while its view loads, not after."""
 
 Announce = Callable[[dict[tuple[str, int], StreamPosition]], object]
 """Told the positions of records read, before their views are imported (any thread)."""
+
+Turn = Callable[[], object]
+"""Called between import calls: returns once the router's loop has had its turn."""
 
 
 class Restorer:
@@ -424,8 +429,9 @@ class Restorer:
     a call), in one call of a
     sink's ``import_ranks`` where it has one (:meth:`PrefixIndex.import_ranks
     <kvwire.prefix_index.PrefixIndex.import_ranks>`: one native pass, its
-    tables sized once), else rank by rank. On any refusal :meth:`rollback`
-    clears the ranks imported so far, leaving the sink as it was at start.
+    tables sized once), else rank by rank; ``turn`` is called after each. On any
+    refusal :meth:`rollback` clears the ranks imported so far, leaving the sink as it
+    was at start.
     """
 
     def __init__(
@@ -436,8 +442,10 @@ class Restorer:
         progress: RestoreProgress | None = None,
         batch: int | None = None,
         announce: Announce | None = None,
+        turn: Turn | None = None,
     ) -> None:
         self._sink = sink
+        self._turn = turn
         self._progress = progress if progress is not None else RestoreProgress()
         self._followed = frozenset(followed)
         self._source = source
@@ -498,6 +506,8 @@ class Restorer:
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), IMPORT_BATCH):
             self._import_some(pending[i : i + IMPORT_BATCH])
+            if self._turn is not None:
+                self._turn()
 
     def _import_some(self, records: list[Record]) -> None:
         if not records:
@@ -560,6 +570,7 @@ def load_file(
     max_frame: int = MAX_FRAME,
     progress: RestoreProgress | None = None,
     announce: Announce | None = None,
+    turn: Turn | None = None,
 ) -> Restored:
     """Check the checkpoint at ``path`` whole (framing and CRC), then import its records.
 
@@ -568,8 +579,8 @@ def load_file(
     :data:`IMPORT_BATCH` at a time (each import holds the GIL, so a router's
     other threads go on between them; a sink that refuses a view, a file
     that passed its CRC, clears those imported before it). ``announce`` is
-    told every record's position once the file is checked, before the imports
-    (:class:`Restorer`). Raises :class:`CheckpointError` (nothing applied) for a file that
+    told every record's position once the file is checked, before the imports, and
+    ``turn`` is called between them (:class:`Restorer`). Raises :class:`CheckpointError` (nothing applied) for a file that
     is not a valid checkpoint of this sink's format holding a rank in
     ``followed``, and ``OSError`` when it cannot be read (``FileNotFoundError``:
     there is none).
@@ -581,7 +592,9 @@ def load_file(
         progress.source, progress.bytes_expected = "checkpoint", size
         decoder = Decoder(max_frame=min(max_frame, size))
         # Every record is taken (its position announced) before any is imported.
-        restorer = Restorer(sink, followed, f"checkpoint {path}", progress, announce=announce)
+        restorer = Restorer(
+            sink, followed, f"checkpoint {path}", progress, announce=announce, turn=turn
+        )
         data: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     items: list[Item] = []
     try:

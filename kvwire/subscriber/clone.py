@@ -46,6 +46,7 @@ from kvwire.subscriber.checkpoint import (
     Restored,
     RestoreProgress,
     Restorer,
+    Turn,
     ViewStream,
 )
 from kvwire.subscriber.sink import ViewSink
@@ -254,6 +255,7 @@ def clone_view(
     cancel: threading.Event | None = None,
     progress: RestoreProgress | None = None,
     announce: Announce | None = None,
+    turn: Turn | None = None,
 ) -> Restored:
     """Copy the view served at ``endpoint`` into ``sink`` (blocking; not on a loop).
 
@@ -277,6 +279,7 @@ def clone_view(
         progress,
         batch=IMPORT_BATCH,
         announce=announce,
+        turn=turn,
     )
     decoder = Decoder(max_frame=max_bytes)
     received = 0

@@ -45,6 +45,25 @@ log = logging.getLogger("kvwire.subscriber")
 Key = tuple[str, int]
 
 
+TURN_WAIT_S = 1.0
+"""The longest an import waits for the loop's turn (a loop that is stopping, or busy)."""
+
+
+def loop_turn(loop: asyncio.AbstractEventLoop, stopping: Callable[[], bool]) -> None:
+    """From another thread: return once ``loop`` has run a pass past what was ready at the
+    call (its ready sockets read, the callbacks queued before run), or after
+    :data:`TURN_WAIT_S`. A load that holds the GIL in long native calls waits here between
+    them, so the loop does not only get the interpreter's brief switches meanwhile."""
+    if stopping() or loop.is_closed():
+        return
+    ran = threading.Event()
+    try:
+        loop.call_soon_threadsafe(loop.call_soon, ran.set)
+    except RuntimeError:  # closed meanwhile
+        return
+    ran.wait(TURN_WAIT_S)
+
+
 class Restore:
     """The view loaded at start (a peer's clone, else the checkpoint), overlapped with
     the ranks' replays: each rank it holds resumes where it was taken as soon as its
@@ -103,6 +122,9 @@ class Restore:
         def announce(positions: dict[Key, StreamPosition]) -> None:
             loop.call_soon_threadsafe(self._resume, positions)
 
+        def turn() -> None:
+            loop_turn(loop, stopping)
+
         restored = None
         if config.clone_from is not None:
             try:
@@ -117,6 +139,7 @@ class Restore:
                     cancel=self.cancel,
                     progress=self.progress,
                     announce=announce,
+                    turn=turn,
                 )
             except (CheckpointError, SecurityError, zmq.ZMQError) as exc:
                 loop.call_soon_threadsafe(self._refused)
@@ -125,7 +148,12 @@ class Restore:
             try:
                 self.progress = RestoreProgress()
                 restored = load_file(
-                    config.checkpoint, sink, followed, progress=self.progress, announce=announce
+                    config.checkpoint,
+                    sink,
+                    followed,
+                    progress=self.progress,
+                    announce=announce,
+                    turn=turn,
                 )
             except FileNotFoundError:
                 log.info("no checkpoint at %s yet: starting cold", config.checkpoint)

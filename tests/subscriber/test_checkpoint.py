@@ -7,9 +7,12 @@ proves the checkpoint's view and positions were used, with only the tail replaye
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Set
 from pathlib import Path
 from typing import Protocol
@@ -21,8 +24,9 @@ from kvwire.cli import main
 from kvwire.prefix_index import PrefixIndex
 from kvwire.publisher import EventPublisher
 from kvwire.subscriber import CheckpointError, EngineSource, RankState, Subscriber
-from kvwire.subscriber.checkpoint import VERSION, load_file, write_file
+from kvwire.subscriber.checkpoint import IMPORT_BATCH, VERSION, load_file, write_file
 from kvwire.subscriber.metrics import register_metrics
+from kvwire.subscriber.persist import TURN_WAIT_S, loop_turn
 from tests.subscriber.ckpt_helpers import FORMAT, ViewSet, built_view, engines, fleet
 from tests.subscriber.helpers import Engine, bound_source, fast, rank_status
 from tests.waiting import wait_for
@@ -246,6 +250,50 @@ def test_a_valid_file_loads_and_skips_ranks_not_followed(tmp_path: Path) -> None
     restored = load_file(str(path), sink, FOLLOWED)
     assert sorted(restored.positions) == [("w", 0), ("w", 1)] and restored.skipped == 1
     assert sink.blocks("w", 1) == {10, 11, 12}
+
+
+def test_the_loop_takes_a_turn_between_import_calls(tmp_path: Path) -> None:
+    """Every position is announced before the first import (the ranks connect and ask
+    their replays), and the loop gets a turn after every IMPORT_BATCH ranks imported."""
+    ranks = [("w", r) for r in range(2 * IMPORT_BATCH + 3)]
+    path = tmp_path / "ok.ckpt"
+    path.write_bytes(built_view(ranks))
+    sink = ViewSet()
+    told: list[tuple[int, int]] = []  # (ranks announced, imports done when told)
+    turns: list[int] = []  # imports done at each turn
+    load_file(
+        str(path),
+        sink,
+        set(ranks),
+        announce=lambda positions: told.append((len(positions), sink.imports)),
+        turn=lambda: turns.append(sink.imports),
+    )
+    assert told == [(len(ranks), 0)]
+    assert turns == [IMPORT_BATCH, 2 * IMPORT_BATCH, len(ranks)]
+
+
+def test_loop_turn_returns_once_the_loop_ran_what_was_queued_before() -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        ran = threading.Event()
+
+        def slow() -> None:  # a loop busy with what it was given before the turn was asked
+            time.sleep(0.2)
+            ran.set()
+
+        loop.call_soon_threadsafe(slow)
+        loop_turn(loop, lambda: False)
+        assert ran.is_set()
+        t = time.monotonic()
+        loop_turn(loop, lambda: True)  # stopping: no wait
+        assert time.monotonic() - t < TURN_WAIT_S / 2
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    loop_turn(loop, lambda: False)  # closed: returns at once, no error
 
 
 def test_truncated_at_every_length_is_refused(tmp_path: Path) -> None:
