@@ -22,6 +22,7 @@
 #include <string.h>
 #include <structmember.h>
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/mman.h>
 #endif
 
@@ -518,12 +519,40 @@ static inline void t_account(const Table *t, size_t before) {
 
 #if TABLE_MMAP
 /* Best effort: where refused (an older kernel), pages fault in lazily. */
-static void populate(void *p, size_t bytes) {
+static void populate_range(void *p, size_t bytes) {
 #ifdef MADV_POPULATE_WRITE
     const uintptr_t page = 4096, a = ((uintptr_t)p + page - 1) & ~(page - 1);
     const uintptr_t b = ((uintptr_t)p + bytes) & ~(page - 1);
     if (b > a) madvise((void *)a, b - a, MADV_POPULATE_WRITE);
 #endif
+}
+
+typedef struct {
+    char *p;
+    size_t bytes;
+} Span;
+
+static void *populate_run(void *arg) {
+    const Span *s = arg;
+    populate_range(s->p, s->bytes);
+    return NULL;
+}
+
+/* A table of SPLIT_MIN bytes or more (the shared one, growing) is faulted in
+ * by two threads, half each: a VM's host faults in a fresh page per thread
+ * at a time, so two take about half as long (benchmarks/restart_floor.py). */
+#define SPLIT_MIN ((size_t)1 << 25)
+
+static void populate(void *p, size_t bytes) {
+    pthread_t th;
+    Span upper = {(char *)p + (bytes / 2 & ~(HUGE_MIN - 1)), 0};
+    upper.bytes = (size_t)((char *)p + bytes - upper.p);
+    if (bytes < SPLIT_MIN || pthread_create(&th, NULL, populate_run, &upper) != 0) {
+        populate_range(p, bytes);
+        return;
+    }
+    populate_range(p, (size_t)(upper.p - (char *)p));
+    pthread_join(th, NULL);
 }
 #endif
 
@@ -638,6 +667,79 @@ static void arena_free(Arena *ar, char *p) {
         }
         return;
     }
+}
+
+/* An import's rank tables, faulted in ahead of it. A restarted router's
+ * import builds every rank's table in memory new to the process, and
+ * faulting those pages in (zeroing them; in a VM, a host fault too) took as
+ * long as the import's own work. So before the tables are built, the arena
+ * chunks they will take are mapped in one piece and a thread of their own
+ * faults them in from the last, while the import fills them from the first:
+ * the kernel's work runs beside the import's. Chunks left unused (a view
+ * refused) are unmapped at the end. */
+typedef struct {
+    char *base;
+    size_t bytes;
+    pthread_t th;
+    int running;
+} Ahead;
+
+static void *ahead_run(void *arg) {
+    const Ahead *a = arg;
+    for (size_t off = a->bytes; off > 0; off -= HUGE_MIN) populate_range(a->base + off - HUGE_MIN, HUGE_MIN);
+    return NULL;
+}
+
+/* Chunks for slots[0] tables of ARENA_MIN bytes and slots[1] of 2 *
+ * ARENA_MIN, past the free slots the arena has. Best effort: where the
+ * mapping or the thread cannot be had, the chunks come one at a time. */
+static void ahead_start(Arena *ar, const size_t slots[2], Ahead *a) {
+    size_t n[2];
+    for (int k = 0; k < 2; k++) {
+        const size_t size = ARENA_MIN << k, per = HUGE_MIN / size;
+        size_t free = 0;
+        for (size_t i = 0; i < ar->n; i++)
+            if (ar->c[i].size == size) free += per - (size_t)__builtin_popcount(ar->c[i].used);
+        n[k] = slots[k] > free ? (slots[k] - free + per - 1) / per : 0;
+    }
+    const size_t count = n[0] + n[1], bytes = count * HUGE_MIN;
+    if (!count) return;
+    if (ar->n + count > ar->cap) {
+        size_t cap = ar->cap ? ar->cap : 16;
+        while (cap < ar->n + count) cap *= 2;
+        Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
+        if (!c) { PyErr_Clear(); return; }
+        ar->c = c;
+        ar->cap = cap;
+    }
+    char *m = mmap(NULL, bytes + HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return;
+    char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
+    if (base > m) munmap(m, (size_t)(base - m));
+    if (base + bytes < m + bytes + HUGE_MIN) munmap(base + bytes, (size_t)(m + bytes + HUGE_MIN - base - bytes));
+#ifdef MADV_HUGEPAGE
+    madvise(base, bytes, MADV_HUGEPAGE);
+#endif
+    for (size_t i = 0; i < count; i++) ar->c[ar->n++] = (Chunk){base + i * HUGE_MIN, 0, 0, ARENA_MIN << (i >= n[0])};
+    *a = (Ahead){base, bytes, 0, 0};
+    a->running = pthread_create(&a->th, NULL, ahead_run, a) == 0;
+}
+
+/* The thread joined, and the chunks no table took unmapped. */
+static void ahead_end(Arena *ar, Ahead *a) {
+    if (!a->bytes) return;
+    if (a->running) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(a->th, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    for (size_t i = ar->n; i-- > 0;) {
+        Chunk *c = &ar->c[i];
+        if (c->dirty || c->base < a->base || c->base >= a->base + a->bytes) continue;
+        munmap(c->base, HUGE_MIN);
+        *c = ar->c[--ar->n];
+    }
+    a->bytes = 0;
 }
 #endif
 
@@ -805,20 +907,25 @@ __attribute__((noinline)) static int t_rehash(Table *t, size_t cap, Occupied occ
     return rehash_as(t, cap, occ);
 }
 
-static size_t cap_for(size_t n) {
-    size_t cap = MIN_CAP;
+/* The least capacity from `cap` up (doubling) that holds n records. */
+static size_t cap_from(size_t cap, size_t n) {
     while (n * 10 > cap * 7) cap *= 2;
     return cap;
+}
+
+static size_t cap_for(size_t n) { return cap_from(MIN_CAP, n); }
+
+/* The capacity t_reserve gives a table that must hold `need` records. */
+static size_t t_cap_for(const Table *t, size_t need) {
+    size_t cap = t->cap > t->floor ? t->cap : t->floor;
+    return cap_from(cap < MIN_CAP ? MIN_CAP : cap, need);
 }
 
 /* Room for `more` records without a rehash, and at least the floor. */
 static int t_reserve(Table *t, Py_ssize_t more, Occupied occ) {
     size_t need = t->count + (size_t)more;
     if (need * 10 <= t->cap * 7 && t->cap >= t->floor) return 0;
-    size_t cap = t->cap > t->floor ? t->cap : t->floor;
-    if (cap < MIN_CAP) cap = MIN_CAP;
-    while (need * 10 > cap * 7) cap *= 2;
-    return t_rehash(t, cap, occ);
+    return t_rehash(t, t_cap_for(t, need), occ);
 }
 
 /* The record of (k, hh), inserted zeroed but for them (*added = 1) when
@@ -2129,12 +2236,27 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
     int rc = -1;
     size_t top = 0, most = 0;
     int tiers = 0;
+#if TABLE_MMAP
+    Ahead ahead = {0};
+    size_t slots[2] = {0, 0}; /* rank tables to come of ARENA_MIN, 2 * ARENA_MIN bytes */
+#endif
     for (size_t i = 0; i < nv; i++) {
         *bad = (Py_ssize_t)i;
         if (view_check(self, &vs[i]) < 0) goto done;
         Rank fresh;
         rank_init(self, &fresh);
         vs[i].im.e.floor = rank_floor(self, vs[i].sid < self->nranks ? &self->ranks[vs[i].sid] : &fresh);
+#if TABLE_MMAP
+        const size_t bytes = vs[i].n ? t_cap_for(&vs[i].im.e, vs[i].n) * sizeof(Entry) : 0;
+        if (arena_fits(bytes)) slots[bytes > ARENA_MIN]++;
+#endif
+    }
+#if TABLE_MMAP
+    /* Not under a memory budget: there the chunks come one at a time, as it checks them. */
+    if (!self->max_bytes) ahead_start(&self->arena, slots, &ahead);
+#endif
+    for (size_t i = 0; i < nv; i++) {
+        *bad = (Py_ssize_t)i;
         if (view_tables(vs[i].recs, vs[i].n, &vs[i].im) < 0) goto done;
         if (vs[i].sid > top) top = vs[i].sid;
         if (vs[i].n > most) most = vs[i].n;
@@ -2191,6 +2313,9 @@ restore:
     nodes->floor = floor;
     t_settle(nodes, node_occ); /* as the drops would have left it */
 done:
+#if TABLE_MMAP
+    ahead_end(&self->arena, &ahead);
+#endif
     PyMem_Free(ins);
     PyMem_Free(start);
     return rc;

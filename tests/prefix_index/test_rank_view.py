@@ -262,6 +262,33 @@ def test_a_bulk_import_equals_rank_by_rank_imports() -> None:
     assert bulk.match(tokens(2, 1)) == a.match(tokens(2, 1)) and len(bulk.match(tokens(2, 1))) == 26
 
 
+def test_large_views_import_alike_and_a_refused_one_keeps_no_memory() -> None:
+    """Views whose tables come from the arena (0.5 and 1 MiB, its chunks mapped for the
+    whole import up front): the same index as rank-by-rank imports, and a bulk import
+    refused after its tables were built leaves the index's memory as it was."""
+    a = PrefixIndex(BS)
+    sizes = [12_000, 12_000, 6_000, 12_000, 6_000]
+    for r, n in enumerate(sizes):
+        base = 10**6 * (r + 1)
+        store(a, "w", r, list(range(base, base + n)), None, tokens(n, base))
+    views = [("w", r, a.export_rank("w", r)) for r in range(len(sizes))]
+    one, bulk = PrefixIndex(BS), PrefixIndex(BS)
+    for view in views:
+        one.import_rank(*view)
+    bulk.import_ranks(views)
+    same_view(one, bulk)
+    same_view(a, bulk)
+    assert bulk.stats().memory_bytes == one.stats().memory_bytes
+    recs = records(views[0][2])
+    bad = pack(views[0][2], [*recs, recs[1]])  # checksum valid, a hash twice
+    fresh = PrefixIndex(BS)
+    store(fresh, "x", 0, [1], None, tokens(1))
+    before = (state(fresh), fresh.stats().memory_bytes)
+    with pytest.raises(ValueError, match="twice"):
+        fresh.import_ranks([*views, ("w", 9, bad)])
+    assert (state(fresh), fresh.stats().memory_bytes) == before
+
+
 # --- bad views ---------------------------------------------------------------------
 
 
