@@ -803,6 +803,7 @@ def router_child(spec: dict[str, Any]) -> None:
         stale=p.stale,
         counters=_counters(sub),
         restored_s=None if sub.restored is None else sub.restored.seconds,
+        turn_s=getattr(sub.restored, "turn_s", None),
         loaded_at=loaded,
         first_synced=first,
     )
@@ -935,11 +936,14 @@ def asked(result: dict[str, Any]) -> str:
 
 
 def timeline(result: dict[str, Any]) -> str:
-    """When, since the router's start, its view was in and its first rank SYNCED."""
+    """When, since the router's start, its view was in and its first rank SYNCED, and how
+    long the load waited for the loop's turns (the loop connecting and replaying)."""
     loaded, first = result.get("loaded_at"), result.get("first_synced")
     if loaded is None and first is None:
         return ""
-    return f" (in at {fmt_s(loaded)}, first rank SYNCED at {fmt_s(first)})"
+    turns = result.get("turn_s")
+    waited = "" if turns is None else f", {fmt_s(turns)} of the load the loop's turns"
+    return f" (in at {fmt_s(loaded)}, first rank SYNCED at {fmt_s(first)}{waited})"
 
 
 def fmt_s(x: float | None, unit: str = " s") -> str:

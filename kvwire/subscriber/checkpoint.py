@@ -159,6 +159,9 @@ class Restored(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     seconds: float
     created: float
+    turn_s: float = 0.0
+    """Of ``seconds``, the time the load waited for ``turn`` between import calls: the
+    subscriber's loop running (connecting, replaying) while the import held back."""
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -458,6 +461,7 @@ class Restorer:
         self._skipped = 0
         self._header: Header | None = None
         self._start = time.monotonic()
+        self._turn_s = 0.0
         self._end: End | None = None
 
     def check_header(self, header: Header) -> None:
@@ -507,7 +511,9 @@ class Restorer:
         for i in range(0, len(pending), IMPORT_BATCH):
             self._import_some(pending[i : i + IMPORT_BATCH])
             if self._turn is not None:
+                t = time.monotonic()
                 self._turn()
+                self._turn_s += time.monotonic() - t
 
     def _import_some(self, records: list[Record]) -> None:
         if not records:
@@ -559,6 +565,7 @@ class Restorer:
             nbytes=nbytes,
             seconds=time.monotonic() - self._start,
             created=self._header.created,
+            turn_s=self._turn_s,
         )
 
 

@@ -165,10 +165,10 @@ class Restore:
             return None
         self.restored = restored
         log.info(
-            "%s: %d ranks resume from a view %.1f s old (%d bytes in %.3f s; %d records of "
-            "ranks not followed skipped)",
+            "%s: %d ranks resume from a view %.1f s old (%d bytes in %.3f s, %.3f s of it the "
+            "loop's turns; %d records of ranks not followed skipped)",
             restored.source, len(restored.positions), time.time() - restored.created,
-            restored.nbytes, restored.seconds, restored.skipped,
+            restored.nbytes, restored.seconds, restored.turn_s, restored.skipped,
         )  # fmt: skip
         return restored
 

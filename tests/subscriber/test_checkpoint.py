@@ -261,15 +261,22 @@ def test_the_loop_takes_a_turn_between_import_calls(tmp_path: Path) -> None:
     sink = ViewSet()
     told: list[tuple[int, int]] = []  # (ranks announced, imports done when told)
     turns: list[int] = []  # imports done at each turn
-    load_file(
+
+    def turn() -> None:  # a loop that takes 20 ms a turn
+        turns.append(sink.imports)
+        time.sleep(0.02)
+
+    restored = load_file(
         str(path),
         sink,
         set(ranks),
         announce=lambda positions: told.append((len(positions), sink.imports)),
-        turn=lambda: turns.append(sink.imports),
+        turn=turn,
     )
     assert told == [(len(ranks), 0)]
     assert turns == [IMPORT_BATCH, 2 * IMPORT_BATCH, len(ranks)]
+    # The time spent in the turns is told apart from the load's own.
+    assert 3 * 0.02 <= restored.turn_s <= restored.seconds
 
 
 def test_loop_turn_returns_once_the_loop_ran_what_was_queued_before() -> None:
