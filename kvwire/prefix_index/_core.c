@@ -621,6 +621,32 @@ static int arena_fits(size_t bytes) {
     return bytes >= ARENA_MIN && bytes < HUGE_MIN && (bytes & (bytes - 1)) == 0;
 }
 
+/* Room in the chunk list for `more` chunks; -1 with MemoryError. */
+static int arena_room(Arena *ar, size_t more) {
+    if (ar->n + more <= ar->cap) return 0;
+    size_t cap = ar->cap ? 2 * ar->cap : 16;
+    while (cap < ar->n + more) cap *= 2;
+    Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
+    if (!c) { PyErr_NoMemory(); return -1; }
+    ar->c = c;
+    ar->cap = cap;
+    return 0;
+}
+
+/* `bytes` (whole huge pages) of fresh memory aligned to 2 MiB, so that the
+ * kernel can back it with huge pages, and advised so; NULL if not mapped. */
+static char *map_huge(size_t bytes) {
+    char *m = mmap(NULL, bytes + HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
+    if (base > m) munmap(m, (size_t)(base - m));
+    if (base + bytes < m + bytes + HUGE_MIN) munmap(base + bytes, (size_t)(m + bytes + HUGE_MIN - base - bytes));
+#ifdef MADV_HUGEPAGE
+    madvise(base, bytes, MADV_HUGEPAGE);
+#endif
+    return base;
+}
+
 /* A zeroed array of `size` bytes (a power of two fitting the arena), or NULL. */
 static void *arena_alloc(Arena *ar, size_t size) {
     const u32 full = (u32)(((u64)1 << (HUGE_MIN / size)) - 1);
@@ -634,22 +660,9 @@ static void *arena_alloc(Arena *ar, size_t size) {
         c->dirty |= 1u << s;
         return p;
     }
-    if (ar->n == ar->cap) {
-        size_t cap = ar->cap ? 2 * ar->cap : 16;
-        Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
-        if (!c) return NULL;
-        ar->c = c;
-        ar->cap = cap;
-    }
-    /* Aligned to 2 MiB, so that the kernel can back it with one huge page. */
-    char *m = mmap(NULL, 2 * HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) return NULL;
-    char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
-    if (base > m) munmap(m, (size_t)(base - m));
-    if (base + HUGE_MIN < m + 2 * HUGE_MIN) munmap(base + HUGE_MIN, (size_t)(m + 2 * HUGE_MIN - base - HUGE_MIN));
-#ifdef MADV_HUGEPAGE
-    madvise(base, HUGE_MIN, MADV_HUGEPAGE);
-#endif
+    if (arena_room(ar, 1) < 0) return NULL;
+    char *base = map_huge(HUGE_MIN);
+    if (!base) return NULL;
     populate(base, HUGE_MIN);
     ar->c[ar->n++] = (Chunk){base, 1, 1, size};
     return base;
@@ -704,22 +717,9 @@ static void ahead_start(Arena *ar, const size_t slots[2], Ahead *a) {
     }
     const size_t count = n[0] + n[1], bytes = count * HUGE_MIN;
     if (!count) return;
-    if (ar->n + count > ar->cap) {
-        size_t cap = ar->cap ? ar->cap : 16;
-        while (cap < ar->n + count) cap *= 2;
-        Chunk *c = PyMem_Realloc(ar->c, cap * sizeof(Chunk));
-        if (!c) { PyErr_Clear(); return; }
-        ar->c = c;
-        ar->cap = cap;
-    }
-    char *m = mmap(NULL, bytes + HUGE_MIN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) return;
-    char *base = (char *)(((uintptr_t)m + HUGE_MIN - 1) & ~(uintptr_t)(HUGE_MIN - 1));
-    if (base > m) munmap(m, (size_t)(base - m));
-    if (base + bytes < m + bytes + HUGE_MIN) munmap(base + bytes, (size_t)(m + bytes + HUGE_MIN - base - bytes));
-#ifdef MADV_HUGEPAGE
-    madvise(base, bytes, MADV_HUGEPAGE);
-#endif
+    if (arena_room(ar, count) < 0) { PyErr_Clear(); return; }
+    char *base = map_huge(bytes);
+    if (!base) return;
     for (size_t i = 0; i < count; i++) ar->c[ar->n++] = (Chunk){base + i * HUGE_MIN, 0, 0, ARENA_MIN << (i >= n[0])};
     *a = (Ahead){base, bytes, 0, 0};
     a->running = pthread_create(&a->th, NULL, ahead_run, a) == 0;
