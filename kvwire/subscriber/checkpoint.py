@@ -586,8 +586,9 @@ def load_file(
     :data:`IMPORT_BATCH` at a time (each import holds the GIL, so a router's
     other threads go on between them; a sink that refuses a view, a file
     that passed its CRC, clears those imported before it). ``announce`` is
-    told every record's position once the file is checked, before the imports, and
-    ``turn`` is called between them (:class:`Restorer`). Raises :class:`CheckpointError` (nothing applied) for a file that
+    told every record's position once the file is checked, before the imports,
+    and ``turn`` is called between them (:class:`Restorer`). Raises
+    :class:`CheckpointError` (nothing applied) for a file that
     is not a valid checkpoint of this sink's format holding a rank in
     ``followed``, and ``OSError`` when it cannot be read (``FileNotFoundError``:
     there is none).
