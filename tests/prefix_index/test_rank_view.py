@@ -289,6 +289,52 @@ def test_large_views_import_alike_and_a_refused_one_keeps_no_memory() -> None:
     assert (state(fresh), fresh.stats().memory_bytes) == before
 
 
+def _huge_advised() -> tuple[int, int]:
+    """(Rss, AnonHugePages) in KiB over this process's mappings advised for huge pages."""
+    rss = huge = 0
+    region: dict[str, int] = {}
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "AnonHugePages"):
+                region[key] = int(rest.split()[0])
+            elif key == "VmFlags":
+                if "hg" in rest.split():
+                    rss += region.get("Rss", 0)
+                    huge += region.get("AnonHugePages", 0)
+                region = {}
+    return rss, huge
+
+
+def test_an_imports_tables_are_faulted_in_with_small_pages_first() -> None:
+    """An import's fresh tables (its rank tables' arena chunks, the shared table grown for
+    it) are faulted in with small pages and then advised for huge ones: on a VM that takes
+    free huge pages back, a huge page's first fault cost 10x its small pages'."""
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(thp) as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off")
+        _huge_advised()
+    except OSError:
+        pytest.skip("no transparent huge pages or /proc/self/smaps here")
+    a = PrefixIndex(BS)
+    for r in range(4):
+        base = 10**6 * (r + 1)
+        store(a, "w", r, list(range(base, base + 12_000)), None, tokens(12_000, base))
+    views = [("w", r, a.export_rank("w", r)) for r in range(4)]
+    del a
+    rss0, huge0 = _huge_advised()
+    b = PrefixIndex(BS)
+    b.import_ranks(views)
+    rss1, huge1 = _huge_advised()
+    if rss1 - rss0 < 4 << 10:
+        pytest.skip("tables from the allocator here (a sanitizer build)")
+    # Four 1 MiB rank tables (two 2 MiB chunks) and a 2 MiB shared table, in small pages.
+    assert huge1 - huge0 <= (rss1 - rss0) // 4
+    assert b.match(tokens(12_000, 10**6))
+
+
 # --- bad views ---------------------------------------------------------------------
 
 
