@@ -85,7 +85,7 @@ def _read_chunks(data: bytes, cuts: list[int]) -> list[Item]:
     dec = Decoder()
     items: list[Item] = []
     start = 0
-    for cut in sorted({c % (len(data) + 1) for c in cuts}) + [len(data)]:
+    for cut in [*sorted({c % (len(data) + 1) for c in cuts}), len(data)]:
         items += _plain(dec.feed(data[start:cut]))
         start = cut
     dec.finish()
