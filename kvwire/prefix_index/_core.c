@@ -533,14 +533,20 @@ typedef struct {
     size_t bytes;
 } Span;
 
-/* An import's fresh table memory is faulted in with small pages and only
- * then advised for huge ones, which khugepaged collapses it into as it goes
- * (16 MiB per 10 s at its defaults): on a VM whose host takes back free
- * memory a huge page at a time, a huge page's first fault cost 10x as much
- * as its 512 small pages' (0.3 against 3 GB/s), and a restarted router's
- * import faults in 1.5 GiB at once (benchmarks/restart_floor.py). A table
- * grown by stores gets its huge pages at once: probes into it miss the TLB
- * less from the start (apply and match 10-20% faster). */
+/* Where a table's fresh memory gets its huge pages. On a VM whose host
+ * takes free memory back a huge page at a time, a huge page's first fault
+ * cost up to 25x its 512 small pages' (0.11 against 2.8 GB/s), and a
+ * doubling of a large table faulted in that way stalled its caller for
+ * 1.6-2.7 s. So:
+ * - an import's memory (1.5 GiB at once for a restarted router) is faulted
+ *   in with small pages and only then advised for huge ones, which
+ *   khugepaged collapses it into as it goes (16 MiB per 10 s at its
+ *   defaults): loads of 12.6-18 s took 3.1-4.1 s (benchmarks/restart_floor.py);
+ * - a table of SPLIT_MIN or more grown by stores (the shared one's
+ *   doublings) is faulted in with small pages too, and once filled
+ *   collapsed by a thread of its own (collapse_later);
+ * - any other table gets its huge pages at once: probes into it miss the
+ *   TLB less from the start (apply about 10%, matches up to 30% faster). */
 static void advise_huge(void *p, size_t bytes, int huge) {
 #if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
     madvise(p, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
@@ -571,6 +577,75 @@ static void populate(void *p, size_t bytes) {
     populate_range(p, (size_t)(upper.p - (char *)p));
     pthread_join(th, NULL);
 }
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux >= 6.1; refused (EINVAL) by an older kernel */
+#endif
+
+/* One large table collapsed into huge pages at a time, on a thread of its
+ * own: faulted in with small pages (advise_huge), it would otherwise miss
+ * the TLB until khugepaged's pace reaches it. A table freed meanwhile stops
+ * the thread before it is unmapped (collapse_forget). Process-wide; a
+ * second table while one is collapsing is left to khugepaged. */
+static pthread_mutex_t collapse_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t collapse_cv = PTHREAD_COND_INITIALIZER;
+static Span collapse_span; /* the range being collapsed, while collapse_busy */
+static int collapse_busy, collapse_stop;
+
+static void *collapse_run(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&collapse_mu);
+    const Span s = collapse_span; /* fixed while collapse_busy */
+    pthread_mutex_unlock(&collapse_mu);
+    for (size_t off = 0; off + HUGE_MIN <= s.bytes; off += HUGE_MIN) {
+        pthread_mutex_lock(&collapse_mu);
+        const int stop = collapse_stop;
+        pthread_mutex_unlock(&collapse_mu);
+        /* Stops where refused (a kernel without it, no huge page to be had). */
+        if (stop || (madvise(s.p + off, HUGE_MIN, MADV_COLLAPSE) != 0 && errno != EAGAIN)) break;
+    }
+    pthread_mutex_lock(&collapse_mu);
+    collapse_busy = 0;
+    pthread_cond_broadcast(&collapse_cv);
+    pthread_mutex_unlock(&collapse_mu);
+    return NULL;
+}
+
+static void collapse_later(char *p, size_t bytes) {
+    pthread_attr_t attr;
+    pthread_t th;
+    pthread_mutex_lock(&collapse_mu);
+    const int idle = !collapse_busy;
+    if (idle) {
+        collapse_span = (Span){p, bytes};
+        collapse_busy = 1;
+        collapse_stop = 0;
+    }
+    pthread_mutex_unlock(&collapse_mu);
+    if (!idle) return;
+    int ok = pthread_attr_init(&attr) == 0;
+    if (ok) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        ok = pthread_create(&th, &attr, collapse_run, NULL) == 0;
+        pthread_attr_destroy(&attr);
+    }
+    if (!ok) {
+        pthread_mutex_lock(&collapse_mu);
+        collapse_busy = 0;
+        pthread_mutex_unlock(&collapse_mu);
+    }
+}
+
+/* Before [p, p + bytes) is unmapped: a collapse of it stopped, its current
+ * step (one huge page) finished. */
+static void collapse_forget(char *p, size_t bytes) {
+    pthread_mutex_lock(&collapse_mu);
+    if (collapse_busy && collapse_span.p < p + bytes && p < collapse_span.p + collapse_span.bytes) {
+        collapse_stop = 1;
+        while (collapse_busy) pthread_cond_wait(&collapse_cv, &collapse_mu);
+    }
+    pthread_mutex_unlock(&collapse_mu);
+}
 #endif
 
 /* *bytes zeroed bytes, rounded up to whole huge pages for a presized table
@@ -585,9 +660,10 @@ static void *table_alloc(size_t *bytes_io, int presized, int small_first) {
     if (bytes >= HUGE_MIN) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
-        advise_huge(p, bytes, !small_first);
+        const int small = small_first || bytes >= SPLIT_MIN; /* (the latter collapsed later) */
+        advise_huge(p, bytes, !small);
         populate(p, bytes);
-        if (small_first) advise_huge(p, bytes, 1);
+        if (small) advise_huge(p, bytes, 1);
         return p;
     }
     void *p = PyMem_Calloc(1, bytes);
@@ -602,7 +678,10 @@ static void *table_alloc(size_t *bytes_io, int presized, int small_first) {
 static void table_free(void *p, size_t bytes) {
 #if TABLE_MMAP
     if (bytes >= HUGE_MIN) {
-        if (p) munmap(p, bytes);
+        if (p) {
+            if (bytes >= SPLIT_MIN) collapse_forget(p, bytes);
+            munmap(p, bytes);
+        }
         return;
     }
 #endif
@@ -912,6 +991,10 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
         memcpy(a + i * t->rs, r, t->rs);
     }
     t_free(t);
+#if TABLE_MMAP
+    /* Filled: a large table grown by stores goes into huge pages now (advise_huge). */
+    if (!in_arena && !t->small_first && bytes >= SPLIT_MIN) collapse_later(a, bytes);
+#endif
     t->a = a;
     t->cap = cap;
     t->shift = shift;
