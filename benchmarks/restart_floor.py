@@ -19,6 +19,10 @@ in one run:
   a load could use without fresh pages);
 - the floor: the index's bytes at the first-touch rate, beside case 3's 3 s target.
 
+``--growth`` instead grows a fresh index by stores to the same size and prints its longest
+store (where the shared table doubles: its fresh memory is faulted in there) and the build's
+time; run it in the trees to compare.
+
 Run: ``.venv/bin/python benchmarks/restart_floor.py [--ranks 1024] [--blocks 20000]``
 (about 3 min and 4 GB at the defaults; run it alone: other processes' memory changes what is
 fresh).
@@ -127,6 +131,31 @@ def child(path: str, ranks: int) -> None:
     }))  # fmt: skip
 
 
+def growth(ranks: int, blocks: int) -> None:
+    """A fresh index grown by stores to ``ranks`` x ``blocks`` (batches of 64 events of 16
+    blocks): the longest ``apply_payload``, which is where its shared table doubles and its
+    fresh memory is faulted in, and the whole build's time."""
+    index = PrefixIndex(BLOCK)
+    h, longest, at = 1, 0.0, 0
+    t0 = time.perf_counter()
+    for r in range(ranks):
+        tokens = np.arange(blocks * BLOCK, dtype=np.int64) + r * (blocks * BLOCK)
+        events: list[KVEvent] = []
+        for c in range(0, blocks, RUN):
+            n = min(RUN, blocks - c)
+            toks = tokens[c * BLOCK : (c + n) * BLOCK].tolist()
+            events.append(BlockStored(list(range(h, h + n)), None, toks, BLOCK))
+            h += n
+        for i in range(0, len(events), 64):
+            payload = encode_batch(KVEventBatch(ts=0.0, events=events[i : i + 64]))
+            t = time.perf_counter()
+            index.apply_payload("w", r, payload)
+            if time.perf_counter() - t > longest:
+                longest, at = time.perf_counter() - t, index.stats().blocks
+    print(f"grown by stores to {ranks} x {blocks:,} blocks in {time.perf_counter() - t0:.1f} s; "
+          f"the longest apply {longest * 1e3:.0f} ms (at {at:,} blocks)")  # fmt: skip
+
+
 def mapped_read(path: str) -> float:
     """Seconds to read every page of ``path`` through a read-only mapping (the file is in
     the page cache, just written): memory that needs no fresh page."""
@@ -143,10 +172,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--settle", type=float, default=10.0, help="idle seconds before a first touch")
     ap.add_argument("--target", type=float, default=3.0, help="seconds (case 3)")
+    ap.add_argument(
+        "--growth", action="store_true", help="only: the longest store while an index grows"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.ranks)
+        return
+    if args.growth:
+        growth(args.ranks, args.blocks)
         return
     with tempfile.TemporaryDirectory(prefix="kvwire-floor-") as tmp:
         path = os.path.join(tmp, "view.ckpt")
