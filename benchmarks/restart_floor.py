@@ -83,6 +83,19 @@ def first_touch(nbytes: int, threads: int, huge: bool = True) -> float:
     return seconds
 
 
+def rank_events(r: int, blocks: int) -> list[KVEvent]:
+    """Rank ``r``'s ``blocks`` blocks as content-chained runs of ``RUN``, hashes and tokens
+    of its own (every rank of a fleet holds as many)."""
+    tokens = np.arange(blocks * BLOCK, dtype=np.int64) + r * (blocks * BLOCK)
+    h = 1 + r * blocks
+    events: list[KVEvent] = []
+    for c in range(0, blocks, RUN):
+        n = min(RUN, blocks - c)
+        toks = tokens[c * BLOCK : (c + n) * BLOCK].tolist()
+        events.append(BlockStored(list(range(h + c, h + c + n)), None, toks, BLOCK))
+    return events
+
+
 def write_checkpoint(path: str, ranks: int, blocks: int) -> int:
     """A checkpoint of ``ranks`` views, each of ``blocks`` blocks in content-chained runs."""
     index = PrefixIndex(BLOCK)
@@ -91,22 +104,8 @@ def write_checkpoint(path: str, ranks: int, blocks: int) -> int:
     pieces = [
         enc.start_parts(Header(view_format=index.view_format(), created=time.time(), fleet=fleet))
     ]
-    h = 1
     for r in range(ranks):
-        tokens = np.arange(blocks * BLOCK, dtype=np.int64) + r * (blocks * BLOCK)
-        events: list[KVEvent] = []
-        for c in range(0, blocks, RUN):
-            n = min(RUN, blocks - c)
-            events.append(
-                BlockStored(
-                    block_hashes=list(range(h, h + n)),
-                    parent_block_hash=None,
-                    token_ids=tokens[c * BLOCK : (c + n) * BLOCK].tolist(),
-                    block_size=BLOCK,
-                )
-            )
-            h += n
-        payload = encode_batch(KVEventBatch(ts=time.time(), events=events))
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=rank_events(r, blocks)))
         index.apply_payload("w", r, payload)
         pos = StreamPosition(topic=b"", epoch=None, next_seq=1, anchor_seq=0, anchor=payload[:64])
         pieces.append(
@@ -136,22 +135,17 @@ def growth(ranks: int, blocks: int) -> None:
     blocks): the longest ``apply_payload``, which is where its shared table doubles and its
     fresh memory is faulted in, and the whole build's time."""
     index = PrefixIndex(BLOCK)
-    h, longest, at = 1, 0.0, 0
+    longest, at = 0.0, 0
     t0 = time.perf_counter()
     for r in range(ranks):
-        tokens = np.arange(blocks * BLOCK, dtype=np.int64) + r * (blocks * BLOCK)
-        events: list[KVEvent] = []
-        for c in range(0, blocks, RUN):
-            n = min(RUN, blocks - c)
-            toks = tokens[c * BLOCK : (c + n) * BLOCK].tolist()
-            events.append(BlockStored(list(range(h, h + n)), None, toks, BLOCK))
-            h += n
+        events = rank_events(r, blocks)
         for i in range(0, len(events), 64):
             payload = encode_batch(KVEventBatch(ts=0.0, events=events[i : i + 64]))
             t = time.perf_counter()
             index.apply_payload("w", r, payload)
-            if time.perf_counter() - t > longest:
-                longest, at = time.perf_counter() - t, index.stats().blocks
+            took = time.perf_counter() - t
+            if took > longest:
+                longest, at = took, index.stats().blocks
     print(f"grown by stores to {ranks} x {blocks:,} blocks in {time.perf_counter() - t0:.1f} s; "
           f"the longest apply {longest * 1e3:.0f} ms (at {at:,} blocks)")  # fmt: skip
 

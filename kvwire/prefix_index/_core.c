@@ -489,9 +489,12 @@ typedef struct {
     size_t bytes; /* of memory behind a (at least cap * rs) */
     Arena *arena; /* where its mid-sized arrays come from (below), or NULL */
     int in_arena; /* a is one */
-    int small_first; /* grown by an import: fresh memory faulted in with small pages first */
+    const int *small_first; /* its index's Arena.small_first (an import running), or NULL */
     size_t *acct; /* the index's running count of table bytes (arena chunks apart), or NULL */
 } Table;
+
+/* Whether the table's fresh memory is faulted in with small pages first (its index imports). */
+static inline int t_small_first(const Table *t) { return t->small_first && *t->small_first; }
 
 /* What a table adds to its index's memory: its array, unless an arena chunk
  * (counted whole) holds it. */
@@ -636,6 +639,10 @@ static void collapse_later(char *p, size_t bytes) {
     }
 }
 
+/* Whether a table of `bytes` is faulted in with small pages and collapsed
+ * once filled: a large one grown by stores (not by an import). */
+static int collapsed_later(size_t bytes, int small_first) { return !small_first && bytes >= SPLIT_MIN; }
+
 /* Before [p, p + bytes) is unmapped: a collapse of it stopped, its current
  * step (one huge page) finished. */
 static void collapse_forget(char *p, size_t bytes) {
@@ -650,9 +657,9 @@ static void collapse_forget(char *p, size_t bytes) {
 
 /* *bytes zeroed bytes, rounded up to whole huge pages for a presized table
  * of HUGE_MIN / 2 or more: a capacity hint asks for speed with memory up
- * front, and a random probe into it then misses the cache but not the TLB
- * (at most 1.6x that table's memory; rank tables of that size come from
- * the arena below instead). */
+ * front, and a random probe into it then misses the cache but, in huge
+ * pages (advise_huge), not the TLB (at most 1.6x that table's memory; rank
+ * tables of that size come from the arena below instead). */
 static void *table_alloc(size_t *bytes_io, int presized, int small_first) {
     size_t bytes = *bytes_io;
 #if TABLE_MMAP
@@ -660,7 +667,7 @@ static void *table_alloc(size_t *bytes_io, int presized, int small_first) {
     if (bytes >= HUGE_MIN) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
-        const int small = small_first || bytes >= SPLIT_MIN; /* (the latter collapsed later) */
+        const int small = small_first || collapsed_later(bytes, small_first);
         advise_huge(p, bytes, !small);
         populate(p, bytes);
         if (small) advise_huge(p, bytes, 1);
@@ -709,7 +716,8 @@ typedef struct {
 struct Arena {
     Chunk *c;
     size_t n, cap;
-    int small_first; /* an import's: fresh chunks faulted in with small pages first */
+    int small_first; /* set while its index imports: fresh memory, its chunks' and that of the
+                      * tables pointing at it, faulted in with small pages first */
 };
 
 #if TABLE_MMAP
@@ -866,7 +874,7 @@ static void *t_alloc(Table *t, size_t *bytes, int presized, int *in_arena) {
         return p;
     }
 #endif
-    return table_alloc(bytes, presized, t->small_first);
+    return table_alloc(bytes, presized, t_small_first(t));
 }
 
 static void t_free(Table *t) {
@@ -993,7 +1001,7 @@ __attribute__((always_inline)) static inline int rehash_as(Table *t, size_t cap,
     t_free(t);
 #if TABLE_MMAP
     /* Filled: a large table grown by stores goes into huge pages now (advise_huge). */
-    if (!in_arena && !t->small_first && bytes >= SPLIT_MIN) collapse_later(a, bytes);
+    if (collapsed_later(bytes, t_small_first(t))) collapse_later(a, bytes);
 #endif
     t->a = a;
     t->cap = cap;
@@ -1247,6 +1255,7 @@ static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     self->nodes.homed = 1;
     self->pool.rw = 2;
     self->nodes.acct = &self->mem;
+    self->nodes.small_first = &self->arena.small_first;
     return (PyObject *)self;
 }
 
@@ -2313,7 +2322,6 @@ static int insert_sorted(Index *self, const Ins *in, Ins *sorted, size_t n, size
 static void install_view(Index *self, ViewIn *vi) {
     Rank *rk = &self->ranks[vi->sid];
     rk->entries = vi->im.e;
-    rk->entries.small_first = 0; /* grown by stores from now on */
     rk->multi = vi->im.m;
     vi->im.e.a = vi->im.m.a = NULL; /* the rank's now */
     vi->im.e.cap = vi->im.m.cap = 0;
@@ -2366,7 +2374,7 @@ static int import_views(Index *self, ViewIn *vs, size_t nv, int *flags, Py_ssize
 #endif
     /* Until the end, the fresh memory this import grows into (its rank tables, and the
      * shared table) is faulted in with small pages first (advise_huge). */
-    self->arena.small_first = self->nodes.small_first = 1;
+    self->arena.small_first = 1;
     for (size_t i = 0; i < nv; i++) {
         *bad = (Py_ssize_t)i;
         if (view_tables(vs[i].recs, vs[i].n, &vs[i].im) < 0) goto done;
@@ -2428,7 +2436,7 @@ restore:
     nodes->floor = floor;
     t_settle(nodes, node_occ); /* as the drops would have left it */
 done:
-    self->arena.small_first = self->nodes.small_first = 0;
+    self->arena.small_first = 0;
 #if TABLE_MMAP
     ahead_end(&self->arena, &ahead);
 #endif
@@ -2474,7 +2482,8 @@ static PyObject *Index_import_ranks(Index *self, PyObject *const *args, Py_ssize
     for (Py_ssize_t i = 0; i < nv; i++) {
         ViewIn *vi = &vs[i];
         vi->im = (Import){
-            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem, .small_first = 1},
+            .e = {.rs = sizeof(Entry), .arena = &self->arena, .acct = &self->mem,
+                  .small_first = &self->arena.small_first},
             .k = {.rs = sizeof(KeyRec)},
             .m = {.rs = sizeof(Multi), .acct = &self->mem},
         };
