@@ -449,10 +449,12 @@ class Fleet:
         buffer: int,
         preload_runs: int,
         tag: str,
+        taken: set[int],
     ) -> None:
+        """``taken``: the ports the run has handed out (its other fleets', its routers'
+        endpoints); this fleet's are added."""
         self.kind = kind
         self.ranks_per_engine = ranks_per_engine
-        taken: set[int] = set()
         self.layout: list[list[list[Any]]] = []
         index = 0
         for _ in range(procs):
@@ -480,6 +482,11 @@ class Fleet:
             child = Child(f"{tag} engines {p}")
             child.spawn([sys.executable, __file__, "--engine-child", json.dumps(spec)], LOG.file)
             self.children.append(child)
+        try:  # each child answers once its sockets are bound; one that failed says so here
+            self.counters()
+        except Exception:
+            self.close()
+            raise
 
     @property
     def ranks(self) -> int:
@@ -1002,6 +1009,7 @@ class Bench:
             buffer=a.buffer,
             preload_runs=a.preload_runs,
             tag=tag,
+            taken=self.taken,
         )
         return fleet
 
@@ -1311,6 +1319,7 @@ class Bench:
             buffer=a.case6_buffer,
             preload_runs=1,
             tag="big",
+            taken=self.taken,
         )
         try:
             held = fleet.preload()

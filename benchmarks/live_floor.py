@@ -77,7 +77,7 @@ def main() -> None:
     LOG.file = open(tmp / "children.log", "w")  # noqa: SIM115 (open for the whole run)
     fleet = Fleet(
         "kvwire", args.engines, 1, args.ranks_per_engine, args,
-        blocks=0, buffer=64, preload_runs=1, tag="kv",
+        blocks=0, buffer=64, preload_runs=1, tag="kv", taken=set(),
     )  # fmt: skip
     print(
         f"live floor: {fleet.ranks} ranks ({args.engines} processes x {args.ranks_per_engine}), "
