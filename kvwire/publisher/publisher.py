@@ -47,6 +47,10 @@ other hosts must be asked for explicitly (e.g. ``tcp://*:5557``)."""
 
 _DEFAULTS = PublisherConfig()
 _LOG_INTERVAL_S = 10.0
+_PROBLEMS = RateLimitedLog(log, _LOG_INTERVAL_S)
+"""The process's publishers share one: a router going away from many ranks at once (a
+process serving several ranks) is one line a kind, naming the ranks, not a line a rank."""
+_PROBLEMS_LOCK = threading.Lock()  # noted by every publisher's sender and service threads
 _MIRROR_EVERY_S = 0.08  # the service thread applies the mirror feed at most this often
 _WAIT_FIRST_S = 0.002
 _WAIT_MAX_S = 0.25
@@ -234,8 +238,6 @@ class EventPublisher:
         self._lifecycle = threading.Lock()
         self._replay: ReplayServer | None = None
         self._mirror_in_hand = 0  # taken from the feed, being applied
-        self._problems = RateLimitedLog(log, _LOG_INTERVAL_S)
-        self._problems_lock = threading.Lock()  # noted by the sender and service threads
         self._next_log = 0.0
         self._logged_queue_full = 0
         self._logged_send_error = 0
@@ -566,8 +568,8 @@ class EventPublisher:
     # --- bounded-rate logging ------------------------------------------------------
 
     def _note_error(self, kind: str, message: str) -> None:
-        with self._problems_lock:
-            self._problems.note(kind, message, f"rank {self.rank}")
+        with _PROBLEMS_LOCK:
+            _PROBLEMS.note(kind, message, f"rank {self.rank}")
 
     def _maybe_log(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -595,5 +597,5 @@ class EventPublisher:
                 "send", f"{failed - self._logged_send_error} batches not sent (libzmq refused them)"
             )
             self._logged_send_error = failed
-        with self._problems_lock:
-            self._problems.flush(force)
+        with _PROBLEMS_LOCK:
+            _PROBLEMS.flush(force)

@@ -15,6 +15,8 @@ import pytest
 import zmq
 
 from kvwire.publisher import DEFAULT_ENDPOINT, EventPublisher, PublisherConfig
+from kvwire.publisher import publisher as publisher_module
+from kvwire.ratelog import RateLimitedLog
 from kvwire.security import is_loopback
 from kvwire.wire import (
     END_SEQ,
@@ -459,22 +461,36 @@ def test_publish_stays_fast_while_the_only_subscriber_is_stalled(
 
 
 def test_encode_errors_are_counted_and_leave_a_gap(
-    ipc_dir: str, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+    ipc_dir: str,
+    zctx: zmq.Context[Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The process's publishers share one rate-limited log (a fresh one here: no other
+    # test's notes in it).
+    monkeypatch.setattr(publisher_module, "_PROBLEMS", RateLimitedLog(publisher_module.log, 10.0))
     logs = caplog.at_level(logging.WARNING, logger="kvwire.publisher.publisher")
-    with logs, EventPublisher(f"ipc://{ipc_dir}/p", config=PublisherConfig(heartbeat_s=None)) as pub:
-        sub, first = connect_sub(zctx, pub)
+    quiet = PublisherConfig(heartbeat_s=None)
+    with (
+        logs,
+        EventPublisher(f"ipc://{ipc_dir}/p0", config=quiet, rank=0) as pub0,
+        EventPublisher(f"ipc://{ipc_dir}/p1", config=quiet, rank=1) as pub1,
+    ):
+        sub, first = connect_sub(zctx, pub0)
         for _ in range(3):
-            pub.publish(FailingBatch())
-        pub.publish(batch(1))
+            pub0.publish(FailingBatch())
+        pub0.publish(batch(1))
         assert recv_live(sub).seq == first + 3
-        assert pub.stats().dropped_encode_error == 3
-    # The first is logged at once, the repeats in one line (at the latest on close).
+        assert pub0.stats().dropped_encode_error == 3
+        pub1.publish(FailingBatch())
+        wait_for(lambda: pub1.stats().dropped_encode_error == 1, what="rank 1's failed encode")
+    # The first is logged at once; the repeats, the other rank's too, in one line (at the
+    # latest on close).
     lines = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
     assert lines == [
         "rank 0: a batch could not be encoded: cannot encode this",
         "a batch could not be encoded: cannot encode this "
-        "(2 times since the last report, from 1: rank 0)",
+        "(3 times since the last report, from 2: rank 0, rank 1)",
     ]
 
 
