@@ -17,6 +17,11 @@ in one run:
   ``PrefixIndex``: wall time, user and system CPU, the index's bytes;
 - the checkpoint file read through a read-only mapping (its pages are in the page cache: memory
   a load could use without fresh pages);
+- with ``--beside kvwire,stock``, the loads again beside ``fleet_lifecycle``'s engines of
+  that kind, running (its cases 3 and 4 share the host with them);
+- the index's bytes read from a file into fresh memory and CRC-checked: what a load would
+  cost if the checkpoint held the tables in their memory layout (a format kvwire does not
+  have), the floor of that design;
 - the floor: the index's bytes at the first-touch rate, beside case 3's 3 s target.
 
 ``--growth`` instead grows a fresh index by stores to the same size and prints its longest
@@ -40,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,6 +156,75 @@ def growth(ranks: int, blocks: int) -> None:
           f"the longest apply {longest * 1e3:.0f} ms (at {at:,} blocks)")  # fmt: skip
 
 
+def image_load(nbytes: int, directory: str) -> tuple[float, float]:
+    """What a load of the index's tables in their memory layout would cost, a design that
+    skips the import's work: ``nbytes`` read from a file in the page cache into fresh
+    memory (small pages, as an import's), and checked with the checkpoint's CRC. Seconds
+    for each."""
+    path = os.path.join(directory, "image")
+    chunk = np.random.default_rng(0).integers(0, 256, 1 << 24, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        for _ in range(0, nbytes, len(chunk)):
+            f.write(chunk)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            t = time.perf_counter()
+            done = 0
+            view = memoryview(region)
+            while done < nbytes:
+                got = f.readinto(view[done:])
+                if not got:
+                    break
+                done += got
+            read = time.perf_counter() - t
+            t = time.perf_counter()
+            zlib.crc32(view)
+            crc = time.perf_counter() - t
+            view.release()
+    finally:
+        region.close()
+        os.unlink(path)
+    return read, crc
+
+
+def load(path: str, ranks: int, where: str) -> dict[str, float]:
+    """The checkpoint loaded by a fresh process (the child), printed and returned."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", path, "--ranks", str(ranks)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    x: dict[str, float] = json.loads(out.stdout)
+    print(f"load in a fresh process{where}: {x['wall']:.2f} s wall, user {x['user']:.2f} s, "
+          f"system {x['sys']:.2f} s, index {x['bytes'] / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    return x
+
+
+def beside(kind: str, path: str, args: argparse.Namespace, tmp: str) -> None:
+    """The loads again beside a fleet of ``fleet_lifecycle``'s engines of ``kind`` (8
+    engines of ``--ranks`` / 8 ranks holding ``--blocks`` blocks, traffic running), as in
+    its cases 3 and 4, where the engines share this host with the router."""
+    import fleet_lifecycle as fl
+
+    fl.LOG.file = open(os.path.join(tmp, f"{kind}.log"), "w")  # noqa: SIM115 (the fleet's)
+    opts = argparse.Namespace(run=RUN, pending=False, rate=1.0)
+    procs, per = (8, 1) if kind == "kvwire" else (1, 8)
+    fleet = fl.Fleet(
+        kind, procs, per, args.ranks // 8, opts, blocks=args.blocks, buffer=64,
+        preload_runs=10, tag=kind[:2], taken=set(),
+    )  # fmt: skip
+    try:
+        fleet.preload()
+        fleet.ask_all("run")
+        for _ in range(args.repeats):
+            time.sleep(3)
+            load(path, args.ranks, f" beside the {kind} fleet")
+    finally:
+        fleet.close()
+        fl.LOG.file.close()
+
+
 def mapped_read(path: str) -> float:
     """Seconds to read every page of ``path`` through a read-only mapping (the file is in
     the page cache, just written): memory that needs no fresh page."""
@@ -169,6 +244,12 @@ def main() -> None:
     ap.add_argument(
         "--growth", action="store_true", help="only: the longest store while an index grows"
     )
+    ap.add_argument(
+        "--beside",
+        type=lambda v: [k for k in v.split(",") if k],
+        default=[],
+        help="also load beside a running fleet_lifecycle fleet of these kinds: kvwire,stock",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -183,19 +264,18 @@ def main() -> None:
         size = write_checkpoint(path, args.ranks, args.blocks)
         print(f"checkpoint: {args.ranks} ranks x {args.blocks:,} blocks, {size / 2**20:.0f} MiB "
               f"(built in {time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
-        loads: list[dict[str, float]] = []
-        for _ in range(args.repeats):
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", path, "--ranks", str(args.ranks)],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
-            x = json.loads(out.stdout)
-            loads.append(x)
-            print(f"load in a fresh process: {x['wall']:.2f} s wall, user {x['user']:.2f} s, "
-                  f"system {x['sys']:.2f} s, index {x['bytes'] / 2**20:.0f} MiB", flush=True)  # fmt: skip
+        loads = [load(path, args.ranks, "") for _ in range(args.repeats)]
+        for kind in args.beside:
+            beside(kind, path, args, tmp)
         mapped = size / min(mapped_read(path) for _ in range(args.repeats))
+        nbytes = int(loads[-1]["bytes"])
+        images = [image_load(nbytes, tmp) for _ in range(args.repeats)]
     print(f"the checkpoint read through a read-only mapping: {mapped / 1e9:.2f} GB/s")
-    nbytes = int(loads[-1]["bytes"])
+    print(
+        f"the index's {nbytes / 2**20:.0f} MiB as table images (not a format kvwire has): "
+        "read into fresh memory " + " / ".join(f"{r:.2f}" for r, _ in images) + " s, their CRC "
+        + " / ".join(f"{c:.2f}" for _, c in images) + " s"
+    )  # fmt: skip
     rates: dict[str, list[float]] = {
         "small pages, one thread": [],
         "huge pages, one thread": [],
