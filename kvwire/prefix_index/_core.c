@@ -581,6 +581,13 @@ static void populate(void *p, size_t bytes) {
     pthread_join(th, NULL);
 }
 
+/* Fault in fresh memory mapped with advise_huge(p, bytes, !small_first): where
+ * small_first, in small pages, then advised for huge ones. */
+static void fault_in(void *p, size_t bytes, int small_first) {
+    populate(p, bytes);
+    if (small_first) advise_huge(p, bytes, 1);
+}
+
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25 /* Linux >= 6.1; refused (EINVAL) by an older kernel */
 #endif
@@ -669,8 +676,7 @@ static void *table_alloc(size_t *bytes_io, int presized, int small_first) {
         if (p == MAP_FAILED) return NULL;
         const int small = small_first || collapsed_later(bytes, small_first);
         advise_huge(p, bytes, !small);
-        populate(p, bytes);
-        if (small) advise_huge(p, bytes, 1);
+        fault_in(p, bytes, small);
         return p;
     }
     void *p = PyMem_Calloc(1, bytes);
@@ -686,7 +692,7 @@ static void table_free(void *p, size_t bytes) {
 #if TABLE_MMAP
     if (bytes >= HUGE_MIN) {
         if (p) {
-            if (bytes >= SPLIT_MIN) collapse_forget(p, bytes);
+            collapse_forget(p, bytes);
             munmap(p, bytes);
         }
         return;
@@ -771,8 +777,7 @@ static void *arena_alloc(Arena *ar, size_t size) {
     if (arena_room(ar, 1) < 0) return NULL;
     char *base = map_huge(HUGE_MIN, ar->small_first);
     if (!base) return NULL;
-    populate(base, HUGE_MIN);
-    if (ar->small_first) advise_huge(base, HUGE_MIN, 1);
+    fault_in(base, HUGE_MIN, ar->small_first);
     ar->c[ar->n++] = (Chunk){base, 1, 1, size};
     return base;
 }
@@ -808,10 +813,7 @@ typedef struct {
 
 static void *ahead_run(void *arg) {
     const Ahead *a = arg;
-    for (size_t off = a->bytes; off > 0; off -= HUGE_MIN) {
-        populate_range(a->base + off - HUGE_MIN, HUGE_MIN);
-        advise_huge(a->base + off - HUGE_MIN, HUGE_MIN, 1);
-    }
+    for (size_t off = a->bytes; off > 0; off -= HUGE_MIN) fault_in(a->base + off - HUGE_MIN, HUGE_MIN, 1);
     return NULL;
 }
 
